@@ -54,3 +54,7 @@ demo: venv tools prometheus
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# docs/architecture.svg is drawn by a command, not by hand.
+diagram: venv
+	$(PY) hack/diagram.py docs/architecture.svg
