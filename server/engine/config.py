@@ -1,0 +1,43 @@
+"""Engine construction settings (fixed for the life of an engine; the scheduler knobs live in
+metronome.server.config.SchedulerConfig and can change at runtime)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from metronome.server.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # load_model spec; None = default SmolLM2
+    dtype: str = "auto"
+    device: str = "auto"  # auto -> cuda if available else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None -> sized from memory (see kv_cache.num_blocks_for_budget)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float = 1.0  # cpu default budget
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None -> model's max positions
+    max_waiting: int = 1024  # waiting queue bound: beyond it add_request raises EngineOverloadedError
+    attention_backend: str = "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    watermark: float = 0.01  # fraction of KV blocks kept free at admission so running decodes can grow
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}", param="block_size")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise InvalidRequestError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}", param="num_kv_blocks")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization")
+        if self.kv_cache_memory_gb <= 0:
+            raise InvalidRequestError("kv_cache_memory_gb must be > 0", param="kv_cache_memory_gb")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidRequestError("max_model_len must be >= 1", param="max_model_len")
+        if self.max_waiting < 0:
+            raise InvalidRequestError("max_waiting must be >= 0", param="max_waiting")
+        if not 0.0 <= self.watermark < 1.0:
+            raise InvalidRequestError("watermark must be in [0, 1)", param="watermark")
+        if self.tensor_parallel_size != 1:
+            raise InvalidRequestError("tensor_parallel_size > 1 is not supported", param="tensor_parallel_size")

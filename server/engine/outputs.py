@@ -1,0 +1,62 @@
+"""What the engine hands out: per-token events, per-step stats (metrics source) and snapshots."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from metronome.server.config import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One per generated token, in order, per request (plus one token-less event for an abort)."""
+
+    request_id: str
+    token_id: int  # -1 on an abort event, which carries no token
+    text: str  # detokenized delta ("" while a multi-byte char is incomplete or a stop string may be forming)
+    index: int  # 0-based position in the output
+    time: float  # time.monotonic() when the token was emitted
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    prompt_tokens: int
+    completion_tokens: int  # tokens generated so far including this one
+
+
+@dataclass
+class StepStats:
+    """Produced by every engine step and handed to observers (metrics)."""
+
+    duration_s: float = 0.0
+    scheduler_overhead_s: float = 0.0  # host time: schedule + prepare inputs + postprocess, not model forward
+    num_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_seqs: int = 0
+    new_prompt_tokens: int = 0  # prompt tokens computed this step (recomputation after preemption excluded)
+    generated_tokens: int = 0
+    token_gaps_s: list[float] = field(default_factory=list)  # TBT of every token whose request already had one
+    first_token_latencies_s: list[float] = field(default_factory=list)  # arrival -> first token
+    finished_e2e_s: list[float] = field(default_factory=list)  # arrival -> finish
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's state."""
+
+    num_running: int
+    num_waiting: dict[str, int]  # per queue name: "fcfs" | "short" | "long" | "sjf"
+    kv_usage_ratio: float
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_leaked: int
+    preemptions_total: int
+    scheduler: SchedulerConfig
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None

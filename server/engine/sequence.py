@@ -1,0 +1,99 @@
+"""One request as the engine sees it: its tokens, how many of them have KV in the cache, and its blocks."""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any
+
+from metronome.server.engine.sampling import SamplingParams
+
+_admission_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # in a queue, no KV blocks
+    RUNNING = "running"  # admitted: owns blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token state of one request.
+
+    `token_ids` = prompt + generated tokens. `num_computed_tokens` of them have their KV in the cache; a step
+    computes the next `n` of them, and when that reaches the end of `token_ids` the model samples a new token.
+    After preemption (recompute) the sequence prefills prompt + generated tokens again.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+                 order: int):
+        self.request_id = request_id
+        self.params = params
+        self.arrival_time = arrival_time
+        self.order = order  # arrival order (ties and FCFS), stable across preemption and reconfigure
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.prefill_target = self.num_prompt_tokens  # tokens to prefill since (re)admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
+        self.num_cached_tokens = 0  # prefix-cache hit at the last admission
+        self.admitted_at = -1  # admission counter: larger = newer (preemption victims are the newest)
+        self.lane: str | None = None  # the scheduler queue/lane this sequence belongs to
+        self.finish_reason: str | None = None
+        # Output bookkeeping, owned by the engine.
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.generator: Any = None  # torch.Generator for seeded requests
+        self.detokenizer: Any = None
+        self.output_text = ""  # detokenized output (stop string trimmed)
+        self.emitted_text_len = 0  # chars of output_text already sent in events
+        self.num_preemptions = 0
+
+    # --- token views -------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Still computing the tokens it had when (re)admitted; otherwise it is decoding one token per step."""
+        return self.num_computed_tokens < self.prefill_target
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    # --- transitions ---------------------------------------------------------------------------------------
+    def mark_admitted(self) -> None:
+        self.status = SequenceStatus.RUNNING
+        self.prefill_target = len(self.token_ids)
+        self.admitted_at = next(_admission_counter)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its blocks were freed; it will prefill prompt + generated tokens again."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.block_hashes = []
+        self.num_preemptions += 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"status={self.status.value}, blocks={len(self.block_table)})")
