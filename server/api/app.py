@@ -1,0 +1,133 @@
+"""The FastAPI app: OpenAI-compatible routes plus health, readiness, metrics and the effective config.
+
+`create_app(engine, state)` owns the engine's lifetime through the ASGI lifespan: it starts the engine and the
+config watcher, marks the server ready, and shuts both down on exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from metronome.server.api.chat_template import render_chat_prompt
+from metronome.server.api.generation import run_request
+from metronome.server.api.http_errors import error_response, install_error_handlers
+from metronome.server.api.metrics import CONTENT_TYPE
+from metronome.server.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    now_unix,
+)
+from metronome.server.api.responses import ChatShaper, CompletionShaper
+from metronome.server.api.state import ServerState
+from metronome.server.engine.sampling import SamplingParams
+from metronome.server.errors import EngineDrainingError, InvalidRequestError, ModelNotFoundError
+
+log = logging.getLogger("metronome.api")
+
+
+def sampling_params(body, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=body.stop_strings(),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def create_app(engine, state: ServerState) -> FastAPI:
+    metrics = state.metrics
+    lifecycle = state.lifecycle
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        watch_task = asyncio.create_task(state.watcher.run()) if state.watcher is not None else None
+        lifecycle.ready = True
+        try:
+            yield
+        finally:
+            lifecycle.ready = False
+            if watch_task is not None:
+                watch_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch_task
+            await engine.shutdown()
+
+    app = FastAPI(title="Metronome", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app, on_reject=metrics.on_rejected)
+
+    def admit(body) -> None:
+        """Checks before the engine sees the request; counted here because the engine never will."""
+        if not lifecycle.accepting:
+            raise EngineDrainingError("the server is shutting down and takes no new requests"
+                                      if lifecycle.draining else "the server is not ready yet")
+        if body.model is not None and body.model != state.served_model_name:
+            raise ModelNotFoundError(
+                f"model {body.model!r} is not served here; this server serves {state.served_model_name!r}")
+        try:
+            body.check_supported()
+        except InvalidRequestError:
+            metrics.on_rejected("invalid")
+            raise
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        admit(body)
+        prompt = body.single_prompt()
+        params = sampling_params(body, max_tokens=body.max_tokens if body.max_tokens is not None else 16)
+        shaper = CompletionShaper(state.served_model_name)
+        return await run_request(engine, lifecycle, request, prompt, params, shaper, body.stream,
+                                 body.include_usage_in_stream())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        admit(body)
+        try:
+            prompt = render_chat_prompt(engine.tokenizer, body.template_messages(), body.add_generation_prompt)
+        except InvalidRequestError:
+            metrics.on_rejected("invalid")
+            raise
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:  # OpenAI's default: as much as the context allows
+            max_tokens = max(engine.max_model_len - len(prompt), 1)
+        params = sampling_params(body, max_tokens=max_tokens)
+        shaper = ChatShaper(state.served_model_name)
+        return await run_request(engine, lifecycle, request, prompt, params, shaper, body.stream,
+                                 body.include_usage_in_stream())
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = ModelCard(id=state.served_model_name, created=now_unix(), max_model_len=engine.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if lifecycle.accepting:
+            return {"status": "ready"}
+        reason = "draining" if lifecycle.draining else "starting"
+        return error_response(503, f"not ready: {reason}", code=reason)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        metrics.refresh(engine.stats())
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/config")
+    async def config() -> JSONResponse:
+        return JSONResponse(state.config.as_json())
+
+    return app

@@ -1,0 +1,97 @@
+"""OpenAI-shaped error responses and the exception → status mapping.
+
+Bad input is always a 4xx with a message naming the field; only a bug in the server is a 500.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from metronome.server.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError, ModelNotFoundError
+
+log = logging.getLogger("metronome.api")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _TYPE_BY_STATUS.get(status, "server_error"), "param": param,
+                      "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def describe_validation_error(exc: RequestValidationError, limit: int = 3) -> tuple[str, str | None]:
+    """A short message naming the fields at fault, and the first field as `param`."""
+    parts: list[str] = []
+    first_param: str | None = None
+    for item in exc.errors():
+        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "body"
+        if first_param is None:
+            first_param = where
+        part = f"{where}: {item.get('msg', 'invalid')}"
+        if part not in parts:
+            parts.append(part)
+    shown = "; ".join(parts[:limit])
+    if len(parts) > limit:
+        shown += f"; and {len(parts) - limit} more"
+    return shown or "invalid request body", first_param
+
+
+def retry_after_header(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))
+
+
+class ModelNameMismatch(ModelNotFoundError):
+    """The request names a model this server does not serve."""
+
+
+def install_error_handlers(app: FastAPI, on_reject=lambda reason: None) -> None:
+    """`on_reject(reason)` counts API-level rejections the engine never saw."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_error(exc)
+        on_reject("invalid")
+        return error_response(400, message, param=param, code="invalid_value")
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, str(exc), param=exc.param, code="invalid_value")
+
+    @app.exception_handler(ModelNotFoundError)
+    async def _model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+        on_reject("invalid")
+        return error_response(404, str(exc), param="model", code="model_not_found")
+
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
+        return error_response(429, str(exc), code="overloaded",
+                              headers={"Retry-After": retry_after_header(exc.retry_after_seconds)})
+
+    @app.exception_handler(EngineDrainingError)
+    async def _draining(request: Request, exc: EngineDrainingError) -> JSONResponse:
+        on_reject("draining")
+        return error_response(503, str(exc), code="draining", headers={"Connection": "close", "Retry-After": "1"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,126 @@
+"""Prometheus metrics of one server: exactly the names, labels and buckets of server/metric_names.py.
+
+`ServerMetrics` is an EngineObserver: the engine thread calls `on_step` after every step and `on_rejected` when
+it turns a request away (prometheus-client is thread-safe). Gauges that describe engine state are also refreshed
+from an `EngineStats` snapshot at scrape time, so an idle engine still reports its current KV usage. The
+config gauges (chunk size, queue policy, generation) are set by the config path, from the config that was
+applied, so they never flip back to an older value reported by a step that was already in flight.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from metronome.server import metric_names as names
+from metronome.server.config import QueuePolicy, SchedulerConfig
+
+KNOWN_QUEUES = ("fcfs", "short", "long", "sjf")
+KNOWN_REJECT_REASONS = ("overload", "invalid", "draining")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """One registry per server; every series carries `model`."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        model = [names.MODEL_LABEL]
+        reg = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, model, buckets=buckets, registry=reg)
+
+        self.tbt = histogram(names.TIME_BETWEEN_TOKENS, "Time between consecutive tokens of a request.",
+                             names.TBT_BUCKETS)
+        self.ttft = histogram(names.TIME_TO_FIRST_TOKEN, "Arrival to first token.", names.TTFT_BUCKETS)
+        self.e2e = histogram(names.REQUEST_E2E, "Arrival to finish.", names.E2E_BUCKETS)
+        self.step_duration = histogram(names.STEP_DURATION, "Wall time of one engine step.", names.STEP_BUCKETS)
+        self.step_tokens = histogram(names.STEP_TOKENS, "Tokens computed in one engine step.",
+                                     tuple(float(b) for b in names.STEP_TOKEN_BUCKETS))
+        self.scheduler_overhead = histogram(names.SCHEDULER_OVERHEAD, "Host time per step outside the forward pass.",
+                                            names.OVERHEAD_BUCKETS)
+
+        self.prompt_tokens = Counter(names.PROMPT_TOKENS, "Prompt tokens computed.", model, registry=reg)
+        self.generation_tokens = Counter(names.GENERATION_TOKENS, "Tokens generated.", model, registry=reg)
+        self.preemptions = Counter(names.PREEMPTIONS, "Sequences preempted (recomputed).", model, registry=reg)
+        self.rejected = Counter(names.REQUESTS_REJECTED, "Requests turned away, by reason.", model + ["reason"],
+                                registry=reg)
+        self.reload_errors = Counter(names.CONFIG_RELOAD_ERRORS, "Config files that failed to load.", model,
+                                     registry=reg)
+
+        self.running = Gauge(names.REQUESTS_RUNNING, "Requests running.", model, registry=reg)
+        self.waiting = Gauge(names.REQUESTS_WAITING, "Requests waiting, by queue.", model + ["queue"], registry=reg)
+        self.kv_usage = Gauge(names.KV_CACHE_USAGE, "Fraction of KV blocks in use.", model, registry=reg)
+        self.kv_leaked = Gauge(names.KV_BLOCKS_LEAKED, "KV blocks held by no live sequence.", model, registry=reg)
+        self.chunk_size = Gauge(names.CHUNK_SIZE, "Effective chunk size (prefill tokens per step).", model,
+                                registry=reg)
+        self.queue_policy = Gauge(names.QUEUE_POLICY_INFO, "1 for the effective queue policy.", model + ["policy"],
+                                  registry=reg)
+        self.generation = Gauge(names.CONFIG_GENERATION, "Generation of the applied config file.", model,
+                                registry=reg)
+
+        # Create every labelled child up front so that each name is exported before its first event.
+        for metric in (self.tbt, self.ttft, self.e2e, self.step_duration, self.step_tokens, self.scheduler_overhead,
+                       self.prompt_tokens, self.generation_tokens, self.preemptions, self.reload_errors,
+                       self.running, self.kv_usage, self.kv_leaked, self.chunk_size, self.generation):
+            metric.labels(model_name)
+        for queue in KNOWN_QUEUES:
+            self.waiting.labels(model_name, queue)
+        for reason in KNOWN_REJECT_REASONS:
+            self.rejected.labels(model_name, reason)
+        for policy in QueuePolicy:
+            self.queue_policy.labels(model_name, policy.value)
+
+    # ------------------------------------------------------------------ EngineObserver (engine thread)
+
+    def on_step(self, step, stats) -> None:
+        m = self.model_name
+        tbt = self.tbt.labels(m)
+        for gap in step.token_gaps_s:
+            tbt.observe(gap)
+        ttft = self.ttft.labels(m)
+        for latency in step.first_token_latencies_s:
+            ttft.observe(latency)
+        e2e = self.e2e.labels(m)
+        for latency in step.finished_e2e_s:
+            e2e.observe(latency)
+        if step.num_tokens > 0:
+            self.step_duration.labels(m).observe(step.duration_s)
+            self.step_tokens.labels(m).observe(step.num_tokens)
+            self.scheduler_overhead.labels(m).observe(step.scheduler_overhead_s)
+        if step.new_prompt_tokens:
+            self.prompt_tokens.labels(m).inc(step.new_prompt_tokens)
+        if step.generated_tokens:
+            self.generation_tokens.labels(m).inc(step.generated_tokens)
+        if step.num_preemptions:
+            self.preemptions.labels(m).inc(step.num_preemptions)
+        self.refresh(stats)
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    # ------------------------------------------------------------------ state
+
+    def refresh(self, stats) -> None:
+        """Set the engine-state gauges from a snapshot."""
+        m = self.model_name
+        self.running.labels(m).set(stats.num_running)
+        for queue in set(KNOWN_QUEUES) | set(stats.num_waiting):
+            self.waiting.labels(m, queue).set(stats.num_waiting.get(queue, 0))
+        self.kv_usage.labels(m).set(stats.kv_usage_ratio)
+        self.kv_leaked.labels(m).set(stats.kv_blocks_leaked)
+
+    def set_config(self, scheduler: SchedulerConfig, generation: int) -> None:
+        m = self.model_name
+        self.chunk_size.labels(m).set(scheduler.chunk_size)
+        current = QueuePolicy(scheduler.queue_policy).value
+        for policy in QueuePolicy:
+            self.queue_policy.labels(m, policy.value).set(1 if policy.value == current else 0)
+        self.generation.labels(m).set(generation)
+
+    def count_reload_error(self) -> None:
+        self.reload_errors.labels(self.model_name).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
