@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 HACK_DIR = Path(__file__).resolve().parent.parent / "hack"
+if str(HACK_DIR) not in sys.path:
+    sys.path.insert(0, str(HACK_DIR))  # tests import `localcluster` (hack/localcluster) by name
 
 
 def _localcluster():
-    """Imported lazily so that unit-test-only runs never touch the cluster code."""
-    if str(HACK_DIR) not in sys.path:
-        sys.path.insert(0, str(HACK_DIR))
+    """Imported lazily so that unit-test-only runs never load the cluster code."""
     import localcluster
     import localcluster.session
 
