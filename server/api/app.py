@@ -128,6 +128,10 @@ def create_app(engine, state: ServerState) -> FastAPI:
 
     @app.get("/v1/config")
     async def config() -> JSONResponse:
-        return JSONResponse(state.config.as_json())
+        # `scheduler` is the config handed to the engine; `engine_scheduler` what the engine reports running
+        # (they differ only until the next step boundary).
+        body = state.config.as_json()
+        body["engine_scheduler"] = engine.stats().scheduler.snake_dict()
+        return JSONResponse(body)
 
     return app

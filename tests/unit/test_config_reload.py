@@ -1,0 +1,153 @@
+"""Config reload: content polling through Kubernetes' `..data` symlink swap, merge over flags, bad files."""
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from api_helpers import ServerThread, build_server_parts, k8s_config_dir, k8s_swap, metric, scrape, wait_until
+from metronome.server.api.config_watch import ConfigStatus, ConfigWatcher
+from metronome.server.api.metrics import ServerMetrics
+from metronome.server.config import ConfigError, SchedulerConfig
+from metronome.server import metric_names as names
+
+GOOD = "generation: 1\nscheduler:\n  chunk_size: 512\n  queue_policy: split\n"
+
+
+def make_watcher(path, base=None):
+    base = base or SchedulerConfig(chunk_size=256, max_num_seqs=64)
+    applied: list[SchedulerConfig] = []
+    metrics = ServerMetrics("m")
+    status = ConfigStatus(config_file=str(path), generation=0, scheduler=base)
+    watcher = ConfigWatcher(str(path), base, status, apply=applied.append, on_applied=metrics.set_config,
+                            on_error=metrics.count_reload_error)
+    return watcher, applied, metrics
+
+
+def gauge(metrics: ServerMetrics, name: str, **labels) -> float:
+    value = metrics.registry.get_sample_value(name, {"model": "m", **labels})
+    assert value is not None, name
+    return value
+
+
+def test_kubernetes_symlink_swap_is_picked_up(tmp_path):
+    path = k8s_config_dir(tmp_path / "vol", GOOD)
+    watcher, applied, metrics = make_watcher(path)
+    assert watcher.load_initial().chunk_size == 512
+    assert not watcher.poll_once()  # unchanged content: nothing to do
+
+    k8s_swap(path, "generation: 2\nscheduler:\n  chunk_size: 128\n  queue_policy: fcfs\n")
+    assert os.path.islink(path) and os.path.islink(path.parent / "..data")
+    assert watcher.poll_once()
+    assert applied[-1].chunk_size == 128 and applied[-1].queue_policy.value == "fcfs"
+    assert gauge(metrics, names.CHUNK_SIZE) == 128
+    assert gauge(metrics, names.CONFIG_GENERATION) == 2
+    assert gauge(metrics, names.QUEUE_POLICY_INFO, policy="fcfs") == 1
+    assert gauge(metrics, names.QUEUE_POLICY_INFO, policy="split") == 0
+    assert watcher.status.resolved_path.endswith("server.yaml") and "..2026" in watcher.status.resolved_path
+
+
+def test_invalid_file_keeps_last_good_config_and_counts_once(tmp_path):
+    path = k8s_config_dir(tmp_path / "vol", GOOD)
+    watcher, applied, metrics = make_watcher(path)
+    watcher.load_initial()
+    k8s_swap(path, "generation: 3\nscheduler:\n  chunk_size: -5\n")
+    assert not watcher.poll_once()
+    assert not watcher.poll_once()  # the same bad file is reported once, not every poll
+    assert gauge(metrics, names.CONFIG_RELOAD_ERRORS) == 1
+    assert gauge(metrics, names.CHUNK_SIZE) == 512
+    assert watcher.status.generation == 1
+    assert "chunk_size" in watcher.status.last_reload_error
+    assert len(applied) == 1
+
+    k8s_swap(path, "generation: 4\nscheduler: [not, a, mapping]\n")
+    watcher.poll_once()
+    assert gauge(metrics, names.CONFIG_RELOAD_ERRORS) == 2
+
+    k8s_swap(path, "generation: 5\nscheduler:\n  chunk_size: 64\n")
+    assert watcher.poll_once()
+    assert watcher.status.last_reload_error is None
+    assert gauge(metrics, names.CHUNK_SIZE) == 64
+
+
+def test_file_fields_override_flags_and_removed_fields_fall_back(tmp_path):
+    path = k8s_config_dir(tmp_path / "vol", "generation: 1\nscheduler:\n  queueP" "olicy: sjf\n")  # camelCase alias
+    watcher, applied, _ = make_watcher(path, base=SchedulerConfig(chunk_size=300, max_num_seqs=8))
+    first = watcher.load_initial()
+    assert (first.chunk_size, first.max_num_seqs, first.queue_policy.value) == (300, 8, "sjf")
+    k8s_swap(path, "generation: 2\nscheduler:\n  chunk_size: 100\n")
+    watcher.poll_once()
+    assert (applied[-1].chunk_size, applied[-1].max_num_seqs) == (100, 8)
+    assert applied[-1].queue_policy.value == SchedulerConfig().queue_policy.value  # removed: back to the flag value
+
+
+def test_merged_cross_field_rule_is_checked(tmp_path):
+    # The file alone is fine, but with the flag max_num_seqs=64 the token cap would starve decodes.
+    path = k8s_config_dir(tmp_path / "vol", "scheduler:\n  max_num_batched_tokens: 32\n")
+    watcher, _, _ = make_watcher(path)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        watcher.load_initial()
+
+
+def test_unreadable_file_is_an_error_not_a_crash(tmp_path):
+    path = k8s_config_dir(tmp_path / "vol", GOOD)
+    watcher, _, metrics = make_watcher(path)
+    watcher.load_initial()
+    os.unlink(path.parent / "..data")  # dangling symlink
+    assert not watcher.poll_once()
+    assert "cannot read" in watcher.status.last_reload_error
+    assert gauge(metrics, names.CONFIG_RELOAD_ERRORS) == 1
+    assert gauge(metrics, names.CHUNK_SIZE) == 512
+
+
+def test_engine_rejection_is_a_reload_error(tmp_path):
+    path = k8s_config_dir(tmp_path / "vol", GOOD)
+    watcher, _, metrics = make_watcher(path)
+    watcher.load_initial()
+
+    def refuse(_config):
+        raise ValueError("engine says no")
+
+    watcher.apply = refuse
+    k8s_swap(path, "generation: 2\nscheduler:\n  chunk_size: 100\n")
+    assert not watcher.poll_once()
+    assert watcher.status.last_reload_error == "engine says no"
+    assert watcher.status.generation == 1
+
+
+def test_live_server_follows_the_swap_within_two_seconds(tmp_path):
+    path = k8s_config_dir(tmp_path / "vol", GOOD)
+    _, state, app = build_server_parts(config_file=str(path), poll_interval_s=0.5)
+    with ServerThread(app) as server:
+        samples = scrape(server.url)
+        assert metric(samples, names.CHUNK_SIZE) == 512
+        assert metric(samples, names.CONFIG_GENERATION) == 1
+
+        k8s_swap(path, "generation: 7\nscheduler:\n  chunk_size: 96\n  queue_policy: sjf\n")
+        wait_until(lambda: metric(scrape(server.url), names.CHUNK_SIZE) == 96, timeout=2.0,
+                   what="chunk_size 96 on /metrics")
+        samples = scrape(server.url)
+        assert metric(samples, names.CONFIG_GENERATION) == 7
+        assert metric(samples, names.QUEUE_POLICY_INFO, policy="sjf") == 1
+        body = httpx.get(server.url + "/v1/config").json()
+        assert body["generation"] == 7 and body["scheduler"]["chunk_size"] == 96
+        assert body["last_reload_error"] is None and body["config_file"] == str(path)
+        # Requests still work on the new config, and the engine reports it as effective.
+        reply = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200
+        wait_until(lambda: state_effective_chunk(server.url) == 96, timeout=10, what="engine applies chunk 96")
+
+        k8s_swap(path, "generation: 8\nscheduler:\n  chunk_size: lots\n")
+        wait_until(lambda: httpx.get(server.url + "/v1/config").json()["last_reload_error"], timeout=10,
+                   what="reload error on /v1/config")
+        samples = scrape(server.url)
+        assert metric(samples, names.CONFIG_RELOAD_ERRORS) == 1
+        assert metric(samples, names.CHUNK_SIZE) == 96
+        assert metric(samples, names.CONFIG_GENERATION) == 7
+        body = httpx.get(server.url + "/v1/config").json()
+        assert "chunk_size" in body["last_reload_error"] and body["generation"] == 7
+
+
+def state_effective_chunk(url: str) -> int:
+    return httpx.get(url + "/v1/config").json()["engine_scheduler"]["chunk_size"]
