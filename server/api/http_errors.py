@@ -38,7 +38,7 @@ def describe_validation_error(exc: RequestValidationError, limit: int = 3) -> tu
     parts: list[str] = []
     first_param: str | None = None
     for item in exc.errors():
-        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in item.get("loc", ()) if p != "body" and not _is_union_tag(p)]
         where = ".".join(loc) or "body"
         if first_param is None:
             first_param = where
@@ -49,6 +49,11 @@ def describe_validation_error(exc: RequestValidationError, limit: int = 3) -> tu
     if len(parts) > limit:
         shown += f"; and {len(parts) - limit} more"
     return shown or "invalid request body", first_param
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the member of a union it tried (`str`, `list[int]`, ...); users never wrote it."""
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "none"} or "[" in part)
 
 
 def retry_after_header(seconds: float) -> str:

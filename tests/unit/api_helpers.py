@@ -53,20 +53,20 @@ def _write_timestamped(root: Path, text: str, serial: int) -> Path:
 
 
 def build_engine(model: str = TINY, max_waiting: int = 1024, num_kv_blocks: int = 256, scheduler=None,
-                 observers=()):
+                 observers=(), max_model_len: int = 1024):
     from metronome.server.config import SchedulerConfig
     from metronome.server.engine.async_engine import AsyncEngine
     from metronome.server.engine.config import EngineConfig
     from metronome.server.engine.engine import EngineCore
 
     config = EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks,
-                          max_waiting=max_waiting, max_model_len=1024)
+                          max_waiting=max_waiting, max_model_len=max_model_len)
     core = EngineCore.from_config(config, scheduler or SchedulerConfig())
     return AsyncEngine(core, observers=list(observers))
 
 
 def build_server_parts(model: str = TINY, max_waiting: int = 1024, scheduler=None, config_file: str | None = None,
-                       num_kv_blocks: int = 256, poll_interval_s: float = 0.1):
+                       num_kv_blocks: int = 256, poll_interval_s: float = 0.1, max_model_len: int = 1024):
     """(engine, state, app) wired as `metronome serve` wires them."""
     from metronome.server.api.app import create_app
     from metronome.server.api.metrics import ServerMetrics
@@ -76,7 +76,7 @@ def build_server_parts(model: str = TINY, max_waiting: int = 1024, scheduler=Non
     base = scheduler or SchedulerConfig()
     metrics = ServerMetrics(model)
     engine = build_engine(model, max_waiting=max_waiting, num_kv_blocks=num_kv_blocks, scheduler=base,
-                          observers=[metrics])
+                          observers=[metrics], max_model_len=max_model_len)
     state = build_state(engine, metrics, model, base, config_file=config_file, poll_interval_s=poll_interval_s)
     return engine, state, create_app(engine, state)
 
