@@ -1,0 +1,257 @@
+"""The synchronous engine core: requests in, one step at a time, token events out. Single-threaded; the
+AsyncEngine runs it on a background thread."""
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from typing import Any, Sequence as Seq
+
+import torch
+
+from metronome.server.config import SchedulerConfig
+from metronome.server.engine.block_manager import BlockManager
+from metronome.server.engine.config import EngineConfig
+from metronome.server.engine.kv_cache import bytes_per_block, plan_num_blocks
+from metronome.server.engine.model_runner import ModelRunner
+from metronome.server.engine.output_text import OutputText
+from metronome.server.engine.outputs import EngineStats, GenerationResult, StepStats, TokenEvent
+from metronome.server.engine.sampling import SamplingParams
+from metronome.server.engine.scheduler import Scheduler
+from metronome.server.engine.sequence import Sequence, SequenceStatus
+from metronome.server.errors import EngineOverloadedError, InvalidRequestError
+
+ABORT_TOKEN_ID = -1
+
+
+class EngineCore:
+    def __init__(self, loaded: Any, config: EngineConfig, scheduler_config: SchedulerConfig):
+        config.validate()
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name: str = loaded.name
+        model_config = loaded.config
+        self.vocab_size: int = model_config.vocab_size
+        model_max = model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise InvalidRequestError(
+                f"max_model_len {config.max_model_len} exceeds the model's context of {model_max} tokens",
+                param="max_model_len")
+        self.max_model_len: int = config.max_model_len or model_max
+        device = torch.device(loaded.device)
+        dtype = loaded.dtype if isinstance(loaded.dtype, torch.dtype) else getattr(torch, str(loaded.dtype))
+        per_block = bytes_per_block(model_config.num_hidden_layers, config.block_size,
+                                    model_config.num_key_value_heads, model_config.head_dim, dtype)
+        num_blocks = plan_num_blocks(config, per_block, device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.watermark)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.runner = ModelRunner(loaded.model, model_config.num_hidden_layers, model_config.num_key_value_heads,
+                                  model_config.head_dim, num_blocks, config.block_size, self.max_model_len, dtype,
+                                  device, seed=config.seed)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids or ())
+        self._seqs: dict[str, Sequence] = {}
+        self._order = itertools.count()
+        self._abort_events: list[TokenEvent] = []
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, scheduler_config: SchedulerConfig | None = None) -> "EngineCore":
+        from metronome.server.models import load_model  # heavy: only when an engine is built
+
+        config.validate()
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                            attention_backend=config.attention_backend, seed=config.seed)
+        return cls(loaded, config, scheduler_config or SchedulerConfig())
+
+    # --- requests ------------------------------------------------------------------------------------------
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Validate a request and tokenize it; touches no engine state (safe from any thread)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling params must be a SamplingParams", param="params")
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
+            token_ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}", param="prompt")
+        else:
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                      param="prompt")
+        if not token_ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
+                "(the prompt must leave room for at least one generated token)", param="prompt")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of "
+                f"{self.max_model_len} tokens", param="max_tokens")
+        capacity = self.block_manager.max_admissible_tokens()
+        if n + params.max_tokens > capacity:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the KV cache capacity of "
+                f"{capacity} tokens for one request", param="prompt" if n > capacity else "max_tokens")
+        return token_ids
+
+    def check_capacity(self) -> None:
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            raise EngineOverloadedError(
+                f"engine overloaded: {self.scheduler.num_waiting} requests waiting (max_waiting "
+                f"{self.config.max_waiting}); retry later")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        token_ids = self.prepare_request(prompt, params)
+        if request_id is not None and request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self.check_capacity()
+        return self.add_prepared(token_ids, params, request_id, arrival_time)
+
+    def add_prepared(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                     arrival_time: float | None = None) -> str:
+        """Enqueue an already validated request (see prepare_request)."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        seq = Sequence(request_id, token_ids, params, arrival_time if arrival_time is not None else time.monotonic(),
+                       next(self._order))
+        if params.seed is not None and not params.is_greedy:
+            seq.generator = self.runner.sampler.make_generator(params.seed)
+        seq.detokenizer = OutputText(self.tokenizer.incremental_decoder(), params.stop)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's blocks now; its finished event (reason "abort") comes with the next step."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        self.runner.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        self._abort_events.append(TokenEvent(request_id, ABORT_TOKEN_ID, seq.detokenizer.take_delta(True),
+                                             seq.num_output_tokens, time.monotonic(), True, "abort",
+                                             seq.num_prompt_tokens, seq.num_output_tokens))
+
+    def reconfigure(self, scheduler_config: SchedulerConfig) -> None:
+        """Between steps (this is single-threaded, so now is a step boundary)."""
+        self.scheduler.reconfigure(scheduler_config)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) or bool(self._abort_events)
+
+    # --- the step ------------------------------------------------------------------------------------------
+    def step(self) -> tuple[list[TokenEvent], StepStats]:
+        t0 = time.perf_counter()
+        events, self._abort_events = self._abort_events, []
+        batch = self.scheduler.schedule()
+        stats = StepStats(num_preemptions=len(batch.preempted), num_seqs=batch.num_seqs,
+                          num_tokens=batch.num_tokens, num_prefill_tokens=batch.num_prefill_tokens,
+                          num_decode_tokens=batch.num_decode_tokens)
+        if batch.is_empty:
+            stats.duration_s = stats.scheduler_overhead_s = time.perf_counter() - t0
+            return events, stats
+        for seq, n in batch.entries:  # prompt tokens computed for the first time (not recompute, not cache hits)
+            if seq.num_preemptions == 0 and seq.num_computed_tokens < seq.num_prompt_tokens:
+                stats.new_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+        inputs = self.runner.prepare(batch)
+        t1 = time.perf_counter()
+        logits = self.runner.forward_logits(inputs)
+        seqs = inputs.sampling_seqs
+        tokens = self.runner.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs]) \
+            if logits is not None else []
+        t2 = time.perf_counter()
+        self.scheduler.complete_step(batch)
+        now = time.monotonic()
+        for seq, token in zip(seqs, tokens):
+            events.append(self._emit(seq, token, now, stats))
+        t3 = time.perf_counter()
+        stats.duration_s = t3 - t0
+        stats.scheduler_overhead_s = (t1 - t0) + (t3 - t2)
+        return events, stats
+
+    def _emit(self, seq: Sequence, token: int, now: float, stats: StepStats) -> TokenEvent:
+        seq.token_ids.append(token)
+        stats.generated_tokens += 1
+        if seq.last_token_time is None:
+            seq.first_token_time = now
+            stats.first_token_latencies_s.append(now - seq.arrival_time)
+        else:
+            stats.token_gaps_s.append(now - seq.last_token_time)
+        seq.last_token_time = now
+        reason, text_cut = self._finish_reason(seq, token)
+        if reason is not None:
+            if not text_cut and seq.detokenizer.flush():  # held-back text may still complete a stop string
+                reason = "stop"
+            self._finish(seq, reason)
+            stats.finished_e2e_s.append(now - seq.arrival_time)
+        finished = reason is not None
+        return TokenEvent(seq.request_id, token, seq.detokenizer.take_delta(finished), seq.num_output_tokens - 1,
+                          now, finished, reason, seq.num_prompt_tokens, seq.num_output_tokens)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, bool]:
+        """(finish reason or None, whether a stop string cut the text)."""
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop", False  # the stop token's text is not part of the output
+        if seq.detokenizer.push(token):
+            return "stop", True
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", False
+        return None, False
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        self.runner.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._seqs.pop(seq.request_id, None)
+
+    # --- convenience and introspection ---------------------------------------------------------------------
+    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams]
+                 ) -> list[GenerationResult]:
+        """Run the prompts concurrently to completion; results in prompt order."""
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError("one SamplingParams per prompt (or a single one for all)", param="params")
+        prepared = [self.prepare_request(p, sp) for p, sp in zip(prompts, params_list)]  # all valid before any runs
+        ids = [self.add_prepared(t, sp) for t, sp in zip(prepared, params_list)]
+        seqs = {rid: self._seqs[rid] for rid in ids}
+        pending = set(ids)
+        while pending:
+            events, _ = self.step()
+            for event in events:
+                if event.finished:
+                    pending.discard(event.request_id)
+        return [GenerationResult(rid, seqs[rid].prompt_token_ids, seqs[rid].output_token_ids,
+                                 seqs[rid].detokenizer.text, seqs[rid].finish_reason) for rid in ids]
+
+    def live_sequences(self) -> list[Sequence]:
+        return self.scheduler.live_sequences()
+
+    def check_no_leaks(self) -> None:
+        self.block_manager.check_no_leaks(self.scheduler.live_sequences())
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=self.scheduler.waiting_counts(),
+            kv_usage_ratio=bm.usage_ratio,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_blocks_leaked=bm.count_leaked(self.scheduler.live_sequences()),
+            preemptions_total=self.scheduler.preemptions_total,
+            scheduler=self.scheduler.config,
+        )

@@ -1,0 +1,44 @@
+"""The KV cache tensors: per layer a (key, value) pair `[num_blocks, block_size, n_kv_heads, head_dim]`, and how
+many blocks fit the memory budget."""
+from __future__ import annotations
+
+import torch
+
+from metronome.server.engine.config import EngineConfig
+
+_GIB = 1 << 30
+# Kept free on a GPU for activations, logits and the allocator's slack when sizing the cache from memory.
+_GPU_ACTIVATION_RESERVE_BYTES = 2 * _GIB
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def plan_num_blocks(config: EngineConfig, per_block: int, device: torch.device) -> int:
+    """Blocks for the configured count, or for the memory budget (GPU: what gpu_memory_utilization leaves after
+    weights and a reserve; CPU: kv_cache_memory_gb)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        in_use = total - free
+        budget = total * config.gpu_memory_utilization - in_use - _GPU_ACTIVATION_RESERVE_BYTES
+    else:
+        budget = config.kv_cache_memory_gb * _GIB
+    blocks = int(budget // per_block)
+    if blocks < 2:
+        raise RuntimeError(
+            f"KV cache budget of {budget / _GIB:.2f} GiB holds {max(blocks, 0)} blocks of {per_block} bytes; "
+            "raise gpu_memory_utilization / kv_cache_memory_gb or set num_kv_blocks"
+        )
+    return blocks
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Zeroed, not empty: kernels may load padding slots under a mask, and NaN garbage * 0 is still NaN.
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
