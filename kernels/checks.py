@@ -1,0 +1,80 @@
+"""Shape, dtype and device checks shared by every backend: bad input gets a ValueError that says what is wrong."""
+from __future__ import annotations
+
+import torch
+
+from .metadata import AttentionMetadata
+
+
+def check_write_kv_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(f"key/value must both be [T, n_kv_heads, head_dim], got {tuple(key.shape)} and "
+                         f"{tuple(value.shape)}")
+    _check_caches(k_cache, v_cache)
+    if tuple(key.shape[1:]) != tuple(k_cache.shape[2:]):
+        raise ValueError(f"key heads/head_dim {tuple(key.shape[1:])} do not match the cache's "
+                         f"{tuple(k_cache.shape[2:])}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    _same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+
+
+def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, n_heads, head_dim], got {tuple(q.shape)}")
+    _check_caches(k_cache, v_cache)
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    n_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if n_heads % n_kv_heads != 0:
+        raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    _same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
+                 block_tables=meta.block_tables)
+    if meta is not _last_checked[0] or q.shape[0] != _last_checked[1]:
+        _check_metadata(meta, q.shape[0], k_cache.shape[1])
+        _last_checked[:] = [meta, q.shape[0]]
+
+
+# Every layer of a forward pass sees the same metadata object: check its per-sequence facts once.
+_last_checked: list = [None, -1]
+
+
+def _check_metadata(meta: AttentionMetadata, num_tokens: int, block_size: int) -> None:
+    if len(meta.q_lens_host) != len(meta.seq_lens_host):
+        raise ValueError("q_lens_host and seq_lens_host differ in length")
+    if meta.num_tokens != num_tokens:
+        raise ValueError(f"metadata describes {meta.num_tokens} new tokens, q has {num_tokens}")
+    for b, (q_len, seq_len) in enumerate(zip(meta.q_lens_host, meta.seq_lens_host)):
+        if q_len < 1 or seq_len < q_len:
+            raise ValueError(f"sequence {b}: need 1 <= q_len <= seq_len, got q_len={q_len} seq_len={seq_len}")
+    max_blocks = -(-max(meta.seq_lens_host, default=0) // block_size)
+    if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != meta.num_seqs \
+            or meta.block_tables.shape[1] < max_blocks:
+        raise ValueError(f"block_tables must be [B={meta.num_seqs}, >= {max_blocks}], "
+                         f"got {tuple(meta.block_tables.shape)}")
+    if tuple(meta.cu_seqlens_q.shape) != (meta.num_seqs + 1,) or tuple(meta.seq_lens.shape) != (meta.num_seqs,):
+        raise ValueError(f"cu_seqlens_q must be [B+1] and seq_lens [B] for B={meta.num_seqs}, got "
+                         f"{tuple(meta.cu_seqlens_q.shape)} and {tuple(meta.seq_lens.shape)}")
+    if meta.max_seqlen_q != max(meta.q_lens_host, default=0):
+        raise ValueError(f"max_seqlen_q {meta.max_seqlen_q} != max(q_lens_host) {max(meta.q_lens_host, default=0)}")
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches must both be [num_blocks, block_size, n_kv_heads, head_dim], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache dtype {k_cache.dtype} != v_cache dtype {v_cache.dtype}")
+
+
+def _same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")

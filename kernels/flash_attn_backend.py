@@ -1,0 +1,43 @@
+"""The `flash_attn` backend: flash-attn 2's varlen kernel over the paged cache (block size a multiple of 256).
+
+`flash_attn` is imported on first use only; `select_backend` offers this backend only where it imports. K/V writes
+go through the Triton kernel on CUDA (flash-attn has no scatter of its own).
+"""
+from __future__ import annotations
+
+import torch
+
+from .checks import check_attention_inputs, check_write_kv_inputs
+from .metadata import AttentionMetadata
+
+
+def flash_attn_fits(block_size: int, head_dim: int) -> bool:
+    """flash-attn 2's paged rule: pages of a multiple of 256 tokens, head_dim a multiple of 8 up to 256."""
+    return block_size % 256 == 0 and head_dim % 8 == 0 and head_dim <= 256
+
+
+class FlashAttnBackend:
+    name = "flash_attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func  # ImportError here is turned into ValueError by get_backend
+        self._varlen = flash_attn_varlen_func
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        check_write_kv_inputs(key, value, k_cache, v_cache, slot_mapping)
+        from .triton_kv_write import write_kv_triton
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+        check_attention_inputs(q, k_cache, v_cache, meta)
+        if not flash_attn_fits(k_cache.shape[1], q.shape[2]):
+            raise ValueError(f"flash_attn needs block_size % 256 == 0 and head_dim % 8 == 0 (<= 256), got "
+                             f"block_size {k_cache.shape[1]}, head_dim {q.shape[2]}")
+        cu_seqlens_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=q.device)
+        cu_seqlens_k[1:] = torch.cumsum(meta.seq_lens, 0, dtype=torch.int32)
+        return self._varlen(
+            q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale, causal=True,
+            block_table=meta.block_tables,
+        )

@@ -1,0 +1,122 @@
+"""The `torch` backend: the exact reference for attention over the paged KV cache, and the CPU serving path.
+
+Everything is computed in float32 and cast back to q's dtype. Decodes (q_len 1) of a batch are gathered together
+and run as one padded attention call; prefill chunks run one sequence at a time with a bottom-right-aligned causal
+mask. Cache entries past a sequence's length (and unused blocks) are zeroed after the gather, so garbage or NaN in
+the cache can never leak into the result through `0 * NaN`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .checks import check_attention_inputs, check_write_kv_inputs
+from .metadata import AttentionMetadata
+
+
+def write_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter each new token's K/V into its cache slot; a negative slot means skip that token."""
+    num_blocks, block_size, n_kv_heads, head_dim = k_cache.shape
+    flat_k = k_cache.view(num_blocks * block_size, n_kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, n_kv_heads, head_dim)
+    keep = (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping[keep].long()
+    flat_k.index_copy_(0, slots, key[keep].to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """The first `num_blocks` blocks of one or more sequences, as token rows.
+
+    block_table [num_blocks_max] → [num_blocks * block_size, n_kv_heads, head_dim];
+    block_table [B, num_blocks_max] → [B, num_blocks * block_size, n_kv_heads, head_dim].
+    Padding entries of a block table may hold anything; they are clamped to a valid id and masked by the caller.
+    """
+    ids = block_table[..., :num_blocks].long().clamp(0, cache.shape[0] - 1)
+    blocks = cache[ids]  # [..., num_blocks, block_size, n_kv_heads, head_dim]
+    return blocks.flatten(-4, -3)
+
+
+def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[..., S, n_kv_heads, D] → [..., n_heads, S, D] where query head h reads kv head h // group."""
+    x = x.transpose(-3, -2)
+    return x.repeat_interleave(group, dim=-3) if group > 1 else x
+
+
+class TorchBackend:
+    name = "torch"
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        check_write_kv_inputs(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+        check_attention_inputs(q, k_cache, v_cache, meta)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        q_lens = meta.q_lens_host
+        decodes = [b for b, n in enumerate(q_lens) if n == 1]
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        if decodes:
+            self._decodes(q, k_cache, v_cache, meta, scale, decodes, starts, out)
+        for b, q_len in enumerate(q_lens):
+            if q_len > 1:
+                rows = slice(starts[b], starts[b + 1])
+                out[rows] = self._one_sequence(q[rows], k_cache, v_cache, meta.block_tables[b],
+                                               meta.seq_lens_host[b], scale)
+        return out
+
+    @staticmethod
+    def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_len: int, scale: float) -> torch.Tensor:
+        q_len, n_heads, _ = q.shape
+        block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        num_blocks = -(-seq_len // block_size)
+        k = gather_context(k_cache, block_table, num_blocks)[:seq_len].float()
+        v = gather_context(v_cache, block_table, num_blocks)[:seq_len].float()
+        group = n_heads // n_kv_heads
+        k, v = _expand_kv_heads(k, group), _expand_kv_heads(v, group)  # [H, S, D]
+        qh = q.float().transpose(0, 1)  # [H, L, D]
+        if q_len == seq_len:  # no cached context: plain causal, which SDPA aligns top-left = bottom-right here
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+        else:
+            # new token i sits at position seq_len - q_len + i and sees positions 0 .. seq_len - q_len + i
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            k_pos = torch.arange(seq_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+        return o.transpose(0, 1).to(q.dtype)
+
+    @staticmethod
+    def _decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, decodes: list[int], starts: list[int],
+                 out: torch.Tensor) -> None:
+        """All q_len-1 sequences at once: pad their contexts to the longest and mask the padding."""
+        n_heads = q.shape[1]
+        block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        all_decode = len(decodes) == meta.num_seqs
+        max_len = max(meta.seq_lens_host[b] for b in decodes)
+        num_blocks = -(-max_len // block_size)
+        if all_decode:
+            rows = None
+            tables, seq_lens, qd = meta.block_tables, meta.seq_lens, q
+        else:
+            idx = torch.tensor(decodes, device=q.device)
+            rows = torch.tensor([starts[b] for b in decodes], device=q.device)
+            tables, seq_lens, qd = meta.block_tables[idx], meta.seq_lens[idx], q[rows]
+        valid = torch.arange(num_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None].long()  # [B, S]
+        k = gather_context(k_cache, tables, num_blocks).float()  # [B, S, KVH, D]
+        v = gather_context(v_cache, tables, num_blocks).float()
+        k = torch.where(valid[:, :, None, None], k, 0.0)
+        v = torch.where(valid[:, :, None, None], v, 0.0)
+        group = n_heads // n_kv_heads
+        k, v = _expand_kv_heads(k, group), _expand_kv_heads(v, group)  # [B, H, S, D]
+        qh = qd.float()[:, :, None, :]  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+        o = o[:, :, 0, :].to(q.dtype)
+        if rows is None:
+            out.copy_(o)
+        else:
+            out[rows] = o

@@ -1,0 +1,254 @@
+"""Triton attention for a flat mixed batch (prefill chunks and decodes together) over the paged KV cache.
+
+One launch covers the whole batch. The grid is (query tile, kv head, kv split):
+- a query tile is BLOCK_Q consecutive new tokens of one sequence times all GROUP query heads that share the kv
+  head, so each K/V tile is loaded once for the whole GQA group (rows = BLOCK_Q * GROUP_PAD);
+- tiles are numbered per sequence without a host-built map: sequence b's tiles start at
+  cu_seqlens_q[b] // BLOCK_Q + b (an upper bound on the tiles before it), found by binary search in the kernel;
+  spare tiles past a sequence's end exit at once;
+- kv splits (flash-decoding) cut the key range of each tile into NUM_SPLITS parts when the batch alone cannot
+  fill the GPU (decode of a few long sequences); a second small kernel merges the parts.
+Keys are read through the block table one token at a time (block id = table[pos // PAGE]), so any page size
+works, and the causal mask is aligned bottom-right (new token i of a sequence sits at seq_len - q_len + i).
+Softmax is online in fp32 with exp2; fp32 inputs use exact ("ieee") dots.
+
+On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported): tests only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from .metadata import AttentionMetadata
+
+
+# Batch-dependent integers are not specialised (==1, %16): new batch shapes must not recompile.
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+def _paged_attention(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    num_seqs, num_tokens, n_heads, scale_log2,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # The sequence that owns this tile: the last b whose first tile index is <= tile.
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if BLOCK_Q == 1:
+            first_tile = tl.load(cu_seqlens_q_ptr + mid)
+        else:
+            first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if BLOCK_Q == 1:
+        first_q = tile - q_start
+    else:
+        first_q = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first_q >= q_len:
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = first_q + offs_m // GROUP_PAD  # token index within the sequence's new tokens
+    g = offs_m % GROUP_PAD
+    head = kv_head * GROUP + g
+    row_valid = (q_idx < q_len) & (g < GROUP)
+    offs_d = tl.arange(0, D_PAD)
+    d_valid = offs_d < HEAD_DIM
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_pos = seq_len - q_len + q_idx  # absolute position of each row's token
+    kv_end = tl.minimum(seq_len - q_len + first_q + BLOCK_Q, seq_len)  # keys any row of this tile may see
+    n_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
+    if NUM_SPLITS == 1:
+        tile_lo = 0
+        tile_hi = n_kv_tiles
+    else:
+        per_split = tl.cdiv(n_kv_tiles, NUM_SPLITS)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, n_kv_tiles)
+
+    # A finite floor instead of -inf keeps rows that see no key in a range free of inf - inf.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    for kv_tile in range(tile_lo, tile_hi):
+        offs_n = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_end
+        block = tl.load(table + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
+        in_page = offs_n % PAGE
+        k_rows = block * stride_kb + in_page * stride_kt + kv_head * stride_kh
+        v_rows = block * stride_vb + in_page * stride_vt + kv_head * stride_vh
+        k = tl.load(k_cache_ptr + k_rows[None, :] + offs_d[:, None],
+                    mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D_PAD, BLOCK_N]
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :],
+                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        if UPCAST_DOT:  # round p as the GPU path does, then multiply in fp32
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
+                                                input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+    else:
+        part = (split * num_tokens + token) * n_heads + head  # workspace row: [NUM_SPLITS, T, H]
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _merge_splits(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_tokens, n_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    part = (splits * num_tokens + token) * n_heads + head
+    m = tl.load(part_m_ptr + part)
+    weight = tl.exp2(m - tl.max(m, 0))
+    denom = tl.sum(weight * tl.load(part_l_ptr + part), 0)
+    offs_d = tl.arange(0, D_PAD)
+    acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :])
+    out = tl.sum(acc * weight[:, None], 0) / denom
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def require_runnable(device: torch.device) -> None:
+    """Triton runs CPU tensors only in its interpreter, which must be on (TRITON_INTERPRET=1) before triton is
+    imported: its own library functions (tl.max, tl.cdiv, ...) are wrapped at import time."""
+    if device.type == "cuda":
+        return
+    if type(tl.cdiv).__name__ != "InterpretedFunction":
+        raise ValueError(f"Triton kernels need CUDA tensors, got {device.type}; for the (slow) interpreter set "
+                         "TRITON_INTERPRET=1 before triton is first imported")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # rows per program = query tokens per tile x padded GQA group
+    block_n: int  # keys per inner iteration
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def choose_config(max_seqlen_q: int, group_pad: int, d_pad: int, on_cuda: bool) -> TileConfig:
+    """Fixed tiles by q_len class, so a server compiles a handful of variants, never one per batch."""
+    if max_seqlen_q == 1:  # decode-only: one token per tile, all its group's heads as rows
+        return TileConfig(max(16, group_pad), 64, num_warps=4, num_stages=3 if on_cuda else 1)
+    if not on_cuda:  # interpreter: big tiles mean few Python-level steps
+        return TileConfig(max(64, group_pad), 128, num_stages=1)
+    if max_seqlen_q <= 64 and group_pad <= 16:
+        return TileConfig(max(64, group_pad), 64, num_warps=4, num_stages=3)
+    return TileConfig(max(128 if d_pad <= 128 else 64, group_pad), 64, num_warps=8, num_stages=2)
+
+
+@lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_programs: int, num_tokens: int, max_seqlen_k: int, sm_count: int) -> int:
+    """Split the key range only when the batch alone leaves most SMs idle and keys are many (flash-decoding)."""
+    if num_tokens > 256 or max_seqlen_k < 1024 or num_programs >= sm_count:
+        return 1
+    wanted = -(-2 * sm_count // num_programs)
+    by_length = max_seqlen_k // 512
+    splits = min(wanted, by_length, 16)
+    return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants, tl.arange in the merge
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, config: TileConfig | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Attention of the batch's new tokens over the paged cache (their K/V already written). Returns [T, H, D]."""
+    num_tokens, n_heads, head_dim = q.shape
+    page, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = n_heads // n_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    on_cuda = q.device.type == "cuda"
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV cache's head_dim axis must be contiguous")
+    cfg = config or choose_config(meta.max_seqlen_q, group_pad, d_pad, on_cuda)
+    if cfg.block_m % group_pad or cfg.block_m < 16 or cfg.block_n < 16:
+        raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and both sides >= 16")
+    block_q = cfg.block_m // group_pad
+    num_seqs = meta.num_seqs
+    grid_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+    if num_splits is None:
+        num_splits = 1
+        if on_cuda:
+            num_splits = choose_num_splits(grid_tiles * n_kv_heads, num_tokens, meta.max_seqlen_k,
+                                           _sm_count(q.device.index or 0))
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+
+    out = torch.empty((num_tokens, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_splits > 1:
+        part_acc = torch.empty((num_splits, num_tokens, n_heads, d_pad), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_splits, num_tokens, n_heads), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # never touched
+    require_runnable(q.device)
+    _paged_attention[(grid_tiles, n_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_acc, part_m, part_l,
+        meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+        num_seqs, num_tokens, n_heads, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page,
+        BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Triton's interpreter (3.9) computes bf16 x bf16 dots wrongly; it upcasts the operands instead.
+        UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits[(num_tokens, n_heads)](
+            part_acc, part_m, part_l, out, num_tokens, n_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits, num_warps=4,
+        )
+    return out

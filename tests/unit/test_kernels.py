@@ -1,0 +1,221 @@
+"""Attention kernels: the torch reference against naive dense attention, Triton (interpreter) against the reference.
+
+Triton runs CPU tensors only in its interpreter, which must be switched on before triton is first imported; other
+test modules may import it earlier in this process, so the Triton side runs once, in a subprocess started with
+TRITON_INTERPRET=1 (this file run as a script), and hands its outputs back for the comparisons here.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from metronome.kernels import AttentionMetadata, available_backends, get_backend, select_backend
+from metronome.kernels.random_batch import PagedBatch, make_paged_batch
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    q_lens: tuple[int, ...]
+    ctx_lens: tuple[int, ...]
+    block_size: int
+    n_kv_heads: int
+    group: int
+    head_dim: int
+    dtype: str = "float32"
+    tile: tuple[int, int] | None = None  # (block_m, block_n) instead of the default tiles
+    num_splits: int | None = None
+
+
+# Each axis of the issue's grid is covered at least once: q_len 1..300, contexts up to 2,000, block sizes
+# 16/64/256, GQA 1/4/8 (and 3, SmolLM2's), head dims 64/128 (and 96, padded), split-K, tiles spanning pages.
+CASES = [
+    Case("decode_b16_g1_d64", (1, 1, 1, 1), (0, 15, 700, 1999), 16, 2, 1, 64),
+    Case("mixed_b64_g4_d128", (1, 300, 1, 37, 5), (2000, 0, 63, 129, 1), 64, 1, 4, 128),
+    Case("mixed_b256_g8_d64", (300, 1, 17, 1), (1700, 255, 256, 0), 256, 1, 8, 64),
+    Case("chunks_b16_g3_d96", (16, 1, 33), (16, 40, 100), 16, 1, 3, 96),
+    Case("small_tiles_span_pages", (1, 45, 1), (400, 20, 77), 16, 2, 4, 64, tile=(16, 64)),
+    Case("split_k_decode", (1, 1, 1), (1500, 3, 600), 64, 1, 8, 128, num_splits=4),
+    Case("split_k_mixed", (20, 1), (300, 90), 16, 1, 4, 64, num_splits=2),
+    Case("bf16_mixed", (1, 70, 1), (900, 30, 0), 64, 2, 4, 64, dtype="bfloat16"),
+    Case("fp16_decode", (1, 1), (120, 33), 16, 1, 8, 128, dtype="float16"),
+]
+CASES_BY_NAME = {c.name: c for c in CASES}
+TOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}  # vs the fp32-accumulating reference, inputs of that dtype
+
+
+def build(case: Case) -> PagedBatch:
+    return make_paged_batch(list(case.q_lens), list(case.ctx_lens), case.block_size, case.n_kv_heads, case.group,
+                            case.head_dim, dtype=getattr(torch, case.dtype), seed=zlib.crc32(case.name.encode()))
+
+
+def scale_of(case: Case) -> float:
+    return 1.0 / math.sqrt(case.head_dim)
+
+
+def run_backend(backend_name: str, case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """write_kv of the new tokens, then attention: (output, k_cache, v_cache)."""
+    batch = build(case)
+    backend = get_backend(backend_name)
+    backend.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    if backend_name == "triton" and (case.tile or case.num_splits):
+        from metronome.kernels.triton_attention import TileConfig, paged_attention
+        tile = TileConfig(*case.tile) if case.tile else None
+        out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale_of(case), config=tile,
+                              num_splits=case.num_splits)
+    else:
+        out = backend.attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale_of(case))
+    return out, batch.k_cache, batch.v_cache
+
+
+def naive_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
+    """Dense float64 attention per sequence and head from the generator's own K/V, one query row at a time."""
+    meta = batch.meta
+    n_heads = batch.q.shape[1]
+    group = n_heads // batch.key.shape[1]
+    out = torch.empty(batch.q.shape, dtype=torch.float64)
+    row = 0
+    for b, (q_len, seq_len) in enumerate(zip(meta.q_lens_host, meta.seq_lens_host)):
+        k, v = batch.dense_k[b].double(), batch.dense_v[b].double()
+        for i in range(q_len):
+            visible = seq_len - q_len + i + 1
+            for h in range(n_heads):
+                scores = (k[:visible, h // group] @ batch.q[row, h].double()) * scale
+                out[row, h] = torch.softmax(scores, 0) @ v[:visible, h // group]
+            row += 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def triton_results(tmp_path_factory):
+    """Every case run through the Triton backend in one interpreter subprocess: name -> (out, k_cache, v_cache)."""
+    out_path = tmp_path_factory.mktemp("triton") / "results.pt"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, str(out_path)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"triton interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
+    return torch.load(out_path)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_triton_matches_torch_reference(case, triton_results):
+    result = triton_results[case.name]
+    assert not isinstance(result, str), f"triton raised: {result}"
+    out, k_cache, v_cache = result
+    ref_out, ref_k, ref_v = run_backend("torch", case)
+    # write_kv: the same slots written, everything else (NaN poison) untouched
+    torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0, equal_nan=True)
+    assert torch.isfinite(out).all(), "triton output has NaN/inf: it read poisoned cache slots"
+    tol = TOL[case.dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.dtype == "float32"], ids=lambda c: c.name)
+def test_torch_reference_matches_naive_dense(case):
+    batch = build(case)
+    ref_out, _, _ = run_backend("torch", case)
+    assert torch.isfinite(ref_out).all()
+    torch.testing.assert_close(ref_out.double(), naive_attention(batch, scale_of(case)), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_reference_is_exact_for_low_precision_inputs():
+    """bf16 inputs: the reference equals fp32 attention over the same (rounded) values, rounded once at the end."""
+    case = CASES_BY_NAME["bf16_mixed"]
+    out, _, _ = run_backend("torch", case)
+    batch = build(case)
+    expected = naive_attention(batch, scale_of(case)).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_write_kv_skips_negative_slots_and_matches_dense_layout():
+    batch = make_paged_batch([3, 1], [5, 16], block_size=16, n_kv_heads=2, group=1, head_dim=64, seed=3)
+    slots = batch.meta.slot_mapping.clone()
+    slots[1] = -1  # the second new token of sequence 0 is not stored
+    get_backend("torch").write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, slots)
+    block_size = batch.k_cache.shape[1]
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(batch.k_cache[slot // block_size, slot % block_size], batch.key[t])
+            assert torch.equal(batch.v_cache[slot // block_size, slot % block_size], batch.value[t])
+    skipped = batch.meta.slot_mapping[1].item()
+    assert torch.isnan(batch.k_cache[skipped // block_size, skipped % block_size]).all()
+    assert int(torch.isfinite(batch.k_cache).all(-1).all(-1).sum()) == 5 + 16 + 3  # context + written tokens
+
+
+def test_torch_backend_ignores_garbage_in_block_table_padding():
+    batch = make_paged_batch([1, 4], [30, 2], block_size=16, n_kv_heads=1, group=2, head_dim=64, seed=5)
+    backend = get_backend("torch")
+    backend.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    expected = backend.attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    batch.meta.block_tables[:, 2:] = -7  # padding may hold anything, even invalid ids
+    got = backend.attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_get_backend_names():
+    assert get_backend("torch").name == "torch"
+    assert "torch" in available_backends() and "triton" in available_backends()
+    with pytest.raises(ValueError, match="torch, triton, flash_attn"):
+        get_backend("cutlass")
+
+
+def test_select_backend_rules(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert select_backend("cpu", 16, 64) == "torch"
+    assert select_backend("cuda", 16, 128) == "triton"  # flash_attn is not installed here
+    assert select_backend("cuda:0", 256, 128) == ("flash_attn" if "flash_attn" in available_backends() else "triton")
+    assert select_backend("cpu", 16, 64, "torch") == "torch"
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        select_backend("cpu", 16, 64, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend("cpu", 16, 64, "triton") == "triton"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend("cpu", 16, 64, "xformers")
+    with pytest.raises(ValueError, match="flash_attn"):
+        select_backend("cuda", 16, 128, "flash_attn")  # not installed, and block 16 breaks its paged rule
+
+
+def test_flash_attn_requires_block_size_multiple_of_256():
+    from metronome.kernels.flash_attn_backend import flash_attn_fits
+    assert flash_attn_fits(256, 128) and flash_attn_fits(512, 64)
+    assert not flash_attn_fits(16, 128) and not flash_attn_fits(256, 100) and not flash_attn_fits(256, 512)
+
+
+def test_bad_inputs_raise_value_error():
+    batch = make_paged_batch([2, 1], [3, 4], block_size=16, n_kv_heads=2, group=2, head_dim=64, seed=1)
+    backend = get_backend("torch")
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        backend.attention(batch.q[:, :3], batch.k_cache, batch.v_cache, batch.meta, 0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        backend.attention(batch.q.double(), batch.k_cache, batch.v_cache, batch.meta, 0.1)
+    with pytest.raises(ValueError, match="new tokens"):
+        backend.attention(batch.q[:2], batch.k_cache, batch.v_cache, batch.meta, 0.1)
+    bad_meta = AttentionMetadata(**{**vars(batch.meta), "seq_lens_host": [1, 5]})
+    with pytest.raises(ValueError, match="q_len <= seq_len"):
+        backend.attention(batch.q, batch.k_cache, batch.v_cache, bad_meta, 0.1)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        backend.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping[:1])
+
+
+def _run_triton_cases(out_path: str) -> None:
+    """Subprocess entry (TRITON_INTERPRET=1): every case through the Triton backend; errors are reported per case."""
+    import traceback
+    results = {}
+    for case in CASES:
+        try:
+            results[case.name] = run_backend("triton", case)
+        except Exception:  # noqa: BLE001 - reported to the test of that case
+            results[case.name] = traceback.format_exc()
+    torch.save(results, out_path)
+
+
+if __name__ == "__main__":
+    _run_triton_cases(sys.argv[1])
