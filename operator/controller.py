@@ -1,0 +1,318 @@
+"""The SLO controller: one pure function from (observation, current config, spec, now) to a Decision.
+
+Order of the rules, first match wins:
+1. autotune off → hold (status still gets SLO fields); no observation or too few TBT samples → hold, no data.
+2. settling → hold: within `cooldown_seconds` of the last change, while the observation window still holds
+   samples from before it, or while pods still report an older config generation (for at most
+   `settle_timeout_seconds`).
+3. queue policy switching (if enabled): to `split` when long prompts are a large share (≥ long_share_on) and
+   short requests' TBT p99 (the overall p99 when the server does not split it out) is over target; back to the
+   resource's own policy when the share falls to ≤ long_share_off. The gap between the two is the hysteresis.
+4. deadband → hold while deadband_low ≤ p99 / target ≤ upper, where upper is deadband_high (0.95) for
+   `model`, which aims at target·margin (0.9) inside the band, and 1.0 for `multiplicative`.
+5. chunk size, by policy:
+   - `model`: fit step ≈ a + b·tokens, calibrate p99 = k·(a + b·(D + C)) on the current observation, take the
+     largest multiple of `chunk_granularity` with predicted p99 ≤ target·margin. Never moves against what was
+     observed (shrinks only above the band, grows only below it). Falls back to `multiplicative` when the fit
+     is poor (too few points, r² low, slope ≤ 0, no spread in tokens per step).
+   - `multiplicative`: the background report's rule: ×0.9 when p99 TBT is over target and throughput above its
+     floor, else ×1.1.
+   Every proposal is capped (at most ×max_step_up, ÷max_step_down per decision) and clamped to the bounds.
+6. chunk already at its floor and the SLO still violated → replicas + 1 if `scale_replicas` and below the
+   maximum, else `slo_unreachable` with a reason (the handler sets a condition and an Event).
+Advise mode computes the same decision and records it as a proposal without acting.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from metronome.operator.observation import (
+    ActionKind,
+    AutotuneMode,
+    AutotuneSpec,
+    CurrentConfig,
+    Decision,
+    Observation,
+    TuningPolicy,
+)
+from metronome.operator.step_model import (
+    FitError,
+    StepFit,
+    calibrate_p99_factor,
+    fit_problem,
+    fit_step_time,
+    largest_chunk_within,
+    predict_tbt_p99,
+)
+from metronome.server.config import QueuePolicy
+
+METRICS_UNAVAILABLE = "metrics unavailable"
+
+
+@dataclass(frozen=True)
+class _Proposal:
+    chunk_size: int
+    queue_policy: str
+    replicas: int
+    reason: str
+    actions: tuple[ActionKind, ...]
+    policy_used: str = "none"
+    slo_unreachable: bool = False
+    predicted_tbt_p99_s: float | None = None
+    fit_r_squared: float | None = None
+
+
+def decide(observation: Observation | None, current: CurrentConfig, spec: AutotuneSpec, now: float) -> Decision:
+    """The next step for one service. Pure: same inputs, same Decision."""
+    if observation is None:
+        return _no_data(current, METRICS_UNAVAILABLE if spec.mode is not AutotuneMode.OFF
+                        else f"autotune is off; {METRICS_UNAVAILABLE}")
+    tbt = observation.tbt_p99_s
+    if tbt is None or not math.isfinite(tbt) or observation.sample_count < spec.min_samples:
+        return _no_data(current, f"{METRICS_UNAVAILABLE}: {observation.sample_count} TBT samples in the "
+                                 f"{observation.window_seconds:.0f} s window (need {spec.min_samples})")
+    ratio = tbt / spec.tbt_p99_target_s
+    ttft_ok = (spec.ttft_p99_target_s is None or observation.ttft_p99_s is None
+               or observation.ttft_p99_s <= spec.ttft_p99_target_s)
+    observed = dict(slo_met=ratio <= 1.0 and ttft_ok, tbt_ratio=ratio)
+    if spec.mode is AutotuneMode.OFF:
+        return _hold(current, f"autotune is off; {_tbt_text(tbt, spec)}", **observed)
+
+    waiting = _settling_reason(observation, current, spec, now)
+    if waiting is not None:
+        return _hold(current, waiting, **observed)
+    proposal = _policy_switch(observation, current, spec) or _tune_chunk(observation, current, spec, ratio)
+    return _finish(proposal, current, spec, observed)
+
+
+# --- rule 2: let the last change take effect before judging it -------------------------------------------------
+
+def _settling_reason(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, now: float) -> str | None:
+    if current.last_change_time is None:
+        return None
+    since = now - current.last_change_time
+    if since < spec.cooldown_seconds:
+        return f"cooldown: last change {since:.0f} s ago, next change allowed after {spec.cooldown_seconds:.0f} s"
+    if since < obs.window_seconds:
+        return (f"settling: the {obs.window_seconds:.0f} s window still holds samples from before the last "
+                f"change ({since:.0f} s ago)")
+    lagging = sorted(pod for pod, generation in obs.pod_generations.items() if generation < current.generation)
+    if lagging and since < spec.settle_timeout_seconds:
+        return (f"settling: {len(lagging)}/{len(obs.pod_generations)} pods not yet on config generation "
+                f"{current.generation} ({', '.join(lagging[:3])})")
+    return None
+
+
+# --- rule 3: queue policy switching ------------------------------------------------------------------------------
+
+def _policy_switch(obs: Observation, current: CurrentConfig, spec: AutotuneSpec) -> _Proposal | None:
+    share = obs.long_prompt_share
+    if not spec.policy_switching or share is None:
+        return None
+    split = QueuePolicy.SPLIT.value
+    target = spec.tbt_p99_target_s
+    if current.queue_policy != split:
+        short_tbt = obs.short_tbt_p99_s if obs.short_tbt_p99_s is not None else obs.tbt_p99_s
+        which = "short requests' p99 TBT" if obs.short_tbt_p99_s is not None else "p99 TBT"
+        if share >= spec.long_share_on and short_tbt is not None and short_tbt > target:
+            return _Proposal(
+                current.chunk_size, split, current.replicas,
+                f"long prompts are {share:.0%} of requests (≥ {spec.long_share_on:.0%}) and {which} "
+                f"{short_tbt * 1e3:.1f} ms > {target * 1e3:.1f} ms: give short prompts their own queue",
+                (ActionKind.POLICY_SWITCH,), policy_used="policy-switch")
+    elif spec.base_queue_policy != split and share <= spec.long_share_off:
+        return _Proposal(
+            current.chunk_size, spec.base_queue_policy, current.replicas,
+            f"long prompts down to {share:.0%} of requests (≤ {spec.long_share_off:.0%}): back to "
+            f"{spec.base_queue_policy}", (ActionKind.POLICY_SWITCH,), policy_used="policy-switch")
+    return None
+
+
+# --- rules 4-6: chunk size ---------------------------------------------------------------------------------------
+
+def _tune_chunk(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, ratio: float) -> _Proposal:
+    tbt = obs.tbt_p99_s
+    assert tbt is not None  # checked by decide()
+    model = spec.policy is TuningPolicy.MODEL
+    upper = spec.deadband_high if model else 1.0
+    if spec.deadband_low <= ratio <= upper:
+        return _hold_proposal(current, f"{_tbt_text(tbt, spec)}: inside the deadband "
+                                       f"[{spec.deadband_low:.0%}, {upper:.0%}] of target, no change")
+    fallback_note = ""
+    if model:
+        proposal, problem = _model_step(obs, current, spec, ratio)
+        if proposal is not None:
+            return proposal
+        fallback_note = f"model fit unusable ({problem}), multiplicative fallback: "
+        if spec.deadband_low <= ratio <= 1.0:
+            return _hold_proposal(current, f"{fallback_note}{_tbt_text(tbt, spec)} is within target, no change",
+                                  "multiplicative")
+    return _multiplicative_step(obs, current, spec, ratio, fallback_note)
+
+
+def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
+                ratio: float) -> tuple[_Proposal | None, str]:
+    samples = obs.step_samples
+    try:
+        fit = fit_step_time([s.tokens_per_step for s in samples], [s.step_seconds for s in samples],
+                            [s.steps for s in samples])
+    except FitError as exc:
+        return None, str(exc)
+    problem = fit_problem(fit, spec.min_fit_points, spec.min_fit_r2, spec.min_fit_token_spread)
+    if problem is not None:
+        return None, problem
+    tbt = obs.tbt_p99_s
+    assert tbt is not None
+    # Without a running-sequence gauge, the lightest window's tokens per step bound the decode batch from above.
+    decode_batch = obs.decode_batch_size if obs.decode_batch_size is not None else fit.token_min
+    factor = calibrate_p99_factor(fit, tbt, decode_batch, current.chunk_size)
+    budget = spec.tbt_p99_target_s * spec.margin
+    best = largest_chunk_within(fit, decode_batch, factor, budget, spec.chunk_granularity)
+    basis = (f"model fit {fit.describe()}, decode batch {decode_batch:.0f}, p99 factor {factor:.2f}; "
+             f"{_tbt_text(tbt, spec)}")
+    violated = ratio > 1.0
+
+    def blocked(why: str) -> _Proposal:
+        # Cannot shrink: a capacity problem only once the SLO is actually broken.
+        if violated:
+            return _at_floor(current, spec, why, "model", fit)
+        return _hold_proposal(current, f"{why}; the SLO still holds, no change", "model", fit)
+
+    def predicted(chunk: int) -> float:
+        return predict_tbt_p99(fit, decode_batch, chunk, factor)
+
+    if ratio > spec.deadband_high:
+        floor = spec.min_throughput_tokens_per_s
+        if floor is not None and obs.output_tokens_per_s < floor:
+            return blocked(f"{basis}; throughput {obs.output_tokens_per_s:.0f} tokens/s is "
+                                            f"below its floor {floor:.0f}: a smaller chunk would cut it further"), ""
+        if best is not None and best < current.chunk_size:
+            wanted = best
+            why = (f"predicted p99 TBT {predicted(best) * 1e3:.1f} ms ≤ {budget * 1e3:.1f} ms at chunk {best}")
+        elif best is None:
+            wanted = spec.min_chunk
+            why = (f"no chunk is predicted under {budget * 1e3:.1f} ms (even {spec.chunk_granularity} gives "
+                   f"{predicted(spec.chunk_granularity) * 1e3:.1f} ms): heading for the floor")
+        else:
+            # The calibrated model says the current size fits, the observation says it does not: trust the
+            # observation and step down as the baseline would.
+            wanted = int(current.chunk_size * spec.multiplicative_down)
+            why = (f"model predicts {predicted(current.chunk_size) * 1e3:.1f} ms at the current chunk but "
+                   f"{tbt * 1e3:.1f} ms was observed: stepping down ×{spec.multiplicative_down:g}")
+        chunk = min(_bounded(wanted, current.chunk_size, spec, spec.chunk_granularity), current.chunk_size)
+        if chunk >= current.chunk_size:
+            return blocked(f"{basis}; {why}"), ""
+        return _Proposal(chunk, current.queue_policy, current.replicas,
+                         f"{basis}; {why}{_cap_note(wanted, chunk, spec)}", (ActionKind.CHUNK_DOWN,),
+                         policy_used="model", predicted_tbt_p99_s=predicted(chunk),
+                         fit_r_squared=fit.r_squared), ""
+
+    if best is None or best <= current.chunk_size:
+        largest = "none" if best is None else str(best)
+        return _hold_proposal(current, f"{basis}; no room to grow: largest chunk predicted under "
+                                       f"{budget * 1e3:.1f} ms is {largest}", "model", fit), ""
+    chunk = _bounded(best, current.chunk_size, spec, spec.chunk_granularity)
+    if chunk <= current.chunk_size:
+        return _hold_proposal(current, f"{basis}; chunk {current.chunk_size} already at the ceiling "
+                                       f"{spec.max_chunk}", "model", fit), ""
+    return _Proposal(chunk, current.queue_policy, current.replicas,
+                     f"{basis}; predicted p99 TBT {predicted(best) * 1e3:.1f} ms ≤ {budget * 1e3:.1f} ms at chunk "
+                     f"{best}{_cap_note(best, chunk, spec)}", (ActionKind.CHUNK_UP,), policy_used="model",
+                     predicted_tbt_p99_s=predicted(chunk), fit_r_squared=fit.r_squared), ""
+
+
+def _multiplicative_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, ratio: float,
+                         note: str) -> _Proposal:
+    tbt = obs.tbt_p99_s
+    assert tbt is not None
+    floor = spec.min_throughput_tokens_per_s
+    above_floor = floor is None or obs.output_tokens_per_s > floor
+    if ratio > 1.0 and above_floor:
+        factor, rule = spec.multiplicative_down, "over target with throughput above its floor"
+    elif ratio > 1.0:
+        factor, rule = spec.multiplicative_up, (f"over target but throughput {obs.output_tokens_per_s:.0f} tokens/s "
+                                                f"is not above its floor {floor:.0f}")
+    else:
+        factor, rule = spec.multiplicative_up, "under target"
+    wanted = int(round(current.chunk_size * factor))
+    if wanted == current.chunk_size:  # small sizes: always move by at least one token
+        wanted += 1 if factor > 1 else -1
+    chunk = _bounded(wanted, current.chunk_size, spec, 1)
+    reason = f"{note}{_tbt_text(tbt, spec)}, {rule}: ×{factor:g}"
+    if chunk == current.chunk_size:
+        if ratio > 1.0 and factor < 1:
+            return _at_floor(current, spec, reason, "multiplicative", None)
+        return _hold_proposal(current, f"{reason}, but chunk {current.chunk_size} is at its bound",
+                              "multiplicative")
+    kind = ActionKind.CHUNK_DOWN if chunk < current.chunk_size else ActionKind.CHUNK_UP
+    return _Proposal(chunk, current.queue_policy, current.replicas, f"{reason} → {chunk}", (kind,),
+                     policy_used="multiplicative")
+
+
+def _at_floor(current: CurrentConfig, spec: AutotuneSpec, basis: str, policy_used: str,
+              fit: StepFit | None) -> _Proposal:
+    r2 = fit.r_squared if fit is not None else None
+    where = f"chunk {current.chunk_size} cannot go lower (floor {spec.min_chunk})"
+    if spec.scale_replicas and current.replicas < spec.max_replicas:
+        return _Proposal(current.chunk_size, current.queue_policy, current.replicas + 1,
+                         f"{basis}; {where} and the SLO is violated: replicas {current.replicas}→"
+                         f"{current.replicas + 1}", (ActionKind.SCALE_UP,), policy_used="scale", fit_r_squared=r2)
+    why = ("scaleReplicas is off" if not spec.scale_replicas
+           else f"replicas already at the maximum {spec.max_replicas}")
+    return _Proposal(current.chunk_size, current.queue_policy, current.replicas,
+                     f"{basis}; {where} and the SLO is violated; {why}: SLO unreachable",
+                     (ActionKind.SLO_UNREACHABLE,), policy_used=policy_used, slo_unreachable=True, fit_r_squared=r2)
+
+
+# --- helpers -----------------------------------------------------------------------------------------------------
+
+def _bounded(wanted: float, current: int, spec: AutotuneSpec, granularity: int) -> int:
+    """Cap the move to [current / max_step_down, current * max_step_up], round down to the granularity
+    (not below the cap), then clamp to the bounds, which win over the cap."""
+    low_cap = current / spec.max_step_down
+    high_cap = current * spec.max_step_up
+    capped = min(max(wanted, low_cap), high_cap)
+    chunk = int(math.floor(capped / granularity)) * granularity
+    if chunk < low_cap:
+        chunk = int(math.ceil(low_cap / granularity)) * granularity
+    return max(spec.min_chunk, min(spec.max_chunk, chunk))
+
+
+def _cap_note(wanted: int, chunk: int, spec: AutotuneSpec) -> str:
+    if chunk == wanted:
+        return f" → {chunk}"
+    if chunk in (spec.min_chunk, spec.max_chunk):
+        return f" → {chunk} (bound)"
+    return f" → {chunk} (at most ×{spec.max_step_up:g} / ÷{spec.max_step_down:g} per interval)"
+
+
+def _tbt_text(tbt: float, spec: AutotuneSpec) -> str:
+    return f"p99 TBT {tbt * 1e3:.1f} ms vs target {spec.tbt_p99_target_s * 1e3:.1f} ms"
+
+
+def _hold_proposal(current: CurrentConfig, reason: str, policy_used: str = "none",
+                   fit: StepFit | None = None) -> _Proposal:
+    return _Proposal(current.chunk_size, current.queue_policy, current.replicas, reason, (ActionKind.HOLD,),
+                     policy_used=policy_used, fit_r_squared=fit.r_squared if fit is not None else None)
+
+
+def _hold(current: CurrentConfig, reason: str, **observed) -> Decision:
+    return Decision(chunk_size=current.chunk_size, queue_policy=current.queue_policy, replicas=current.replicas,
+                    reason=reason, changed=False, actions=(ActionKind.HOLD,), **observed)
+
+
+def _no_data(current: CurrentConfig, reason: str) -> Decision:
+    return replace(_hold(current, reason), actions=(ActionKind.NO_DATA,), metrics_available=False)
+
+
+def _finish(p: _Proposal, current: CurrentConfig, spec: AutotuneSpec, observed: dict) -> Decision:
+    differs = (p.chunk_size, p.queue_policy, p.replicas) != (current.chunk_size, current.queue_policy,
+                                                             current.replicas)
+    advisory = spec.mode is AutotuneMode.ADVISE
+    return Decision(
+        chunk_size=p.chunk_size, queue_policy=p.queue_policy, replicas=p.replicas,
+        reason=f"advise only: {p.reason}" if advisory and differs else p.reason,
+        changed=differs and not advisory, actions=p.actions, policy_used=p.policy_used, advisory=advisory,
+        proposed_change=differs, slo_unreachable=p.slo_unreachable,
+        predicted_tbt_p99_s=p.predicted_tbt_p99_s, fit_r_squared=p.fit_r_squared, **observed)
