@@ -144,6 +144,14 @@ class EngineCore:
                                              seq.num_output_tokens, time.monotonic(), True, "abort",
                                              seq.num_prompt_tokens, seq.num_output_tokens))
 
+    def abort_all(self) -> list[str]:
+        """Abort every request without abort events (the caller reports the failure); returns their ids."""
+        ids = list(self._seqs)
+        for request_id in ids:
+            self.abort(request_id)
+        self._abort_events.clear()
+        return ids
+
     def reconfigure(self, scheduler_config: SchedulerConfig) -> None:
         """Between steps (this is single-threaded, so now is a step boundary)."""
         self.scheduler.reconfigure(scheduler_config)
