@@ -1,0 +1,332 @@
+"""Pure builders: an InferenceService → the objects that serve it (Deployment, Service, ConfigMap, PodMonitor).
+
+No API calls here. Two rules shape the output:
+- The pod template depends only on what needs a restart (model, image, resources, engine flags). The scheduler
+  settings live in the ConfigMap, which the servers reload; nothing derived from them (no hash, no generation)
+  enters the template, so a `spec.server` change never rolls the pods.
+- Every object carries an owner reference to the InferenceService, so deleting it garbage-collects them.
+"""
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+
+from metronome.operator.spec import InferenceService, InferenceServiceSpec
+from metronome.server.config import (
+    ConfigError,
+    SchedulerConfig,
+    ServerConfigFile,
+    parse_server_config,
+    validate_scheduler,
+)
+
+SERVER_PORT = 8000
+CONFIG_KEY = "server.yaml"
+CONFIG_DIR = "/etc/metronome"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+MODEL_DIR = "/models"
+SERVER_CONTAINER = "server"
+RUN_AS_USER = 1000
+GPU_RESOURCE = "nvidia.com/gpu"
+
+LABEL_SERVICE = "metronome.dev/inferenceservice"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+ANNOTATION_CONFIG_GENERATION = "metronome.dev/config-generation"
+MANAGED_BY = "metronome-operator"
+
+PODMONITOR_API_VERSION = "monitoring.coreos.com/v1"
+PODMONITOR_CRD = "podmonitors.monitoring.coreos.com"
+
+
+@dataclass(frozen=True)
+class ChildNames:
+    deployment: str
+    service: str
+    config_map: str
+    pod_monitor: str
+
+
+def child_names(name: str) -> ChildNames:
+    return ChildNames(deployment=name, service=name, config_map=f"{name}-config", pod_monitor=name)
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """Immutable once the Deployment exists: never add to these."""
+    return {LABEL_NAME: "metronome-server", LABEL_SERVICE: name}
+
+
+def labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        LABEL_INSTANCE: name,
+        LABEL_COMPONENT: "server",
+        LABEL_PART_OF: "metronome",
+        LABEL_MANAGED_BY: MANAGED_BY,
+    }
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def _metadata(service: InferenceService, name: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": service.namespace,
+        "labels": labels(service.name),
+        "ownerReferences": [service.owner_reference],
+        **extra,
+    }
+
+
+# --- server.yaml ---------------------------------------------------------------------------------------------
+
+
+def next_server_config(current: ServerConfigFile | None, scheduler: SchedulerConfig) -> ServerConfigFile:
+    """The config to serve `scheduler`: the current one if it already does, else a new generation."""
+    if current is None:
+        return ServerConfigFile(generation=1, scheduler=scheduler)
+    if current.scheduler == scheduler:
+        return current
+    return ServerConfigFile(generation=current.generation + 1, scheduler=scheduler)
+
+
+def with_scheduler_changes(current: ServerConfigFile, **changes: Any) -> ServerConfigFile:
+    """`current` with some scheduler fields replaced (snake_case names, validated); the generation moves on only
+    if something changed. The autotuner's actuation goes through here."""
+    merged = {**current.scheduler.snake_dict(), **changes}
+    return next_server_config(current, validate_scheduler(merged, source="scheduler change"))
+
+
+def read_server_config(config_map: dict[str, Any] | None) -> ServerConfigFile | None:
+    """The config a ConfigMap serves; None when there is no ConfigMap or no server.yaml in it.
+    Raises ConfigError when server.yaml is there but invalid (someone edited it by hand)."""
+    if not config_map:
+        return None
+    text = (config_map.get("data") or {}).get(CONFIG_KEY)
+    if text is None:
+        return None
+    name = (config_map.get("metadata") or {}).get("name", "configmap")
+    return parse_server_config(text, source=f"ConfigMap {name} key {CONFIG_KEY}")
+
+
+def safe_read_server_config(config_map: dict[str, Any] | None) -> tuple[ServerConfigFile | None, str | None]:
+    """read_server_config, with an invalid file reported as (None, error) instead of raised."""
+    try:
+        return read_server_config(config_map), None
+    except ConfigError as exc:
+        return None, str(exc)
+
+
+def config_map(service: InferenceService, config: ServerConfigFile) -> dict[str, Any]:
+    names = child_names(service.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(
+            service, names.config_map, annotations={ANNOTATION_CONFIG_GENERATION: str(config.generation)}
+        ),
+        "data": {CONFIG_KEY: config.to_yaml()},
+    }
+
+
+# --- the server pod ------------------------------------------------------------------------------------------
+
+
+def model_argument_and_volume(spec: InferenceServiceSpec) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+    """What to pass as --model (None = the server's default model), the `model` volume and its mount."""
+    source = spec.model.source
+    mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+    if source.kind == "gguf":
+        file_name = posixpath.basename(source.value)
+        volume = {"name": "model", "hostPath": {"path": source.value, "type": "File"}}
+        path = f"{MODEL_DIR}/{file_name}"
+        return path, volume, {**mount, "mountPath": path}
+    if source.kind == "hf-dir":
+        return MODEL_DIR, {"name": "model", "hostPath": {"path": source.value, "type": "Directory"}}, mount
+    if source.kind == "pvc":
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}}
+        path = posixpath.join(MODEL_DIR, source.value) if source.value else MODEL_DIR
+        return path, volume, mount
+    # default / random:<preset>: no weights to mount; a writable scratch folder where weights would live.
+    scratch = {"name": "model", "emptyDir": {}}
+    argument = None if source.kind == "default" else f"random:{source.value}"
+    return argument, scratch, {**mount, "readOnly": False}
+
+
+def server_args(spec: InferenceServiceSpec) -> list[str]:
+    model_argument, _, _ = model_argument_and_volume(spec)
+    args = ["serve"]
+    if model_argument is not None:
+        args += ["--model", model_argument]
+    args += ["--config", CONFIG_PATH, "--host", "0.0.0.0", "--port", str(SERVER_PORT)]
+    gpus = spec.resources.gpus
+    args += ["--device", "cuda" if gpus > 0 else "cpu"]
+    if gpus > 0:
+        args += ["--tensor-parallel-size", str(gpus)]
+    args += ["--dtype", spec.model.dtype]
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    if spec.engine.block_size is not None:
+        args += ["--block-size", str(spec.engine.block_size)]
+    if spec.engine.attention_backend != "auto":
+        args += ["--attention-backend", spec.engine.attention_backend]
+    if spec.engine.max_waiting is not None:
+        args += ["--max-waiting", str(spec.engine.max_waiting)]
+    return args
+
+
+def _resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    res = spec.resources
+    requests: dict[str, str] = {"cpu": res.cpu, "memory": res.memory}
+    limits: dict[str, str] = {"memory": res.memory}
+    if res.gpus > 0:
+        # Extended resources are set as limits; the request defaults to the same number.
+        limits[GPU_RESOURCE] = str(res.gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def pod_template(service: InferenceService) -> dict[str, Any]:
+    spec = service.spec
+    names = child_names(service.name)
+    _, model_volume, model_mount = model_argument_and_volume(spec)
+    volumes = [
+        {"name": "config", "configMap": {"name": names.config_map, "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}]}},
+        model_volume,
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        model_mount,
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if spec.resources.gpus > 1:
+        # NCCL between tensor-parallel ranks needs more shared memory than the container default.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    container = {
+        "name": SERVER_CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["metronome"],
+        "args": server_args(spec),
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "env": [
+            # The root filesystem is read-only: every cache goes to /tmp.
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+            {"name": "HF_HOME", "value": "/tmp/.cache/huggingface"},
+            {"name": "TRITON_CACHE_DIR", "value": "/tmp/.cache/triton"},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        # Loading weights can take minutes: liveness starts only once the startup probe has passed.
+        "startupProbe": _http_probe("/health", period=10, failures=180),
+        "livenessProbe": _http_probe("/health", period=10, failures=3),
+        "readinessProbe": _http_probe("/ready", period=5, failures=3),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "automountServiceAccountToken": False,  # the server never talks to the API
+        "enableServiceLinks": False,
+        # In-flight streams finish on SIGTERM (the server drains); leave them time to.
+        "terminationGracePeriodSeconds": 60,
+    }
+    if spec.resources.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
+    if spec.resources.tolerations:
+        pod_spec["tolerations"] = [t.to_k8s() for t in spec.resources.tolerations]
+    return {
+        "metadata": {
+            "labels": labels(service.name),
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(SERVER_PORT),
+                "prometheus.io/path": "/metrics",
+            },
+        },
+        "spec": pod_spec,
+    }
+
+
+def deployment(service: InferenceService) -> dict[str, Any]:
+    names = child_names(service.name)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(service, names.deployment),
+        "spec": {
+            "replicas": service.spec.replicas,
+            "selector": {"matchLabels": selector_labels(service.name)},
+            # GPUs are scarce: bring one new pod up before taking an old one down, never more.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 1800,
+            "template": pod_template(service),
+        },
+    }
+
+
+def kube_service(service: InferenceService) -> dict[str, Any]:
+    names = child_names(service.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(service, names.service),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(service.name),
+            "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_monitor(service: InferenceService) -> dict[str, Any]:
+    names = child_names(service.name)
+    return {
+        "apiVersion": PODMONITOR_API_VERSION,
+        "kind": "PodMonitor",
+        "metadata": _metadata(service, names.pod_monitor),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(service.name)},
+            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def workload_children(service: InferenceService, *, monitoring_available: bool) -> list[dict[str, Any]]:
+    """Every child except the ConfigMap, whose content depends on what is served now (see next_server_config)."""
+    children = [deployment(service), kube_service(service)]
+    if monitoring_available:
+        children.append(pod_monitor(service))
+    return children

@@ -1,0 +1,77 @@
+"""Pure: turn what the operator changed into Event (type, reason, message) triples that people can read."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from metronome.server.config import ServerConfigFile
+
+NORMAL, WARNING = "Normal", "Warning"
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    type: str
+    reason: str
+    message: str
+
+
+def _camel(snake: str) -> str:
+    head, *rest = snake.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def describe_child(action: str, before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> EventSpec | None:
+    """An Event for a created/updated child; None when nothing changed."""
+    kind, name = after.get("kind", "Object"), (after.get("metadata") or {}).get("name", "?")
+    if action == "Created":
+        return EventSpec(NORMAL, "Created", f"created {kind} {name}")
+    if action != "Updated" or before is None:
+        return None
+    if kind == "Deployment":
+        old_spec, new_spec = before.get("spec") or {}, after.get("spec") or {}
+        if old_spec.get("template") != new_spec.get("template"):
+            return EventSpec(NORMAL, "RollingUpdate", f"pod template of Deployment {name} changed: pods roll")
+        if old_spec.get("replicas") != new_spec.get("replicas"):
+            return EventSpec(
+                NORMAL, "Scaled", f"Deployment {name} replicas {old_spec.get('replicas')} -> {new_spec.get('replicas')}"
+            )
+    return EventSpec(NORMAL, "Updated", f"updated {kind} {name}")
+
+
+def describe_config(before: ServerConfigFile | None, after: ServerConfigFile, why: str) -> EventSpec | None:
+    """An Event for a new server.yaml generation; None when the generation did not move."""
+    if before is None:
+        fields = ", ".join(f"{_camel(k)} {v}" for k, v in after.scheduler.snake_dict().items() if v is not None)
+        return EventSpec(NORMAL, "ConfigCreated", f"server.yaml generation {after.generation} ({why}): {fields}")
+    if before.generation == after.generation:
+        return None
+    old, new = before.scheduler.snake_dict(), after.scheduler.snake_dict()
+    diffs = [f"{_camel(k)} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k]]
+    changed = ", ".join(diffs) or "no scheduler change"
+    return EventSpec(
+        NORMAL,
+        "ConfigUpdated",
+        f"server.yaml generation {before.generation} -> {after.generation} ({why}): {changed}",
+    )
+
+
+def describe_transitions(
+    previous: Iterable[Mapping[str, Any]], current: Iterable[Mapping[str, Any]]
+) -> list[EventSpec]:
+    """Events for conditions whose status or reason changed. A condition's first appearance as Unknown is not
+    news; a False that is a problem (anything but Progressing=False) is a Warning."""
+    before = {c.get("type"): c for c in previous}
+    events = []
+    for cond in current:
+        old = before.get(cond["type"])
+        if old is not None and (old.get("status"), old.get("reason")) == (cond["status"], cond["reason"]):
+            continue
+        if old is None and cond["status"] == "Unknown":
+            continue
+        problem = (cond["status"] == "False" and cond["type"] != "Progressing") or (
+            cond["reason"] == "ProgressDeadlineExceeded"
+        )
+        message = f"{cond['type']}={cond['status']}: {cond['message']}"
+        events.append(EventSpec(WARNING if problem else NORMAL, cond["reason"], message))
+    return events

@@ -1,0 +1,86 @@
+"""Reconciliation steps, each a few API calls around the pure builders: write the children, serve a scheduler
+config, observe what runs. The kopf handlers (handlers.py) call these; the control loop reuses `serve_scheduler`
+to actuate and `observe` to read the children.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any, Mapping
+
+from metronome.operator import builders, changes
+from metronome.operator.k8s import Kube
+from metronome.operator.spec import InferenceService
+from metronome.operator.status import Observed
+from metronome.server.config import SchedulerConfig, ServerConfigFile
+
+log = logging.getLogger(__name__)
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _emit(kube: Kube, owner: Mapping[str, Any], event: changes.EventSpec | None) -> None:
+    if event is not None:
+        log.info("%s/%s: %s: %s", owner["metadata"].get("namespace"), owner["metadata"].get("name"), event.reason, event.message)
+        kube.emit_event(owner, event.type, event.reason, event.message)
+
+
+def _read_config(kube: Kube, service: InferenceService) -> tuple[dict | None, ServerConfigFile | None, str | None]:
+    existing = kube.get("v1", "ConfigMap", service.namespace, builders.child_names(service.name).config_map)
+    config, error = builders.safe_read_server_config(existing)
+    return existing, config, error
+
+
+def _last_generation(existing: Mapping[str, Any] | None, owner: Mapping[str, Any]) -> int:
+    """The highest generation ever written (ConfigMap annotation or status), so that a rewritten server.yaml
+    continues the numbering and metronome_config_generation only moves forward."""
+    annotations = ((existing or {}).get("metadata") or {}).get("annotations") or {}
+    written = str(annotations.get(builders.ANNOTATION_CONFIG_GENERATION, "0"))
+    in_status = (owner.get("status") or {}).get("configGeneration") or 0
+    return max(int(written) if written.isdigit() else 0, int(in_status))
+
+
+def serve_scheduler(
+    kube: Kube, service: InferenceService, owner: Mapping[str, Any], scheduler: SchedulerConfig, why: str
+) -> ServerConfigFile:
+    """Make the ConfigMap serve `scheduler`: a new generation if it differs from what is served, else nothing."""
+    existing, current, error = _read_config(kube, service)
+    if current is None:
+        if error:
+            _emit(kube, owner, changes.EventSpec(changes.WARNING, "InvalidConfig", f"{error}; rewriting it"))
+        config = ServerConfigFile(generation=_last_generation(existing, owner) + 1, scheduler=scheduler)
+    else:
+        config = builders.next_server_config(current, scheduler)
+    kube.apply(builders.config_map(service, config))
+    _emit(kube, owner, changes.describe_config(current, config, why))
+    return config
+
+
+def sync_children(kube: Kube, service: InferenceService, owner: Mapping[str, Any]) -> ServerConfigFile:
+    """Create or repair every child. The ConfigMap keeps the config it serves (it may have been retuned); it is
+    written from spec.server only when missing or invalid."""
+    _, current, _ = _read_config(kube, service)
+    if current is None:
+        config = serve_scheduler(kube, service, owner, service.spec.server, why="from spec.server")
+    else:
+        config = current
+        kube.apply(builders.config_map(service, config))  # repairs labels/owner; same content → no change
+    monitoring = kube.crd_exists(builders.PODMONITOR_CRD)
+    for child in builders.workload_children(service, monitoring_available=monitoring):
+        applied = kube.apply(child)
+        _emit(kube, owner, changes.describe_child(applied.action.value, applied.before, applied.after))
+    return config
+
+
+def observe(kube: Kube, service: InferenceService) -> Observed:
+    """Read the Deployment, the served config and, while pods are not all ready, the pods (for the reason)."""
+    names = builders.child_names(service.name)
+    deployment = kube.get("apps/v1", "Deployment", service.namespace, names.deployment)
+    _, config, error = _read_config(kube, service)
+    ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
+    pods: list[dict] = []
+    if deployment is not None and ready < service.spec.replicas:
+        pods = kube.list("v1", "Pod", service.namespace, builders.selector_string(service.name))
+    return Observed(deployment=deployment, pods=tuple(pods), served_config=config, config_error=error)

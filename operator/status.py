@@ -1,0 +1,260 @@
+"""Pure status: what the operator observed (Deployment, pods, served config, metrics) → the CR's `status`.
+
+Conditions follow the Kubernetes API conventions: type/status/reason/message/lastTransitionTime/
+observedGeneration, and lastTransitionTime only moves when status flips. `status_patch` keeps only what changed,
+so a periodic refresh that observes nothing new writes nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from metronome.operator.builders import selector_string
+from metronome.operator.spec import InferenceService, SLOSpec
+from metronome.server.config import ServerConfigFile
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+METRICS_AVAILABLE = "MetricsAvailable"
+SLO_MET = "SLOMet"
+CONFIG_APPLIED = "ConfigApplied"
+CONDITION_TYPES = (READY, PROGRESSING, METRICS_AVAILABLE, SLO_MET, CONFIG_APPLIED)
+
+TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
+SLO_STATES = {TRUE: "Met", FALSE: "Violated", UNKNOWN: "Unknown"}
+
+
+@dataclass(frozen=True)
+class ServingMetrics:
+    """What the metrics source saw for one service over its window (filled in by the control loop)."""
+
+    available: bool
+    reason: str = "MetricsRead"
+    message: str = ""
+    tbt_p99_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    throughput_tokens_per_second: float | None = None
+    pods_on_generation: int | None = None
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything status is computed from; built by the handlers from API reads."""
+
+    deployment: Mapping[str, Any] | None
+    pods: tuple[Mapping[str, Any], ...] = ()
+    served_config: ServerConfigFile | None = None
+    config_error: str | None = None
+    metrics: ServingMetrics | None = None
+
+
+def condition(
+    type_: str,
+    status: str,
+    reason: str,
+    message: str,
+    *,
+    generation: int,
+    now: str,
+    previous: Iterable[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    before = next((c for c in previous if c.get("type") == type_), None)
+    unchanged = before is not None and before.get("status") == status and before.get("lastTransitionTime")
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": before["lastTransitionTime"] if unchanged else now,
+        "observedGeneration": generation,
+    }
+
+
+# --- the Deployment ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rollout:
+    desired: int
+    replicas: int
+    ready: int
+    updated: int
+    available: int
+    current: bool  # the Deployment controller has seen the latest Deployment spec
+    deadline_exceeded: bool
+
+    @property
+    def settled(self) -> bool:
+        return self.current and self.updated >= self.desired and self.replicas == self.desired and (
+            self.available >= self.desired
+        )
+
+
+def rollout_of(deployment: Mapping[str, Any], desired: int) -> Rollout:
+    status = deployment.get("status") or {}
+    metadata = deployment.get("metadata") or {}
+    conditions = status.get("conditions") or []
+    return Rollout(
+        desired=desired,
+        replicas=int(status.get("replicas") or 0),
+        ready=int(status.get("readyReplicas") or 0),
+        updated=int(status.get("updatedReplicas") or 0),
+        available=int(status.get("availableReplicas") or 0),
+        current=int(status.get("observedGeneration") or 0) >= int(metadata.get("generation") or 0),
+        deadline_exceeded=any(
+            c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded" for c in conditions
+        ),
+    )
+
+
+def pod_problems(pods: Iterable[Mapping[str, Any]], limit: int = 2) -> list[str]:
+    """Why pods are not ready, in the words the scheduler and kubelet used (first few distinct ones)."""
+    problems: list[str] = []
+    for pod in pods:
+        name = (pod.get("metadata") or {}).get("name", "?")
+        status = pod.get("status") or {}
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                problems.append(f"{name}: {cond.get('reason', 'Unschedulable')}: {cond.get('message', '')}".rstrip(": "))
+        for container in status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting")
+            if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
+                problems.append(f"{name}: {waiting['reason']}: {waiting.get('message', '')}".rstrip(": "))
+    unique = list(dict.fromkeys(problems))
+    return unique[:limit]
+
+
+def ready_condition(rollout: Rollout | None, pods: Iterable[Mapping[str, Any]]) -> tuple[str, str, str]:
+    if rollout is None:
+        return FALSE, "DeploymentMissing", "the server Deployment does not exist yet"
+    if rollout.desired == 0:
+        return TRUE, "ScaledToZero", "replicas is 0"
+    summary = f"{rollout.ready}/{rollout.desired} server pods ready"
+    if rollout.ready >= rollout.desired and rollout.settled:
+        return TRUE, "AllReplicasReady", summary
+    problems = pod_problems(pods)
+    return FALSE, "ReplicasNotReady", "; ".join([summary, *problems])
+
+
+def progressing_condition(rollout: Rollout | None) -> tuple[str, str, str]:
+    if rollout is None:
+        return TRUE, "Creating", "creating the server Deployment"
+    if rollout.deadline_exceeded:
+        return FALSE, "ProgressDeadlineExceeded", "the rollout made no progress within its deadline"
+    if rollout.settled:
+        return FALSE, "Stable", f"{rollout.updated} pods on the current template"
+    return TRUE, "RollingOut", (
+        f"{rollout.updated}/{rollout.desired} pods on the current template, {rollout.available} available"
+    )
+
+
+# --- config and metrics --------------------------------------------------------------------------------------
+
+
+def config_condition(observed: Observed, rollout: Rollout | None) -> tuple[str, str, str]:
+    if observed.config_error:
+        return FALSE, "InvalidConfig", observed.config_error
+    config = observed.served_config
+    if config is None:
+        return FALSE, "ConfigMapMissing", "server.yaml has not been written yet"
+    metrics = observed.metrics
+    if metrics is None or not metrics.available or metrics.pods_on_generation is None:
+        return UNKNOWN, "GenerationNotObserved", (
+            f"generation {config.generation} written; waiting for the pods to report metronome_config_generation"
+        )
+    expected = rollout.ready if rollout is not None else 0
+    message = f"{metrics.pods_on_generation}/{expected} ready pods serve generation {config.generation}"
+    if metrics.pods_on_generation >= expected:
+        return TRUE, "AllPodsOnGeneration", message
+    return FALSE, "PodsOnOlderGeneration", message
+
+
+def metrics_condition(metrics: ServingMetrics | None) -> tuple[str, str, str]:
+    if metrics is None:
+        return UNKNOWN, "NotObserved", "metrics have not been read yet"
+    if not metrics.available:
+        return FALSE, metrics.reason or "NoData", metrics.message or "no samples in the metrics window"
+    return TRUE, metrics.reason or "MetricsRead", metrics.message or "metrics read from Prometheus"
+
+
+def slo_violations(slo: SLOSpec, metrics: ServingMetrics) -> list[str]:
+    violations = []
+    if metrics.tbt_p99_ms is not None and metrics.tbt_p99_ms > slo.tbt_p99_ms:
+        violations.append(f"TBT p99 {metrics.tbt_p99_ms:.1f} ms > {slo.tbt_p99_ms:g} ms")
+    if slo.ttft_p99_ms is not None and metrics.ttft_p99_ms is not None and metrics.ttft_p99_ms > slo.ttft_p99_ms:
+        violations.append(f"TTFT p99 {metrics.ttft_p99_ms:.1f} ms > {slo.ttft_p99_ms:g} ms")
+    floor = slo.min_throughput_tokens_per_second
+    tput = metrics.throughput_tokens_per_second
+    if floor is not None and tput is not None and tput < floor:
+        violations.append(f"throughput {tput:.1f} tok/s < {floor:g} tok/s")
+    return violations
+
+
+def slo_condition(slo: SLOSpec | None, metrics: ServingMetrics | None) -> tuple[str, str, str]:
+    if slo is None:
+        return UNKNOWN, "NoSLO", "spec.slo is not set"
+    if metrics is None or not metrics.available or metrics.tbt_p99_ms is None:
+        return UNKNOWN, "NoData", "no TBT samples to judge the SLO by"
+    violations = slo_violations(slo, metrics)
+    if violations:
+        return FALSE, "SLOViolated", "; ".join(violations)
+    return TRUE, "SLOMet", f"TBT p99 {metrics.tbt_p99_ms:.1f} ms <= {slo.tbt_p99_ms:g} ms"
+
+
+# --- the whole status ----------------------------------------------------------------------------------------
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 1)
+
+
+def compute_status(
+    service: InferenceService,
+    observed: Observed,
+    *,
+    now: str,
+    previous_conditions: Iterable[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """The full desired status (lastDecision excepted: the control loop owns it). None = clear the field."""
+    previous = list(previous_conditions)
+    desired = service.spec.replicas
+    rollout = rollout_of(observed.deployment, desired) if observed.deployment is not None else None
+    metrics = observed.metrics
+
+    def make(type_: str, verdict: tuple[str, str, str]) -> dict[str, Any]:
+        status, reason, message = verdict
+        return condition(type_, status, reason, message, generation=service.generation, now=now, previous=previous)
+
+    slo_verdict = slo_condition(service.spec.slo, metrics)
+    conditions = [
+        make(READY, ready_condition(rollout, observed.pods)),
+        make(PROGRESSING, progressing_condition(rollout)),
+        make(METRICS_AVAILABLE, metrics_condition(metrics)),
+        make(SLO_MET, slo_verdict),
+        make(CONFIG_APPLIED, config_condition(observed, rollout)),
+    ]
+    config = observed.served_config
+    ready = rollout.ready if rollout else 0
+    have_metrics = metrics is not None and metrics.available
+    return {
+        "observedGeneration": service.generation,
+        "conditions": conditions,
+        "replicas": rollout.replicas if rollout else 0,
+        "readyReplicas": ready,
+        "ready": f"{ready}/{desired}",
+        "selector": selector_string(service.name),
+        "chunkSize": config.scheduler.chunk_size if config else None,
+        "queuePolicy": config.scheduler.queue_policy.value if config else None,
+        "configGeneration": config.generation if config else None,
+        "podsOnGeneration": metrics.pods_on_generation if have_metrics else None,
+        "tbtP99Ms": _rounded(metrics.tbt_p99_ms) if have_metrics else None,
+        "ttftP99Ms": _rounded(metrics.ttft_p99_ms) if have_metrics else None,
+        "throughputTokensPerSecond": _rounded(metrics.throughput_tokens_per_second) if have_metrics else None,
+        "slo": SLO_STATES[slo_verdict[0]],
+    }
+
+
+def status_patch(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch that turns `current` into `desired` for the keys `desired` names (None deletes)."""
+    current = current or {}
+    return {key: value for key, value in desired.items() if current.get(key) != value}

@@ -1,0 +1,146 @@
+"""Pure status: conditions, READY/SLO columns, lastTransitionTime, minimal patches, transition Events."""
+from __future__ import annotations
+
+from metronome.operator import builders
+from metronome.operator.changes import describe_transitions
+from metronome.operator.spec import parse_service
+from metronome.operator.status import Observed, ServingMetrics, compute_status, status_patch
+
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def service(**spec):
+    body = {
+        "metadata": {"name": "chat", "namespace": "ml", "uid": "u", "generation": 7},
+        "spec": {"model": {"source": "default"}, "replicas": 2, **spec},
+    }
+    return parse_service(body)
+
+
+def deployment(ready: int, updated: int = 2, replicas: int = 2, generation: int = 1, observed: int = 1) -> dict:
+    return {
+        "metadata": {"generation": generation},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "updatedReplicas": updated,
+        },
+    }
+
+
+def conditions_by_type(status: dict) -> dict:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def served(svc):
+    return builders.next_server_config(None, svc.spec.server)
+
+
+def test_all_ready_without_metrics():
+    svc = service()
+    status = compute_status(svc, Observed(deployment(ready=2), served_config=served(svc)), now=T0)
+    cond = conditions_by_type(status)
+    assert status["ready"] == "2/2" and status["readyReplicas"] == 2 and status["replicas"] == 2
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("True", "AllReplicasReady")
+    assert cond["Progressing"]["status"] == "False"
+    assert cond["MetricsAvailable"]["status"] == "Unknown"
+    assert cond["ConfigApplied"]["status"] == "Unknown"
+    assert cond["SLOMet"]["status"] == "Unknown" and status["slo"] == "Unknown"
+    assert status["chunkSize"] == 512 and status["queuePolicy"] == "split" and status["configGeneration"] == 1
+    assert status["selector"] == "app.kubernetes.io/name=metronome-server,metronome.dev/inferenceservice=chat"
+    for c in status["conditions"]:
+        assert c["observedGeneration"] == 7 and c["lastTransitionTime"] == T0
+        assert set(c) == {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
+
+
+def test_not_ready_names_the_pod_problem():
+    pending = {
+        "metadata": {"name": "chat-abc"},
+        "status": {
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}
+            ]
+        },
+    }
+    svc = service()
+    status = compute_status(svc, Observed(deployment(ready=1), pods=(pending,), served_config=served(svc)), now=T0)
+    ready = conditions_by_type(status)["Ready"]
+    assert ready["status"] == "False" and status["ready"] == "1/2"
+    assert "Insufficient nvidia.com/gpu" in ready["message"] and "chat-abc" in ready["message"]
+    assert conditions_by_type(status)["Progressing"]["status"] == "True"
+
+
+def test_rollout_in_progress_is_not_ready_even_with_enough_ready_pods():
+    svc = service()
+    status = compute_status(svc, Observed(deployment(ready=2, updated=1, replicas=3, generation=2, observed=2)), now=T0)
+    cond = conditions_by_type(status)
+    assert cond["Ready"]["status"] == "False" and cond["Progressing"]["reason"] == "RollingOut"
+
+
+def test_missing_deployment_and_config():
+    status = compute_status(service(), Observed(None), now=T0)
+    cond = conditions_by_type(status)
+    assert cond["Ready"]["reason"] == "DeploymentMissing" and status["ready"] == "0/2"
+    assert cond["ConfigApplied"]["reason"] == "ConfigMapMissing"
+    assert status["chunkSize"] is None
+
+
+def test_invalid_config_is_a_false_configapplied():
+    status = compute_status(service(), Observed(deployment(ready=2), config_error="bad chunk_size"), now=T0)
+    cond = conditions_by_type(status)["ConfigApplied"]
+    assert (cond["status"], cond["reason"], cond["message"]) == ("False", "InvalidConfig", "bad chunk_size")
+
+
+def test_slo_met_and_violated_from_metrics():
+    svc = service(slo={"tbtP99Ms": 50, "minThroughputTokensPerSecond": 100})
+    good = ServingMetrics(available=True, tbt_p99_ms=31.26, throughput_tokens_per_second=850.04, pods_on_generation=2)
+    status = compute_status(svc, Observed(deployment(ready=2), served_config=served(svc), metrics=good), now=T0)
+    cond = conditions_by_type(status)
+    assert status["slo"] == "Met" and cond["SLOMet"]["status"] == "True"
+    assert status["tbtP99Ms"] == 31.3 and status["throughputTokensPerSecond"] == 850.0
+    assert cond["ConfigApplied"]["status"] == "True" and status["podsOnGeneration"] == 2
+    assert cond["MetricsAvailable"]["status"] == "True"
+
+    bad = ServingMetrics(available=True, tbt_p99_ms=80, throughput_tokens_per_second=40, pods_on_generation=1)
+    status = compute_status(svc, Observed(deployment(ready=2), served_config=served(svc), metrics=bad), now=T1)
+    cond = conditions_by_type(status)
+    assert status["slo"] == "Violated" and cond["SLOMet"]["reason"] == "SLOViolated"
+    assert "TBT p99 80.0 ms > 50 ms" in cond["SLOMet"]["message"] and "throughput" in cond["SLOMet"]["message"]
+    assert cond["ConfigApplied"]["reason"] == "PodsOnOlderGeneration"
+
+
+def test_no_metrics_is_metrics_available_false_and_slo_unknown():
+    svc = service(slo={"tbtP99Ms": 50})
+    down = ServingMetrics(available=False, reason="PrometheusUnreachable", message="connection refused")
+    status = compute_status(svc, Observed(deployment(ready=2), metrics=down), now=T0)
+    cond = conditions_by_type(status)
+    assert (cond["MetricsAvailable"]["status"], cond["MetricsAvailable"]["reason"]) == ("False", "PrometheusUnreachable")
+    assert status["slo"] == "Unknown" and status["tbtP99Ms"] is None
+
+
+def test_transition_time_moves_only_when_status_flips_and_refresh_is_a_no_op():
+    svc = service()
+    first = compute_status(svc, Observed(deployment(ready=1)), now=T0)
+    same = compute_status(svc, Observed(deployment(ready=1)), now=T1, previous_conditions=first["conditions"])
+    assert status_patch(first, same) == {}
+    ready = compute_status(svc, Observed(deployment(ready=2)), now=T1, previous_conditions=first["conditions"])
+    patch = status_patch(first, ready)
+    assert set(patch) >= {"conditions", "ready", "readyReplicas"}
+    cond = conditions_by_type(ready)
+    assert cond["Ready"]["lastTransitionTime"] == T1
+    assert cond["MetricsAvailable"]["lastTransitionTime"] == T0
+
+
+def test_transition_events():
+    svc = service()
+    first = compute_status(svc, Observed(deployment(ready=1), served_config=served(svc)), now=T0)
+    events = describe_transitions([], first["conditions"])
+    assert {e.reason for e in events} == {"ReplicasNotReady", "RollingOut"}  # Unknown first appearances are quiet
+    assert next(e for e in events if e.reason == "ReplicasNotReady").type == "Warning"
+    ready = compute_status(svc, Observed(deployment(ready=2), served_config=served(svc)), now=T1, previous_conditions=first["conditions"])
+    events = describe_transitions(first["conditions"], ready["conditions"])
+    assert [(e.type, e.reason) for e in events] == [("Normal", "AllReplicasReady"), ("Normal", "Stable")]
+    assert describe_transitions(ready["conditions"], ready["conditions"]) == []
