@@ -1,0 +1,238 @@
+"""`metronome bench [run|sweep|engine]`: argparse only here; the work is imported when a command runs.
+
+    metronome bench run    --model random:tiny --rate 2 --num-requests 50 --out r.json --plot r.png
+    metronome bench run    --url http://127.0.0.1:8000 --concurrency 8 --duration 60
+    metronome bench sweep  --model random:tiny --chunk-sizes 256,512 --policies fcfs,split --rates 1,2,4
+    metronome bench sweep  --url http://127.0.0.1:8000 --config-file /etc/metronome/server.yaml ...
+    metronome bench engine --model random:llama-3-8b --device cuda --out h200.json
+
+`metronome bench` without a sub-command is `bench run`. Flags are documented in docs/bench.md.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+WORKLOADS = ("long-short", "chat", "shift", "jsonl")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text}")
+    return value
+
+
+def _rate(text: str) -> float:
+    if text.strip().lower() in ("inf", "burst"):
+        return math.inf
+    return _positive_float(text)
+
+
+def _csv(item_type):
+    def parse(text: str) -> list:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("expected a comma-separated list")
+        return [item_type(t) for t in items]
+
+    return parse
+
+
+def _chunk(text: str) -> int:
+    if text.strip().lower() in ("unchunked", "none", "inf"):
+        return 1 << 20
+    return _positive_int(text)
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH token ids, got {text!r}") from None
+    if not sep or lo < 0 or hi - lo < 2:
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH with 0 <= LOW and HIGH - LOW >= 2, got {text!r}")
+    return lo, hi
+
+
+def _add_target(p: argparse.ArgumentParser, engine_default_model: str | None = None) -> None:
+    g = p.add_argument_group("target")
+    if engine_default_model is None:
+        g.add_argument("--url", help="benchmark a running server (OpenAI API) instead of an in-process engine")
+    g.add_argument("--model", default=engine_default_model,
+                   help="in-process: the model spec (random:<preset>, .gguf, hf-dir:...; default: the engine's "
+                        "default model); with --url: the served model name (default: the first in /v1/models)")
+    g.add_argument("--dtype", default="auto", help="in-process: auto | bf16 | fp16 | fp32 (default: auto)")
+    g.add_argument("--device", default="auto" if engine_default_model is None else "cuda",
+                   help="in-process: auto | cpu | cuda[:N]")
+    g.add_argument("--kv-cache-memory-gb", type=_positive_float, default=1.0, help="in-process, CPU: KV budget")
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, help="in-process, CUDA: memory share")
+    g.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="in-process: fixed KV block count")
+    g.add_argument("--max-model-len", type=_positive_int, default=None, help="in-process: context limit")
+    g.add_argument("--attention-backend", default="auto", help="in-process: torch | triton | flash_attn | auto")
+    g.add_argument("--no-prefix-caching", action="store_true", help="in-process: disable prefix caching")
+    g.add_argument("--chunk-size", type=_chunk, default=512, help="in-process: initial chunk size ('unchunked' ok)")
+    g.add_argument("--queue-policy", choices=("fcfs", "split", "sjf"), default="fcfs",
+                   help="in-process: initial queue policy (default: fcfs)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=256, help="in-process: most running sequences")
+
+
+def _add_workload(p: argparse.ArgumentParser, default_workload: str = "long-short") -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOADS, default=default_workload,
+                   help=f"request mix (default: {default_workload})")
+    g.add_argument("--jsonl", metavar="PATH", help="jsonl workload: one {prompt|prompt_token_ids, max_tokens} a line")
+    g.add_argument("--max-tokens", type=_positive_int, default=None, help="override every request's output length")
+    g.add_argument("--long-fraction", type=_fraction, default=0.2, help="long-short: share of long prompts")
+    g.add_argument("--long-prompt-len", type=_positive_int, default=2000, help="long-short/shift: long prompt tokens")
+    g.add_argument("--short-prompt-len", type=_positive_int, default=50, help="long-short/shift: short prompt tokens")
+    g.add_argument("--output-len", type=_positive_int, default=128, help="long-short/shift: output tokens")
+    g.add_argument("--shift-after", type=int, default=None,
+                   help="shift: requests in the short-heavy phase (default: half the run)")
+    g.add_argument("--token-id-range", type=_token_range, default=None, metavar="LOW:HIGH",
+                   help="prompt token ids to draw from (default in-process: the model's vocabulary minus special "
+                        "ids; with --url: 300:500)")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default: 0)")
+
+
+def _add_load(p: argparse.ArgumentParser, sweep: bool) -> None:
+    g = p.add_argument_group("load")
+    if sweep:
+        g.add_argument("--rates", type=_csv(_rate), default=[1.0, 2.0, 4.0], help="Poisson rates, req/s (1,2,4)")
+    else:
+        mode = g.add_mutually_exclusive_group()
+        mode.add_argument("--rate", type=_csv(_rate), default=None,
+                          help="Poisson arrivals, req/s; a comma list runs once per rate; 'inf' = all at once")
+        mode.add_argument("--concurrency", type=_positive_int, default=None, help="fixed number of requests in flight")
+    stop = g.add_mutually_exclusive_group()
+    stop.add_argument("--duration", type=_positive_float, default=None, help="seconds of sending per run")
+    stop.add_argument("--num-requests", type=_positive_int, default=None, help="requests per run (default: 100)")
+    g.add_argument("--request-timeout", type=_positive_float, default=600.0, help="per-request limit, s (600)")
+    g.add_argument("--drain-timeout", type=_positive_float, default=120.0,
+                   help="after the last send, in-flight requests get this long, then are cancelled (120)")
+    g.add_argument("--warmup-requests", type=_nonneg_int, default=2, help="unmeasured requests sent first (2)")
+
+
+def _add_output(p: argparse.ArgumentParser, slo_default: str) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--slo-tbt-ms", type=_csv(_positive_float), default=_csv(_positive_float)(slo_default),
+                   help=f"TBT SLO in ms for goodput and recommendations; sweep takes a list (default: {slo_default})")
+    g.add_argument("--slo-ttft-ms", type=_positive_float, default=None, help="optional TTFT SLO for goodput, ms")
+    g.add_argument("--out", metavar="PATH", help="write results JSON here")
+    g.add_argument("--plot", metavar="PATH", help="write a PNG: TBT CDF per run, TBT p99 vs throughput")
+    g.add_argument("--no-records", action="store_true", help="leave raw per-request records out of the JSON")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _configure_run(p: argparse.ArgumentParser) -> None:
+    _add_target(p)
+    _add_workload(p)
+    _add_load(p, sweep=False)
+    _add_output(p, "100")
+
+
+def _configure_sweep(p: argparse.ArgumentParser) -> None:
+    _add_target(p)
+    _add_workload(p)
+    _add_load(p, sweep=True)
+    _add_output(p, "100")
+    g = p.add_argument_group("sweep")
+    g.add_argument("--chunk-sizes", type=_csv(_chunk), default=[256, 512, 1024, 2048],
+                   help="chunk sizes to try ('unchunked' = 1<<20) (256,512,1024,2048)")
+    g.add_argument("--policies", default="fcfs,split", help="queue policies to try (fcfs,split)")
+    g.add_argument("--config-file", metavar="PATH",
+                   help="with --url: the server's --config file, rewritten by a Kubernetes-style ..data swap")
+    g.add_argument("--reload-timeout", type=_positive_float, default=30.0,
+                   help="with --url: seconds to wait for /v1/config to report a new generation (30)")
+
+
+def _configure_engine(p: argparse.ArgumentParser) -> None:
+    _add_target(p, engine_default_model="random:llama-3-8b")
+    p.set_defaults(chunk_size=2048)
+    g = p.add_argument_group("engine benchmark")
+    g.add_argument("--sections", type=_csv(str), default=["device", "decode", "prefill", "longshort", "hf"],
+                   help="which parts to run (device,decode,prefill,longshort,hf)")
+    g.add_argument("--copy-mb", type=_positive_int, default=2048, help="device copy size, MiB (2048)")
+    g.add_argument("--matmul-size", type=_positive_int, default=8192, help="square bf16 matmul size (8192)")
+    g.add_argument("--reps", type=_positive_int, default=10, help="timed repetitions per micro-benchmark (10)")
+    g.add_argument("--batch-sizes", type=_csv(_positive_int), default=[1, 16, 64, 256], help="decode batches")
+    g.add_argument("--context", type=_positive_int, default=2048, help="decode context length, tokens (2048)")
+    g.add_argument("--decode-steps", type=_positive_int, default=20, help="timed decode steps per batch (20)")
+    g.add_argument("--prefill-prompt-len", type=_positive_int, default=2048, help="prefill prompt length (2048)")
+    g.add_argument("--prefill-prompts", type=_positive_int, default=8, help="prompts in the prefill test (8)")
+    g.add_argument("--rates", type=_csv(_rate), default=[4.0, 8.0, 16.0, 24.0, 32.0],
+                   help="long-short Poisson rates, req/s (4,8,16,24,32)")
+    g.add_argument("--chunk-sizes", type=_csv(_chunk), default=[256, 512, 1024, 2048, 1 << 20],
+                   help="chunk sizes for long-short ('unchunked' = 1<<20)")
+    g.add_argument("--queue-policy-longshort", dest="longshort_policy", choices=("fcfs", "split", "sjf"),
+                   default="fcfs", help="queue policy of the long-short runs (fcfs)")
+    g.add_argument("--num-requests", type=_positive_int, default=200, help="long-short requests per run (200)")
+    g.add_argument("--duration", type=_positive_float, default=None, help="long-short: seconds of sending per run "
+                                                                           "instead of a count")
+    g.add_argument("--drain-timeout", type=_positive_float, default=120.0, help="long-short drain limit, s")
+    g.add_argument("--long-prompt-len", type=_positive_int, default=2000, help="long-short long prompt tokens")
+    g.add_argument("--short-prompt-len", type=_positive_int, default=50, help="long-short short prompt tokens")
+    g.add_argument("--output-len", type=_positive_int, default=128, help="long-short output tokens")
+    g.add_argument("--long-fraction", type=_fraction, default=0.2, help="long-short share of long prompts")
+    g.add_argument("--skip-hf", action="store_true", help="skip the transformers continuous-batching peer")
+    g.add_argument("--hf-requests", type=_positive_int, default=200, help="requests in the transformers batch (200)")
+    g.add_argument("--hf-attn", default="paged|sdpa", help="transformers attn_implementation (paged|sdpa)")
+    g.add_argument("--hf-timeout", type=_positive_float, default=900.0, help="transformers batch limit, s")
+    g.add_argument("--slo-tbt-ms", type=_positive_float, default=30.0, help="TBT SLO for capacity, ms (30)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", metavar="PATH", help="write the one results JSON here")
+    g.add_argument("--plot", metavar="PATH", help="PNG of TBT p99 vs throughput per chunk size")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(bench_command="run")
+    _configure_run(parser)  # `metronome bench ...` with no sub-command is `bench run ...`
+    sub = parser.add_subparsers(dest="bench_command", metavar="{run,sweep,engine}")
+    _configure_run(sub.add_parser("run", help="one workload at one or more loads (default)",
+                                  description="Run a workload against a server or an in-process engine."))
+    _configure_sweep(sub.add_parser("sweep", help="chunk sizes x policies x rates; recommend a configuration",
+                                    description="Sweep scheduler configurations and recommend one for a TBT SLO."))
+    _configure_engine(sub.add_parser("engine", help="in-process engine benchmark vs the hardware floor",
+                                     description="Device peak, decode/prefill efficiency, long-short capacity "
+                                                 "per chunk size, and transformers' continuous batching."))
+
+
+def run(args: argparse.Namespace) -> int:
+    from metronome.server.bench.commands import main
+
+    return main(args)

@@ -1,0 +1,48 @@
+"""Bytes and FLOPs of a Llama-family decoder: the physical floors the engine benchmark compares against. Pure.
+
+- A decode step reads every weight once (the input embedding table is only gathered, B rows; when tied, the
+  table is read whole as the LM head) plus the KV of every context token of every sequence.
+- Prefill of a prompt of L tokens: 2 FLOPs per linear weight per token, causal attention 4·heads·head_dim per
+  (query, key) pair over L(L+1)/2 pairs per layer, and the LM head only for the sampled (last) token.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+
+def embedding_params(config: Any) -> int:
+    return config.vocab_size * config.hidden_size
+
+
+def linear_params_per_layer(config: Any) -> int:
+    h = config.hidden_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+
+
+def weights_read_per_decode_step(config: Any, dtype_bytes: int) -> int:
+    """Bytes of weights a decode step must read (all parameters but the gathered input embedding table)."""
+    params = config.num_parameters()
+    if not config.tie_word_embeddings:
+        params -= embedding_params(config)
+    return params * dtype_bytes
+
+
+def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+
+
+def decode_floor_bytes(config: Any, dtype_bytes: int, context_lens: Iterable[int]) -> int:
+    return weights_read_per_decode_step(config, dtype_bytes) + kv_bytes_per_token(config, dtype_bytes) * sum(
+        context_lens)
+
+
+def prefill_flops(config: Any, prompt_lens: Iterable[int]) -> float:
+    """FLOPs to prefill these prompts from scratch (one sampled token each)."""
+    linear = config.num_hidden_layers * linear_params_per_layer(config)
+    attn_per_pair = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    lm_head = 2 * config.vocab_size * config.hidden_size
+    total = 0.0
+    for length in prompt_lens:
+        total += 2.0 * linear * length + attn_per_pair * length * (length + 1) / 2 + lm_head
+    return total
