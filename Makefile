@@ -58,3 +58,8 @@ clean:
 # docs/architecture.svg is drawn by a command, not by hand.
 diagram: venv
 	$(PY) hack/diagram.py docs/architecture.svg
+
+# The chart carries a byte-identical copy of the one CRD source (tests/unit/test_crd_schema.py checks it).
+.PHONY: chart-crds
+chart-crds:
+	mkdir -p charts/metronome/crds && cp crds/inferenceservice.yaml charts/metronome/crds/inferenceservice.yaml

@@ -1,0 +1,88 @@
+{{/* Names and labels shared by the templates. */}}
+{{- define "metronome.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "metronome.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "metronome.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "metronome.name" . }}-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "metronome.labels" -}}
+{{ include "metronome.selectorLabels" . }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: metronome
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "metronome.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "metronome.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+What the operator does inside the namespaces it manages — every verb is used:
+- inferenceservices: kopf lists/watches them and patches annotations (progress, last-handled spec); get for reads.
+- inferenceservices/status: status patches. inferenceservices/finalizers update: children set
+  blockOwnerDeletion on their owner reference (enforced where OwnerReferencesPermissionEnforcement is on).
+- deployments, services, configmaps, podmonitors: get + server-side apply (patch; create for new objects).
+  No delete: children are garbage-collected through their owner references.
+- pods list: why pods are not ready (scheduling failures) in the Ready condition.
+- events create: an Event for every change.
+*/}}
+{{- define "metronome.namespacedRules" -}}
+- apiGroups: [metronome.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [metronome.dev]
+  resources: [inferenceservices/status]
+  verbs: [patch]
+- apiGroups: [metronome.dev]
+  resources: [inferenceservices/finalizers]
+  verbs: [update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors]
+  verbs: [get, create, patch]
+{{- if and .Values.peering.enabled .Values.watchNamespaces }}
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end -}}
+
+{{/* Cluster-scoped reads: kopf discovers resources through CRDs; the operator checks for the PodMonitor CRD. */}}
+{{- define "metronome.clusterRules" -}}
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [get, list, watch]
+{{- if and .Values.peering.enabled (not .Values.watchNamespaces) }}
+- apiGroups: [kopf.dev]
+  resources: [clusterkopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end -}}
