@@ -194,20 +194,26 @@ def _configure_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-steps", type=_positive_int, default=20, help="timed decode steps per batch (20)")
     g.add_argument("--prefill-prompt-len", type=_positive_int, default=2048, help="prefill prompt length (2048)")
     g.add_argument("--prefill-prompts", type=_positive_int, default=8, help="prompts in the prefill test (8)")
+    g.add_argument("--prefill-chunk", type=_chunk, default=8192,
+                   help="chunk size while building decode contexts and in the prefill test (8192)")
     g.add_argument("--rates", type=_csv(_rate), default=[4.0, 8.0, 16.0, 24.0, 32.0],
                    help="long-short Poisson rates, req/s (4,8,16,24,32)")
     g.add_argument("--chunk-sizes", type=_csv(_chunk), default=[256, 512, 1024, 2048, 1 << 20],
                    help="chunk sizes for long-short ('unchunked' = 1<<20)")
     g.add_argument("--queue-policy-longshort", dest="longshort_policy", choices=("fcfs", "split", "sjf"),
                    default="fcfs", help="queue policy of the long-short runs (fcfs)")
-    g.add_argument("--num-requests", type=_positive_int, default=200, help="long-short requests per run (200)")
-    g.add_argument("--duration", type=_positive_float, default=None, help="long-short: seconds of sending per run "
-                                                                           "instead of a count")
+    per_run = g.add_mutually_exclusive_group()
+    per_run.add_argument("--num-requests", type=_positive_int, default=None,
+                         help="long-short requests per run (default: 200)")
+    per_run.add_argument("--duration", type=_positive_float, default=None,
+                         help="long-short: seconds of sending per run instead of a count")
     g.add_argument("--drain-timeout", type=_positive_float, default=120.0, help="long-short drain limit, s")
     g.add_argument("--long-prompt-len", type=_positive_int, default=2000, help="long-short long prompt tokens")
     g.add_argument("--short-prompt-len", type=_positive_int, default=50, help="long-short short prompt tokens")
     g.add_argument("--output-len", type=_positive_int, default=128, help="long-short output tokens")
     g.add_argument("--long-fraction", type=_fraction, default=0.2, help="long-short share of long prompts")
+    g.add_argument("--batch-chunk-size", type=_chunk, default=512,
+                   help="chunk size of our engine on the same-batch comparison with transformers (512)")
     g.add_argument("--skip-hf", action="store_true", help="skip the transformers continuous-batching peer")
     g.add_argument("--hf-requests", type=_positive_int, default=200, help="requests in the transformers batch (200)")
     g.add_argument("--hf-attn", default="paged|sdpa", help="transformers attn_implementation (paged|sdpa)")
@@ -216,6 +222,7 @@ def _configure_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", metavar="PATH", help="write the one results JSON here")
     g.add_argument("--plot", metavar="PATH", help="PNG of TBT p99 vs throughput per chunk size")
+    g.add_argument("--no-records", action="store_true", help="leave raw per-request records out of the JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

@@ -159,6 +159,9 @@ class EngineClient:
         stream = self.engine.generate(_prompt_of(request), params)
         try:
             async for event in stream:
+                if event.token_id < 0:  # an abort event carries no token
+                    record.error = f"aborted: {event.finish_reason or 'abort'}"
+                    return
                 record.token_times_s.append(event.time - t0)
                 record.output_tokens = event.completion_tokens
                 if record.prompt_tokens is None:

@@ -1,0 +1,289 @@
+"""`metronome bench engine`: the in-process engine against the hardware floor and against transformers.
+
+One run, one JSON: device copy bandwidth and matmul peak (measured), decode step time per batch size vs the
+HBM floor, prefill tokens/s vs the matmul peak, host/scheduler share of a step, the long-short workload per chunk
+size and rate (capacity = highest rate with TBT p99 <= SLO), and transformers' continuous batching on the same
+batch of requests. `targets` compares the numbers with issue 4's goals; it reports, it does not assert.
+
+Every size is a flag, so `--model random:tiny --device cpu` with tiny sizes runs in seconds (the CPU smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import sys
+from typing import Any
+
+from metronome.server.bench import engine_sections as sections
+from metronome.server.bench.commands import args_config
+from metronome.server.bench.inprocess import EngineOptions, build_core, model_config_of, sampler_for_engine
+from metronome.server.bench.results import RunEntry, environment, write_json
+from metronome.server.bench.runner import StopRule
+from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, take, iter_requests
+from metronome.server.config import SchedulerConfig
+from metronome.server.errors import MetronomeError
+
+SECTIONS = ("device", "decode", "prefill", "longshort", "hf")
+
+# Issue 4's goals: (key, description, comparison, threshold).
+TARGETS = (
+    ("decode_b64_ratio_to_floor", "decode step at batch 64 / HBM floor", "<=", 1.3),
+    ("decode_b1_ratio_to_floor", "decode step at batch 1 / HBM floor", "<=", 1.35),
+    ("prefill_share_of_matmul_peak", "prefill FLOP/s / measured matmul peak", ">=", 0.6),
+    ("chunk512_tbt_p99_ms_at_highest_rate", "TBT p99 with chunk 512 at the highest rate (ms)", "<=", 30.0),
+    ("chunk512_throughput_cost_vs_unchunked", "throughput lost by chunk 512 vs unchunked", "<=", 0.10),
+    ("chunk512_capacity_ratio_vs_unchunked", "capacity (rate at TBT p99 <= SLO), chunk 512 / unchunked", ">=", 2.0),
+    ("output_tokens_per_s_ratio_vs_transformers", "output tok/s on the same batch / transformers", ">=", 10.0),
+    ("host_overhead_share_b64", "host/scheduler time share of a decode step at batch 64", "<=", 0.10),
+)
+
+
+class EngineBenchArgsError(MetronomeError):
+    """Flags that cannot work together."""
+
+
+def _find(rows: list[dict], key: str, value: Any) -> dict | None:
+    return next((r for r in rows if r.get(key) == value), None)
+
+
+def target_values(doc: dict[str, Any]) -> dict[str, float | None]:
+    """The measured value behind each target, where the run measured it. Pure."""
+    decode = doc.get("decode") or []
+    capacity = (doc.get("longshort") or {}).get("capacity") or []
+    b64, b1 = _find(decode, "batch", 64), _find(decode, "batch", 1)
+    c512 = _find(capacity, "chunk_size", 512)
+    batch = (doc.get("batch_comparison") or {})
+    return {
+        "decode_b64_ratio_to_floor": (b64 or {}).get("ratio_to_floor"),
+        "decode_b1_ratio_to_floor": (b1 or {}).get("ratio_to_floor"),
+        "prefill_share_of_matmul_peak": (doc.get("prefill") or {}).get("share_of_matmul_peak"),
+        "chunk512_tbt_p99_ms_at_highest_rate": (c512 or {}).get("tbt_p99_ms_at_highest_rate"),
+        "chunk512_throughput_cost_vs_unchunked": (c512 or {}).get("throughput_cost_vs_unchunked"),
+        "chunk512_capacity_ratio_vs_unchunked": (c512 or {}).get("capacity_ratio_vs_unchunked"),
+        "output_tokens_per_s_ratio_vs_transformers": batch.get("output_tokens_per_s_ratio"),
+        "host_overhead_share_b64": (b64 or {}).get("scheduler_overhead_share"),
+    }
+
+
+def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    values = target_values(doc)
+    out = []
+    for key, description, op, threshold in TARGETS:
+        value = values.get(key)
+        met = None if value is None else (value <= threshold if op == "<=" else value >= threshold)
+        out.append({"key": key, "description": description, "target": f"{op} {threshold:g}", "value": value,
+                    "met": met})
+    return out
+
+
+def _resolve_device(name: str) -> Any:
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise EngineBenchArgsError(f"unknown device {name!r}; use cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineBenchArgsError("no CUDA device here; for a CPU smoke run pass --device cpu --model random:tiny "
+                                   "with small sizes (see docs/bench.md)")
+    return device
+
+
+def _check_args(args: argparse.Namespace) -> list[str]:
+    chosen = [s.strip() for s in args.sections]
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown:
+        raise EngineBenchArgsError(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    return chosen
+
+
+def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str, Any]) -> None:
+    """Everything that needs our engine; the engine is released when this returns (before transformers runs)."""
+    scheduler = SchedulerConfig(chunk_size=args.chunk_size, max_num_seqs=max([args.max_num_seqs,
+                                                                              *args.batch_sizes]))
+    options = EngineOptions(model=args.model, dtype=args.dtype, device=args.device, num_kv_blocks=args.num_kv_blocks,
+                            kv_cache_memory_gb=args.kv_cache_memory_gb,
+                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                            attention_backend=args.attention_backend,
+                            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+    core = build_core(options, scheduler)
+    config = model_config_of(core)
+    dtype = core.loaded.dtype
+    dtype_bytes = dtype.itemsize
+    sampler = sampler_for_engine(core)
+    doc["model"] = {
+        "name": core.model_name, "dtype": str(dtype).replace("torch.", ""), "device": str(core.loaded.device),
+        "parameters": config.num_parameters(), "kv_blocks": core.block_manager.num_blocks,
+        "block_size": core.block_manager.block_size, "max_model_len": core.max_model_len,
+        "weights_read_per_decode_step_bytes": sections.model_math.weights_read_per_decode_step(config, dtype_bytes),
+        "kv_bytes_per_token": sections.model_math.kv_bytes_per_token(config, dtype_bytes),
+    }
+    device_info = doc.get("device") or {}
+    bandwidth = device_info.get("copy", {}).get("bandwidth_bytes_per_s")
+    progress = not args.no_progress
+    if "decode" in chosen:
+        doc["decode"] = sections.decode_section(core, args.batch_sizes, args.context, args.decode_steps, sampler,
+                                                args.seed, args.prefill_chunk, bandwidth, dtype_bytes)
+    if "prefill" in chosen:
+        doc["prefill"] = sections.prefill_section(core, args.prefill_prompt_len, args.prefill_prompts,
+                                                  args.prefill_chunk, sampler, args.seed,
+                                                  device_info.get("matmul_tflops"))
+    spec = WorkloadSpec(name="long-short", long_short=LongShortSpec(
+        long_fraction=args.long_fraction, long_prompt_len=args.long_prompt_len,
+        short_prompt_len=args.short_prompt_len, output_len=args.output_len))
+    if "hf" in chosen:
+        requests = take(iter_requests(spec, sampler, args.seed), args.hf_requests)
+        doc["_hf_batch"] = ([list(r.prompt_token_ids) for r in requests], [r.kind for r in requests], config, dtype,
+                            core.loaded.device)
+    if "longshort" in chosen or "hf" in chosen:
+        stop = StopRule(num_requests=args.num_requests or (None if args.duration else 200),
+                        duration_s=args.duration, drain_timeout_s=args.drain_timeout)
+        runs, batch = asyncio.run(sections.longshort_section(
+            core, spec, sampler, args.chunk_sizes if "longshort" in chosen else [args.batch_chunk_size],
+            args.rates if "longshort" in chosen else [], args.longshort_policy,
+            max([args.max_num_seqs, *args.batch_sizes]), stop, args.seed, args.slo_tbt_ms, progress,
+            args.hf_requests if "hf" in chosen else None, args.batch_chunk_size))
+        if "longshort" in chosen:
+            doc["longshort"] = {"policy": args.longshort_policy, "slo_tbt_ms": args.slo_tbt_ms,
+                                "capacity": sections.capacity_table(runs, args.slo_tbt_ms),
+                                "runs": [r.to_dict(include_records=not args.no_records) for r in runs]}
+            doc["_runs"] = runs
+        if batch is not None:
+            doc["batch_comparison"] = {"metronome": batch.to_dict(include_records=False)}
+    del core
+
+
+def _hf_section(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    from metronome.server.bench.hf_peer import HFPeerError, run_hf_batch
+
+    prompts, kinds, config, dtype, device = doc.pop("_hf_batch")
+    try:
+        result = run_hf_batch(config, prompts, kinds, args.output_len, device, dtype, args.hf_attn, args.hf_timeout,
+                              args.seed)
+    except HFPeerError as exc:
+        result = {"error": str(exc)}
+    comparison = doc.setdefault("batch_comparison", {})
+    comparison["transformers"] = result
+    ours = comparison.get("metronome", {}).get("summary", {})
+    theirs = result.get("output_tokens_per_s")
+    if theirs and ours.get("output_tokens_per_s"):
+        comparison["output_tokens_per_s_ratio"] = ours["output_tokens_per_s"] / theirs
+    their_p99 = (result.get("summary") or {}).get("tbt", {}).get("p99_ms")
+    our_p99 = ours.get("tbt", {}).get("p99_ms")
+    if their_p99 is not None and our_p99 is not None:
+        comparison["tbt_p99_ms"] = {"metronome": our_p99, "transformers": their_p99, "lower": our_p99 < their_p99}
+
+
+def _print(doc: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from metronome.server.bench.report import console, runs_table
+
+    out = console()
+    if "device" in doc:
+        d = doc["device"]
+        out.print(f"device: copy {d['bandwidth_gb_per_s']:.1f} GB/s (read+write), "
+                  f"matmul {d['matmul']['dtype']} {d['matmul']['size']}³ {d['matmul_tflops']:.1f} TFLOP/s")
+    if doc.get("decode"):
+        table = Table(title="decode step (pure decode, context as given)")
+        for name in ("batch", "step ms", "floor ms", "ratio", "tok/s", "host ms", "host share"):
+            table.add_column(name, justify="right")
+        for row in doc["decode"]:
+            if "skipped" in row:
+                table.add_row(str(row["batch"]), "skipped", row["skipped"], "", "", "", "")
+                continue
+            table.add_row(str(row["batch"]), f"{row['step_ms_median']:.2f}",
+                          f"{row['floor_ms']:.2f}" if "floor_ms" in row else "-",
+                          f"{row['ratio_to_floor']:.2f}" if "ratio_to_floor" in row else "-",
+                          f"{row['tokens_per_s']:.0f}", f"{row['scheduler_overhead_ms_median']:.2f}",
+                          f"{100 * row['scheduler_overhead_share']:.1f}%")
+        out.print(table)
+    if doc.get("prefill"):
+        p = doc["prefill"]
+        share = f", {100 * p['share_of_matmul_peak']:.0f}% of matmul peak" if "share_of_matmul_peak" in p else ""
+        out.print(f"prefill: {p['tokens_per_s']:.0f} tokens/s, {p['achieved_tflops']:.2f} TFLOP/s{share} "
+                  f"({p['prompts']} x {p['prompt_len']} tokens, chunk {p['chunk_size']})")
+    if doc.get("_runs"):
+        out.print(runs_table(doc["_runs"], title="long-short per chunk size and rate"))
+        table = Table(title=f"capacity at TBT p99 <= {doc['longshort']['slo_tbt_ms']:g} ms")
+        for name in ("chunk", "capacity req/s", "max out tok/s", "TBT p99 @ top rate", "tput cost", "capacity ×"):
+            table.add_column(name, justify="right")
+        for row in doc["longshort"]["capacity"]:
+            cost, ratio = row.get("throughput_cost_vs_unchunked"), row.get("capacity_ratio_vs_unchunked")
+            table.add_row(row["label"], "-" if row["capacity_rate"] is None else f"{row['capacity_rate']:g}",
+                          f"{row['max_output_tokens_per_s']:.0f}",
+                          "-" if row["tbt_p99_ms_at_highest_rate"] is None else
+                          f"{row['tbt_p99_ms_at_highest_rate']:.1f}",
+                          "-" if cost is None else f"{100 * cost:.0f}%", "-" if ratio is None else f"{ratio:.2f}")
+        out.print(table)
+    comparison = doc.get("batch_comparison")
+    if comparison:
+        ours = comparison.get("metronome", {}).get("summary", {})
+        theirs = comparison.get("transformers", {})
+        out.print(f"same batch: metronome {ours.get('output_tokens_per_s', 0):.0f} out tok/s; transformers "
+                  + (f"{theirs['output_tokens_per_s']:.0f} out tok/s" if "output_tokens_per_s" in theirs
+                     else f"- ({theirs.get('error', 'skipped')})"))
+    table = Table(title="issue 4 targets (reported, not asserted)")
+    for name in ("target", "goal", "measured", "met"):
+        table.add_column(name)
+    for t in doc.get("targets", []):
+        value = t["value"]
+        table.add_row(t["description"], t["target"], "-" if value is None else f"{value:.3g}",
+                      "-" if t["met"] is None else ("yes" if t["met"] else "NO"))
+    out.print(table)
+
+
+def _plot(doc: dict[str, Any], path: str, slo: float) -> None:
+    from metronome.server.bench.commands import plot_entries
+    from metronome.server.bench.plots import plot_runs
+
+    runs: list[RunEntry] = doc.get("_runs") or []
+    if not runs:
+        raise EngineBenchArgsError("--plot needs the longshort section")
+    plot_runs(plot_entries(runs, lambda r: f"chunk {sections.chunk_label(r.params['chunk_size'])}"), path, slo,
+              title=f"{doc['model']['name']}: long-short, TBT p99 vs throughput per chunk size")
+
+
+def main(args: argparse.Namespace) -> int:
+    chosen = _check_args(args)
+    device = _resolve_device(args.device)
+    args.device = str(device)
+    doc: dict[str, Any] = {"kind": "engine", "config": args_config(args)}
+    if "device" in chosen:
+        doc["device"] = sections_device(device, args)
+    _engine_sections(args, chosen, doc)
+    gc.collect()
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    hf_timed_out = False
+    if "hf" in chosen and not args.skip_hf:
+        _hf_section(args, doc)
+        hf_timed_out = bool(doc["batch_comparison"]["transformers"].get("timed_out"))
+    doc.pop("_hf_batch", None)
+    doc["environment"] = environment()
+    doc["targets"] = evaluate_targets(doc)
+    _print(doc)
+    runs = doc.pop("_runs", None)
+    if args.out:
+        write_json(args.out, doc)
+    if args.plot:
+        doc["_runs"] = runs
+        _plot(doc, args.plot, args.slo_tbt_ms)
+    if hf_timed_out:  # transformers' worker thread is still running and cannot be stopped: leave now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def sections_device(device: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from metronome.server.bench.device_peaks import device_section
+
+    return device_section(device, args.copy_mb, args.matmul_size, args.reps)
+
