@@ -17,7 +17,8 @@ Order of the rules, first match wins:
      is poor (too few points, r² low, slope ≤ 0, no spread in tokens per step).
    - `multiplicative`: the background report's rule: ×0.9 when p99 TBT is over target and throughput above its
      floor, else ×1.1.
-   Every proposal is capped (at most ×max_step_up, ÷max_step_down per decision) and clamped to the bounds.
+   Every proposal is capped (at most ×max_step_up, ÷max_step_down per decision) and clamped to the bounds;
+   a current size outside the bounds (the bounds were edited) is first brought inside them, uncapped.
 6. chunk already at its floor and the SLO still violated → replicas + 1 if `scale_replicas` and below the
    maximum, else `slo_unreachable` with a reason (the handler sets a condition and an Event).
 Advise mode computes the same decision and records it as a proposal without acting.
@@ -135,6 +136,12 @@ def _tune_chunk(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, ra
     tbt = obs.tbt_p99_s
     assert tbt is not None  # checked by decide()
     model = spec.policy is TuningPolicy.MODEL
+    if not spec.min_chunk <= current.chunk_size <= spec.max_chunk:
+        chunk = max(spec.min_chunk, min(spec.max_chunk, current.chunk_size))
+        kind = ActionKind.CHUNK_DOWN if chunk < current.chunk_size else ActionKind.CHUNK_UP
+        return _Proposal(chunk, current.queue_policy, current.replicas,
+                         f"chunk {current.chunk_size} is outside the bounds [{spec.min_chunk}, {spec.max_chunk}] → "
+                         f"{chunk}", (kind,), policy_used="bounds")
     upper = spec.deadband_high if model else 1.0
     if spec.deadband_low <= ratio <= upper:
         return _hold_proposal(current, f"{_tbt_text(tbt, spec)}: inside the deadband "

@@ -1,0 +1,359 @@
+"""Where the controller's Observation comes from: PromQL over the servers' own metrics.
+
+Three layers, so that everything but the HTTP call is testable without Prometheus:
+- `build_queries(selector, window)` — pure: the PromQL, built only from `metronome.server.metric_names`;
+- `observation_from_results(results, window)` — pure: Prometheus' JSON `result` lists → Observation;
+- `PrometheusMetricsSource.observe(...)` — the I/O, through `prometheus-api-client`, every failure turned into
+  `MetricsUnavailable` with a condition-ready reason.
+
+Label contract (what the operator's scrape config / PodMonitor must produce): every server series carries
+`namespace` (the InferenceService's namespace) and `service` (its name, from the pod label
+`app.kubernetes.io/instance`), plus `pod` (or at least `instance`) to tell pods apart. The label names are
+fields of `ServiceSelector`, so another relabeling only needs another selector.
+
+Long-prompt share is a proxy: the server exports prompt-token and finished-request counters, not a prompt
+length histogram, so the share is read off the mean prompt length with a two-point mixture (short prompts
+average `short_mean_tokens`, long ones `long_mean_tokens`): share = (mean - short) / (long - short), in [0, 1].
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol
+
+from metronome.operator.observation import Observation, StepSample
+from metronome.server import metric_names as names
+from metronome.server.errors import MetronomeError
+
+# Keys of build_queries' result; one PromQL expression each.
+TBT_P99 = "tbt_p99"
+TBT_COUNT = "tbt_count"
+TBT_MEAN = "tbt_mean"
+TTFT_P99 = "ttft_p99"
+OUTPUT_TOKENS_RATE = "output_tokens_rate"
+PROMPT_TOKENS_RATE = "prompt_tokens_rate"
+REQUESTS_RATE = "requests_rate"
+WAITING_BY_QUEUE = "waiting_by_queue"
+RUNNING_PER_POD = "running_per_pod"
+STEP_TOKENS_RATE = "step_tokens_rate"
+STEP_SECONDS_RATE = "step_seconds_rate"
+STEP_COUNT_RATE = "step_count_rate"
+GENERATION_BY_POD = "generation_by_pod"
+QUERY_KEYS = (TBT_P99, TBT_COUNT, TBT_MEAN, TTFT_P99, OUTPUT_TOKENS_RATE, PROMPT_TOKENS_RATE, REQUESTS_RATE,
+              WAITING_BY_QUEUE, RUNNING_PER_POD, STEP_TOKENS_RATE, STEP_SECONDS_RATE, STEP_COUNT_RATE,
+              GENERATION_BY_POD)
+
+
+class MetricsUnavailable(MetronomeError):
+    """No usable observation. `reason` is CamelCase, ready for a condition's reason field."""
+
+    UNREACHABLE = "PrometheusUnreachable"
+    TIMEOUT = "PrometheusTimeout"
+    QUERY_FAILED = "QueryFailed"
+    BAD_RESPONSE = "BadResponse"
+    NO_SERIES = "NoSeries"
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ServiceSelector:
+    """Selects one InferenceService's server series in Prometheus."""
+
+    namespace: str
+    service: str
+    namespace_label: str = "namespace"
+    service_label: str = "service"
+    pod_label: str = "pod"
+    instance_label: str = "instance"
+    queue_label: str = "queue"
+
+    def __post_init__(self) -> None:
+        if not self.namespace or not self.service:
+            raise ValueError(f"ServiceSelector needs a namespace and a service, got {self.namespace!r}/{self.service!r}")
+        for label in (self.namespace_label, self.service_label, self.pod_label, self.instance_label, self.queue_label):
+            if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", label):
+                raise ValueError(f"not a Prometheus label name: {label!r}")
+
+    def matchers(self) -> str:
+        return (f'{{{self.namespace_label}="{_escape(self.namespace)}",'
+                f'{self.service_label}="{_escape(self.service)}"}}')
+
+
+@dataclass(frozen=True)
+class QueryWindow:
+    """`window_seconds`: what one observation covers. `sub_window_seconds`: the slices that give the step-time
+    fit its points; keep it at least 4 scrape intervals so that each rate() has samples."""
+
+    window_seconds: float = 60.0
+    sub_window_seconds: float = 15.0
+
+    def __post_init__(self) -> None:
+        if not (self.sub_window_seconds >= 1 and self.window_seconds >= self.sub_window_seconds):
+            raise ValueError(f"need 1 s <= sub-window <= window, got {self.sub_window_seconds} s and "
+                             f"{self.window_seconds} s")
+
+    @classmethod
+    def from_spec(cls, metrics: Mapping[str, Any] | None) -> "QueryWindow":
+        """From an InferenceService's `spec.metrics`: `window` ("60s", "2m" or seconds), optional `subWindow`
+        (default: a quarter of the window, at least 5 s)."""
+        metrics = metrics or {}
+        window = parse_duration(metrics.get("window", cls.window_seconds), "spec.metrics.window")
+        default_sub = max(5.0, window / 4) if window >= 5 else window
+        sub = parse_duration(metrics.get("subWindow", default_sub), "spec.metrics.subWindow")
+        return cls(window, min(sub, window))
+
+
+@dataclass(frozen=True)
+class LongPromptProxy:
+    short_mean_tokens: float = 128.0
+    long_mean_tokens: float = 2048.0
+
+    def share(self, mean_prompt_tokens: float) -> float:
+        span = self.long_mean_tokens - self.short_mean_tokens
+        return min(1.0, max(0.0, (mean_prompt_tokens - self.short_mean_tokens) / span))
+
+
+class MetricsSource(Protocol):
+    def observe(self, selector: ServiceSelector, window: QueryWindow, now: float | None = None) -> Observation:
+        """One observation of one service; raises MetricsUnavailable when Prometheus cannot give one."""
+        ...
+
+
+def try_observe(source: MetricsSource, selector: ServiceSelector, window: QueryWindow,
+                now: float | None = None) -> tuple[Observation | None, MetricsUnavailable | None]:
+    """(observation, None) or (None, why): the handler's one call."""
+    try:
+        return source.observe(selector, window, now), None
+    except MetricsUnavailable as exc:
+        return None, exc
+
+
+# --- pure: PromQL --------------------------------------------------------------------------------------------
+
+def build_queries(selector: ServiceSelector, window: QueryWindow) -> dict[str, str]:
+    m = selector.matchers()
+    w = format_duration(window.window_seconds)
+    s = format_duration(window.sub_window_seconds)
+    per_pod = f"{selector.pod_label}, {selector.instance_label}"
+    tbt, ttft = names.TIME_BETWEEN_TOKENS, names.TIME_TO_FIRST_TOKEN
+
+    def slices(series: str) -> str:
+        # One point per pod per sub-window: a subquery of per-sub-window rates across the window.
+        return f"(sum by ({per_pod}) (rate({series}{m}[{s}])))[{w}:{s}]"
+
+    return {
+        TBT_P99: f"histogram_quantile(0.99, sum by (le) (rate({tbt}_bucket{m}[{w}])))",
+        TBT_COUNT: f"sum(increase({tbt}_count{m}[{w}]))",
+        TBT_MEAN: f"sum(rate({tbt}_sum{m}[{w}])) / sum(rate({tbt}_count{m}[{w}]))",
+        TTFT_P99: f"histogram_quantile(0.99, sum by (le) (rate({ttft}_bucket{m}[{w}])))",
+        OUTPUT_TOKENS_RATE: f"sum(rate({names.GENERATION_TOKENS}{m}[{w}]))",
+        PROMPT_TOKENS_RATE: f"sum(rate({names.PROMPT_TOKENS}{m}[{w}]))",
+        REQUESTS_RATE: f"sum(rate({names.REQUEST_E2E}_count{m}[{w}]))",
+        WAITING_BY_QUEUE: f"sum by ({selector.queue_label}) (avg_over_time({names.REQUESTS_WAITING}{m}[{w}]))",
+        RUNNING_PER_POD: f"avg(avg_over_time({names.REQUESTS_RUNNING}{m}[{w}]))",
+        STEP_TOKENS_RATE: slices(f"{names.STEP_TOKENS}_sum"),
+        STEP_SECONDS_RATE: slices(f"{names.STEP_DURATION}_sum"),
+        STEP_COUNT_RATE: slices(f"{names.STEP_DURATION}_count"),
+        GENERATION_BY_POD: f"max by ({per_pod}) ({names.CONFIG_GENERATION}{m})",
+    }
+
+
+# --- pure: results → Observation -----------------------------------------------------------------------------
+
+def observation_from_results(results: Mapping[str, Any], window: QueryWindow,
+                             selector: ServiceSelector | None = None,
+                             proxy: LongPromptProxy = LongPromptProxy()) -> Observation:
+    """Turn the `data.result` list of each query into an Observation. Raises MetricsUnavailable(NO_SERIES)
+    when Prometheus has no series of this service at all, BAD_RESPONSE when a result is malformed.
+    A service with series but no tokens in the window gives an Observation with sample_count 0."""
+    missing = [key for key in QUERY_KEYS if key not in results]
+    if missing:
+        raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE, f"results missing for {', '.join(missing)}")
+    pod_label = selector.pod_label if selector else "pod"
+    instance_label = selector.instance_label if selector else "instance"
+    queue_label = selector.queue_label if selector else "queue"
+    if all(not _as_list(results[key], key) for key in QUERY_KEYS):
+        who = f"{selector.namespace}/{selector.service}" if selector else "the service"
+        raise MetricsUnavailable(MetricsUnavailable.NO_SERIES,
+                                 f"Prometheus has no Metronome series for {who}: is it scraping the pods?")
+
+    def pod_of(metric: Mapping[str, str]) -> str:
+        return metric.get(pod_label) or metric.get(instance_label) or ""
+
+    sample_count = _scalar(results, TBT_COUNT)
+    output_rate = _scalar(results, OUTPUT_TOKENS_RATE)
+    prompt_rate = _scalar(results, PROMPT_TOKENS_RATE)
+    requests_rate = _scalar(results, REQUESTS_RATE)
+    mean_prompt = prompt_rate / requests_rate if prompt_rate is not None and requests_rate else None
+    waiting = {}
+    for series in _as_list(results[WAITING_BY_QUEUE], WAITING_BY_QUEUE):
+        value = _value(series, WAITING_BY_QUEUE)
+        if value is not None:
+            queue = series.get("metric", {}).get(queue_label, "")
+            waiting[queue] = waiting.get(queue, 0.0) + value
+    generations = {}
+    for series in _as_list(results[GENERATION_BY_POD], GENERATION_BY_POD):
+        value = _value(series, GENERATION_BY_POD)
+        if value is not None:
+            generations[pod_of(series.get("metric", {}))] = int(value)
+    return Observation(
+        window_seconds=window.window_seconds,
+        sample_count=int(round(sample_count or 0.0)),
+        tbt_p99_s=_positive(_scalar(results, TBT_P99)),
+        tbt_mean_s=_positive(_scalar(results, TBT_MEAN)),
+        ttft_p99_s=_positive(_scalar(results, TTFT_P99)),
+        output_tokens_per_s=output_rate or 0.0,
+        prompt_tokens_per_s=prompt_rate,
+        requests_per_s=requests_rate,
+        mean_prompt_tokens=mean_prompt,
+        long_prompt_share=proxy.share(mean_prompt) if mean_prompt is not None else None,
+        waiting_by_queue=waiting,
+        decode_batch_size=_scalar(results, RUNNING_PER_POD),
+        step_samples=_step_samples(results, window, pod_of),
+        pod_generations=generations,
+    )
+
+
+def _step_samples(results: Mapping[str, Any], window: QueryWindow, pod_of) -> tuple[StepSample, ...]:
+    def by_pod_and_time(key: str) -> dict[tuple[str, float], float]:
+        points = {}
+        for series in _as_list(results[key], key):
+            pod = pod_of(series.get("metric", {}))
+            values = series.get("values")
+            if not isinstance(values, list):
+                raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE, f"{key}: expected a range vector")
+            for point in values:
+                timestamp, value = _point(point, key)
+                if value is not None:
+                    points[(pod, timestamp)] = value
+        return points
+
+    tokens, seconds, counts = (by_pod_and_time(k) for k in (STEP_TOKENS_RATE, STEP_SECONDS_RATE, STEP_COUNT_RATE))
+    samples = []
+    for key in sorted(counts):
+        steps_per_s = counts[key]
+        if steps_per_s > 0 and key in tokens and key in seconds:
+            samples.append(StepSample(tokens_per_step=tokens[key] / steps_per_s,
+                                      step_seconds=seconds[key] / steps_per_s,
+                                      steps=steps_per_s * window.sub_window_seconds, pod=key[0]))
+    return tuple(samples)
+
+
+def _as_list(result: Any, key: str) -> list:
+    if not isinstance(result, list):
+        raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE, f"{key}: expected a list of series, got "
+                                                                  f"{type(result).__name__}")
+    return result
+
+
+def _point(point: Any, key: str) -> tuple[float, float | None]:
+    try:
+        timestamp, text = point
+        value = float(text)
+        return float(timestamp), (value if math.isfinite(value) else None)
+    except (TypeError, ValueError) as exc:
+        raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE, f"{key}: malformed sample {point!r}") from exc
+
+
+def _value(series: Any, key: str) -> float | None:
+    if not isinstance(series, Mapping) or "value" not in series:
+        raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE, f"{key}: expected an instant vector")
+    return _point(series["value"], key)[1]
+
+
+def _scalar(results: Mapping[str, Any], key: str) -> float | None:
+    """The value of a query that aggregates to one series; None when it has none or is NaN."""
+    series = _as_list(results[key], key)
+    return _value(series[0], key) if series else None
+
+
+def _positive(value: float | None) -> float | None:
+    return value if value is not None and value > 0 else None
+
+
+# --- durations and label values ------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+
+def parse_duration(value: Any, where: str = "duration") -> float:
+    """'90s', '2m', '1h', '500ms' or a number of seconds → seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if not match:
+            raise ValueError(f"{where}: not a duration: {value!r} (use e.g. 60s, 2m)")
+        scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[match.group(2)]
+        seconds = float(match.group(1)) * scale
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{where}: must be positive, got {value!r}")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """PromQL duration: whole seconds, or milliseconds when the value has a fraction."""
+    if seconds == int(seconds):
+        return f"{int(seconds)}s"
+    return f"{int(round(seconds * 1000))}ms"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+# --- I/O -----------------------------------------------------------------------------------------------------
+
+class PrometheusMetricsSource:
+    """MetricsSource over Prometheus' HTTP API (prometheus-api-client). All queries of one observation are
+    evaluated at the same instant (`now`, or Prometheus' own clock when None)."""
+
+    def __init__(self, url: str, timeout_seconds: float = 5.0, retries: int = 1,
+                 headers: Mapping[str, str] | None = None, disable_ssl: bool = False,
+                 proxy: LongPromptProxy = LongPromptProxy()):
+        from prometheus_api_client import PrometheusConnect
+        from urllib3.util.retry import Retry
+
+        if not url or not re.match(r"^https?://", url):
+            raise ValueError(f"Prometheus URL must start with http:// or https://, got {url!r}")
+        # Fail fast: a control loop would rather skip one interval than block on a sick Prometheus.
+        retry = Retry(total=retries, connect=retries, read=False, status=retries, backoff_factor=0.2,
+                      status_forcelist=(502, 503, 504), raise_on_status=False)
+        self.url = url.rstrip("/")
+        self.proxy = proxy
+        self._client = PrometheusConnect(url=self.url, headers=dict(headers) if headers else None,
+                                         disable_ssl=disable_ssl, retry=retry, timeout=timeout_seconds)
+
+    def observe(self, selector: ServiceSelector, window: QueryWindow, now: float | None = None) -> Observation:
+        params = {"time": f"{now:.3f}"} if now is not None else {}
+        results = {key: self._query(query, params) for key, query in build_queries(selector, window).items()}
+        return observation_from_results(results, window, selector, self.proxy)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _query(self, query: str, params: dict[str, str]) -> Any:
+        import requests
+        from prometheus_api_client import PrometheusApiClientException
+
+        try:
+            return self._client.custom_query(query, params=params)
+        except requests.exceptions.JSONDecodeError as exc:  # before RequestException: it is one too
+            raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE,
+                                     f"Prometheus at {self.url} sent an unreadable answer: {exc!r}"[:400]) from exc
+        except requests.exceptions.Timeout as exc:
+            raise MetricsUnavailable(MetricsUnavailable.TIMEOUT, f"Prometheus at {self.url} timed out: {exc}") from exc
+        except requests.exceptions.RequestException as exc:
+            raise MetricsUnavailable(MetricsUnavailable.UNREACHABLE,
+                                     f"Prometheus at {self.url} is unreachable: {exc}") from exc
+        except PrometheusApiClientException as exc:
+            raise MetricsUnavailable(MetricsUnavailable.QUERY_FAILED,
+                                     f"Prometheus at {self.url} refused {query!r}: {str(exc)[:300]}") from exc
+        except (ValueError, KeyError, TypeError) as exc:  # not JSON, or JSON without data.result
+            raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE,
+                                     f"Prometheus at {self.url} sent an unreadable answer: {exc!r}"[:400]) from exc
