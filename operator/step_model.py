@@ -115,5 +115,5 @@ def largest_chunk_within(fit: StepFit, decode_batch: float, factor: float, budge
     tokens = (budget_s / factor - fit.intercept_s) / fit.slope_s_per_token - decode_batch
     if not math.isfinite(tokens):
         return None
-    chunk = int(math.floor(tokens / granularity)) * granularity
+    chunk = int(math.floor(tokens / granularity + 1e-9)) * granularity  # 919.9999 is 920
     return chunk if chunk >= granularity else None
