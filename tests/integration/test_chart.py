@@ -1,0 +1,153 @@
+"""The Helm chart: lint, values schema, least-privilege RBAC, optional monitoring objects, install/upgrade/uninstall
+on the real control plane."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from operator_harness import CHART, CRD_NAME, chart_release, wait_for
+
+MONITORING_APIS = ("monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PrometheusRule")
+
+
+def _template(cluster, *args: str) -> list[dict]:
+    out = cluster.helm("template", "metronome", str(CHART), "--namespace", "metronome-system", *args).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def _by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_helm_lint_is_clean(cluster):
+    result = cluster.helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in result.stdout, result.stdout
+
+
+def test_values_schema_rejects_bad_values(cluster):
+    for bad in ("logLevel=LOUD", "healthPort=0", "watchNamespaces[0]=Bad_Name", "unknownKey=1"):
+        result = cluster.helm("template", "metronome", str(CHART), "--set", bad, check=False)
+        assert result.returncode != 0, bad
+        assert "schema" in result.stderr.lower() or "values don't meet" in result.stderr, result.stderr
+
+
+def _rules(role: dict) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.setdefault((group, resource), set()).update(rule["verbs"])
+    return out
+
+
+def test_rbac_is_least_privilege(cluster):
+    (role,) = _by_kind(_template(cluster), "ClusterRole")
+    rules = _rules(role)
+    assert rules[("metronome.dev", "inferenceservices")] == {"get", "list", "watch", "patch"}
+    assert rules[("metronome.dev", "inferenceservices/status")] == {"patch"}
+    assert rules[("apps", "deployments")] == {"get", "create", "patch"}
+    assert rules[("", "configmaps")] == {"get", "create", "patch"}
+    assert rules[("", "pods")] == {"list"}
+    assert rules[("", "events")] == {"create"}
+    assert rules[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
+    every_verb = set().union(*rules.values())
+    assert "*" not in every_verb and "delete" not in every_verb
+    assert not any(resource == "secrets" or "*" in (group, resource) for group, resource in rules)
+
+
+def test_namespaced_mode_grants_writes_per_namespace_only(cluster):
+    docs = _template(cluster, "--set", "watchNamespaces={team-a,team-b}")
+    (cluster_role,) = _by_kind(docs, "ClusterRole")
+    assert set(_rules(cluster_role)) == {("apiextensions.k8s.io", "customresourcedefinitions")}
+    roles = _by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in _by_kind(docs, "RoleBinding")) == ["team-a", "team-b"]
+    (deployment,) = _by_kind(docs, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
+
+
+def test_operator_deployment_is_restricted_and_probed(cluster):
+    (deployment,) = _by_kind(_template(cluster, "--set", "prometheusUrl=http://prometheus:9090"), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["metronome"] and container["args"][0] == "operator"
+    assert "--prometheus-url=http://prometheus:9090" in container["args"] and "--standalone" in container["args"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["runAsNonRoot"] and deployment["spec"]["replicas"] == 1
+
+
+def test_monitoring_objects_only_where_the_api_exists(cluster):
+    flags = ["--set", "serviceMonitor.enabled=true", "--set", "prometheusRule.enabled=true"]
+    without = _template(cluster, *flags)
+    assert not _by_kind(without, "ServiceMonitor") and not _by_kind(without, "PrometheusRule")
+    api_flags = [arg for api in MONITORING_APIS for arg in ("--api-versions", api)]
+    docs = _template(cluster, *flags, *api_flags)
+    (monitor,) = _by_kind(docs, "ServiceMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "metronome-server"
+    (rule,) = _by_kind(docs, "PrometheusRule")
+    alerts = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    assert set(alerts) == {"MetronomeKVBlocksLeaked", "MetronomeTBTSLOViolated", "MetronomeConfigReloadErrors"}
+    assert "metronome_kv_blocks_leaked" in alerts["MetronomeKVBlocksLeaked"]["expr"]
+    assert alerts["MetronomeTBTSLOViolated"]["for"] == "10m"
+    assert "metronome_config_reload_errors_total" in alerts["MetronomeConfigReloadErrors"]["expr"]
+
+
+def test_helm_install_succeeds_and_the_operator_pod_runs(cluster):
+    release = chart_release(cluster)
+    assert "kubectl get inferenceservices.metronome.dev" in release.install_output  # NOTES.txt
+    status = cluster.helm("status", release.release, "-n", release.namespace, "-o", "json").stdout
+    assert json.loads(status)["info"]["status"] == "deployed"
+    crd = cluster.kubectl_json("get", "crd", CRD_NAME)
+    assert crd["spec"]["names"]["shortNames"] == ["misvc"]
+
+    def operator_ready():
+        deployment = cluster.kubectl_json("get", "deployment", "metronome-operator", "-n", release.namespace)
+        return deployment["status"].get("readyReplicas") == 1
+
+    wait_for(operator_ready, "the operator Deployment (kwok) to be ready", timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("verb", "resource", "allowed"),
+    [
+        ("patch", "inferenceservices.metronome.dev", True),
+        ("patch", "inferenceservices.metronome.dev/status", True),
+        ("create", "deployments.apps", True),
+        ("list", "pods", True),
+        ("create", "events", True),
+        ("delete", "deployments.apps", False),
+        ("get", "secrets", False),
+        ("create", "pods", False),
+    ],
+)
+def test_service_account_permissions(cluster, verb, resource, allowed):
+    release = chart_release(cluster)
+    subject = f"system:serviceaccount:{release.namespace}:{release.service_account}"
+    resource_name, _, sub = resource.partition("/")
+    args = ["auth", "can-i", verb, resource_name, "-n", "default", "--as", subject]
+    if sub:
+        args += ["--subresource", sub]
+    result = cluster.kubectl(*args, check=False)
+    assert result.stdout.strip() == ("yes" if allowed else "no"), result.stdout + result.stderr
+
+
+def test_upgrade_and_uninstall(cluster):
+    chart_release(cluster)  # the CRD is in place (a second install skips crds/)
+    namespace = cluster.namespace("metronome-b")
+    watched = cluster.namespace("team")
+    release = "metronome-b"
+    cluster.helm("install", release, str(CHART), "-n", namespace, "--set", f"watchNamespaces={{{watched}}}")
+    assert cluster.kubectl_json("get", "role", "-n", watched)["items"]
+    cluster.helm("upgrade", release, str(CHART), "-n", namespace, "--reuse-values", "--set", "logLevel=DEBUG")
+    deployment = cluster.kubectl_json("get", "deployment", "-n", namespace, "-l", f"app.kubernetes.io/instance={release}")
+    (item,) = deployment["items"]
+    assert "--log-level=DEBUG" in item["spec"]["template"]["spec"]["containers"][0]["args"]
+    cluster.helm("uninstall", release, "-n", namespace, "--wait")
+    assert not cluster.kubectl_json("get", "role", "-n", watched)["items"]
+    assert not cluster.kubectl_json("get", "deployment", "-n", namespace)["items"]
+    cluster.kubectl("get", "crd", CRD_NAME)  # Helm never deletes CRDs

@@ -1,0 +1,102 @@
+"""The API server itself enforces the CRD: invalid InferenceServices are rejected with a message naming the field;
+valid ones are accepted and defaulted. Server-side dry runs: nothing is stored, no operator needed."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import yaml
+
+from operator_harness import EXAMPLE, ROOT, ensure_crd
+
+VALID = yaml.safe_load(EXAMPLE.read_text())
+
+
+@pytest.fixture(scope="module")
+def ns(cluster):
+    ensure_crd(cluster)
+    return cluster.namespace("crd")
+
+
+def _with(path: str, value, base: dict = VALID) -> dict:
+    obj = copy.deepcopy(base)
+    node = obj
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    if value is _DELETE:
+        node.pop(keys[-1], None)
+    else:
+        node[keys[-1]] = value
+    return obj
+
+
+_DELETE = object()
+
+
+def _dry_run(cluster, ns: str, obj: dict):
+    return cluster.kubectl("create", "--dry-run=server", "-n", ns, "-o", "json", "-f", "-",
+                           input=json.dumps(obj), check=False)
+
+
+INVALID = [
+    # (id, object, text the API server's message must contain)
+    ("replicas-wrong-type", _with("spec.replicas", "two"), "spec.replicas"),
+    ("gpus-out-of-range", _with("spec.resources.gpus", 32), "spec.resources.gpus"),
+    ("unknown-queue-policy", _with("spec.server.queuePolicy", "lifo"), "spec.server.queuePolicy"),
+    ("unknown-autotune-policy", _with("spec.autotune.policy", "pid"), "spec.autotune.policy"),
+    ("unknown-dtype", _with("spec.model.dtype", "int8"), "spec.model.dtype"),
+    ("chunk-size-zero", _with("spec.server.chunkSize", 0), "spec.server.chunkSize"),
+    ("tbt-slo-zero", _with("spec.slo.tbtP99Ms", 0), "spec.slo.tbtP99Ms"),
+    ("tbt-slo-negative", _with("spec.slo.tbtP99Ms", -5), "spec.slo.tbtP99Ms"),
+    ("bad-model-source", _with("spec.model.source", "s3://bucket/llama"), "spec.model.source"),
+    ("model-missing", _with("spec.model", _DELETE), "spec.model"),
+    ("bad-memory-quantity", _with("spec.resources.memory", "lots"), "spec.resources.memory"),
+    ("bad-block-size", _with("spec.engine.blockSize", 100), "spec.engine.blockSize"),
+    ("bad-prometheus-url", _with("spec.metrics.prometheusUrl", "prometheus:9090"), "spec.metrics.prometheusUrl"),
+    ("misplaced-field", _with("spec.chunkSize", 256), "spec.chunkSize"),
+    # cross-field rules (CEL)
+    ("min-chunk-above-max", _with("spec.autotune.maxChunkSize", 32), "spec.autotune.minChunkSize must be <= spec.autotune.maxChunkSize"),
+    ("replicas-above-max", _with("spec.replicas", 9), "spec.replicas must be <= spec.maxReplicas"),
+    ("replicas-below-min", _with("spec.minReplicas", 3), "spec.replicas must be >= spec.minReplicas"),
+    ("min-above-max-replicas", _with("spec.maxReplicas", 1, _with("spec.replicas", 1)), "spec.minReplicas must be <= spec.maxReplicas"),
+    ("autotune-without-slo", _with("spec.slo", _DELETE), "spec.slo is required when spec.autotune.mode"),
+    ("batched-tokens-below-seqs", _with("spec.server.maxNumBatchedTokens", 16), "spec.server.maxNumBatchedTokens must be >= spec.server.maxNumSeqs"),
+    ("short-chunk-below-threshold", _with("spec.server.shortChunkSize", 256), "spec.server.shortChunkSize must be >= spec.server.shortPromptThreshold"),
+    ("name-not-a-dns-label", _with("metadata.name", "smol.lm2"), "metadata.name"),
+]
+
+
+@pytest.mark.parametrize(("obj", "expected"), [(o, e) for _, o, e in INVALID], ids=[i for i, _, _ in INVALID])
+def test_invalid_objects_are_rejected_naming_the_field(cluster, ns, obj, expected):
+    result = _dry_run(cluster, ns, obj)
+    assert result.returncode != 0, f"accepted: {json.dumps(obj)}"
+    assert expected in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("path", ["examples/inferenceservice.yaml", "examples/llama-3-8b.yaml"])
+def test_examples_are_accepted(cluster, ns, path):
+    obj = yaml.safe_load((ROOT / path).read_text())
+    result = _dry_run(cluster, ns, obj)
+    assert result.returncode == 0, result.stderr
+
+
+def test_defaults_are_filled_in(cluster, ns):
+    minimal = {
+        "apiVersion": "metronome.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "minimal"},
+        "spec": {"model": {"source": "random:tiny"}},
+    }
+    result = _dry_run(cluster, ns, minimal)
+    assert result.returncode == 0, result.stderr
+    spec = json.loads(result.stdout)["spec"]
+    assert spec["replicas"] == 1 and spec["resources"]["gpus"] == 1 and spec["model"]["dtype"] == "auto"
+    assert spec["server"]["chunkSize"] == 512 and spec["server"]["queuePolicy"] == "split"
+    assert spec["autotune"]["mode"] == "off" and spec["metrics"]["windowSeconds"] == 60
+
+
+def test_kubectl_explain_reads_the_descriptions(cluster, ns):
+    out = cluster.kubectl("explain", "inferenceservices.metronome.dev.spec.autotune.mode").stdout
+    assert "advise" in out and "apply" in out

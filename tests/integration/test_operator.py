@@ -1,0 +1,219 @@
+"""The operator on the real control plane, under the chart's RBAC identity: example → children → Running pods →
+columns and conditions; reload vs roll; scale; restart without duplicates; garbage collection on delete.
+
+The tests of this module share one InferenceService and run in order (each builds on the previous state).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from operator_harness import (
+    EXAMPLE,
+    OperatorProcess,
+    chart_release,
+    condition,
+    events_for,
+    get_json,
+    service_account_kubeconfig,
+    wait_for,
+)
+
+NAME = "smollm2"  # examples/inferenceservice.yaml
+LABEL = f"metronome.dev/inferenceservice={NAME}"
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, tmp_path_factory):
+    release = chart_release(cluster)
+    work = tmp_path_factory.mktemp("operator")
+    kubeconfig = service_account_kubeconfig(cluster, release.namespace, release.service_account, work / "kubeconfig")
+    process = OperatorProcess(kubeconfig=kubeconfig, log_dir=work)
+    process.start()
+    yield process
+    process.stop()
+    assert "Forbidden" not in process.all_logs(), "the operator hit an RBAC denial:\n" + process.all_logs()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def ns(cluster):
+    return cluster.namespace("misvc")
+
+
+def _isvc(cluster, ns):
+    return get_json(cluster, "inferenceservices.metronome.dev", NAME, "-n", ns)
+
+
+def _deployment(cluster, ns):
+    return get_json(cluster, "deployment", NAME, "-n", ns)
+
+
+def _config(cluster, ns) -> dict:
+    cm = get_json(cluster, "configmap", f"{NAME}-config", "-n", ns)
+    return yaml.safe_load(cm["data"]["server.yaml"])
+
+
+def _replicasets(cluster, ns) -> dict[str, str]:
+    items = cluster.kubectl_json("get", "replicasets", "-n", ns, "-l", LABEL)["items"]
+    return {rs["metadata"]["name"]: rs["metadata"]["labels"]["pod-template-hash"] for rs in items}
+
+
+def _running_pods(cluster, ns) -> list[dict]:
+    pods = cluster.kubectl_json("get", "pods", "-n", ns, "-l", LABEL)["items"]
+    return [p for p in pods if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+
+
+def _columns(cluster, ns) -> dict[str, str]:
+    out = cluster.kubectl("get", "inferenceservices.metronome.dev", NAME, "-n", ns).stdout.splitlines()
+    header, row = out[0].split(), out[1].split()
+    return dict(zip(header, row))
+
+
+def _ready_and_settled(cluster, ns, replicas: int) -> bool:
+    isvc = _isvc(cluster, ns)
+    ready = condition(isvc, "Ready")
+    status = isvc.get("status") or {}
+    return (
+        ready is not None
+        and ready["status"] == "True"
+        and status.get("ready") == f"{replicas}/{replicas}"
+        and status.get("observedGeneration") == isvc["metadata"]["generation"]
+        and len(_running_pods(cluster, ns)) == replicas
+    )
+
+
+def test_example_creates_children_running_pods_columns_and_conditions(cluster, operator, ns):
+    cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+    wait_for(lambda: _ready_and_settled(cluster, ns, 2), "READY 2/2 with two Running pods", timeout=120)
+
+    isvc = _isvc(cluster, ns)
+    uid = isvc["metadata"]["uid"]
+    for kind, name in [("deployment", NAME), ("service", NAME), ("configmap", f"{NAME}-config")]:
+        child = get_json(cluster, kind, name, "-n", ns)
+        assert child is not None, f"{kind} {name} missing"
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["uid"], owner["controller"]) == ("InferenceService", uid, True)
+
+    # Pods are on the kwok GPU nodes with one GPU each.
+    for pod in _running_pods(cluster, ns):
+        assert pod["spec"]["nodeName"].startswith("kwok-gpu-")
+        (container,) = pod["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+    columns = _columns(cluster, ns)
+    assert columns["READY"] == "2/2"
+    assert columns["CHUNK"] == "512" and columns["POLICY"] == "split"
+    assert {"TBT-P99", "SLO", "TOK/S", "AGE"} <= set(columns)
+    assert columns["SLO"] == "Unknown"  # no Prometheus in this test: nothing to judge by
+
+    status = _isvc(cluster, ns)["status"]
+    types = {c["type"]: c for c in status["conditions"]}
+    assert set(types) == {"Ready", "Progressing", "MetricsAvailable", "SLOMet", "ConfigApplied"}
+    generation = _isvc(cluster, ns)["metadata"]["generation"]
+    for cond in types.values():
+        assert cond["observedGeneration"] == generation and cond["reason"] and cond["lastTransitionTime"]
+    assert status["configGeneration"] == 1 and _config(cluster, ns)["generation"] == 1
+
+    reasons = {e["reason"] for e in events_for(cluster, ns, NAME)}
+    assert {"Created", "ConfigCreated", "AllReplicasReady"} <= reasons
+
+    # The same name is KServe's kind too: the short name and the full name both reach ours.
+    assert NAME in cluster.kubectl("get", "misvc", "-n", ns).stdout
+
+
+def test_scheduler_change_patches_the_configmap_and_rolls_nothing(cluster, operator, ns):
+    before_rs = _replicasets(cluster, ns)
+    before_deployment = _deployment(cluster, ns)
+    before_pods = sorted(p["metadata"]["name"] for p in _running_pods(cluster, ns))
+
+    cluster.kubectl(
+        "patch", "inferenceservices.metronome.dev", NAME, "-n", ns, "--type=merge",
+        "-p", json.dumps({"spec": {"server": {"chunkSize": 256, "queuePolicy": "sjf"}}}),
+    )
+    config = wait_for(
+        lambda: (c := _config(cluster, ns))["scheduler"]["chunk_size"] == 256 and c, "server.yaml with chunk_size 256"
+    )
+    assert config["generation"] == 2 and config["scheduler"]["queue_policy"] == "sjf"
+    wait_for(lambda: _columns(cluster, ns)["CHUNK"] == "256", "the CHUNK column to show 256")
+    assert _columns(cluster, ns)["POLICY"] == "sjf"
+
+    after_deployment = _deployment(cluster, ns)
+    assert after_deployment["metadata"]["generation"] == before_deployment["metadata"]["generation"]
+    assert after_deployment["spec"]["template"] == before_deployment["spec"]["template"]
+    assert _replicasets(cluster, ns) == before_rs
+    assert sorted(p["metadata"]["name"] for p in _running_pods(cluster, ns)) == before_pods
+    messages = [e["message"] for e in events_for(cluster, ns, NAME) if e["reason"] == "ConfigUpdated"]
+    assert any("chunkSize 512 -> 256" in m and "1 -> 2" in m for m in messages), messages
+
+
+def test_model_change_rolls_the_deployment(cluster, operator, ns):
+    before_rs = _replicasets(cluster, ns)
+    cluster.kubectl(
+        "patch", "inferenceservices.metronome.dev", NAME, "-n", ns, "--type=merge",
+        "-p", json.dumps({"spec": {"model": {"source": "random:tiny"}}}),
+    )
+
+    def rolled():
+        deployment = _deployment(cluster, ns)
+        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        return "random:tiny" in args and set(_replicasets(cluster, ns).values()) - set(before_rs.values())
+
+    wait_for(rolled, "a new ReplicaSet with --model random:tiny")
+    wait_for(lambda: _ready_and_settled(cluster, ns, 2), "the rollout to finish with 2/2 ready", timeout=120)
+    for pod in _running_pods(cluster, ns):
+        assert "random:tiny" in pod["spec"]["containers"][0]["args"]
+    assert _config(cluster, ns)["generation"] == 2  # a roll is not a config change
+    assert "RollingUpdate" in {e["reason"] for e in events_for(cluster, ns, NAME)}
+
+
+def test_scale_subresource_and_replica_bounds(cluster, operator, ns):
+    cluster.kubectl("scale", "inferenceservices.metronome.dev", NAME, "-n", ns, "--replicas=3")
+    wait_for(lambda: _ready_and_settled(cluster, ns, 3), "3/3 after kubectl scale", timeout=120)
+    assert _deployment(cluster, ns)["spec"]["replicas"] == 3
+    refused = cluster.kubectl("scale", "inferenceservices.metronome.dev", NAME, "-n", ns, "--replicas=9", check=False)
+    assert refused.returncode != 0 and "spec.replicas" in refused.stderr
+
+
+def test_restart_creates_no_duplicates_and_catches_up(cluster, operator, ns):
+    def children():
+        # generation moves only when someone changes an object's spec (status updates leave it alone).
+        kinds = {}
+        for kind in ("deployments", "services", "configmaps", "replicasets"):
+            items = cluster.kubectl_json("get", kind, "-n", ns, "-l", LABEL)["items"]
+            kinds[kind] = {i["metadata"]["name"]: i["metadata"].get("generation") for i in items}
+        return kinds
+
+    before = children()
+    operator.stop()
+    # A change made while the operator is down is applied when it comes back.
+    cluster.kubectl(
+        "patch", "inferenceservices.metronome.dev", NAME, "-n", ns, "--type=merge",
+        "-p", json.dumps({"spec": {"server": {"chunkSize": 128}}}),
+    )
+    operator.start()
+    wait_for(lambda: _config(cluster, ns)["scheduler"]["chunk_size"] == 128, "the missed change after restart")
+    wait_for(lambda: "reconcile_service" in operator.log_text() and "succeeded" in operator.log_text(),
+             "the resumed reconciliation in the new operator's log")
+    after = children()
+    assert {k: sorted(v) for k, v in after.items()} == {k: sorted(v) for k, v in before.items()}
+    # Nothing was re-created or rewritten: the same objects at the same spec generation.
+    assert after["deployments"] == before["deployments"]
+    assert _config(cluster, ns)["generation"] == 3
+
+
+def test_delete_removes_every_child(cluster, operator, ns):
+    cluster.kubectl("delete", "inferenceservices.metronome.dev", NAME, "-n", ns, "--wait=true", "--timeout=60s")
+
+    def remaining() -> list[str]:
+        left = []
+        for kind in ("deployments", "services", "configmaps", "replicasets", "pods"):
+            items = cluster.kubectl_json("get", kind, "-n", ns, "-l", LABEL)["items"]
+            left += [f"{kind}/{i['metadata']['name']}" for i in items]
+        return left
+
+    try:
+        wait_for(lambda: not remaining(), "the garbage collector to remove every child", timeout=120)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; still there: {remaining()}") from None
