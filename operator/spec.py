@@ -115,7 +115,12 @@ class AutotuneSpec:
     cooldown_seconds: int = 60
     min_chunk_size: int = 64
     max_chunk_size: int = 8192
-    max_step_change: float = 0.5
+    max_step_up: float = 2.0
+    max_step_down: float = 4.0
+    margin: float = 0.9
+    deadband_low: float = 0.7
+    deadband_high: float = 0.95
+    chunk_granularity: int = 64
     policy_switching: bool = True
     scale_replicas: bool = False
 
@@ -256,6 +261,10 @@ def parse_slo(data: Mapping[str, Any] | None) -> SLOSpec | None:
     )
 
 
+def _float(data: Mapping[str, Any], key: str, default: float, where: str) -> float:
+    return float(_value(data, key, (int, float), default, where))
+
+
 def _optional_float(data: Mapping[str, Any], key: str, where: str) -> float | None:
     value = _value(data, key, (int, float), None, where)
     return None if value is None else float(value)
@@ -271,7 +280,12 @@ def parse_autotune(data: Mapping[str, Any]) -> AutotuneSpec:
         cooldown_seconds=_value(data, "cooldownSeconds", int, defaults.cooldown_seconds, where),
         min_chunk_size=_value(data, "minChunkSize", int, defaults.min_chunk_size, where),
         max_chunk_size=_value(data, "maxChunkSize", int, defaults.max_chunk_size, where),
-        max_step_change=float(_value(data, "maxStepChange", (int, float), defaults.max_step_change, where)),
+        max_step_up=_float(data, "maxStepUp", defaults.max_step_up, where),
+        max_step_down=_float(data, "maxStepDown", defaults.max_step_down, where),
+        margin=_float(data, "margin", defaults.margin, where),
+        deadband_low=_float(data, "deadbandLow", defaults.deadband_low, where),
+        deadband_high=_float(data, "deadbandHigh", defaults.deadband_high, where),
+        chunk_granularity=_value(data, "chunkGranularity", int, defaults.chunk_granularity, where),
         policy_switching=_value(data, "policySwitching", bool, defaults.policy_switching, where),
         scale_replicas=_value(data, "scaleReplicas", bool, defaults.scale_replicas, where),
     )
