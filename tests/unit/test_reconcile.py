@@ -1,0 +1,121 @@
+"""Reconciliation steps against an in-memory store that behaves like server-side apply (same object → same
+resourceVersion). The real API server is exercised in tests/integration/test_operator.py; this pins the
+ConfigMap generation rules and the Events cheaply."""
+from __future__ import annotations
+
+import copy
+
+import yaml
+
+from metronome.operator import builders, reconcile
+from metronome.operator.k8s import Action, Applied
+from metronome.operator.spec import parse_service
+
+
+class MemoryKube:
+    def __init__(self, crds: tuple[str, ...] = ()):
+        self.objects: dict[tuple[str, str, str], dict] = {}
+        self.crds = set(crds)
+        self.events: list[tuple[str, str, str]] = []
+        self.version = 0
+
+    def get(self, api_version, kind, namespace, name):
+        obj = self.objects.get((kind, namespace, name))
+        return copy.deepcopy(obj) if obj else None
+
+    def apply(self, obj):
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        before = self.objects.get(key)
+        desired = copy.deepcopy(dict(obj))
+        if before is not None and {k: v for k, v in before.items() if k != "metadata"} == {
+            k: v for k, v in desired.items() if k != "metadata"
+        } and before["metadata"].get("annotations") == desired["metadata"].get("annotations"):
+            return Applied(Action.UNCHANGED, copy.deepcopy(before), copy.deepcopy(before))
+        self.version += 1
+        desired["metadata"]["resourceVersion"] = str(self.version)
+        self.objects[key] = desired
+        return Applied(Action.CREATED if before is None else Action.UPDATED, copy.deepcopy(before), copy.deepcopy(desired))
+
+    def list(self, api_version, kind, namespace, label_selector):
+        return []
+
+    def crd_exists(self, name):
+        return name in self.crds
+
+    def emit_event(self, owner, type_, reason, message):
+        self.events.append((type_, reason, message))
+
+
+def body(**spec) -> dict:
+    return {
+        "apiVersion": "metronome.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": "ml", "uid": "u1", "generation": 1},
+        "spec": {"model": {"source": "default"}, "replicas": 2, **spec},
+    }
+
+
+def served(kube: MemoryKube) -> dict:
+    return yaml.safe_load(kube.objects[("ConfigMap", "ml", "chat-config")]["data"]["server.yaml"])
+
+
+def test_first_sync_creates_every_child_with_events():
+    kube = MemoryKube(crds=(builders.PODMONITOR_CRD,))
+    owner = body()
+    config = reconcile.sync_children(kube, parse_service(owner), owner)
+    assert config.generation == 1
+    assert {k[0] for k in kube.objects} == {"ConfigMap", "Deployment", "Service", "PodMonitor"}
+    reasons = [reason for _, reason, _ in kube.events]
+    assert reasons.count("Created") == 3 and reasons.count("ConfigCreated") == 1
+
+
+def test_second_sync_changes_nothing_and_says_nothing():
+    kube = MemoryKube()
+    owner = body()
+    reconcile.sync_children(kube, parse_service(owner), owner)
+    snapshot, kube.events = copy.deepcopy(kube.objects), []
+    reconcile.sync_children(kube, parse_service(owner), owner)
+    assert kube.objects == snapshot and kube.events == []
+
+
+def test_sync_keeps_a_retuned_config_and_serve_scheduler_bumps_the_generation():
+    kube = MemoryKube()
+    owner = body(server={"chunkSize": 512})
+    service = parse_service(owner)
+    first = reconcile.sync_children(kube, service, owner)
+    tuned = builders.with_scheduler_changes(first, chunk_size=192)
+    reconcile.serve_scheduler(kube, service, owner, tuned.scheduler, why="autotune")
+    assert served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 192
+
+    # A later reconcile (e.g. replicas changed) must not undo the tuning.
+    reconcile.sync_children(kube, parse_service(body(server={"chunkSize": 512}, replicas=3)), owner)
+    assert served(kube)["scheduler"]["chunk_size"] == 192
+
+    # The user changing spec.server wins, as a new generation.
+    changed = parse_service(body(server={"chunkSize": 1024}))
+    reconcile.serve_scheduler(kube, changed, owner, changed.spec.server, why="spec.server changed")
+    assert (served(kube)["generation"], served(kube)["scheduler"]["chunk_size"]) == (3, 1024)
+    assert any(reason == "ConfigUpdated" and "chunkSize 192 -> 1024" in msg for _, reason, msg in kube.events)
+
+
+def test_an_invalid_server_yaml_is_rewritten_with_a_higher_generation():
+    kube = MemoryKube()
+    owner = body()
+    service = parse_service(owner)
+    reconcile.sync_children(kube, service, owner)
+    cm = kube.objects[("ConfigMap", "ml", "chat-config")]
+    cm["data"]["server.yaml"] = "generation: 5\nscheduler: {chunk_size: -1}\n"
+    cm["metadata"]["annotations"][builders.ANNOTATION_CONFIG_GENERATION] = "5"
+    reconcile.sync_children(kube, service, owner)
+    assert served(kube)["generation"] == 6 and served(kube)["scheduler"]["chunk_size"] == 512
+    assert ("Warning", "InvalidConfig") in [(t, r) for t, r, _ in kube.events]
+
+
+def test_observe_reads_deployment_and_config():
+    kube = MemoryKube()
+    owner = body()
+    service = parse_service(owner)
+    reconcile.sync_children(kube, service, owner)
+    observed = reconcile.observe(kube, service)
+    assert observed.deployment["kind"] == "Deployment"
+    assert observed.served_config.generation == 1 and observed.config_error is None
