@@ -4,7 +4,8 @@
   an operator restart re-runs `reconcile` on every object and creates nothing twice.
 - field spec.server: serve the new scheduler settings as a new server.yaml generation (ConfigMap only; the pods
   reload it, nothing rolls).
-- timer (one per InferenceService): observe the children and refresh status. The SLO control loop hooks in here.
+- timer (one per InferenceService): observe the children (re-creating a deleted one) and refresh status. The
+  SLO control loop hooks in here.
 - delete: nothing to clean up by hand; every child has an owner reference and is garbage-collected.
 
 Handlers are registered onto a given registry by `register` (no import-time side effects), and write status
@@ -79,6 +80,10 @@ def serve_spec_server(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 def refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     service = _service(body, memo.kube)
     observed = reconcile.observe(memo.kube, service)
+    if observed.deployment is None or (observed.served_config is None and observed.config_error is None):
+        # Someone deleted a child: put it back (no watch on children; this tick is the repair loop).
+        reconcile.sync_children(memo.kube, service, body)
+        observed = reconcile.observe(memo.kube, service)
     _write_status(memo.kube, service, body, observed, patch)
 
 

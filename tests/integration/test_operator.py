@@ -203,6 +203,13 @@ def test_restart_creates_no_duplicates_and_catches_up(cluster, operator, ns):
     assert _config(cluster, ns)["generation"] == 3
 
 
+def test_a_deleted_child_comes_back_with_a_newer_generation(cluster, operator, ns):
+    generation = _config(cluster, ns)["generation"]
+    cluster.kubectl("delete", "configmap", f"{NAME}-config", "-n", ns)
+    config = wait_for(lambda: get_json(cluster, "configmap", f"{NAME}-config", "-n", ns), "the ConfigMap to return")
+    assert yaml.safe_load(config["data"]["server.yaml"])["generation"] > generation
+
+
 def test_delete_removes_every_child(cluster, operator, ns):
     cluster.kubectl("delete", "inferenceservices.metronome.dev", NAME, "-n", ns, "--wait=true", "--timeout=60s")
 
