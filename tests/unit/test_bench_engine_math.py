@@ -1,0 +1,112 @@
+"""`metronome bench engine`'s arithmetic: HBM floors, prefill FLOPs, capacity per chunk, targets, and the
+transformers adapter's pure parts."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from metronome.server.bench import model_math
+from metronome.server.bench.engine_bench import evaluate_targets
+from metronome.server.bench.engine_sections import UNCHUNKED, capacity_table
+from metronome.server.bench.hf_peer import llama_config_for, records_from_outputs
+from metronome.server.bench.results import RunEntry
+from metronome.server.bench.stats import LatencySummary, RunSummary
+from metronome.server.models.presets import preset_config
+
+LLAMA3_8B = preset_config("llama-3-8b")
+H200_COPY = 4.3e12  # bytes/s, REFERENCE.md §D
+
+
+def test_llama3_8b_decode_floor_matches_the_reference_arithmetic():
+    assert model_math.weights_read_per_decode_step(LLAMA3_8B, 2) == pytest.approx(15.0e9, rel=0.002)
+    assert model_math.kv_bytes_per_token(LLAMA3_8B, 2) == 128 * 1024
+    floors_ms = {b: model_math.decode_floor_bytes(LLAMA3_8B, 2, [2048] * b) / H200_COPY * 1000 for b in (1, 64, 256)}
+    assert floors_ms[1] == pytest.approx(3.55, abs=0.01)
+    assert floors_ms[64] == pytest.approx(7.49, abs=0.01)
+    assert floors_ms[256] == pytest.approx(19.5, abs=0.05)
+
+
+def test_tied_embeddings_are_read_once_as_the_lm_head():
+    smol = preset_config("smollm2-135m")
+    assert smol.tie_word_embeddings
+    assert model_math.weights_read_per_decode_step(smol, 2) == smol.num_parameters() * 2
+
+
+def test_prefill_flops_by_hand_for_a_toy_shape():
+    toy = SimpleNamespace(vocab_size=10, hidden_size=4, intermediate_size=8, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=2)
+    linear = 2 * (4 * (4 + 2 * 2) + 4 * 4 + 3 * 4 * 8)  # layers x (qkv + o + mlp) = 2 x 144
+    expected = 2 * linear * 3 + 4 * 2 * 2 * 2 * (3 * 4 / 2) + 2 * 10 * 4
+    assert model_math.prefill_flops(toy, [3]) == pytest.approx(expected)
+    assert model_math.prefill_flops(LLAMA3_8B, [2048]) / 2048 == pytest.approx(14.5e9, rel=0.01)
+
+
+def run(chunk, rate, tput, p99, done=10):
+    summary = RunSummary(num_requests=10, num_completed=done, output_tokens_per_s=tput,
+                         tbt=LatencySummary(count=50, p99_ms=p99), ttft=LatencySummary(count=10, p99_ms=p99 * 3))
+    return RunEntry(f"{chunk}@{rate}", {"chunk_size": chunk, "rate": rate}, summary)
+
+
+def test_capacity_table_compares_every_chunk_with_unchunked():
+    runs = [run(512, 4, 400, 20), run(512, 8, 780, 28), run(512, 16, 900, 60),
+            run(UNCHUNKED, 4, 410, 25), run(UNCHUNKED, 8, 800, 80), run(UNCHUNKED, 16, 1000, 200),
+            run(256, 4, 390, 10), run(256, 8, 700, 12, done=9)]  # an unfinished run never counts as capacity
+    rows = {r["chunk_size"]: r for r in capacity_table(runs, slo_tbt_ms=30)}
+    assert rows[512]["capacity_rate"] == 8 and rows[UNCHUNKED]["capacity_rate"] == 4
+    assert rows[512]["capacity_ratio_vs_unchunked"] == pytest.approx(2.0)
+    assert rows[512]["throughput_cost_vs_unchunked"] == pytest.approx(0.1)
+    assert rows[512]["tbt_p99_ms_at_highest_rate"] == 60 and rows[512]["highest_rate"] == 16
+    assert rows[256]["capacity_rate"] == 4 and rows[UNCHUNKED]["label"] == "unchunked"
+    assert "capacity_ratio_vs_unchunked" not in rows[UNCHUNKED]
+
+
+def test_capacity_ratio_when_unchunked_never_meets_the_slo():
+    rows = {r["chunk_size"]: r for r in capacity_table([run(512, 4, 400, 20), run(UNCHUNKED, 4, 410, 90)], 30)}
+    assert rows[512]["capacity_ratio_vs_unchunked"] is None and "unbounded" in rows[512]["note"]
+
+
+def test_targets_report_values_and_verdicts():
+    doc = {
+        "decode": [{"batch": 1, "ratio_to_floor": 1.2, "scheduler_overhead_share": 0.2},
+                   {"batch": 64, "ratio_to_floor": 1.5, "scheduler_overhead_share": 0.05}],
+        "prefill": {"share_of_matmul_peak": 0.65},
+        "longshort": {"capacity": [{"chunk_size": 512, "tbt_p99_ms_at_highest_rate": 25.0,
+                                    "throughput_cost_vs_unchunked": 0.08, "capacity_ratio_vs_unchunked": 1.5}]},
+        "batch_comparison": {"output_tokens_per_s_ratio": 12.0},
+    }
+    verdicts = {t["key"]: (t["value"], t["met"]) for t in evaluate_targets(doc)}
+    assert verdicts["decode_b1_ratio_to_floor"] == (1.2, True)
+    assert verdicts["decode_b64_ratio_to_floor"] == (1.5, False)
+    assert verdicts["prefill_share_of_matmul_peak"] == (0.65, True)
+    assert verdicts["chunk512_tbt_p99_ms_at_highest_rate"] == (25.0, True)
+    assert verdicts["chunk512_throughput_cost_vs_unchunked"] == (0.08, True)
+    assert verdicts["chunk512_capacity_ratio_vs_unchunked"] == (1.5, False)
+    assert verdicts["output_tokens_per_s_ratio_vs_transformers"] == (12.0, True)
+    assert verdicts["host_overhead_share_b64"] == (0.05, True)
+    assert all(t["met"] is None for t in evaluate_targets({}))  # nothing measured, nothing claimed
+
+
+def test_transformers_config_has_our_shape():
+    import transformers
+
+    cfg = llama_config_for(preset_config("tiny"), transformers)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size) == (512, 64, 2, 4, 2, 16, 128)
+
+
+def test_generation_outputs_become_records_on_one_clock():
+    outputs = [
+        SimpleNamespace(created_time=100.0, timestamps=[100.5, 100.6, 100.8], generated_tokens=[1, 2, 3],
+                        prompt_ids=[9] * 50, lifespan=(100.1, 100.8), error=None),
+        SimpleNamespace(created_time=100.2, timestamps=None, generated_tokens=[4, 5], prompt_ids=[9] * 20,
+                        lifespan=(100.3, 101.0), error=None),
+        SimpleNamespace(created_time=100.2, timestamps=[], generated_tokens=[], prompt_ids=[9], lifespan=(-1, -1),
+                        error="out of blocks"),
+    ]
+    records = records_from_outputs(outputs, ["long", "short", "short"])
+    first, second, failed = records
+    assert first.sent_s == 0.0 and first.token_times_s == pytest.approx([0.5, 0.6, 0.8])
+    assert first.end_s == pytest.approx(0.8) and first.output_tokens == 3 and first.prompt_tokens == 50
+    assert second.token_times_s == [] and second.end_s == pytest.approx(1.0) and second.output_tokens == 2
+    assert failed.error == "transformers: out of blocks" and not failed.ok
