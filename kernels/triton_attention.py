@@ -27,6 +27,51 @@ import triton.language as tl
 from .metadata import AttentionMetadata
 
 
+@triton.jit
+def _attend_kv_tile(
+    q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_end, scale_log2,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """One online-softmax step over keys [kv_tile * BLOCK_N, +BLOCK_N). MASKED: the tile crosses the causal
+    diagonal or the end of the context; otherwise every row sees every key and loads need no bounds."""
+    offs_n = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    n_valid = offs_n < kv_end
+    if MASKED:
+        block = tl.load(table + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + offs_n // PAGE).to(tl.int64)
+    in_page = offs_n % PAGE
+    k_ptrs = k_cache_ptr + (block * stride_kb + in_page * stride_kt + kv_head * stride_kh)[None, :] + offs_d[:, None]
+    v_ptrs = v_cache_ptr + (block * stride_vb + in_page * stride_vt + kv_head * stride_vh)[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=n_valid[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)  # [D_PAD, BLOCK_N]
+        v = tl.load(v_ptrs, mask=n_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # [BLOCK_N, D_PAD]
+    elif HEAD_DIM == D_PAD:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if UPCAST_DOT:  # round p as the GPU path does, then multiply in fp32
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
+                                            input_precision=DOT_PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
 # Batch-dependent integers are not specialised (==1, %16): new batch shapes must not recompile.
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _paged_attention(
@@ -96,32 +141,18 @@ def _paged_attention(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    for kv_tile in range(tile_lo, tile_hi):
-        offs_n = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < kv_end
-        block = tl.load(table + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
-        in_page = offs_n % PAGE
-        k_rows = block * stride_kb + in_page * stride_kt + kv_head * stride_kh
-        v_rows = block * stride_vb + in_page * stride_vt + kv_head * stride_vh
-        k = tl.load(k_cache_ptr + k_rows[None, :] + offs_d[:, None],
-                    mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [D_PAD, BLOCK_N]
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :],
-                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, D_PAD]
-        if UPCAST_DOT:  # round p as the GPU path does, then multiply in fp32
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
-                                                input_precision=DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Key tiles wholly at or before the tile's first query position need no mask; only the diagonal ones do.
+    n_full = (seq_len - q_len + first_q + 1) // BLOCK_N
+    for kv_tile in range(tile_lo, tl.minimum(tile_hi, n_full)):
+        acc, m_i, l_i = _attend_kv_tile(
+            q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_end, scale_log2,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            False, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT)
+    for kv_tile in range(tl.maximum(tile_lo, n_full), tile_hi):
+        acc, m_i, l_i = _attend_kv_tile(
+            q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_end, scale_log2,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
