@@ -60,8 +60,11 @@ class EngineCore:
         from metronome.server.models import load_model  # heavy: only when an engine is built
 
         config.validate()
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                            attention_backend=config.attention_backend, seed=config.seed)
+        device = config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        loaded = load_model(config.model, dtype=config.dtype, device=device, attention_backend=config.attention_backend,
+                            seed=config.seed, block_size=config.block_size)
         return cls(loaded, config, scheduler_config or SchedulerConfig())
 
     # --- requests ------------------------------------------------------------------------------------------
