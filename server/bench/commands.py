@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 from metronome.server.bench.clients import Client, EngineClient, HttpClient
 from metronome.server.bench.inprocess import (
@@ -22,12 +21,13 @@ from metronome.server.bench.results import RunEntry, environment, write_json
 from metronome.server.bench.runner import LoadPattern, StopRule, run_load
 from metronome.server.bench.stats import gaps, summarize
 from metronome.server.bench.workloads import (
-    BenchRequest,
     LongShortSpec,
     ShiftSpec,
     TokenSampler,
     WorkloadSpec,
     iter_requests,
+    load_jsonl,
+    validate_spec,
 )
 from metronome.server.config import ConfigError, SchedulerConfig, validate_scheduler
 from metronome.server.errors import MetronomeError
@@ -80,10 +80,11 @@ async def open_target(args: argparse.Namespace) -> AsyncIterator[Target]:
 
 
 def workload_spec(args: argparse.Namespace, expected_requests: int | None) -> WorkloadSpec:
+    """The workload the flags describe, checked (a jsonl file is read once here) before any engine is built."""
     shift_after = args.shift_after
     if shift_after is None:
         shift_after = max(1, (expected_requests or 200) // 2)
-    return WorkloadSpec(
+    spec = WorkloadSpec(
         name=args.workload,
         long_short=LongShortSpec(long_fraction=args.long_fraction, long_prompt_len=args.long_prompt_len,
                                  short_prompt_len=args.short_prompt_len, output_len=args.output_len),
@@ -92,6 +93,10 @@ def workload_spec(args: argparse.Namespace, expected_requests: int | None) -> Wo
         jsonl_path=args.jsonl,
         output_len_override=args.max_tokens,
     )
+    validate_spec(spec)
+    if spec.name == "jsonl":
+        load_jsonl(spec.jsonl_path)  # type: ignore[arg-type]
+    return spec
 
 
 def stop_rule(args: argparse.Namespace) -> StopRule:

@@ -1,0 +1,199 @@
+"""`metronome bench` end to end on random:tiny (CPU): run, sweep, engine, and against a real `metronome serve`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from metronome.server.bench import cli
+
+METRONOME = Path(sys.executable).with_name("metronome")  # the venv's console script
+TINY = ["--model", "random:tiny", "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
+        "--max-model-len", "1024", "--no-progress"]
+SMALL = ["--long-prompt-len", "120", "--short-prompt-len", "12", "--output-len", "6", "--warmup-requests", "1"]
+
+
+def bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="metronome bench")
+    cli.configure(parser)
+    return cli.run(parser.parse_args(argv))
+
+
+def is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_in_process_writes_json_and_png(tmp_path, capsys):
+    out, plot = tmp_path / "run.json", tmp_path / "run.png"
+    rc = bench(["run", *TINY, *SMALL, "--rate", "40,inf", "--num-requests", "4", "--slo-tbt-ms", "5000",
+                "--out", str(out), "--plot", str(plot)])
+    assert rc == 0
+    assert "metronome bench run" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "metronome-bench/1" and doc["kind"] == "run"
+    assert {"host", "date", "command", "torch", "device", "python"} <= set(doc["environment"])
+    assert doc["config"]["workload"] == "long-short"
+    assert [run["params"]["rate"] for run in doc["runs"]] == [40.0, None]  # inf is written as null
+    for run in doc["runs"]:
+        assert run["summary"]["num_completed"] == 4 and run["summary"]["meets_slo"] is True
+        assert len(run["records"]) == 4
+        for record in run["records"]:
+            assert record["error"] is None and record["output_tokens"] == 6  # ignore_eos: exact lengths
+            assert len(record["token_times_s"]) == 6 and record["prompt_tokens"] in (12, 120)
+            assert record["token_times_s"] == sorted(record["token_times_s"])
+    assert is_png(plot)
+
+
+def test_default_sub_command_is_run_and_bad_jsonl_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "w.jsonl"
+    bad.write_text('{"prompt": "hi", "max_tokens": 2}\n{"prompt": "x"}\n')
+    assert bench([*TINY, "--workload", "jsonl", "--jsonl", str(bad), "--num-requests", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2:" in err and "max_tokens" in err
+
+
+def test_sweep_in_process_prints_a_table_and_a_recommendation(tmp_path, capsys):
+    out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    rc = bench(["sweep", *TINY, *SMALL, "--chunk-sizes", "16,unchunked", "--policies", "fcfs,split",
+                "--rates", "50", "--num-requests", "3", "--slo-tbt-ms", "10000,0.001", "--out", str(out),
+                "--plot", str(plot)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "Recommended configuration per TBT SLO" in printed
+    assert "TBT SLO 10000 ms: best = chunk_size" in printed
+    assert "TBT SLO 0.001 ms: no configuration met the SLO" in printed
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "sweep" and len(doc["runs"]) == 4
+    for run in doc["runs"]:  # the engine really ran with the configuration asked for
+        effective = run["params"]["scheduler"]
+        assert effective["chunk_size"] == run["params"]["chunk_size"]
+        assert effective["queue_policy"] == run["params"]["queue_policy"]
+    asked = {(r["params"]["chunk_size"], r["params"]["queue_policy"]) for r in doc["runs"]}
+    assert asked == {(16, "fcfs"), (1 << 20, "fcfs"), (16, "split"), (1 << 20, "split")}
+    best = doc["recommendations"][0]["best"]
+    assert (best["chunk_size"], best["queue_policy"]) in asked and len(doc["recommendations"][0]["alternatives"]) == 2
+    assert doc["recommendations"][1]["best"] is None
+    assert is_png(plot)
+
+
+def test_sweep_against_a_url_needs_the_config_file(capsys):
+    assert bench(["sweep", "--url", "http://127.0.0.1:9", "--rates", "1"]) == 2
+    assert "--config-file" in capsys.readouterr().err
+
+
+def test_engine_cpu_smoke_writes_one_json(tmp_path, capsys):
+    out, plot = tmp_path / "engine.json", tmp_path / "engine.png"
+    rc = bench(["engine", *TINY, "--copy-mb", "4", "--matmul-size", "64", "--reps", "2", "--batch-sizes", "1,3",
+                "--context", "48", "--decode-steps", "3", "--prefill-prompt-len", "40", "--prefill-prompts", "2",
+                "--prefill-chunk", "128", "--rates", "30", "--chunk-sizes", "16,unchunked", "--num-requests", "3",
+                "--long-prompt-len", "100", "--short-prompt-len", "10", "--output-len", "5", "--hf-requests", "3",
+                "--batch-chunk-size", "32", "--skip-hf", "--out", str(out), "--plot", str(plot)])
+    assert rc == 0
+    assert "issue 4 targets" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "engine" and doc["model"]["name"] == "random:tiny"
+    assert doc["device"]["copy"]["bandwidth_bytes_per_s"] > 0 and doc["device"]["matmul_tflops"] > 0
+    assert [d["batch"] for d in doc["decode"]] == [1, 3]
+    for point in doc["decode"]:
+        assert point["non_decode_steps"] == 0 and point["step_ms_median"] > 0 and point["ratio_to_floor"] > 0
+        assert point["kv_tokens_read_median"] >= point["batch"] * 48
+    assert doc["prefill"]["tokens"] == 80 and doc["prefill"]["tokens_per_s"] > 0
+    capacity = {row["label"]: row for row in doc["longshort"]["capacity"]}
+    assert set(capacity) == {"16", "unchunked"}
+    assert len(doc["longshort"]["runs"]) == 2
+    assert all(run["summary"]["num_completed"] == 3 for run in doc["longshort"]["runs"])
+    assert doc["batch_comparison"]["metronome"]["summary"]["num_completed"] == 3
+    assert "transformers" not in doc["batch_comparison"]  # --skip-hf
+    assert {t["key"] for t in doc["targets"]} >= {"decode_b1_ratio_to_floor", "prefill_share_of_matmul_peak"}
+    assert is_png(plot)
+
+
+def test_engine_refuses_cuda_without_a_gpu(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench(["engine", "--model", "random:tiny", "--skip-hf", "--no-progress"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
+
+
+# --- against a real server -------------------------------------------------------------------------------------
+
+
+def k8s_config(folder: Path, text: str) -> Path:
+    """A ConfigMap volume as the kubelet lays it out: server.yaml -> ..data/server.yaml, ..data -> ..<stamp>."""
+    data = folder / "..2026_01_01_00_00_00.000"
+    data.mkdir(parents=True)
+    (data / "server.yaml").write_text(text)
+    os.symlink(data.name, folder / "..data")
+    os.symlink("..data/server.yaml", folder / "server.yaml")
+    return folder / "server.yaml"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"metronome serve exited:\n{log.read_text()}"
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"metronome serve not ready in {timeout} s:\n{log.read_text()}")
+
+
+def test_run_and_sweep_against_metronome_serve(tmp_path):
+    assert METRONOME.exists(), f"console script missing: {METRONOME} (run `make venv`)"
+    config = k8s_config(tmp_path / "cm", "generation: 1\nscheduler:\n  chunk_size: 256\n  queue_policy: fcfs\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    with open(log, "w") as log_file:
+        process = subprocess.Popen(
+            [str(METRONOME), "serve", "--model", "random:tiny", "--host", "127.0.0.1", "--port", str(port),
+             "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "1024",
+             "--config", str(config), "--config-poll-seconds", "0.1", "--log-level", "warning"],
+            stdout=log_file, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            wait_ready(url, process, log)
+            out = tmp_path / "http.json"
+            assert bench(["run", "--url", url, *SMALL, "--rate", "inf", "--num-requests", "3", "--no-progress",
+                          "--out", str(out)]) == 0
+            run = json.loads(out.read_text())["runs"][0]
+            assert run["summary"]["num_completed"] == 3
+            for record in run["records"]:
+                assert record["error"] is None and record["output_tokens"] == 6 and record["finish_reason"] == "length"
+                assert 1 <= len(record["token_times_s"]) <= 6  # chunks; tokens without text ride with the next
+
+            sweep_out = tmp_path / "sweep.json"
+            assert bench(["sweep", "--url", url, "--config-file", str(config), *SMALL, "--chunk-sizes", "16,64",
+                          "--policies", "fcfs", "--rates", "50", "--num-requests", "2", "--no-progress",
+                          "--reload-timeout", "60", "--out", str(sweep_out)]) == 0
+            runs = json.loads(sweep_out.read_text())["runs"]
+            assert [(r["params"]["chunk_size"], r["params"]["generation"]) for r in runs] == [(16, 2), (64, 3)]
+            assert [r["params"]["scheduler"]["chunk_size"] for r in runs] == [16, 64]
+            assert config.is_symlink() and os.readlink(config) == "..data/server.yaml"
+            served = httpx.get(url + "/v1/config", timeout=5).json()
+            assert served["generation"] == 3 and served["scheduler"]["chunk_size"] == 64
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
