@@ -196,8 +196,8 @@ def _configure_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-prompts", type=_positive_int, default=8, help="prompts in the prefill test (8)")
     g.add_argument("--prefill-chunk", type=_chunk, default=8192,
                    help="chunk size while building decode contexts and in the prefill test (8192)")
-    g.add_argument("--rates", type=_csv(_rate), default=[4.0, 8.0, 16.0, 24.0, 32.0],
-                   help="long-short Poisson rates, req/s (4,8,16,24,32)")
+    g.add_argument("--rates", type=_csv(_rate), default=[8.0, 16.0, 32.0, 48.0, 64.0],
+                   help="long-short Poisson rates, req/s (8,16,32,48,64)")
     g.add_argument("--chunk-sizes", type=_csv(_chunk), default=[256, 512, 1024, 2048, 1 << 20],
                    help="chunk sizes for long-short ('unchunked' = 1<<20)")
     g.add_argument("--queue-policy-longshort", dest="longshort_policy", choices=("fcfs", "split", "sjf"),
