@@ -98,14 +98,17 @@ class QueryWindow:
                              f"{self.window_seconds} s")
 
     @classmethod
+    def for_window(cls, window_seconds: float, sub_window_seconds: float | None = None) -> "QueryWindow":
+        """A window (e.g. spec.metrics.windowSeconds) with its sub-window: by default a quarter of the window,
+        at least 5 s, so a 60 s window gives the step fit 4 points per pod."""
+        window = parse_duration(window_seconds, "spec.metrics.windowSeconds")
+        sub = sub_window_seconds if sub_window_seconds is not None else max(5.0, window / 4)
+        return cls(window, min(parse_duration(sub, "sub-window"), window))
+
+    @classmethod
     def from_spec(cls, metrics: Mapping[str, Any] | None) -> "QueryWindow":
-        """From an InferenceService's `spec.metrics`: `window` ("60s", "2m" or seconds), optional `subWindow`
-        (default: a quarter of the window, at least 5 s)."""
-        metrics = metrics or {}
-        window = parse_duration(metrics.get("window", cls.window_seconds), "spec.metrics.window")
-        default_sub = max(5.0, window / 4) if window >= 5 else window
-        sub = parse_duration(metrics.get("subWindow", default_sub), "spec.metrics.subWindow")
-        return cls(window, min(sub, window))
+        """From an InferenceService's raw `spec.metrics` (`windowSeconds`, default 60)."""
+        return cls.for_window((metrics or {}).get("windowSeconds", cls.window_seconds))
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,13 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from metronome.server.config import QueuePolicy
 from metronome.server.errors import MetronomeError
+
+if TYPE_CHECKING:  # the operator's parsed CR; only its attributes are read
+    from metronome.operator.spec import InferenceServiceSpec
 
 
 class AutotuneSpecError(MetronomeError, ValueError):
@@ -100,16 +103,16 @@ class AutotuneSpec:
     """
 
     tbt_p99_target_s: float
-    mode: AutotuneMode = AutotuneMode.APPLY
+    mode: AutotuneMode = AutotuneMode.OFF  # as the CRD: nothing acts unless asked to
     policy: TuningPolicy = TuningPolicy.MODEL
     interval_seconds: float = 30.0
     min_chunk: int = 64
     max_chunk: int = 8192
     cooldown_seconds: float = 60.0
-    policy_switching: bool = False
+    policy_switching: bool = True
     scale_replicas: bool = False
     min_replicas: int = 1
-    max_replicas: int = 1
+    max_replicas: int = 8
     base_queue_policy: str = QueuePolicy.FCFS.value  # the resource's own policy: where switching returns to
     ttft_p99_target_s: float | None = None
     min_throughput_tokens_per_s: float | None = None
@@ -163,13 +166,13 @@ class AutotuneSpec:
 
     @classmethod
     def from_resource_spec(cls, spec: Mapping[str, Any]) -> "AutotuneSpec":
-        """Read an InferenceService `spec` (camelCase). Fields read:
+        """Read an InferenceService `spec` (camelCase, as in crds/inferenceservice.yaml). Fields read:
 
         slo.tbtP99Ms (required), slo.ttftP99Ms, slo.minThroughputTokensPerSecond;
         autotune.{mode, policy, intervalSeconds, minChunkSize, maxChunkSize, cooldownSeconds, policySwitching,
         scaleReplicas, margin, deadbandLow, deadbandHigh, maxStepUp, maxStepDown, chunkGranularity};
-        replicas, minReplicas, maxReplicas (top level; bounds default to `replicas`);
-        server.queuePolicy (the policy that switching returns to).
+        minReplicas, maxReplicas; server.queuePolicy (the policy that switching returns to).
+        Absent fields take the CRD's defaults, which are this class's (mode off, policySwitching true, ...).
         """
         if not isinstance(spec, Mapping):
             raise AutotuneSpecError(f"spec must be a mapping, got {type(spec).__name__}")
@@ -178,11 +181,10 @@ class AutotuneSpec:
         server = _section(spec, "server")
         if "tbtP99Ms" not in slo:
             raise AutotuneSpecError("spec.slo.tbtP99Ms is required for autotuning")
-        replicas = _number(spec, "replicas", "spec.replicas", int, 1)
         kwargs: dict[str, Any] = {
             "tbt_p99_target_s": _number(slo, "tbtP99Ms", "spec.slo.tbtP99Ms", float) / 1000.0,
-            "min_replicas": _number(spec, "minReplicas", "spec.minReplicas", int, replicas),
-            "max_replicas": _number(spec, "maxReplicas", "spec.maxReplicas", int, replicas),
+            "min_replicas": _number(spec, "minReplicas", "spec.minReplicas", int, 1),
+            "max_replicas": _number(spec, "maxReplicas", "spec.maxReplicas", int, 8),
         }
         if "ttftP99Ms" in slo:
             kwargs["ttft_p99_target_s"] = _number(slo, "ttftP99Ms", "spec.slo.ttftP99Ms", float) / 1000.0
@@ -213,6 +215,27 @@ class AutotuneSpec:
         if policy is not None:
             kwargs["base_queue_policy"] = _enum(QueuePolicy, policy, "spec.server.queuePolicy").value
         return cls(**kwargs)
+
+    @classmethod
+    def from_service(cls, service: "InferenceServiceSpec") -> "AutotuneSpec":
+        """From the operator's parsed spec (metronome.operator.spec.InferenceServiceSpec)."""
+        if service.slo is None:
+            raise AutotuneSpecError("spec.slo.tbtP99Ms is required for autotuning")
+        tune, slo = service.autotune, service.slo
+        return cls(
+            tbt_p99_target_s=slo.tbt_p99_ms / 1000.0,
+            ttft_p99_target_s=slo.ttft_p99_ms / 1000.0 if slo.ttft_p99_ms is not None else None,
+            min_throughput_tokens_per_s=slo.min_throughput_tokens_per_second,
+            mode=_enum(AutotuneMode, tune.mode, "spec.autotune.mode"),
+            policy=_enum(TuningPolicy, tune.policy, "spec.autotune.policy"),
+            interval_seconds=float(tune.interval_seconds), cooldown_seconds=float(tune.cooldown_seconds),
+            min_chunk=tune.min_chunk_size, max_chunk=tune.max_chunk_size,
+            max_step_up=tune.max_step_up, max_step_down=tune.max_step_down, margin=tune.margin,
+            deadband_low=tune.deadband_low, deadband_high=tune.deadband_high,
+            chunk_granularity=tune.chunk_granularity, policy_switching=tune.policy_switching,
+            scale_replicas=tune.scale_replicas, min_replicas=service.min_replicas,
+            max_replicas=service.max_replicas, base_queue_policy=QueuePolicy(service.server.queue_policy).value,
+        )
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ def observation(tbt_ms: float, **fields) -> Observation:
 
 
 def spec(**fields) -> AutotuneSpec:
-    return AutotuneSpec(**{"tbt_p99_target_s": 0.030, "min_chunk": 64, "max_chunk": 8192,
-                           "cooldown_seconds": 60, **fields})
+    return AutotuneSpec(**{"tbt_p99_target_s": 0.030, "mode": AutotuneMode.APPLY, "min_chunk": 64,
+                           "max_chunk": 8192, "cooldown_seconds": 60, "policy_switching": False,
+                           "max_replicas": 1, **fields})
 
 
 def config(chunk=4096, policy="fcfs", replicas=1, generation=3, last_change=None) -> CurrentConfig:
@@ -306,10 +307,25 @@ def test_spec_from_resource():
     assert parsed.mode is AutotuneMode.ADVISE and parsed.policy is TuningPolicy.MULTIPLICATIVE
     assert (parsed.min_chunk, parsed.max_chunk, parsed.interval_seconds, parsed.cooldown_seconds) == (128, 4096, 15, 45)
     assert parsed.policy_switching and parsed.scale_replicas
-    assert (parsed.min_replicas, parsed.max_replicas) == (2, 4) and parsed.base_queue_policy == "sjf"
-    defaults = AutotuneSpec.from_resource_spec({"slo": {"tbtP99Ms": 40}})
-    assert defaults.mode is AutotuneMode.APPLY and defaults.policy is TuningPolicy.MODEL
-    assert (defaults.min_replicas, defaults.max_replicas) == (1, 1)
+    assert (parsed.min_replicas, parsed.max_replicas) == (1, 4) and parsed.base_queue_policy == "sjf"
+    defaults = AutotuneSpec.from_resource_spec({"slo": {"tbtP99Ms": 40}})  # the CRD's defaults
+    assert defaults.mode is AutotuneMode.OFF and defaults.policy is TuningPolicy.MODEL
+    assert defaults.policy_switching and (defaults.min_replicas, defaults.max_replicas) == (1, 8)
+
+
+def test_spec_from_the_operators_parsed_resource_matches_the_raw_one():
+    from metronome.operator.spec import parse_spec
+
+    raw = {"model": {"source": "random:tiny"}, "replicas": 2, "minReplicas": 1, "maxReplicas": 3,
+           "server": {"chunkSize": 1024, "queuePolicy": "fcfs"},
+           "slo": {"tbtP99Ms": 45, "minThroughputTokensPerSecond": 200},
+           "autotune": {"mode": "apply", "maxStepUp": 1.5, "maxStepDown": 2, "margin": 0.85, "deadbandLow": 0.6,
+                        "deadbandHigh": 0.9, "chunkGranularity": 32, "cooldownSeconds": 90, "scaleReplicas": True}}
+    from_parsed = AutotuneSpec.from_service(parse_spec(raw))
+    assert from_parsed == AutotuneSpec.from_resource_spec(raw)
+    assert from_parsed.max_step_down == 2 and from_parsed.chunk_granularity == 32 and from_parsed.max_replicas == 3
+    with pytest.raises(AutotuneSpecError):
+        AutotuneSpec.from_service(parse_spec({"model": {"source": "random:tiny"}}))
 
 
 @pytest.mark.parametrize("resource,field", [
@@ -322,7 +338,7 @@ def test_spec_from_resource():
     ({"slo": {"tbtP99Ms": 30}, "autotune": {"minChunkSize": 1.5}}, "spec.autotune.minChunkSize"),
     ({"slo": {"tbtP99Ms": 30}, "autotune": {"scaleReplicas": "yes"}}, "spec.autotune.scaleReplicas"),
     ({"slo": {"tbtP99Ms": 30}, "server": {"queuePolicy": "lifo"}}, "spec.server.queuePolicy"),
-    ({"slo": {"tbtP99Ms": 30}, "replicas": 3, "maxReplicas": 2}, "replica bounds"),
+    ({"slo": {"tbtP99Ms": 30}, "minReplicas": 3, "maxReplicas": 2}, "replica bounds"),
     ({"slo": [30]}, "spec.slo"),
 ])
 def test_bad_spec_is_a_typed_error_naming_the_field(resource, field):

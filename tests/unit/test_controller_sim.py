@@ -20,6 +20,7 @@ import pytest
 
 from metronome.operator.controller import decide
 from metronome.operator.observation import (
+    AutotuneMode,
     AutotuneSpec,
     CurrentConfig,
     Decision,
@@ -176,12 +177,14 @@ class Interval:
     decision: Decision
 
 
-def control_loop(policy: TuningPolicy, intervals: int, seed: int, load: Load | None = None) -> list[Interval]:
+def control_loop(policy: TuningPolicy, intervals: int, seed: int, load: Load | None = None,
+                 spec_fields: dict | None = None) -> list[Interval]:
     """Observe an interval at the current chunk size, decide, apply at once (as a config reload would)."""
     plant = Plant(load or Load(), Hardware(), seed)
     plant.run(START_CHUNK, 10.0)  # warm up to a steady state before the first observed interval
-    spec = AutotuneSpec(tbt_p99_target_s=TARGET_S, policy=policy, interval_seconds=INTERVAL_S,
-                        cooldown_seconds=INTERVAL_S, min_chunk=64, max_chunk=8192, min_samples=100)
+    spec = AutotuneSpec(tbt_p99_target_s=TARGET_S, mode=AutotuneMode.APPLY, policy=policy,
+                        interval_seconds=INTERVAL_S, cooldown_seconds=INTERVAL_S, min_chunk=64, max_chunk=8192,
+                        min_samples=100, policy_switching=False, **(spec_fields or {}))
     current = CurrentConfig(chunk_size=START_CHUNK, queue_policy="fcfs", replicas=1, generation=1)
     trace = []
     for index in range(1, intervals + 1):
@@ -213,10 +216,14 @@ def print_trace(name: str, trace: list[Interval]) -> None:
         print(f"  {item.index:3d} {item.chunk:5d} {item.tbt_p99_s * 1e3:7.1f}  {item.decision.reason[:150]}")
 
 
-@pytest.mark.parametrize("seed,arrival_rate", [(1, 8.0), (2, 8.0), (3, 8.0), (4, 11.0)])
-def test_model_policy_reaches_slo_within_three_intervals_and_stays(seed, arrival_rate):
-    trace = control_loop(TuningPolicy.MODEL, intervals=25, seed=seed, load=Load(arrival_rate=arrival_rate))
-    print_trace(f"model (seed {seed}, {arrival_rate:g} requests/s)", trace)
+@pytest.mark.parametrize("seed,arrival_rate,spec_fields", [
+    (1, 8.0, {}), (2, 8.0, {}), (3, 8.0, {}), (4, 11.0, {}),
+    (5, 8.0, {"max_step_down": 2.0}),  # a gentler cap: 4096 → 2048 → 1024 still lands within 3 intervals
+])
+def test_model_policy_reaches_slo_within_three_intervals_and_stays(seed, arrival_rate, spec_fields):
+    trace = control_loop(TuningPolicy.MODEL, intervals=25, seed=seed, load=Load(arrival_rate=arrival_rate),
+                         spec_fields=spec_fields)
+    print_trace(f"model (seed {seed}, {arrival_rate:g} requests/s, {spec_fields or 'defaults'})", trace)
     assert trace[0].tbt_p99_s > TARGET_S * 1.5, "the plant must start with a clearly violated SLO at chunk 4096"
     needed = intervals_to_slo(trace)
     assert needed is not None and needed <= 3, f"model needed {needed} intervals"
@@ -235,7 +242,9 @@ def test_multiplicative_baseline_on_the_same_plant_is_slower():
     trace = control_loop(TuningPolicy.MULTIPLICATIVE, intervals=40, seed=1)
     print_trace("multiplicative (seed 1)", trace)
     needed = intervals_to_slo(trace)
-    print(f"\nintervals to reach the SLO from chunk {START_CHUNK}: model {model}, multiplicative {needed}")
+    relapses = sum(1 for item in trace[(needed or 0) + 1:] if item.tbt_p99_s > TARGET_S)
+    print(f"\nintervals to reach the SLO from chunk {START_CHUNK}: model {model}, multiplicative {needed} "
+          f"(then {relapses} violated intervals out of {len(trace) - (needed or 0) - 1})")
     assert needed is not None, "the ×0.9 rule does get there on this plant, only slowly"
     assert model is not None and needed > model
 

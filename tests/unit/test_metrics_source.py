@@ -108,8 +108,9 @@ def test_selector_rejects_bad_input(bad):
 
 def test_window_from_spec_and_durations():
     assert QueryWindow.from_spec(None) == QueryWindow(60.0, 15.0)
-    assert QueryWindow.from_spec({"window": "2m"}) == QueryWindow(120.0, 30.0)
-    assert QueryWindow.from_spec({"window": 20, "subWindow": "5s"}) == QueryWindow(20.0, 5.0)
+    assert QueryWindow.from_spec({"windowSeconds": 120}) == QueryWindow(120.0, 30.0)
+    assert QueryWindow.from_spec({"windowSeconds": 12}) == QueryWindow(12.0, 5.0)
+    assert QueryWindow.for_window("2m", "20s") == QueryWindow(120.0, 20.0)
     assert parse_duration("500ms") == 0.5 and parse_duration("1h") == 3600
     assert ms.format_duration(2.5) == "2500ms" and ms.format_duration(60) == "60s"
     for bad in ("soon", "-5s", 0, "5d"):
