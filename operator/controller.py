@@ -198,7 +198,7 @@ def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
             wanted = best
             why = (f"predicted p99 TBT {predicted(best) * 1e3:.1f} ms ≤ {budget * 1e3:.1f} ms at chunk {best}")
         elif best is None:
-            wanted = spec.min_chunk
+            wanted = _floor(spec, current)
             why = (f"no chunk is predicted under {budget * 1e3:.1f} ms (even {spec.chunk_granularity} gives "
                    f"{predicted(spec.chunk_granularity) * 1e3:.1f} ms): heading for the floor")
         else:
@@ -207,11 +207,12 @@ def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
             wanted = int(current.chunk_size * spec.multiplicative_down)
             why = (f"model predicts {predicted(current.chunk_size) * 1e3:.1f} ms at the current chunk but "
                    f"{tbt * 1e3:.1f} ms was observed: stepping down ×{spec.multiplicative_down:g}")
-        chunk = min(_bounded(wanted, current.chunk_size, spec, spec.chunk_granularity), current.chunk_size)
+        chunk = min(_bounded(wanted, current.chunk_size, spec, spec.chunk_granularity, _floor(spec, current)),
+                    current.chunk_size)
         if chunk >= current.chunk_size:
             return blocked(f"{basis}; {why}"), ""
         return _Proposal(chunk, current.queue_policy, current.replicas,
-                         f"{basis}; {why}{_cap_note(wanted, chunk, spec)}", (ActionKind.CHUNK_DOWN,),
+                         f"{basis}; {why}{_cap_note(wanted, chunk, spec, _floor(spec, current))}", (ActionKind.CHUNK_DOWN,),
                          policy_used="model", predicted_tbt_p99_s=predicted(chunk),
                          fit_r_squared=fit.r_squared), ""
 
@@ -219,13 +220,13 @@ def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
         largest = "none" if best is None else str(best)
         return _hold_proposal(current, f"{basis}; no room to grow: largest chunk predicted under "
                                        f"{budget * 1e3:.1f} ms is {largest}", "model", fit), ""
-    chunk = _bounded(best, current.chunk_size, spec, spec.chunk_granularity)
+    chunk = _bounded(best, current.chunk_size, spec, spec.chunk_granularity, _floor(spec, current))
     if chunk <= current.chunk_size:
         return _hold_proposal(current, f"{basis}; chunk {current.chunk_size} already at the ceiling "
                                        f"{spec.max_chunk}", "model", fit), ""
     return _Proposal(chunk, current.queue_policy, current.replicas,
                      f"{basis}; predicted p99 TBT {predicted(best) * 1e3:.1f} ms ≤ {budget * 1e3:.1f} ms at chunk "
-                     f"{best}{_cap_note(best, chunk, spec)}", (ActionKind.CHUNK_UP,), policy_used="model",
+                     f"{best}{_cap_note(best, chunk, spec, _floor(spec, current))}", (ActionKind.CHUNK_UP,), policy_used="model",
                      predicted_tbt_p99_s=predicted(chunk), fit_r_squared=fit.r_squared), ""
 
 
@@ -245,7 +246,7 @@ def _multiplicative_step(obs: Observation, current: CurrentConfig, spec: Autotun
     wanted = int(round(current.chunk_size * factor))
     if wanted == current.chunk_size:  # small sizes: always move by at least one token
         wanted += 1 if factor > 1 else -1
-    chunk = _bounded(wanted, current.chunk_size, spec, 1)
+    chunk = _bounded(wanted, current.chunk_size, spec, 1, _floor(spec, current))
     reason = f"{note}{_tbt_text(tbt, spec)}, {rule}: ×{factor:g}"
     if chunk == current.chunk_size:
         if ratio > 1.0 and factor < 1:
@@ -260,7 +261,7 @@ def _multiplicative_step(obs: Observation, current: CurrentConfig, spec: Autotun
 def _at_floor(current: CurrentConfig, spec: AutotuneSpec, basis: str, policy_used: str,
               fit: StepFit | None) -> _Proposal:
     r2 = fit.r_squared if fit is not None else None
-    where = f"chunk {current.chunk_size} cannot go lower (floor {spec.min_chunk})"
+    where = f"chunk {current.chunk_size} cannot go lower (floor {_floor(spec, current)})"
     if spec.scale_replicas and current.replicas < spec.max_replicas:
         return _Proposal(current.chunk_size, current.queue_policy, current.replicas + 1,
                          f"{basis}; {where} and the SLO is violated: replicas {current.replicas}→"
@@ -274,22 +275,30 @@ def _at_floor(current: CurrentConfig, spec: AutotuneSpec, basis: str, policy_use
 
 # --- helpers -----------------------------------------------------------------------------------------------------
 
-def _bounded(wanted: float, current: int, spec: AutotuneSpec, granularity: int) -> int:
+def _floor(spec: AutotuneSpec, current: CurrentConfig) -> int:
+    """The smallest budget that changes anything: split admits short prompts whole, so its budget never goes
+    below the short-prompt threshold."""
+    if current.queue_policy == QueuePolicy.SPLIT.value:
+        return min(spec.max_chunk, max(spec.min_chunk, current.short_prompt_threshold))
+    return spec.min_chunk
+
+
+def _bounded(wanted: float, current: int, spec: AutotuneSpec, granularity: int, floor: int) -> int:
     """Cap the move to [current / max_step_down, current * max_step_up], round down to the granularity
-    (not below the cap), then clamp to the bounds, which win over the cap."""
+    (not below the cap), then clamp to [floor, max_chunk], which win over the cap."""
     low_cap = current / spec.max_step_down
     high_cap = current * spec.max_step_up
     capped = min(max(wanted, low_cap), high_cap)
     chunk = int(math.floor(capped / granularity)) * granularity
     if chunk < low_cap:
         chunk = int(math.ceil(low_cap / granularity)) * granularity
-    return max(spec.min_chunk, min(spec.max_chunk, chunk))
+    return max(floor, min(spec.max_chunk, chunk))
 
 
-def _cap_note(wanted: int, chunk: int, spec: AutotuneSpec) -> str:
+def _cap_note(wanted: int, chunk: int, spec: AutotuneSpec, floor: int) -> str:
     if chunk == wanted:
         return f" → {chunk}"
-    if chunk in (spec.min_chunk, spec.max_chunk):
+    if chunk in (floor, spec.max_chunk):
         return f" → {chunk} (bound)"
     return f" → {chunk} (at most ×{spec.max_step_up:g} / ÷{spec.max_step_down:g} per interval)"
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from metronome.server.config import QueuePolicy
+from metronome.server.config import ConfigError, QueuePolicy, SchedulerConfig, validate_scheduler
 from metronome.server.errors import MetronomeError
 
 if TYPE_CHECKING:  # the operator's parsed CR; only its attributes are read
@@ -83,13 +83,45 @@ class Observation:
 
 @dataclass(frozen=True)
 class CurrentConfig:
-    """What the operator last wrote (the ConfigMap's scheduler fields and generation, the Deployment's replicas)."""
+    """What the operator last wrote (the ConfigMap's scheduler fields and generation, the Deployment's replicas).
+
+    `chunk_size` is the step's prefill budget, the one knob the controller tunes: `chunk_size` under fcfs and
+    sjf, max(short_chunk_size, long_chunk_size) under split (see `prefill_budget`, `scheduler_for`).
+    """
 
     chunk_size: int
     queue_policy: str
     replicas: int
     generation: int = 0
     last_change_time: float | None = None  # seconds since the epoch; None = never changed by the controller
+    short_prompt_threshold: int = 512  # split admits short prompts whole, so its budget never goes below this
+
+    @classmethod
+    def from_scheduler(cls, scheduler: SchedulerConfig, replicas: int, generation: int = 0,
+                       last_change_time: float | None = None) -> "CurrentConfig":
+        return cls(prefill_budget(scheduler), QueuePolicy(scheduler.queue_policy).value, replicas, generation,
+                   last_change_time, scheduler.short_prompt_threshold)
+
+
+def prefill_budget(scheduler: SchedulerConfig) -> int:
+    """Prefill tokens one step may carry under the served policy (what bounds a step's length)."""
+    if QueuePolicy(scheduler.queue_policy) is QueuePolicy.SPLIT:
+        return max(scheduler.short_chunk_size, scheduler.long_chunk_size)
+    return scheduler.chunk_size
+
+
+def scheduler_for(decision: "Decision", served: SchedulerConfig) -> SchedulerConfig:
+    """The scheduler config that carries out a decision: its budget lands on the fields its policy reads
+    (split: long prompts advance by the budget, short ones are admitted whole within max(budget, threshold)).
+    `chunk_size` always holds the budget, so switching policy keeps it. Other fields stay as served."""
+    fields = {**served.snake_dict(), "queue_policy": decision.queue_policy, "chunk_size": decision.chunk_size}
+    if QueuePolicy(decision.queue_policy) is QueuePolicy.SPLIT:
+        fields["long_chunk_size"] = decision.chunk_size
+        fields["short_chunk_size"] = max(decision.chunk_size, served.short_prompt_threshold)
+    try:
+        return validate_scheduler(fields, source="decision")
+    except ConfigError as exc:
+        raise AutotuneSpecError(f"the decision does not make a valid scheduler config: {exc}") from exc
 
 
 @dataclass(frozen=True)

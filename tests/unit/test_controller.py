@@ -353,3 +353,28 @@ def test_spec_invariants():
     with pytest.raises(AutotuneSpecError):
         spec(long_share_on=0.1, long_share_off=0.2)
     assert replace(spec(), min_chunk=128).min_chunk == 128
+
+
+# --- the budget under each queue policy ----------------------------------------------------------------------
+
+def test_split_budget_is_the_larger_lane_and_decisions_land_on_the_lanes():
+    from metronome.operator.observation import prefill_budget, scheduler_for
+    from metronome.server.config import SchedulerConfig
+
+    served = SchedulerConfig(chunk_size=512, queue_policy="split", short_chunk_size=2048, long_chunk_size=512)
+    current = CurrentConfig.from_scheduler(served, replicas=2, generation=5)
+    assert (current.chunk_size, current.queue_policy, current.short_prompt_threshold) == (2048, "split", 512)
+    assert prefill_budget(SchedulerConfig(chunk_size=300, queue_policy="sjf")) == 300
+    decision = decide(observation(full_chunk_ms(2048)), current, spec(), NOW)
+    assert decision.chunk_size == 896
+    written = scheduler_for(decision, served)
+    assert (written.long_chunk_size, written.short_chunk_size, written.chunk_size) == (896, 896, 896)
+    assert prefill_budget(written) == 896 and written.max_num_seqs == served.max_num_seqs
+    small = scheduler_for(replace(decision, chunk_size=256), served)
+    assert (small.long_chunk_size, small.short_chunk_size) == (256, 512)  # short prompts still fit whole
+    # Split cannot go below the short-prompt threshold: at 512 and still violated, that is the floor.
+    at_floor = decide(observation(40.0), CurrentConfig.from_scheduler(small, 2, 6), spec(), NOW)
+    assert at_floor.slo_unreachable and "floor 512" in at_floor.reason
+    # Back to fcfs: the budget moves to chunk_size.
+    fcfs = scheduler_for(replace(decision, queue_policy="fcfs", chunk_size=384), written)
+    assert (fcfs.queue_policy.value, fcfs.chunk_size) == ("fcfs", 384)
