@@ -8,8 +8,9 @@ Three layers, so that everything but the HTTP call is testable without Prometheu
 
 Label contract (what the operator's scrape config / PodMonitor must produce): every server series carries
 `namespace` (the InferenceService's namespace) and `service` (its name, from the pod label
-`app.kubernetes.io/instance`), plus `pod` (or at least `instance`) to tell pods apart. The label names are
-fields of `ServiceSelector`, so another relabeling only needs another selector.
+`app.kubernetes.io/instance`), plus `pod` (or at least `instance`) to tell pods apart. `POD_RELABELING` states
+it as relabeling rules (rendered for a PodMonitor or a plain scrape config below). The label names are fields
+of `ServiceSelector`, so another relabeling only needs another selector.
 
 Long-prompt share is a proxy: the server exports prompt-token and finished-request counters, not a prompt
 length histogram, so the share is read off the mean prompt length with a two-point mixture (short prompts
@@ -43,6 +44,25 @@ GENERATION_BY_POD = "generation_by_pod"
 QUERY_KEYS = (TBT_P99, TBT_COUNT, TBT_MEAN, TTFT_P99, OUTPUT_TOKENS_RATE, PROMPT_TOKENS_RATE, REQUESTS_RATE,
               WAITING_BY_QUEUE, RUNNING_PER_POD, STEP_TOKENS_RATE, STEP_SECONDS_RATE, STEP_COUNT_RATE,
               GENERATION_BY_POD)
+
+
+# The label contract, as relabeling rules from Kubernetes service discovery (role: pod) to series labels.
+POD_RELABELING = (
+    ("__meta_kubernetes_namespace", "namespace"),
+    ("__meta_kubernetes_pod_label_app_kubernetes_io_instance", "service"),
+    ("__meta_kubernetes_pod_name", "pod"),
+)
+
+
+def podmonitor_relabelings() -> list[dict[str, Any]]:
+    """`spec.podMetricsEndpoints[].relabelings` of a PodMonitor (prometheus-operator) that meets the contract."""
+    return [{"sourceLabels": [source], "targetLabel": target, "action": "replace"} for source, target in POD_RELABELING]
+
+
+def scrape_relabel_configs() -> list[dict[str, Any]]:
+    """`relabel_configs` of a plain Prometheus `kubernetes_sd_configs: [{role: pod}]` job that meets the contract."""
+    return [{"source_labels": [source], "target_label": target, "action": "replace"}
+            for source, target in POD_RELABELING]
 
 
 class MetricsUnavailable(MetronomeError):
@@ -98,12 +118,16 @@ class QueryWindow:
                              f"{self.window_seconds} s")
 
     @classmethod
-    def for_window(cls, window_seconds: float, sub_window_seconds: float | None = None) -> "QueryWindow":
-        """A window (e.g. spec.metrics.windowSeconds) with its sub-window: by default a quarter of the window,
-        at least 5 s, so a 60 s window gives the step fit 4 points per pod."""
+    def for_window(cls, window_seconds: float, sub_window_seconds: float | None = None,
+                   scrape_interval_seconds: float | None = None) -> "QueryWindow":
+        """A window (e.g. spec.metrics.windowSeconds) with its sub-window: by default a quarter of the window
+        (a 60 s window gives the step fit 4 points per pod), at least 5 s and at least 4 scrape intervals
+        (a rate() needs two samples in its range). With a 15 s scrape interval, use a window of 4 min or more."""
         window = parse_duration(window_seconds, "spec.metrics.windowSeconds")
-        sub = sub_window_seconds if sub_window_seconds is not None else max(5.0, window / 4)
-        return cls(window, min(parse_duration(sub, "sub-window"), window))
+        if sub_window_seconds is None:
+            scrape = parse_duration(scrape_interval_seconds, "scrape interval") if scrape_interval_seconds else 0.0
+            sub_window_seconds = max(5.0, window / 4, 4 * scrape)
+        return cls(window, min(parse_duration(sub_window_seconds, "sub-window"), window))
 
     @classmethod
     def from_spec(cls, metrics: Mapping[str, Any] | None) -> "QueryWindow":

@@ -111,6 +111,8 @@ def test_window_from_spec_and_durations():
     assert QueryWindow.from_spec({"windowSeconds": 120}) == QueryWindow(120.0, 30.0)
     assert QueryWindow.from_spec({"windowSeconds": 12}) == QueryWindow(12.0, 5.0)
     assert QueryWindow.for_window("2m", "20s") == QueryWindow(120.0, 20.0)
+    assert QueryWindow.for_window(240, scrape_interval_seconds=15) == QueryWindow(240.0, 60.0)
+    assert QueryWindow.for_window(60, scrape_interval_seconds=30) == QueryWindow(60.0, 60.0)  # capped at the window
     assert parse_duration("500ms") == 0.5 and parse_duration("1h") == 3600
     assert ms.format_duration(2.5) == "2500ms" and ms.format_duration(60) == "60s"
     for bad in ("soon", "-5s", 0, "5d"):
@@ -291,3 +293,12 @@ def test_prometheus_down_is_unreachable():
 def test_bad_url_is_rejected():
     with pytest.raises(ValueError):
         PrometheusMetricsSource("prometheus:9090")
+
+
+def test_relabeling_rules_produce_the_selector_labels():
+    selector = ServiceSelector("ns", "svc")
+    targets = {rule["targetLabel"] for rule in ms.podmonitor_relabelings()}
+    assert targets == {selector.namespace_label, selector.service_label, selector.pod_label}
+    assert {tuple(rule["source_labels"]) for rule in ms.scrape_relabel_configs()} == {
+        ("__meta_kubernetes_namespace",), ("__meta_kubernetes_pod_label_app_kubernetes_io_instance",),
+        ("__meta_kubernetes_pod_name",)}
