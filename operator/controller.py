@@ -8,6 +8,7 @@ Order of the rules, first match wins:
 3. queue policy switching (if enabled): to `split` when long prompts are a large share (≥ long_share_on) and
    short requests' TBT p99 (the overall p99 when the server does not split it out) is over target; back to the
    resource's own policy when the share falls to ≤ long_share_off. The gap between the two is the hysteresis.
+   No switch to split while the budget is under the short-prompt threshold (split would raise it).
 4. deadband → hold while deadband_low ≤ p99 / target ≤ upper, where upper is deadband_high (0.95) for
    `model`, which aims at target·margin (0.9) inside the band, and 1.0 for `multiplicative`.
 5. chunk size, by policy:
@@ -116,7 +117,9 @@ def _policy_switch(obs: Observation, current: CurrentConfig, spec: AutotuneSpec)
     if current.queue_policy != split:
         short_tbt = obs.short_tbt_p99_s if obs.short_tbt_p99_s is not None else obs.tbt_p99_s
         which = "short requests' p99 TBT" if obs.short_tbt_p99_s is not None else "p99 TBT"
-        if share >= spec.long_share_on and short_tbt is not None and short_tbt > target:
+        # Split admits short prompts whole, so below the threshold it would raise the step budget: no switch.
+        fits = current.chunk_size >= current.short_prompt_threshold
+        if share >= spec.long_share_on and short_tbt is not None and short_tbt > target and fits:
             return _Proposal(
                 current.chunk_size, split, current.replicas,
                 f"long prompts are {share:.0%} of requests (≥ {spec.long_share_on:.0%}) and {which} "

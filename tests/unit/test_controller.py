@@ -255,6 +255,9 @@ def test_no_switch_without_inflated_short_tbt_or_when_disabled():
     assert quiet.queue_policy == "fcfs"
     assert decide(observation(45.0, long_prompt_share=0.3), config(1024), spec(), NOW).queue_policy == "fcfs"
     assert decide(observation(45.0, long_prompt_share=None), config(1024), s, NOW).queue_policy == "fcfs"
+    # Under the short-prompt threshold split would raise the step budget to the threshold: the chunk rule acts.
+    small = decide(observation(45.0, long_prompt_share=0.3), config(256), s, NOW)
+    assert small.queue_policy == "fcfs" and small.chunk_size < 256
     split_base = spec(policy_switching=True, base_queue_policy="split")
     assert decide(observation(20.0, long_prompt_share=0.0), config(1024, policy="split"),
                   split_base, NOW).queue_policy == "split"
