@@ -15,7 +15,7 @@ from metronome.server import metric_names as names
 from metronome.server.config import QueuePolicy, SchedulerConfig
 
 KNOWN_QUEUES = ("fcfs", "short", "long", "sjf")
-KNOWN_REJECT_REASONS = ("overload", "invalid", "draining")
+KNOWN_REJECT_REASONS = ("overloaded", "invalid", "draining")  # the engine names the first two
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 

@@ -89,10 +89,10 @@ def test_counters_and_histograms_move_under_load(server):
 
 
 def test_invalid_requests_are_counted(server):
-    before = metric(scrape(server.url), names.REQUESTS_REJECTED + "_total", reason="invalid")
+    before = metric(scrape(server.url), names.REQUESTS_REJECTED, reason="invalid")
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "n": 3}).status_code == 400
     assert httpx.post(server.url + "/v1/completions", json={"prompt": 7}).status_code == 400
-    after = metric(scrape(server.url), names.REQUESTS_REJECTED + "_total", reason="invalid")
+    after = metric(scrape(server.url), names.REQUESTS_REJECTED, reason="invalid")
     assert after - before == 2
 
 
@@ -106,7 +106,7 @@ def test_observer_maps_step_stats_exactly():
                         kv_blocks_total=100, kv_blocks_free=75, kv_blocks_leaked=0, preemptions_total=2,
                         scheduler=SchedulerConfig())
     metrics.on_step(step, stats)
-    metrics.on_rejected("overload")
+    metrics.on_rejected("overloaded")
     value = lambda name, **labels: metrics.registry.get_sample_value(name, {"model": "m", **labels})  # noqa: E731
     assert value(names.TIME_BETWEEN_TOKENS + "_bucket", le="0.004") == 1
     assert value(names.TIME_BETWEEN_TOKENS + "_bucket", le="0.006") == 2
@@ -121,4 +121,4 @@ def test_observer_maps_step_stats_exactly():
     assert value(names.REQUESTS_RUNNING) == 3
     assert value(names.REQUESTS_WAITING, queue="short") == 2 and value(names.REQUESTS_WAITING, queue="fcfs") == 0
     assert value(names.KV_CACHE_USAGE) == 0.25
-    assert value(names.REQUESTS_REJECTED + "_total", reason="overload") == 1
+    assert value(names.REQUESTS_REJECTED, reason="overloaded") == 1
