@@ -73,7 +73,7 @@ def _attend_kv_tile(
 
 
 # Batch-dependent integers are not specialised (==1, %16): new batch shapes must not recompile.
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt"])
 def _paged_attention(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
