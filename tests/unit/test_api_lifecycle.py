@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -106,41 +105,47 @@ def read_stream(url: str, body: dict, first: threading.Event, out: list) -> None
 def test_sigterm_during_streaming_completes_every_stream_and_exits_0(tmp_path):
     assert METRONOME.exists(), f"console script missing: {METRONOME} (run `make venv`)"
     port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    process = subprocess.Popen(
-        [str(METRONOME), "serve", "--model", "random:tiny", "--host", "127.0.0.1", "--port", str(port),
-         "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "1024",
-         "--drain-seconds", "120", "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    log_path = tmp_path / "serve.log"
+    # One sequence at a time: when the first stream has its first token, the other two are surely in flight.
+    command = [str(METRONOME), "serve", "--model", "random:tiny", "--host", "127.0.0.1", "--port", str(port),
+               "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "1024",
+               "--max-num-seqs", "1", "--drain-seconds", "120", "--log-level", "info"]
     url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         wait_until(lambda: _get_status(url + "/ready") == 200 or process.poll() is not None, timeout=180,
                    what="metronome serve ready")
-        assert process.poll() is None, (tmp_path / "serve.log").read_text()
+        assert process.poll() is None, log_path.read_text()
+        first = threading.Event()
         streams = []
         for i in range(3):
-            body = {"messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": 400,
+            body = {"messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": 300,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            first, out = threading.Event(), []
+            out: list = []
             thread = threading.Thread(target=read_stream, args=(url, body, first, out))
             thread.start()
-            streams.append((thread, first, out))
-        for _, first, _ in streams:
-            assert first.wait(120)
+            streams.append((thread, out))
+        assert first.wait(120)
         process.send_signal(signal.SIGTERM)
-        for thread, _, _ in streams:
+
+        wait_until(lambda: _get_status(url + "/ready") == 503, timeout=30, what="/ready 503 while draining")
+        late = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=30)
+        assert late.status_code == 503 and late.json()["error"]["message"]
+
+        for thread, _ in streams:
             thread.join(timeout=300)
-        assert process.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()
+        assert process.wait(timeout=120) == 0, log_path.read_text()
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-        log.close()
-    for _, _, out in streams:
+    assert "draining" in log_path.read_text()
+    for _, out in streams:
         assert out[0] == 200 and out[-1] == "data: [DONE]"
         usage = json.loads(out[-2][len("data: "):])["usage"]
         finish = json.loads(out[-3][len("data: "):])["choices"][0]["finish_reason"]
-        assert usage["completion_tokens"] == 400 and finish == "length"
+        assert usage["completion_tokens"] == 300 and finish == "length"
 
 
 def _get_status(url: str) -> int | None:
