@@ -223,7 +223,7 @@ def choose_num_splits(num_programs: int, num_tokens: int, max_seqlen_k: int, sm_
     if num_tokens > 256 or max_seqlen_k < 1024 or num_programs >= sm_count:
         return 1
     wanted = -(-2 * sm_count // num_programs)
-    by_length = max_seqlen_k // 512
+    by_length = max_seqlen_k // 256  # at least 256 keys per split
     splits = min(wanted, by_length, 16)
     return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants, tl.arange in the merge
 
