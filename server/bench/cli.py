@@ -208,6 +208,8 @@ def _configure_engine(p: argparse.ArgumentParser) -> None:
     per_run.add_argument("--duration", type=_positive_float, default=None,
                          help="long-short: seconds of sending per run instead of a count")
     g.add_argument("--drain-timeout", type=_positive_float, default=120.0, help="long-short drain limit, s")
+    g.add_argument("--warmup-requests", type=_nonneg_int, default=16,
+                   help="unmeasured long-short requests sent at once before each chunk size's runs (16)")
     g.add_argument("--long-prompt-len", type=_positive_int, default=2000, help="long-short long prompt tokens")
     g.add_argument("--short-prompt-len", type=_positive_int, default=50, help="long-short short prompt tokens")
     g.add_argument("--output-len", type=_positive_int, default=128, help="long-short output tokens")

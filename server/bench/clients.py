@@ -15,9 +15,7 @@ from metronome.server.bench.records import RequestRecord
 from metronome.server.bench.workloads import BenchRequest
 from metronome.server.errors import MetronomeError
 
-if TYPE_CHECKING:  # heavy or optional imports stay out of module import time
-    import httpx
-
+if TYPE_CHECKING:  # the engine (torch) stays out of module import time
     from metronome.server.engine.async_engine import AsyncEngine
 
 
@@ -47,7 +45,7 @@ class HttpClient:
             self.base_url = self.base_url[: -len("/v1")]
         self.model = model
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http: httpx.AsyncClient = httpx.AsyncClient(
+        self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
 
     async def close(self) -> None:

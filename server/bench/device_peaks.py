@@ -62,7 +62,6 @@ def measure_copy_bandwidth(device: Any, megabytes: int, reps: int) -> CopyBandwi
     dst = torch.empty_like(src)
     samples = time_op(lambda: dst.copy_(src), device, reps)
     median = statistics.median(samples)
-    del src, dst
     return CopyBandwidth(nbytes, median, 2 * nbytes / median, samples)
 
 
@@ -78,7 +77,6 @@ def measure_matmul(device: Any, size: int, reps: int, dtype: Any = None) -> Matm
     out = torch.empty(size, size, device=device, dtype=dtype)
     samples = time_op(lambda: torch.matmul(a, b, out=out), device, reps)
     median = statistics.median(samples)
-    del a, b, out
     return MatmulPeak(size, str(dtype).replace("torch.", ""), median, 2 * size ** 3 / median / 1e12, samples)
 
 

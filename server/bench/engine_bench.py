@@ -146,7 +146,7 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
             core, spec, sampler, args.chunk_sizes if "longshort" in chosen else [args.batch_chunk_size],
             args.rates if "longshort" in chosen else [], args.longshort_policy,
             max([args.max_num_seqs, *args.batch_sizes]), stop, args.seed, args.slo_tbt_ms, progress,
-            args.hf_requests if "hf" in chosen else None, args.batch_chunk_size))
+            args.hf_requests if "hf" in chosen else None, args.batch_chunk_size, args.warmup_requests))
         if "longshort" in chosen:
             doc["longshort"] = {"policy": args.longshort_policy, "slo_tbt_ms": args.slo_tbt_ms,
                                 "capacity": sections.capacity_table(runs, args.slo_tbt_ms),

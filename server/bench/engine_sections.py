@@ -213,7 +213,7 @@ def chunk_label(chunk: int) -> str:
 async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler, chunk_sizes: list[int],
                             rates: list[float], policy: str, max_num_seqs: int, stop: StopRule, seed: int,
                             slo_tbt_ms: float, progress: bool, batch_requests: int | None,
-                            batch_chunk: int) -> tuple[list[RunEntry], RunEntry | None]:
+                            batch_chunk: int, warmup_requests: int = 16) -> tuple[list[RunEntry], RunEntry | None]:
     """Runs per (chunk, rate); plus, if batch_requests, the same first N requests sent at once (the batch that
     the transformers peer also gets)."""
     from metronome.server.engine.async_engine import AsyncEngine
@@ -223,13 +223,18 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
     client = EngineClient(engine)
     runs: list[RunEntry] = []
     batch_entry = None
+    async def warm_up(count: int) -> None:
+        """Unmeasured requests at once, with other prompts: kernels compile for the shapes this chunk size makes
+        (a compile inside a measured run would show up as a one-second TBT stall)."""
+        if count:
+            await run_load(client, iter_requests(spec, sampler, seed + 1_000_003), LoadPattern(rate=math.inf),
+                           StopRule(num_requests=count, drain_timeout_s=stop.drain_timeout_s))
+
     await engine.start()
     try:
-        engine.reconfigure(SchedulerConfig(chunk_size=chunk_sizes[0], queue_policy=policy, max_num_seqs=max_num_seqs))
-        await run_load(client, iter_requests(spec, sampler, seed + 1_000_003), LoadPattern(concurrency=4),
-                       StopRule(num_requests=4, drain_timeout_s=stop.drain_timeout_s))  # warm-up
         for chunk in chunk_sizes:
             engine.reconfigure(SchedulerConfig(chunk_size=chunk, queue_policy=policy, max_num_seqs=max_num_seqs))
+            await warm_up(warmup_requests)
             for rate in sorted(rates):
                 collector.reset()
                 label = f"chunk {chunk_label(chunk)} @ {rate:g} req/s"
@@ -242,6 +247,7 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
         if batch_requests:
             engine.reconfigure(SchedulerConfig(chunk_size=batch_chunk, queue_policy=policy,
                                                max_num_seqs=max_num_seqs))
+            await warm_up(warmup_requests)
             collector.reset()
             requests = take(iter_requests(spec, sampler, seed), batch_requests)
             label = f"batch of {len(requests)} at once, chunk {chunk_label(batch_chunk)}"

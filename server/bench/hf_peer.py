@@ -100,9 +100,8 @@ def run_hf_batch(model_config: Any, prompts: list[list[int]], kinds: list[str], 
     box: dict[str, Any] = {}
 
     def work() -> None:
-        try:
-            with torch.inference_mode():
-                box["outputs"] = model.generate_batch(prompts, generation_config=generation_config, **kwargs)
+        try:  # not under inference_mode: the manager's thread updates its static tensors in place
+            box["outputs"] = model.generate_batch(prompts, generation_config=generation_config, **kwargs)
         except Exception as exc:  # reported, not raised: the rest of the benchmark stands
             box["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -125,6 +124,9 @@ def run_hf_batch(model_config: Any, prompts: list[list[int]], kinds: list[str], 
     if len(outputs) != len(prompts):
         result["error"] = f"generate_batch returned {len(outputs)} results for {len(prompts)} prompts"
     records = records_from_outputs(outputs, kinds[:len(outputs)])
+    failed = [r.error for r in records if r.error is not None]
+    if failed:
+        result["error"] = f"{len(failed)} of {len(records)} requests failed; first: {failed[0]}"
     summary = summarize(records)
     total = sum(r.output_tokens for r in records)
     # The window from the first request's creation to the last token excludes model warm-up (CUDA graph capture)
@@ -132,5 +134,4 @@ def run_hf_batch(model_config: Any, prompts: list[list[int]], kinds: list[str], 
     window = summary.duration_s if summary.duration_s > 0 else wall_s
     result.update({"output_tokens": total, "window_s": window, "output_tokens_per_s": total / window if window else 0.0,
                    "output_tokens_per_s_wall": total / wall_s if wall_s else 0.0, "summary": summary.to_dict()})
-    del model
     return result
