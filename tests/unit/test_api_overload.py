@@ -115,3 +115,35 @@ def test_disconnected_streams_abort_and_free_kv_blocks(roomy_server):
     # Aborted early: far fewer tokens than three full answers were generated.
     generated = metric(after, names.GENERATION_TOKENS) - metric(before, names.GENERATION_TOKENS)
     assert generated < 3 * 900
+
+
+def test_clients_leaving_while_queued_are_aborted_before_they_run(server):
+    """A request still waiting for its first token, streamed or not, is aborted when its client leaves."""
+    long_body = {"prompt": "hold the engine", "max_tokens": 900, "ignore_eos": True, "stream": True,
+                 "stream_options": {"include_usage": True}}
+
+    async def leave_early(client: httpx.AsyncClient, stream: bool) -> str:
+        body = {"prompt": "never mind", "max_tokens": 50, "ignore_eos": True, "stream": stream}
+        try:
+            await client.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(120, read=0.3))
+        except httpx.ReadTimeout:
+            return "left"
+        return "answered"
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            started, release = asyncio.Event(), asyncio.Event()
+            holder = asyncio.create_task(first_chunk_then_hold(client, server.url, long_body, started, release))
+            await started.wait()
+            outcomes = await asyncio.gather(leave_early(client, False), leave_early(client, True))
+            release.set()
+            return outcomes, await holder
+
+    before = idle(server.url)
+    outcomes, holder_usage = asyncio.run(scenario())
+    assert outcomes == ["left", "left"]
+    assert holder_usage["usage"]["completion_tokens"] == 900
+    after = idle(server.url)
+    # Only the holder generated anything: the two queued requests never ran.
+    assert metric(after, names.GENERATION_TOKENS) - metric(before, names.GENERATION_TOKENS) == 900
+    assert metric(after, names.KV_CACHE_USAGE) == 0 and metric(after, names.KV_BLOCKS_LEAKED) == 0
