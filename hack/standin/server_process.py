@@ -1,0 +1,77 @@
+"""One `metronome serve` process playing one pod: started in its own session (a Ctrl-C in the terminal reaches
+the driver, not the servers), output to a log file, stopped by its pid like the kubelet stops a container:
+SIGTERM, the grace period, then SIGKILL."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def http_ready(base_url: str, timeout_s: float = 2.0) -> bool:
+    """GET <base_url>/ready answers 200 (the server's readiness probe)."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/ready", timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@dataclass
+class ServerProcess:
+    argv: list[str]
+    address: str
+    port: int
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.address}:{self.port}"
+
+    @property
+    def target(self) -> str:
+        return f"{self.address}:{self.port}"
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- {time.strftime('%H:%M:%S')} starting: {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **self.env}, start_new_session=True, close_fds=True)
+        self.started_at = time.monotonic()
+
+    def exit_code(self) -> int | None:
+        """None while it runs (or before it started)."""
+        return None if self.process is None else self.process.poll()
+
+    def is_ready(self, timeout_s: float = 2.0) -> bool:
+        """Running, and GET /ready on its loopback address answers 200."""
+        return self.process is not None and self.exit_code() is None and http_ready(self.base_url, timeout_s)
+
+    def stop(self, grace_s: float) -> int | None:
+        """SIGTERM, wait up to `grace_s`, then SIGKILL; returns the exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=max(grace_s, 0.1))
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+        return self.process.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""

@@ -1,0 +1,153 @@
+"""The kubelet stand-in's pure parts (hack/standin): a server Pod as the operator builds it → the local
+`metronome serve` command line; ConfigMap projection by the `..data` swap; Prometheus file_sd targets."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hack"))
+
+from standin.podspec import LocalMounts, PodSpecError, is_running, local_argv, server_pod  # noqa: E402
+from standin.projection import DATA_LINK, current_files, project  # noqa: E402
+from standin.targets import file_sd_groups, scrape_config, Target, write_file_sd  # noqa: E402
+
+from metronome.operator import builders  # noqa: E402
+from metronome.operator.spec import parse_service  # noqa: E402
+from metronome.server.api.serve_cli import configure  # noqa: E402
+
+
+def pod_for(spec: dict, phase: str = "Running", name: str = "chat-abc") -> dict:
+    body = {"apiVersion": "metronome.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "chat", "namespace": "ml", "uid": "uid-1", "generation": 1}, "spec": spec}
+    template = builders.pod_template(parse_service(body))
+    return {"metadata": {**template["metadata"], "name": name, "namespace": "ml", "uid": "0123456789abcdef"},
+            "spec": template["spec"], "status": {"phase": phase}}
+
+
+def serve_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command")
+    configure(parser)
+    return parser
+
+
+def test_a_gpu_pod_becomes_a_cpu_server_on_its_loopback_address():
+    pod = server_pod(pod_for({"model": {"source": "random:tiny"}, "replicas": 2, "resources": {"gpus": 2},
+                              "engine": {"blockSize": 32}}))
+    assert (pod.namespace, pod.service, pod.grace_seconds) == ("ml", "chat", 60.0)
+    mounts = LocalMounts((("/etc/metronome", "/work/cfg"),))
+    argv = local_argv(pod, ["/venv/bin/metronome"], "127.0.0.3", 41000, "cpu", mounts, ("--kv-cache-memory-gb", "0.5"))
+    assert argv[0] == "/venv/bin/metronome"
+    args = serve_parser().parse_args(argv[1:])  # the real `metronome serve` flags accept every word
+    assert (args.host, args.port, args.device) == ("127.0.0.3", 41000, "cpu")
+    assert args.config == "/work/cfg/server.yaml"
+    assert (args.model, args.block_size, args.kv_cache_memory_gb) == ("random:tiny", 32, 0.5)
+    assert "--tensor-parallel-size" not in argv and "0.0.0.0" not in argv and "cuda" not in argv
+
+
+def test_the_default_model_pod_passes_no_model_and_maps_hostpath_files(tmp_path):
+    default = server_pod(pod_for({"model": {"source": "default"}}))
+    argv = local_argv(default, ["m"], "127.0.0.2", 1, "cpu", LocalMounts(()))
+    assert "--model" not in argv
+    gguf = server_pod(pod_for({"model": {"source": "gguf:/data/models/small.gguf"}}))
+    assert ("/models/small.gguf", "/data/models/small.gguf") in gguf.host_paths
+    mounts = LocalMounts(gguf.host_paths)
+    argv = local_argv(gguf, ["m"], "127.0.0.2", 1, "cpu", mounts)
+    assert argv[argv.index("--model") + 1] == "/data/models/small.gguf"
+
+
+def test_flag_equals_value_and_longest_mount_win():
+    mounts = LocalMounts((("/etc", "/a"), ("/etc/metronome", "/b")))
+    assert mounts.translate("/etc/metronome/server.yaml") == "/b/server.yaml"
+    assert mounts.translate("/etc/hosts") == "/a/hosts"
+    assert mounts.translate("/etcetera") == "/etcetera"
+    pod = server_pod(pod_for({"model": {"source": "default"}}))
+    pod = type(pod)(**{**pod.__dict__, "args": ("serve", "--config=/etc/metronome/server.yaml", "--port=8000")})
+    assert local_argv(pod, ["m"], "127.0.0.2", 7, "cpu", mounts)[:3] == ["m", "serve", "--config=/b/server.yaml"]
+
+
+def test_pods_that_cannot_be_played_say_why():
+    raw = pod_for({"model": {"source": "pvc:weights/llama"}})
+    with pytest.raises(PodSpecError, match="persistentVolumeClaim"):
+        server_pod(raw)
+    raw = pod_for({"model": {"source": "default"}})
+    raw["spec"]["containers"][0]["name"] = "sidecar"
+    with pytest.raises(PodSpecError, match="no container named 'server'"):
+        server_pod(raw)
+    raw = pod_for({"model": {"source": "default"}})
+    raw["spec"]["containers"][0]["command"] = ["python"]
+    with pytest.raises(PodSpecError, match="not `metronome`"):
+        local_argv(server_pod(raw), ["m"], "127.0.0.2", 1, "cpu", LocalMounts(()))
+
+
+def test_only_running_pods_that_are_not_being_deleted_are_played():
+    assert is_running(pod_for({"model": {"source": "default"}}))
+    assert not is_running(pod_for({"model": {"source": "default"}}, phase="Pending"))
+    deleting = pod_for({"model": {"source": "default"}})
+    deleting["metadata"]["deletionTimestamp"] = "2030-01-01T00:00:00Z"
+    assert not is_running(deleting)
+
+
+def test_config_map_volume_projects_only_its_items():
+    pod = server_pod(pod_for({"model": {"source": "default"}}))
+    ((mount, volume),) = pod.config_maps
+    assert (mount, volume.config_map) == ("/etc/metronome", "chat-config")
+    assert volume.files({"server.yaml": "a", "other": "b"}) == {"server.yaml": "a"}
+
+
+def test_projection_swaps_data_atomically_and_keeps_stable_names(tmp_path):
+    folder = tmp_path / "config"
+    assert project(folder, {"server.yaml": "generation: 1\n"})
+    first = os.readlink(folder / DATA_LINK)
+    assert os.readlink(folder / "server.yaml") == f"{DATA_LINK}/server.yaml"
+    assert (folder / "server.yaml").read_text() == "generation: 1\n"
+    assert not project(folder, {"server.yaml": "generation: 1\n"})  # unchanged: nothing touched
+    assert os.readlink(folder / DATA_LINK) == first
+
+    assert project(folder, {"server.yaml": "generation: 2\n"})
+    second = os.readlink(folder / DATA_LINK)
+    assert second != first and second.startswith("..")
+    assert (folder / "server.yaml").read_text() == "generation: 2\n"
+    assert not (folder / first).exists()  # the old version is removed after the swap
+    assert current_files(folder) == {"server.yaml": "generation: 2\n"}
+    assert sorted(p.name for p in folder.iterdir()) == sorted([DATA_LINK, second, "server.yaml"])
+
+
+def test_projection_drops_names_of_removed_keys_and_refuses_escapes(tmp_path):
+    folder = tmp_path / "config"
+    project(folder, {"a.yaml": "1", "b.yaml": "2"})
+    project(folder, {"a.yaml": "3"})
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith("..")) == ["a.yaml"]
+    with pytest.raises(ValueError, match="leave the volume"):
+        project(folder, {"../escape": "x"})
+
+
+def test_file_sd_targets_carry_the_label_contract(tmp_path):
+    from metronome.operator.metrics_source import POD_RELABELING
+
+    targets = [Target("127.0.0.3:9001", "ml", "chat", "chat-b"), Target("127.0.0.2:9000", "ml", "chat", "chat-a")]
+    groups = file_sd_groups(targets)
+    assert [g["targets"] for g in groups] == [["127.0.0.2:9000"], ["127.0.0.3:9001"]]
+    assert set(groups[0]["labels"]) == {target for _, target in POD_RELABELING}
+    assert groups[0]["labels"] == {"namespace": "ml", "service": "chat", "pod": "chat-a"}
+    path = tmp_path / "targets.json"
+    assert write_file_sd(path, targets)
+    assert not write_file_sd(path, list(reversed(targets)))  # same set: file untouched
+    assert json.loads(path.read_text()) == groups
+
+
+def test_scrape_config_reads_the_targets_file(tmp_path):
+    import yaml
+
+    config = yaml.safe_load(scrape_config(tmp_path / "t.json", 1.0))
+    assert config["global"]["scrape_interval"] == "1000ms"
+    (job,) = config["scrape_configs"]
+    assert job["file_sd_configs"][0]["files"] == [str(tmp_path / "t.json")]
+    with pytest.raises(ValueError):
+        scrape_config(tmp_path / "t.json", 0)
