@@ -98,6 +98,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown:
         raise EngineBenchArgsError(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    if args.plot and "longshort" not in chosen:
+        raise EngineBenchArgsError("--plot draws the longshort section's runs: add longshort to --sections")
     return chosen
 
 
@@ -242,8 +244,6 @@ def _plot(doc: dict[str, Any], path: str, slo: float) -> None:
     from metronome.server.bench.plots import plot_runs
 
     runs: list[RunEntry] = doc.get("_runs") or []
-    if not runs:
-        raise EngineBenchArgsError("--plot needs the longshort section")
     plot_runs(plot_entries(runs, lambda r: f"chunk {sections.chunk_label(r.params['chunk_size'])}"), path, slo,
               title=f"{doc['model']['name']}: long-short, TBT p99 vs throughput per chunk size")
 

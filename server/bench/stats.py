@@ -99,6 +99,7 @@ class RunSummary:
     duration_s: float = 0.0  # the throughput window
     request_throughput: float = 0.0  # completed requests / s
     output_tokens: int = 0
+    token_stamps: int = 0  # timestamps behind the TBT gaps; < output_tokens when a server merged tokens into chunks
     output_tokens_per_s: float = 0.0
     prompt_tokens: int = 0
     ttft: LatencySummary = field(default_factory=LatencySummary)
@@ -136,6 +137,7 @@ def summarize(records: Iterable[RequestRecord], slo_tbt_ms: float | None = None,
         end = max(r.end_s for r in completed)  # type: ignore[type-var]
         summary.duration_s = max(end - start, 0.0)
     summary.output_tokens = sum(r.output_tokens for r in completed)
+    summary.token_stamps = sum(len(r.token_times_s) for r in completed)
     summary.prompt_tokens = sum(r.prompt_tokens or 0 for r in completed)
     if summary.duration_s > 0:
         summary.request_throughput = len(completed) / summary.duration_s

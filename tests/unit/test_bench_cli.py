@@ -175,7 +175,8 @@ def test_run_and_sweep_against_metronome_serve(tmp_path):
             assert bench(["run", "--url", url, *SMALL, "--rate", "inf", "--num-requests", "3", "--no-progress",
                           "--out", str(out)]) == 0
             run = json.loads(out.read_text())["runs"][0]
-            assert run["summary"]["num_completed"] == 3
+            assert run["summary"]["num_completed"] == 3 and run["summary"]["output_tokens"] == 18
+            assert run["summary"]["token_stamps"] == sum(len(r["token_times_s"]) for r in run["records"])
             for record in run["records"]:
                 assert record["error"] is None and record["output_tokens"] == 6 and record["finish_reason"] == "length"
                 assert 1 <= len(record["token_times_s"]) <= 6  # chunks; tokens without text ride with the next

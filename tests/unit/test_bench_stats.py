@@ -44,7 +44,7 @@ def test_summary_of_hand_computed_run(three):
     assert (s.num_requests, s.num_completed, s.num_errors) == (3, 2, 1)
     assert s.error_kinds == {"http 429": 1}
     assert s.duration_s == pytest.approx(0.72)  # first send 0.0 .. last completion 0.72
-    assert s.output_tokens == 5
+    assert s.output_tokens == 5 and s.token_stamps == 5
     assert s.output_tokens_per_s == pytest.approx(5 / 0.72)
     assert s.request_throughput == pytest.approx(2 / 0.72)
     assert s.ttft.p50_ms == pytest.approx(150.0) and s.ttft.max_ms == pytest.approx(200.0)
