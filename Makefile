@@ -63,3 +63,16 @@ diagram: venv
 .PHONY: chart-crds
 chart-crds:
 	mkdir -p charts/metronome/crds && cp crds/inferenceservice.yaml charts/metronome/crds/inferenceservice.yaml
+
+# `metronome bench` on CPU in seconds: an in-process sweep with a recommendation and the engine benchmark scaled
+# down (docs/bench.md). Results land in $(BENCH_OUT).
+BENCH_OUT ?= /tmp/metronome-bench-smoke
+bench-smoke: venv
+	mkdir -p $(BENCH_OUT)
+	$(VENV)/bin/metronome bench sweep --model random:tiny --device cpu --chunk-sizes 32,256 --policies fcfs,split \
+	  --rates 4,16 --num-requests 8 --long-prompt-len 200 --output-len 16 --slo-tbt-ms 20,50 --no-progress \
+	  --out $(BENCH_OUT)/sweep.json --plot $(BENCH_OUT)/sweep.png
+	$(VENV)/bin/metronome bench engine --model random:tiny --device cpu --copy-mb 8 --matmul-size 128 --reps 3 \
+	  --batch-sizes 1,4 --context 64 --decode-steps 3 --prefill-prompt-len 64 --prefill-prompts 2 --prefill-chunk 256 \
+	  --rates 4,16 --chunk-sizes 32,unchunked --num-requests 6 --long-prompt-len 200 --short-prompt-len 20 \
+	  --output-len 8 --warmup-requests 2 --skip-hf --no-progress --out $(BENCH_OUT)/engine.json --plot $(BENCH_OUT)/engine.png
