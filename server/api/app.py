@@ -31,10 +31,15 @@ from metronome.server.errors import EngineDrainingError, InvalidRequestError, Mo
 log = logging.getLogger("metronome.api")
 
 
+# Below this a temperature only overflows the softmax; like vLLM, treat it as greedy.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 def sampling_params(body, max_tokens: int) -> SamplingParams:
+    temperature = 1.0 if body.temperature is None else body.temperature
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         seed=body.seed,

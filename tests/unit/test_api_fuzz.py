@@ -35,7 +35,7 @@ message = st.fixed_dictionaries(
 common_fields = {
     "model": mostly(st.sampled_from([TINY, TINY, "other-model"])),
     "max_tokens": mostly(st.integers(1, 12), st.integers(-3, 0), st.integers(40, 10**6)),
-    "temperature": mostly(st.floats(0, 2), st.floats(-1, 3), st.just(float("nan"))),
+    "temperature": mostly(st.floats(0, 2), st.floats(-1, 3), st.sampled_from([float("nan"), 1e-300, 5e-324])),
     "top_p": mostly(st.floats(0.01, 1), st.floats(-0.5, 1.5), st.just(float("inf"))),
     "top_k": mostly(st.integers(0, 50), st.integers(-3, -1)),
     "seed": mostly(st.integers(0, 2**32), st.integers(-5, -1), st.integers(2**63, 2**64)),

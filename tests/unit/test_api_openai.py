@@ -147,3 +147,9 @@ def test_health_ready_and_config(server):
     config = httpx.get(server.url + "/v1/config").json()
     assert config["generation"] == 0 and config["config_file"] is None and config["last_reload_error"] is None
     assert config["scheduler"]["chunk_size"] == config["engine_scheduler"]["chunk_size"]
+
+
+def test_vanishing_temperature_is_greedy(client):
+    kwargs = dict(model=TINY, prompt="same every time", max_tokens=8, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0, **kwargs).choices[0].text
+    assert client.completions.create(temperature=1e-300, **kwargs).choices[0].text == greedy
