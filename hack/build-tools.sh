@@ -7,6 +7,8 @@
 #   hack/build-tools.sh            build whatever is missing
 #   hack/build-tools.sh --print    print "<component> <path>" for each tool, build nothing
 #   hack/build-tools.sh --check    exit 1 (naming them) when any tool is missing, build nothing
+# Concurrent runs wait for each other (a lock in the cache dir). One failing part does not stop the others;
+# the run then exits 1 naming the parts that failed.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -146,6 +148,9 @@ build_helm() {
 
 main() {
     case "${1:-}" in
+        --part)  # internal: one part in its own process, so `set -e` holds inside it
+            "build_$2"
+            return 0 ;;
         --print)
             while read -r c v; do echo "$c $(tool_path "$c" "$v")"; done < <(all_tools)
             return 0 ;;
@@ -164,12 +169,29 @@ main() {
         log "all tools present in $BIN_ROOT"
         return 0
     fi
+    mkdir -p "$CACHE"
+    exec 9>"$CACHE/.build-tools.lock"
+    if ! flock -n 9; then
+        log "another build-tools.sh is running; waiting for it"
+        flock 9
+    fi
+    missing="$(missing_tools | xargs)"
+    if [[ -z "$missing" ]]; then
+        log "all tools present in $BIN_ROOT"
+        return 0
+    fi
     log "missing: $missing; building with $(go version | cut -d' ' -f3) into $BIN_ROOT"
-    local start=$SECONDS
-    build_kubernetes
-    build_etcd
-    build_kwok
-    build_helm
+    local start=$SECONDS part failed=()
+    for part in kubernetes etcd kwok helm; do
+        if ! bash "${BASH_SOURCE[0]}" --part "$part"; then
+            log "FAILED: $part (see the output above)"
+            failed+=("$part")
+        fi
+    done
+    if ((${#failed[@]})); then
+        log "failed parts: ${failed[*]}; still missing: $(missing_tools | xargs)"
+        return 1
+    fi
     log "done in $((SECONDS - start)) s"
 }
 

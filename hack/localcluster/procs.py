@@ -28,37 +28,38 @@ class ProcessRecord:
     pid: int
     argv: list[str]
     log: str
+    start_ticks: int  # the kernel's start time of `pid`: tells our process from a later one with a reused pid
 
     def to_json(self) -> dict:
-        return {"name": self.name, "pid": self.pid, "argv": self.argv, "log": self.log}
+        return {"name": self.name, "pid": self.pid, "argv": self.argv, "log": self.log,
+                "start_ticks": self.start_ticks}
 
     @classmethod
     def from_json(cls, data: dict) -> "ProcessRecord":
-        return cls(name=data["name"], pid=int(data["pid"]), argv=list(data["argv"]), log=data["log"])
+        return cls(name=data["name"], pid=int(data["pid"]), argv=list(data["argv"]), log=data["log"],
+                   start_ticks=int(data["start_ticks"]))
 
 
-def _cmdline(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-
-
-def _is_zombie(pid: int) -> bool:
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (field 3, the state, comes first)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+        return None
+    return stat.rsplit(")", 1)[1].split()
+
+
+def process_start_ticks(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None  # field 22 of stat: starttime
 
 
 def is_running(record: ProcessRecord) -> bool:
-    """True when `record.pid` is alive and still runs the program we started (pids get reused)."""
-    cmdline = _cmdline(record.pid)
-    if not cmdline or _is_zombie(record.pid):
+    """True when `record.pid` is alive (not a zombie) and is the very process we started."""
+    fields = _stat_fields(record.pid)
+    if fields is None or fields[0] == "Z":
         return False
-    return cmdline[0] == record.argv[0]
+    return int(fields[19]) == record.start_ticks
 
 
 def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> ProcessRecord:
@@ -69,7 +70,9 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
         log.flush()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env, close_fds=True)
-    return ProcessRecord(name=name, pid=proc.pid, argv=argv, log=str(log_path))
+    # The start time is fixed at fork, so reading it now is safe even if the child already exited (zombie).
+    start_ticks = process_start_ticks(proc.pid)
+    return ProcessRecord(name=name, pid=proc.pid, argv=argv, log=str(log_path), start_ticks=start_ticks or -1)
 
 
 def _reap(pid: int) -> None:

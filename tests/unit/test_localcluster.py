@@ -139,7 +139,7 @@ def test_stage_file_defines_node_and_pod_lifecycles():
 
 def test_state_file_round_trips_and_rejects_garbage(tmp_path):
     state = ClusterState(api_url="https://127.0.0.1:1", ports={"apiserver": 1},
-                         processes=[ProcessRecord("etcd", 42, ["/bin/etcd", "--x"], "/l/etcd.log")],
+                         processes=[ProcessRecord("etcd", 42, ["/bin/etcd", "--x"], "/l/etcd.log", 12345)],
                          kubernetes_version="v1.36.3", owner_pid=7)
     path = tmp_path / "state.json"
     save_state(path, state)
@@ -148,3 +148,15 @@ def test_state_file_round_trips_and_rejects_garbage(tmp_path):
     path.write_text(json.dumps({"processes": [{"pid": 1}]}))
     with pytest.raises(ClusterError, match="unreadable cluster state"):
         load_state(path)
+
+
+def test_process_records_follow_the_process_they_started(tmp_path):
+    from localcluster.procs import is_running, start_process, stop_process
+
+    record = start_process("sleeper", ["/bin/sleep", "30"], tmp_path / "sleeper.log")
+    assert is_running(record)
+    impostor = ProcessRecord("sleeper", record.pid, record.argv, record.log, record.start_ticks + 1)
+    assert not is_running(impostor)  # same pid, different start time: a reused pid is never ours
+    stop_process(record)
+    assert not is_running(record)
+    assert "starting: /bin/sleep 30" in (tmp_path / "sleeper.log").read_text()
