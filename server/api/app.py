@@ -115,15 +115,21 @@ def create_app(engine, state: ServerState) -> FastAPI:
         card = ModelCard(id=state.served_model_name, created=now_unix(), max_model_len=engine.max_model_len)
         return ModelList(data=[card]).model_dump()
 
+    def engine_dead() -> bool:
+        """Started, yet the step thread is gone: only a restart helps (liveness fails)."""
+        return lifecycle.ready and not engine.is_running
+
     @app.get("/health")
-    async def health() -> dict:
+    async def health():
+        if engine_dead():
+            return error_response(503, "the engine thread has stopped", code="engine_stopped")
         return {"status": "ok"}
 
     @app.get("/ready")
     async def ready():
-        if lifecycle.accepting:
+        if lifecycle.accepting and not engine_dead():
             return {"status": "ready"}
-        reason = "draining" if lifecycle.draining else "starting"
+        reason = "draining" if lifecycle.draining else "engine_stopped" if engine_dead() else "starting"
         return error_response(503, f"not ready: {reason}", code=reason)
 
     @app.get("/metrics")

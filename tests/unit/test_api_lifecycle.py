@@ -153,3 +153,15 @@ def _get_status(url: str) -> int | None:
         return httpx.get(url, timeout=2).status_code
     except httpx.HTTPError:
         return None
+
+
+def test_health_fails_when_the_engine_thread_is_gone():
+    engine, _, app = build_server_parts()
+    with ServerThread(app) as server:
+        assert httpx.get(server.url + "/health").status_code == 200
+        asyncio.run(engine.shutdown())  # behind the server's back, as a crashed step thread would be
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
+        assert httpx.get(server.url + "/ready").status_code == 503
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["message"]
