@@ -82,6 +82,7 @@ class ServerInfo:
     config_dirs: tuple[Path, ...]
     log_path: Path
     restarts: int
+    pid: int | None = None
 
     @property
     def base_url(self) -> str:
@@ -169,7 +170,8 @@ class KubeletStandIn:
             entries = list(self._state.running.values())
         out = [ServerInfo(namespace=e.pod.namespace, pod=e.pod.name, service=e.pod.service,
                           address=e.server.address, port=e.server.port,
-                          config_dirs=tuple(e.config_dirs.values()), log_path=e.server.log_path, restarts=e.restarts)
+                          config_dirs=tuple(e.config_dirs.values()), log_path=e.server.log_path, restarts=e.restarts,
+                          pid=e.server.process.pid if e.server.process else None)
                for e in entries
                if (namespace is None or e.pod.namespace == namespace) and (service is None or e.pod.service == service)]
         return sorted(out, key=lambda s: (s.namespace, s.pod))
@@ -179,6 +181,10 @@ class KubeletStandIn:
         with self._lock:
             return dict(self._state.problems)
 
+    def ready_servers(self, namespace: str | None = None, service: str | None = None) -> list[ServerInfo]:
+        """The servers of the selection that answer /ready now."""
+        return [s for s in self.servers(namespace, service) if self._ready(s)]
+
     def wait_for_servers(self, count: int, namespace: str | None = None, service: str | None = None,
                          timeout_s: float = 300.0) -> list[ServerInfo]:
         """Block until `count` servers of the selection answer /ready; fail with their logs otherwise."""
@@ -186,7 +192,7 @@ class KubeletStandIn:
         while True:
             servers = self.servers(namespace, service)
             ready = [s for s in servers if self._ready(s)]
-            if len(ready) >= count:
+            if len(ready) >= count and len(ready) == len(servers):
                 return ready
             if time.monotonic() > deadline or self._stopping.is_set():
                 details = "\n".join(f"--- {s.pod} ({s.log_path}, restarts {s.restarts}):\n{_tail(s.log_path)}"

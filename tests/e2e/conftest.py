@@ -1,0 +1,59 @@
+"""Fixtures of the closed-loop tests (session scope, on the `cluster` fixture of tests/conftest.py):
+
+- `standin`: the kubelet stand-in (hack/standin) running `metronome serve` on 127.0.0.x for every Running server
+  pod, with a small KV budget and a short drain;
+- `prometheus`: Debian's Prometheus, started through the cluster helper, scraping the stand-in's file_sd targets
+  every second;
+- `operator`: the chart installed (release metronome-e2e), and the operator run as a local process under the
+  chart's ServiceAccount, pointed at that Prometheus.
+"""
+from __future__ import annotations
+
+import pytest
+
+from closedloop import OperatorProcess, install_chart, service_account_kubeconfig
+from standin import KubeletStandIn, StandInOptions, scrape_config
+
+RELEASE = "metronome-e2e"
+RELEASE_NAMESPACE = "metronome-e2e-system"
+SCRAPE_INTERVAL_S = 1.0
+SERVER_ARGS = ("--kv-cache-memory-gb", "0.5", "--drain-seconds", "2", "--log-level", "warning")
+
+
+@pytest.fixture(scope="session")
+def e2e_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="session")
+def standin(cluster, e2e_dir):
+    harness = KubeletStandIn(cluster.kubeconfig, StandInOptions(work_dir=e2e_dir / "standin", extra_args=SERVER_ARGS))
+    harness.start()
+    try:
+        yield harness
+    finally:
+        harness.stop()
+
+
+@pytest.fixture(scope="session")
+def prometheus(cluster, standin, e2e_dir):
+    config = e2e_dir / "prometheus.yml"
+    config.write_text(scrape_config(standin.options.targets_path, SCRAPE_INTERVAL_S))
+    url = cluster.start_prometheus(config)
+    try:
+        yield url
+    finally:
+        cluster.stop_prometheus()
+
+
+@pytest.fixture(scope="session")
+def operator(cluster, prometheus, e2e_dir):
+    service_account = install_chart(cluster, RELEASE, RELEASE_NAMESPACE)
+    kubeconfig = service_account_kubeconfig(cluster, RELEASE_NAMESPACE, service_account, e2e_dir / "operator.kubeconfig")
+    process = OperatorProcess(kubeconfig=kubeconfig, log_path=e2e_dir / "operator.log", prometheus_url=prometheus,
+                              status_interval_s=2.0)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
