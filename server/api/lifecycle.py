@@ -29,9 +29,6 @@ class Lifecycle:
     def accepting(self) -> bool:
         return self.ready and not self.draining
 
-    def is_ready(self) -> bool:
-        return self.accepting
-
     def begin(self, request_id: str) -> None:
         self.inflight.add(request_id)
 
