@@ -10,7 +10,6 @@ import threading
 from pathlib import Path
 
 import httpx
-import pytest
 
 from api_helpers import ServerThread, build_server_parts, free_port, wait_until
 from metronome.server.api.lifecycle import Lifecycle
