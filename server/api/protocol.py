@@ -22,7 +22,6 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _SamplingRequest(_Request):
