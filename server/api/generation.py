@@ -117,7 +117,9 @@ async def _stream(events, first, shaper, include_usage: bool, lifecycle: Lifecyc
         event = first
         while event is not None:
             tally.add(event)
-            if event.text:
+            # One chunk per token, even while a multi-byte character is incomplete (empty text): clients and
+            # `metronome bench` time every token from its own chunk.
+            if event.text or not event.finished:
                 yield shaper.text_chunk(event.text)
             if event.finished:
                 break
