@@ -21,7 +21,7 @@ import pytest
 
 HACK_DIR = Path(__file__).resolve().parent.parent / "hack"
 if str(HACK_DIR) not in sys.path:
-    sys.path.insert(0, str(HACK_DIR))  # tests import `localcluster` (hack/localcluster) by name
+    sys.path.append(str(HACK_DIR))  # tests import `localcluster` (hack/localcluster) by name
 
 
 def _localcluster():

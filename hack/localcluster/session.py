@@ -14,7 +14,6 @@ from pathlib import Path
 from .errors import ClusterError
 from .kubetools import KubeTools
 from .local import LocalCluster
-from .state import load_state
 from .tools import ToolSet, default_cache_dir
 
 USE_EXISTING_ENV = "METRONOME_USE_EXISTING_CLUSTER"
@@ -64,18 +63,19 @@ def _pid_alive(pid: int) -> bool:
 
 
 def reap_dead_sessions(root: Path) -> list[Path]:
-    """Stops the clusters of earlier test sessions that died without tearing down (found by owner pid)."""
+    """Stops the clusters of earlier test sessions that died without tearing down. A session's dir is named
+    after its pid, so a live session (even one still starting, without a state file yet) is never touched."""
     reaped = []
     if not root.is_dir():
         return reaped
     for state_dir in sorted(root.glob(f"{SESSION_PREFIX}*")):
-        try:
-            state = load_state(state_dir / "state.json")
-        except ClusterError:
-            state = None
-        if state is not None and _pid_alive(state.owner_pid):
+        owner = state_dir.name.removeprefix(SESSION_PREFIX)
+        if owner.isdigit() and _pid_alive(int(owner)):
             continue
-        LocalCluster(state_dir, build=False).down()
+        try:
+            LocalCluster(state_dir, build=False).down()
+        except ClusterError:
+            pass  # an unreadable state file names no pids we could stop; the folder goes anyway
         shutil.rmtree(state_dir, ignore_errors=True)
         reaped.append(state_dir)
     return reaped

@@ -160,3 +160,16 @@ def test_process_records_follow_the_process_they_started(tmp_path):
     stop_process(record)
     assert not is_running(record)
     assert "starting: /bin/sleep 30" in (tmp_path / "sleeper.log").read_text()
+
+
+def test_reaping_removes_only_sessions_whose_owner_died(tmp_path):
+    import os
+
+    from localcluster.session import reap_dead_sessions
+
+    live = tmp_path / f"pytest-{os.getpid()}"
+    dead = tmp_path / "pytest-999999999"  # above any pid_max: no such process
+    for folder in (live, dead):
+        (folder / "logs").mkdir(parents=True)
+    assert reap_dead_sessions(tmp_path) == [dead]
+    assert live.is_dir() and not dead.exists()
