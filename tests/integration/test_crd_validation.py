@@ -60,7 +60,7 @@ INVALID = [
     ("min-chunk-above-max", _with("spec.autotune.maxChunkSize", 32), "spec.autotune.minChunkSize must be <= spec.autotune.maxChunkSize"),
     ("replicas-above-max", _with("spec.replicas", 9), "spec.replicas must be <= spec.maxReplicas"),
     ("replicas-below-min", _with("spec.minReplicas", 3), "spec.replicas must be >= spec.minReplicas"),
-    ("min-above-max-replicas", _with("spec.maxReplicas", 1, _with("spec.replicas", 1)), "spec.minReplicas must be <= spec.maxReplicas"),
+    ("min-above-max-replicas", _with("spec.minReplicas", 3, _with("spec.maxReplicas", 2, _with("spec.replicas", 2))), "spec.minReplicas must be <= spec.maxReplicas"),
     ("autotune-without-slo", _with("spec.slo", _DELETE), "spec.slo is required when spec.autotune.mode"),
     ("batched-tokens-below-seqs", _with("spec.server.maxNumBatchedTokens", 16), "spec.server.maxNumBatchedTokens must be >= spec.server.maxNumSeqs"),
     ("short-chunk-below-threshold", _with("spec.server.shortChunkSize", 256), "spec.server.shortChunkSize must be >= spec.server.shortPromptThreshold"),

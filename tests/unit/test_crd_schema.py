@@ -61,7 +61,8 @@ def _walk(node: dict, path: str = ""):
 
 
 def test_every_field_is_described(schema):
-    missing = [path or "<root>" for path, node in _walk(schema) if not node.get("description")]
+    # The API server forbids anything but type under metadata.
+    missing = [p or "<root>" for p, node in _walk(schema) if not node.get("description") and p != ".metadata"]
     assert missing == []
 
 
