@@ -92,7 +92,7 @@ class LocalCluster:
                 if state is not None:
                     _log("stale cluster state found: stopping what is left of it")
                     self._stop_everything(state)
-                state = self._start_fresh()
+                state = self._start_fresh_retrying_ports()
             if with_prometheus or prometheus_config:
                 config = Path(prometheus_config) if prometheus_config else self._write_default_scrape_config(state)
                 if not (reused and state.prometheus_config == str(config) and self._prometheus_healthy(state)):
@@ -146,6 +146,17 @@ class LocalCluster:
                 self._stop_prometheus(state)
 
     # ---- starting ---------------------------------------------------------------------------------------
+
+    def _start_fresh_retrying_ports(self) -> ClusterState:
+        """Free ports are picked before the processes bind them, so another program can take one meanwhile;
+        that rare race costs one retry with new ports."""
+        try:
+            return self._start_fresh()
+        except ClusterStartError as error:
+            if "address already in use" not in str(error):
+                raise
+            _log("a port was taken while starting; retrying once with new ports")
+            return self._start_fresh()
 
     def _start_fresh(self) -> ClusterState:
         started = time.monotonic()
