@@ -100,7 +100,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError):
-        raise InvalidRequestError(f"unknown device {device!r}; use cpu or cuda[:N]", param="device") from None
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"unknown device {device!r}; use cpu or cuda[:N]", param="device")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequestError("device cuda requested but no CUDA device is available", param="device")
     return resolved
