@@ -72,45 +72,17 @@ def _attend_kv_tile(
     return acc, m_new, l_i
 
 
-# Batch-dependent integers are not specialised (==1, %16): new batch shapes must not recompile.
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt"])
-def _paged_attention(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, num_tokens, n_heads, scale_log2,
+@triton.jit
+def _attention_tile(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, block_tables_ptr,
+    seq, q_start, q_len, first_q, kv_head, split, num_tokens, n_heads, scale_log2,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    # The sequence that owns this tile: the last b whose first tile index is <= tile.
-    lo: tl.int32 = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if BLOCK_Q == 1:
-            first_tile = tl.load(cu_seqlens_q_ptr + mid)
-        else:
-            first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
-        if first_tile <= tile:
-            lo = mid + 1
-        else:
-            hi = mid
-    seq = lo - 1
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if BLOCK_Q == 1:
-        first_q = tile - q_start
-    else:
-        first_q = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if first_q >= q_len:
-        return
-
+    """New tokens first_q .. first_q + BLOCK_Q - 1 of sequence `seq`, all GROUP query heads of `kv_head`."""
     offs_m = tl.arange(0, BLOCK_M)
     q_idx = first_q + offs_m // GROUP_PAD  # token index within the sequence's new tokens
     g = offs_m % GROUP_PAD
@@ -165,6 +137,60 @@ def _paged_attention(
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
 
 
+# Batch-dependent integers are not specialised (==1, %16): new batch shapes must not recompile.
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_lead_decodes", "stride_bt"])
+def _paged_attention(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    num_seqs, num_tokens, num_lead_decodes, n_heads, scale_log2,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DECODE_BLOCK_M: tl.constexpr, DECODE_BLOCK_N: tl.constexpr, HAS_CHUNKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Tiles 0 .. num_lead_decodes - 1 are the batch's leading decodes (q_len 1, so sequence b is token b): one
+    small tile each. The rest cover the other sequences in tiles of BLOCK_Q tokens (HAS_CHUNKS: there are any)."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if tile < num_lead_decodes:
+        _attention_tile(
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr,
+            block_tables_ptr, tile, tile, 1, 0, kv_head, split, num_tokens, n_heads, scale_log2,
+            stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_ot, stride_oh, stride_bt,
+            GROUP, GROUP_PAD, HEAD_DIM, D_PAD, PAGE, 1, DECODE_BLOCK_M, DECODE_BLOCK_N, NUM_SPLITS,
+            DOT_PRECISION, UPCAST_DOT)
+    elif HAS_CHUNKS:
+        # Sequence b (>= num_lead_decodes) owns tiles from (cu_q[b] - D) // BLOCK_Q + (b - D) on (D leading
+        # decodes, which hold tokens 0 .. D-1): an upper bound on the tiles before it. Find the last b whose first
+        # tile is <= this one.
+        chunk_tile = tile - num_lead_decodes
+        lo = num_lead_decodes
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            first_tile = (tl.load(cu_seqlens_q_ptr + mid) - num_lead_decodes) // BLOCK_Q + mid - num_lead_decodes
+            if first_tile <= chunk_tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        first_q = (chunk_tile - ((q_start - num_lead_decodes) // BLOCK_Q + seq - num_lead_decodes)) * BLOCK_Q
+        if first_q < q_len:  # spare tiles past the sequence's end do nothing
+            _attention_tile(
+                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr,
+                block_tables_ptr, seq, q_start, q_len, first_q, kv_head, split, num_tokens, n_heads, scale_log2,
+                stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                stride_ot, stride_oh, stride_bt,
+                GROUP, GROUP_PAD, HEAD_DIM, D_PAD, PAGE, BLOCK_Q, BLOCK_M, BLOCK_N, NUM_SPLITS,
+                DOT_PRECISION, UPCAST_DOT)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _merge_splits(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_tokens, n_heads, stride_ot, stride_oh,
@@ -196,21 +222,28 @@ def require_runnable(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class TileConfig:
-    block_m: int  # rows per program = query tokens per tile x padded GQA group
-    block_n: int  # keys per inner iteration
+    block_m: int = 64  # rows of a chunk tile = its query tokens x the padded GQA group
+    block_n: int = 64  # keys per inner step of a chunk tile
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
+    decode_block_n: int = 128  # keys per inner step of a decode tile (rows: max(16, padded group))
 
 
-def choose_config(max_seqlen_q: int, group_pad: int, d_pad: int, on_cuda: bool) -> TileConfig:
-    """Fixed tiles by q_len class, so a server compiles a handful of variants, never one per batch."""
-    if max_seqlen_q == 1:  # decode-only: one token per tile, all its group's heads as rows
-        return TileConfig(max(16, group_pad), 64, num_warps=4, num_stages=3 if on_cuda else 1)
+def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: int, d_pad: int,
+                  on_cuda: bool) -> TileConfig:
+    """Fixed tiles by batch class, so a server compiles a handful of variants, never one per batch.
+
+    From an H200 sweep (bench_kernels --sweep, Llama-3-8B layer, bf16): decode-only batches that fill the GPU
+    (`busy`) stream best with 64-key steps and 2 stages, small ones with 128-key steps; pure prefill chunks like
+    128-row tiles on 8 warps; mixed batches like 64-row tiles on 4 warps, 3 stages.
+    """
     if not on_cuda:  # interpreter: big tiles mean few Python-level steps
-        return TileConfig(max(64, group_pad), 128, num_stages=1)
-    if max_seqlen_q <= 64 and group_pad <= 16:
-        return TileConfig(max(64, group_pad), 64, num_warps=4, num_stages=3)
-    return TileConfig(max(128 if d_pad <= 128 else 64, group_pad), 64, num_warps=8, num_stages=2)
+        return TileConfig(max(64, group_pad), 128, num_stages=1, decode_block_n=128)
+    if decode_only:
+        return TileConfig(decode_block_n=64, num_stages=2) if busy else TileConfig(decode_block_n=128, num_stages=3)
+    if chunks_only and d_pad <= 128:
+        return TileConfig(max(128, group_pad), 64, num_warps=8, num_stages=2)
+    return TileConfig(max(64, group_pad), 64, num_warps=4, num_stages=3, decode_block_n=128)
 
 
 @lru_cache(maxsize=8)
@@ -228,6 +261,23 @@ def choose_num_splits(num_programs: int, num_tokens: int, max_seqlen_k: int, sm_
     return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants, tl.arange in the merge
 
 
+# Every layer of a forward pass sees the same metadata object: classify its batch once.
+_batch_memo: list = [None, (0, False)]
+
+
+def _batch_shape(meta: AttentionMetadata) -> tuple[int, bool]:
+    """(how many sequences at the start of the batch are decodes, whether any sequence is a decode). Leading
+    decodes get small tiles of their own; decodes elsewhere ride in chunk tiles."""
+    if _batch_memo[0] is not meta:
+        lead = 0
+        for q_len in meta.q_lens_host:
+            if q_len != 1:
+                break
+            lead += 1
+        _batch_memo[:] = [meta, (lead, 1 in meta.q_lens_host)]
+    return _batch_memo[1]
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, config: TileConfig | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Attention of the batch's new tokens over the paged cache (their K/V already written). Returns [T, H, D]."""
@@ -241,17 +291,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache's head_dim axis must be contiguous")
-    cfg = config or choose_config(meta.max_seqlen_q, group_pad, d_pad, on_cuda)
-    if cfg.block_m % group_pad or cfg.block_m < 16 or cfg.block_n < 16:
-        raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and both sides >= 16")
-    block_q = cfg.block_m // group_pad
     num_seqs = meta.num_seqs
-    grid_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+    lead_decodes, any_decode = _batch_shape(meta)
+    has_chunks = lead_decodes < num_seqs
+    sm_count = _sm_count(q.device.index or 0) if on_cuda else 1
+    cfg = config or choose_config(not has_chunks, not any_decode, num_seqs * n_kv_heads >= sm_count, group_pad,
+                                  d_pad, on_cuda)
+    if cfg.block_m % group_pad or min(cfg.block_m, cfg.block_n, cfg.decode_block_n) < 16:
+        raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and every side >= 16")
+    block_q = cfg.block_m // group_pad
+    grid_tiles = lead_decodes
+    if has_chunks:  # an upper bound: each chunk sequence may waste one partial tile
+        grid_tiles += (num_tokens - lead_decodes) // block_q + (num_seqs - lead_decodes)
     if num_splits is None:
         num_splits = 1
         if on_cuda:
-            num_splits = choose_num_splits(grid_tiles * n_kv_heads, num_tokens, meta.max_seqlen_k,
-                                           _sm_count(q.device.index or 0))
+            num_splits = choose_num_splits(grid_tiles * n_kv_heads, num_tokens, meta.max_seqlen_k, sm_count)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
 
@@ -266,12 +321,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention[(grid_tiles, n_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-        num_seqs, num_tokens, n_heads, scale * math.log2(math.e),
+        num_seqs, num_tokens, lead_decodes, n_heads, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page,
-        BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+        BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DECODE_BLOCK_M=max(16, group_pad),
+        DECODE_BLOCK_N=cfg.decode_block_n, HAS_CHUNKS=has_chunks, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton's interpreter (3.9) computes bf16 x bf16 dots wrongly; it upcasts the operands instead.
         UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16,

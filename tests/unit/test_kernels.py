@@ -36,15 +36,16 @@ class Case:
 
 # Each axis of the issue's grid is covered at least once: q_len 1..300, contexts up to 2,000, block sizes
 # 16/64/256, GQA 1/4/8 (and 3, SmolLM2's), head dims 64/128 (and 96, padded), split-K, tiles spanning pages;
-# some contexts end one short of / at a key-tile edge (62, 63, 126), where off-by-one masks show.
+# some contexts end one short of / at a key-tile edge (62, 63, 126), where off-by-one masks show. Leading decodes
+# (own small tiles) and decodes after a chunk (inside chunk tiles) both occur.
 CASES = [
     Case("decode_b16_g1_d64", (1,) * 6, (0, 15, 62, 63, 700, 1999), 16, 2, 1, 64),
-    Case("mixed_b64_g4_d128", (1, 300, 1, 37, 5), (2000, 0, 63, 129, 1), 64, 1, 4, 128),
+    Case("mixed_b64_g4_d128", (1, 1, 300, 1, 37, 5), (2000, 64, 0, 63, 129, 1), 64, 1, 4, 128),
     Case("mixed_b256_g8_d64", (300, 1, 17, 1), (1700, 255, 256, 0), 256, 1, 8, 64),
     Case("chunks_b16_g3_d96", (16, 1, 33, 5), (16, 40, 100, 126), 16, 1, 3, 96),
     Case("small_tiles_span_pages", (1, 45, 1), (400, 20, 77), 16, 2, 4, 64, tile=(16, 64)),
     Case("split_k_decode", (1, 1, 1), (1500, 3, 600), 64, 1, 8, 128, num_splits=4),
-    Case("split_k_mixed", (20, 1), (300, 90), 16, 1, 4, 64, num_splits=2),
+    Case("split_k_mixed", (1, 20, 1), (500, 300, 90), 16, 1, 4, 64, num_splits=2),
     Case("bf16_mixed", (1, 70, 1), (900, 30, 0), 64, 2, 4, 64, dtype="bfloat16"),
     Case("fp16_decode", (1, 1), (120, 33), 16, 1, 8, 128, dtype="float16"),
 ]
