@@ -63,6 +63,11 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
     )
 
 
+def _quiet_status_refresh(record) -> bool:
+    """kopf logs every timer run at INFO; a status refresh every few seconds per service would flood the log."""
+    return not record.getMessage().startswith("Timer 'refresh_status' succeeded")
+
+
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
 
@@ -74,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
     kopf.configure(debug=options.log_level == "DEBUG")
     logging.getLogger().setLevel(options.log_level)
+    if options.log_level != "DEBUG":
+        logging.getLogger("kopf.objects").addFilter(_quiet_status_refresh)
     k8s.load_config()
 
     registry = kopf.OperatorRegistry()

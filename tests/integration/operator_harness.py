@@ -118,7 +118,7 @@ def free_port() -> int:
 
 @dataclass
 class OperatorProcess:
-    """`python -m metronome.operator` (= `metronome operator`) with a given kubeconfig; logs to files."""
+    """`metronome operator` (the venv's console script) with a given kubeconfig; logs to files."""
 
     kubeconfig: Path
     log_dir: Path
@@ -136,7 +136,7 @@ class OperatorProcess:
         self.logs.append(log_path)
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1")
         argv = [
-            sys.executable, "-m", "metronome.operator", "--all-namespaces", "--standalone",
+            str(Path(sys.executable).parent / "metronome"), "operator", "--all-namespaces", "--standalone",
             "--health-host", "127.0.0.1", "--health-port", str(self.health_port),
             "--status-interval", "1", *self.extra_args,
         ]
