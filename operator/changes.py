@@ -56,11 +56,16 @@ def describe_config(before: ServerConfigFile | None, after: ServerConfigFile, wh
     )
 
 
+# Reasons that mean something is wrong (not merely on its way), whatever came before.
+PROBLEM_REASONS = frozenset({"PodsFailing", "ProgressDeadlineExceeded", "InvalidConfig", "SLOViolated"})
+
+
 def describe_transitions(
     previous: Iterable[Mapping[str, Any]], current: Iterable[Mapping[str, Any]]
 ) -> list[EventSpec]:
     """Events for conditions whose status or reason changed. A condition's first appearance as Unknown is not
-    news; a False that is a problem (anything but Progressing=False) is a Warning."""
+    news. Warnings: a known problem, or a condition that falls from True to False (pods that were ready and are
+    not any more); a service still coming up is Normal."""
     before = {c.get("type"): c for c in previous}
     events = []
     for cond in current:
@@ -69,9 +74,8 @@ def describe_transitions(
             continue
         if old is None and cond["status"] == "Unknown":
             continue
-        problem = (cond["status"] == "False" and cond["type"] != "Progressing") or (
-            cond["reason"] == "ProgressDeadlineExceeded"
-        )
+        degraded = old is not None and old.get("status") == "True" and cond["status"] == "False"
+        problem = cond["reason"] in PROBLEM_REASONS or (degraded and cond["type"] != "Progressing")
         message = f"{cond['type']}={cond['status']}: {cond['message']}"
         events.append(EventSpec(WARNING if problem else NORMAL, cond["reason"], message))
     return events

@@ -133,7 +133,9 @@ def ready_condition(rollout: Rollout | None, pods: Iterable[Mapping[str, Any]]) 
     if rollout.ready >= rollout.desired and rollout.settled:
         return TRUE, "AllReplicasReady", summary
     problems = pod_problems(pods)
-    return FALSE, "ReplicasNotReady", "; ".join([summary, *problems])
+    if problems:
+        return FALSE, "PodsFailing", "; ".join([summary, *problems])
+    return FALSE, "ReplicasNotReady", summary
 
 
 def progressing_condition(rollout: Rollout | None) -> tuple[str, str, str]:

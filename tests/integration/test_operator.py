@@ -214,6 +214,25 @@ def test_a_deleted_child_comes_back_with_a_newer_generation(cluster, operator, n
     assert yaml.safe_load(config["data"]["server.yaml"])["generation"] > generation
 
 
+def test_unschedulable_pods_are_explained_in_ready(cluster, operator, ns):
+    # 16 GPUs per pod: valid for the CRD, but no kwok node has more than 8.
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["metadata"]["name"] = "too-big"
+    manifest["spec"]["resources"]["gpus"] = 16
+    manifest["spec"]["replicas"] = 1
+    cluster.apply(yaml.safe_dump(manifest), namespace=ns)
+
+    def explained():
+        ready = condition(get_json(cluster, "inferenceservices.metronome.dev", "too-big", "-n", ns) or {}, "Ready")
+        return ready if ready and ready["reason"] == "PodsFailing" else None
+
+    ready = wait_for(explained, "Ready=False with the scheduler's reason")
+    assert ready["status"] == "False" and "nvidia.com/gpu" in ready["message"], ready
+    warnings = [e for e in events_for(cluster, ns, "too-big") if e["type"] == "Warning"]
+    assert any(e["reason"] == "PodsFailing" for e in warnings), warnings
+    cluster.kubectl("delete", "inferenceservices.metronome.dev", "too-big", "-n", ns)
+
+
 def test_delete_removes_every_child(cluster, operator, ns):
     cluster.kubectl("delete", "inferenceservices.metronome.dev", NAME, "-n", ns, "--wait=true", "--timeout=60s")
 

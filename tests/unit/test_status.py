@@ -68,7 +68,7 @@ def test_not_ready_names_the_pod_problem():
     svc = service()
     status = compute_status(svc, Observed(deployment(ready=1), pods=(pending,), served_config=served(svc)), now=T0)
     ready = conditions_by_type(status)["Ready"]
-    assert ready["status"] == "False" and status["ready"] == "1/2"
+    assert (ready["status"], ready["reason"]) == ("False", "PodsFailing") and status["ready"] == "1/2"
     assert "Insufficient nvidia.com/gpu" in ready["message"] and "chat-abc" in ready["message"]
     assert conditions_by_type(status)["Progressing"]["status"] == "True"
 
@@ -139,8 +139,12 @@ def test_transition_events():
     first = compute_status(svc, Observed(deployment(ready=1), served_config=served(svc)), now=T0)
     events = describe_transitions([], first["conditions"])
     assert {e.reason for e in events} == {"ReplicasNotReady", "RollingOut"}  # Unknown first appearances are quiet
-    assert next(e for e in events if e.reason == "ReplicasNotReady").type == "Warning"
+    assert {e.type for e in events} == {"Normal"}  # coming up is not a problem
     ready = compute_status(svc, Observed(deployment(ready=2), served_config=served(svc)), now=T1, previous_conditions=first["conditions"])
     events = describe_transitions(first["conditions"], ready["conditions"])
     assert [(e.type, e.reason) for e in events] == [("Normal", "AllReplicasReady"), ("Normal", "Stable")]
     assert describe_transitions(ready["conditions"], ready["conditions"]) == []
+    lost = compute_status(svc, Observed(deployment(ready=1), served_config=served(svc)), now=T1,
+                          previous_conditions=ready["conditions"])
+    events = describe_transitions(ready["conditions"], lost["conditions"])
+    assert ("Warning", "ReplicasNotReady") in [(e.type, e.reason) for e in events]
