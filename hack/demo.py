@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`make demo`: Metronome's closed loop on this machine, from nothing to a retuned service.
 
-    python hack/demo.py [--duration SECONDS] [--slo-ms MS] [--rate REQ_PER_S] [--state-dir DIR]
+    python hack/demo.py [--duration SECONDS] [--slo-ms MS] [--concurrency N] [--state-dir DIR]
 
 1. the local control plane (hack/localcluster: etcd, kube-apiserver, controller-manager, scheduler, kwok GPU nodes);
 2. the chart, installed with helm. Its operator Pod is Running on a kwok node on paper only, so the real operator
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slo-ms", type=int, default=None,
                         help="p99 TBT target for this CPU machine (default: the one docs/e2e.md derives, "
                              "see CPU_SLO_MS)")
-    parser.add_argument("--rate", type=float, default=None, help="requests per second per server (default: LoadSpec)")
+    parser.add_argument("--concurrency", type=int, default=LoadSpec.concurrency_per_server,
+                        help="concurrent requests per server (default %(default)s)")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between table prints")
     parser.add_argument("--state-dir", type=Path, default=default_cache_dir() / "clusters" / "demo",
                         help="the demo cluster's folder (logs are kept there)")
@@ -165,10 +166,10 @@ def run(args, stop: Stop, cluster: LocalCluster, started: list) -> int:
     if stop.event.is_set():
         return 0
 
-    spec = LoadSpec() if args.rate is None else LoadSpec(rate_per_server=args.rate)
+    spec = LoadSpec(concurrency_per_server=args.concurrency)
     load = _start_load(standin, spec)
     started.append(load)
-    say(f"long-short load: {spec.rate_per_server:g} req/s per server, {spec.long_fraction:.0%} of prompts "
+    say(f"long-short load: {spec.concurrency_per_server} concurrent requests per server, {spec.long_fraction:.0%} of prompts "
         f"{spec.long_prompt_len} tokens, the rest {spec.short_prompt_len}; {spec.output_len} output tokens each")
     end = time.monotonic() + args.duration if args.duration else None
     servers = {s.base_url for s in standin.servers(NAMESPACE)}

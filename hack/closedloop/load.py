@@ -1,9 +1,10 @@
 """Background long-short load against the servers the stand-in runs, through the bench code (workloads,
 HttpClient, stats), until told to stop.
 
-Open loop: Poisson arrivals at `rate_per_server` to every server, each with its own request stream. Bounded:
-at most `max_in_flight_per_server` requests in flight per server (arrivals beyond it are skipped and counted, so a
-slow machine cannot pile up an unbounded backlog), every request has a timeout, and stop() cancels what is left.
+Closed loop: `concurrency_per_server` clients per server, each sending the next request of that server's
+long-short stream as soon as its last one finished. The decode batch is then the concurrency on a fast machine and
+a slow one alike, and the load can never outrun the servers (an open loop would pile up a backlog on a busy
+2-core machine and measure queueing, not chunking). Every request has a timeout; stop() cancels what is left.
 Only 127.0.0.0/8 URLs are accepted.
 """
 from __future__ import annotations
@@ -19,25 +20,23 @@ from metronome.server.bench.clients import HttpClient
 from metronome.server.bench.inprocess import DEFAULT_HTTP_TOKEN_RANGE, sampler_for_range
 from metronome.server.bench.records import RequestRecord
 from metronome.server.bench.stats import gaps, percentile
-from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, iter_requests, poisson_arrivals
+from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, iter_requests
 
 
 @dataclass(frozen=True)
 class LoadSpec:
-    rate_per_server: float = 0.5  # requests per second, per server
-    long_fraction: float = 0.2
-    long_prompt_len: int = 1024
+    concurrency_per_server: int = 3
+    long_fraction: float = 0.5
+    long_prompt_len: int = 512
     short_prompt_len: int = 32
-    output_len: int = 48
-    max_in_flight_per_server: int = 8
-    request_timeout_s: float = 180.0
+    output_len: int = 32
+    request_timeout_s: float = 300.0
     seed: int = 0
 
 
 @dataclass
 class LoadStats:
     records: list[RequestRecord] = field(default_factory=list)
-    skipped: int = 0  # arrivals dropped because the server already had max_in_flight requests
 
 
 def require_loopback(url: str) -> str:
@@ -124,28 +123,24 @@ class LoadDriver:
         workload = WorkloadSpec(name="long-short", long_short=LongShortSpec(
             long_fraction=spec.long_fraction, long_prompt_len=spec.long_prompt_len,
             short_prompt_len=spec.short_prompt_len, output_len=spec.output_len))
-        seed = spec.seed * 1000 + index
-        requests = iter_requests(workload, sampler_for_range(*DEFAULT_HTTP_TOKEN_RANGE), seed)
-        in_flight: set[asyncio.Task] = set()
-        start = time.monotonic()
-        try:
-            for request, offset in zip(requests, poisson_arrivals(spec.rate_per_server, seed)):
-                delay = start + offset - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if len(in_flight) >= spec.max_in_flight_per_server:
-                    self.stats.skipped += 1
-                    continue
+        requests = iter_requests(workload, sampler_for_range(*DEFAULT_HTTP_TOKEN_RANGE), spec.seed * 1000 + index)
+
+        async def worker() -> None:
+            for request in requests:  # one shared stream per server; each worker takes the next request
                 record = RequestRecord(index=request.index, kind=request.kind, max_tokens=request.max_tokens,
                                        prompt_tokens=request.prompt_len, scheduled_s=time.monotonic() - self._t0)
                 self.stats.records.append(record)
-                task = asyncio.create_task(self._send(client, request, record))
-                in_flight.add(task)
-                task.add_done_callback(in_flight.discard)
+                await self._send(client, request, record)
+                if record.error:
+                    await asyncio.sleep(0.5)  # a refused or broken request: do not spin on a sick server
+
+        workers = [asyncio.create_task(worker()) for _ in range(spec.concurrency_per_server)]
+        try:
+            await asyncio.gather(*workers)
         finally:
-            for task in list(in_flight):
+            for task in workers:
                 task.cancel()
-            await asyncio.gather(*in_flight, return_exceptions=True)
+            await asyncio.gather(*workers, return_exceptions=True)
 
     async def _send(self, client: HttpClient, request, record: RequestRecord) -> None:
         try:
