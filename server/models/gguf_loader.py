@@ -6,6 +6,7 @@ loaded here computes what transformers computes from the same file.
 """
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -50,6 +51,23 @@ def open_gguf(path: str | Path):
         return GGUFReader(str(path))
     except Exception as error:  # the reader raises ValueError/struct errors/OSError on a bad file
         raise ModelNotFoundError(f"cannot read GGUF file {path}: {error}") from None
+
+
+def open_gguf_cached(path: str | Path) -> tuple[Any, dict[str, Any]]:
+    """(reader, metadata), parsed once per process and file version: parsing a vocabulary of 50k strings
+    takes seconds, and engines and tests load the default model many times."""
+    path = Path(path)
+    try:
+        stat = path.stat()
+    except OSError:
+        raise ModelNotFoundError(f"GGUF file not found: {path}") from None
+    return _open_parsed(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_parsed(path: str, mtime_ns: int, size: int) -> tuple[Any, dict[str, Any]]:
+    reader = open_gguf(path)
+    return reader, gguf_metadata(reader)
 
 
 def gguf_metadata(reader) -> dict[str, Any]:

@@ -199,8 +199,7 @@ class _GGUFSource:
         from metronome.server.models import gguf_loader
 
         self.source, self.path, self._gguf = source, Path(source.target), gguf_loader
-        self.reader = gguf_loader.open_gguf(self.path)
-        self.metadata = gguf_loader.gguf_metadata(self.reader)
+        self.reader, self.metadata = gguf_loader.open_gguf_cached(self.path)
 
     def config(self) -> ModelConfig:
         return self._gguf.gguf_config(self.reader, self.metadata)
@@ -210,7 +209,8 @@ class _GGUFSource:
 
     def tokenizer(self, config: ModelConfig) -> Tokenizer:
         return load_hf_tokenizer(self.path.parent, self.source.name, config.eos_token_ids, config.bos_token_id,
-                                 gguf_file=self.path.name, chat_template=self.metadata.get("tokenizer.chat_template"))
+                                 gguf_file=self.path.name, chat_template=self.metadata.get("tokenizer.chat_template"),
+                                 gguf_tokenizer_model=self.metadata.get("tokenizer.ggml.model"))
 
 
 class _HFFolderSource:

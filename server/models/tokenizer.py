@@ -7,6 +7,7 @@ recent tokens and emits only the text that became final, so that the concatenate
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Callable
 
@@ -117,18 +118,36 @@ class HFTokenizer(Tokenizer):
 
 
 def load_hf_tokenizer(folder: Path, name: str, eos_token_ids: tuple[int, ...], bos_token_id: int | None,
-                      gguf_file: str | None = None, chat_template: str | None = None) -> HFTokenizer:
-    """transformers' AutoTokenizer on a local folder (or a GGUF file in it); never touches the network."""
-    from transformers import AutoTokenizer
-
+                      gguf_file: str | None = None, chat_template: str | None = None,
+                      gguf_tokenizer_model: str | None = None) -> HFTokenizer:
+    """transformers' tokenizer for a local folder (or a GGUF file in it); never touches the network."""
+    path = Path(folder) / (gguf_file or "")
     try:
-        kwargs: dict[str, Any] = {"local_files_only": True}
-        if gguf_file is not None:
-            kwargs["gguf_file"] = gguf_file
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
-    except Exception as error:  # transformers raises OSError/ValueError/KeyError variants for missing files
-        raise ModelNotFoundError(f"cannot load the tokenizer of {folder / (gguf_file or '')}: {error}") from None
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        stamp = None
+    hf_tokenizer = _cached_hf_tokenizer(str(folder), gguf_file, gguf_tokenizer_model, stamp)
     return HFTokenizer(hf_tokenizer, name, eos_token_ids, bos_token_id, chat_template)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_hf_tokenizer(folder: str, gguf_file: str | None, gguf_tokenizer_model: str | None, stamp: int | None):
+    """Built once per process and file version (engines and tests load the same model many times).
+
+    A GGUF file with a byte-level BPE vocabulary ("gpt2") is built by PreTrainedTokenizerFast directly: the same
+    conversion AutoTokenizer runs, without AutoTokenizer first parsing the whole file again to pick a config
+    (10x slower). Other GGUF vocabularies go through AutoTokenizer, which picks their model-specific class.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    factory = PreTrainedTokenizerFast if gguf_tokenizer_model == "gpt2" else AutoTokenizer
+    try:
+        return factory.from_pretrained(folder, **kwargs)
+    except Exception as error:  # transformers raises OSError/ValueError/KeyError variants for missing files
+        raise ModelNotFoundError(f"cannot load the tokenizer of {Path(folder) / (gguf_file or '')}: {error}") from None
 
 
 class ByteTokenizer(Tokenizer):

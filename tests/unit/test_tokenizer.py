@@ -23,11 +23,28 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def smollm2() -> HFTokenizer:
     from metronome.server.models.default_model import default_model_path
-    from metronome.server.models.gguf_loader import gguf_metadata, open_gguf
+    from metronome.server.models.gguf_loader import open_gguf_cached
 
     path = default_model_path()
-    template = gguf_metadata(open_gguf(path)).get("tokenizer.chat_template")
-    return load_hf_tokenizer(path.parent, "smollm2", (2,), 1, gguf_file=path.name, chat_template=template)
+    _, metadata = open_gguf_cached(path)
+    return load_hf_tokenizer(path.parent, "smollm2", (2,), 1, gguf_file=path.name,
+                             chat_template=metadata.get("tokenizer.chat_template"),
+                             gguf_tokenizer_model=metadata.get("tokenizer.ggml.model"))
+
+
+def test_gguf_fast_path_builds_what_autotokenizer_builds(smollm2):
+    """load_hf_tokenizer skips AutoTokenizer for byte-level BPE GGUFs; it must not change a thing."""
+    from transformers import AutoTokenizer
+
+    from metronome.server.models.default_model import default_model_path
+
+    path = default_model_path()
+    auto = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    ours = smollm2.hf_tokenizer
+    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert ours.all_special_ids == auto.all_special_ids and ours.chat_template == auto.chat_template
+    for text in TEXTS:
+        assert smollm2.encode(text) == auto.encode(text)
 
 
 def stream(tokenizer, ids: list[int]) -> tuple[list[str], str]:
