@@ -202,3 +202,22 @@ def test_reconfigure_mid_run_changes_chunking_but_not_outputs():
         assert stats.num_prefill_tokens <= 3
     assert engine.stats().scheduler.queue_policy.value == "sjf"
     assert [s.output_token_ids for s in seqs] == [expected_greedy(p, 12) for p in ps]
+
+
+def test_stall_free_long_prompt_joins_eight_decodes_within_budget():
+    engine = fake_engine(num_kv_blocks=1024, block_size=16, chunk_size=256, queue_policy="fcfs")
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    decoders = [engine.add_request([i + 1] * (5 + i), params) for i in range(8)]
+    while any(engine._seqs[r].num_output_tokens == 0 for r in decoders):
+        engine.step()
+    long_id = engine.add_request(list(range(100)) * 20, SamplingParams(max_tokens=3, temperature=0.0))
+    long_seq = engine._seqs[long_id]
+    while long_seq.num_output_tokens == 0:
+        events, stats = engine.step()
+        assert stats.num_decode_tokens == 8  # every running decode rides along
+        assert {e.request_id for e in events} >= set(decoders)
+        assert stats.num_prefill_tokens <= 256 and stats.num_tokens <= 8 + 256
+    while engine.has_unfinished():
+        engine.step()
+    assert long_seq.output_token_ids == expected_greedy(list(range(100)) * 20, 3)
+    engine.check_no_leaks()
