@@ -53,6 +53,10 @@ class ModelSource:
     name: str  # what metrics and logs call the model
 
 
+_SPEC_HELP = ("use a .gguf file, a Hugging Face model folder (hf-dir:<path>), or random:<preset> with preset one of: "
+              + ", ".join(preset_names()))
+
+
 def parse_model_spec(spec: str | None) -> ModelSource:
     """Turn a user's model string into a source; ModelNotFoundError for anything that cannot be one."""
     if spec is None or spec == "default":
@@ -83,10 +87,6 @@ def parse_model_spec(spec: str | None) -> ModelSource:
     if path.exists():
         raise ModelNotFoundError(f"{spec} is neither a .gguf file nor a model folder; {_SPEC_HELP}")
     raise ModelNotFoundError(f"model {spec!r} not found; {_SPEC_HELP}")
-
-
-_SPEC_HELP = ("use a .gguf file, a Hugging Face model folder (hf-dir:<path>), or random:<preset> with preset one of: "
-              + ", ".join(preset_names()))
 
 
 def _existing(path_text: str) -> Path:

@@ -159,16 +159,108 @@ def test_unsupported_configs_say_why():
         config_from_hf_dict({k: v for k, v in base.items() if k != "intermediate_size"})
 
 
-def test_gguf_unpermute_inverts_llama_cpp_permutation():
-    def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:  # convert_hf_to_gguf's rope permute
-        return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2) \
-            .reshape(weight.shape)
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to Q/K rows of llama-architecture models (for its rope)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2) \
+        .reshape(weight.shape)
 
+
+def test_gguf_unpermute_inverts_llama_cpp_permutation():
     weight = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
     for heads in (1, 2, 8):
         permuted = llama_cpp_permute(weight, heads)
         assert not np.array_equal(permuted, weight)
         assert np.array_equal(unpermute_rows(permuted, heads), weight)
+
+
+def write_gguf(path: Path, hf_model, arch: str) -> None:
+    """Write a transformers model as llama.cpp's converter would (float32 tensors, Q/K permuted for llama)."""
+    import gguf
+
+    config = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.detach().float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if config.tie_word_embeddings:
+                continue
+            gguf_name = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, suffix = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{names[module]}.{suffix}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                array = llama_cpp_permute(array, config.num_attention_heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                array = llama_cpp_permute(array, config.num_key_value_heads)
+        writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_weights_and_config_match_transformers(tmp_path, arch):
+    """A GGUF written like llama.cpp's converter (permuted Q/K for llama; qkv biases for qwen2) computes what
+    the original transformers model computes."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from metronome.kernels import get_backend
+    from metronome.server.models.gguf_loader import gguf_config, gguf_metadata, gguf_weights, open_gguf
+    from metronome.server.models.loader import build_empty_model
+
+    config_class = LlamaConfig if arch == "llama" else Qwen2Config
+    torch.manual_seed(1)
+    hf_model = AutoModelForCausalLM.from_config(config_class(**SMALL, rope_theta=20000.0,
+                                                             tie_word_embeddings=arch == "qwen2")).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, hf_model, arch)
+
+    reader = open_gguf(path)
+    config = gguf_config(reader, gguf_metadata(reader))
+    assert (config.architecture, config.attention_bias, config.tie_word_embeddings) == (arch, arch == "qwen2",
+                                                                                      arch == "qwen2")
+    assert (config.rope_theta, config.num_key_value_heads, config.max_position_embeddings) == (20000.0, 2, 512)
+    model = build_empty_model(config, get_backend("torch"), torch.device("cpu"), torch.float32)
+    model.load_weights(gguf_weights(reader, config))
+    loaded = type("Loaded", (), {"model": model, "config": config})()
+    ids = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(our_prefill_logits(loaded, ids), expected, rtol=0, atol=1e-4)
+
+
+def test_gguf_rope_freqs_tensor_divides_the_frequencies():
+    """Llama 3.1 GGUFs carry their rope scaling as llama.cpp's `rope_freqs` factors instead of metadata."""
+    config = preset_config("tiny")
+    model = LlamaForCausalLM(config, attention=None)
+    plain = model.model.rotary.inv_freq.clone()
+    factors = torch.linspace(1.0, 8.0, plain.numel())
+    model.model.rotary.set_freq_factors(factors)
+    assert torch.equal(model.model.rotary.inv_freq, plain / factors)
+    with pytest.raises(ValueError, match="rope_freqs has 3 entries"):
+        model.model.rotary.set_freq_factors(torch.ones(3))
 
 
 def test_default_gguf_config_is_smollm2_135m():
