@@ -122,6 +122,7 @@ class OperatorProcess:
 
     kubeconfig: Path
     log_dir: Path
+    scope_args: tuple[str, ...] = ("--all-namespaces",)
     extra_args: tuple[str, ...] = ()
     process: subprocess.Popen | None = None
     health_port: int = 0
@@ -136,7 +137,7 @@ class OperatorProcess:
         self.logs.append(log_path)
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1")
         argv = [
-            str(Path(sys.executable).parent / "metronome"), "operator", "--all-namespaces", "--standalone",
+            str(Path(sys.executable).parent / "metronome"), "operator", *self.scope_args, "--standalone",
             "--health-host", "127.0.0.1", "--health-port", str(self.health_port),
             "--status-interval", "1", *self.extra_args,
         ]

@@ -7,7 +7,17 @@ import json
 import pytest
 import yaml
 
-from operator_harness import CHART, CRD_NAME, chart_release, wait_for
+from operator_harness import (
+    CHART,
+    CRD_NAME,
+    EXAMPLE,
+    OperatorProcess,
+    chart_release,
+    condition,
+    get_json,
+    service_account_kubeconfig,
+    wait_for,
+)
 
 MONITORING_APIS = ("monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PrometheusRule")
 
@@ -60,7 +70,10 @@ def test_rbac_is_least_privilege(cluster):
 def test_namespaced_mode_grants_writes_per_namespace_only(cluster):
     docs = _template(cluster, "--set", "watchNamespaces={team-a,team-b}")
     (cluster_role,) = _by_kind(docs, "ClusterRole")
-    assert set(_rules(cluster_role)) == {("apiextensions.k8s.io", "customresourcedefinitions")}
+    assert _rules(cluster_role) == {
+        ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+        ("", "namespaces"): {"list", "watch"},  # kopf follows the namespaces it serves
+    }
     roles = _by_kind(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in _by_kind(docs, "RoleBinding")) == ["team-a", "team-b"]
@@ -151,3 +164,31 @@ def test_upgrade_and_uninstall(cluster):
     assert not cluster.kubectl_json("get", "role", "-n", watched)["items"]
     assert not cluster.kubectl_json("get", "deployment", "-n", namespace)["items"]
     cluster.kubectl("get", "crd", CRD_NAME)  # Helm never deletes CRDs
+
+
+def test_namespaced_install_manages_its_namespaces_with_role_permissions_only(cluster, tmp_path):
+    chart_release(cluster)
+    namespace, watched, other = cluster.namespace("metronome-c"), cluster.namespace("team"), cluster.namespace("other")
+    cluster.helm("install", "metronome-c", str(CHART), "-n", namespace, "--set", f"watchNamespaces={{{watched}}}")
+    kubeconfig = service_account_kubeconfig(cluster, namespace, "metronome-c", tmp_path / "kubeconfig")
+    operator = OperatorProcess(kubeconfig=kubeconfig, log_dir=tmp_path, scope_args=("--namespace", watched))
+    operator.start()
+    try:
+        for ns in (watched, other):
+            cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+
+        def ready():
+            isvc = get_json(cluster, "inferenceservices.metronome.dev", "smollm2", "-n", watched)
+            cond = condition(isvc or {}, "Ready")
+            return cond is not None and cond["status"] == "True"
+
+        wait_for(ready, "the watched namespace's service to become Ready", timeout=120)
+        # The other namespace is not this operator's business (and its Role would not allow it).
+        untouched = get_json(cluster, "inferenceservices.metronome.dev", "smollm2", "-n", other)
+        assert "status" not in untouched and get_json(cluster, "deployment", "smollm2", "-n", other) is None
+        cluster.kubectl("delete", "inferenceservices.metronome.dev", "smollm2", "-n", watched, "--timeout=60s")
+        cluster.kubectl("delete", "inferenceservices.metronome.dev", "smollm2", "-n", other, "--timeout=60s")
+    finally:
+        operator.stop()
+        cluster.helm("uninstall", "metronome-c", "-n", namespace, check=False)
+    assert "Forbidden" not in operator.all_logs(), operator.all_logs()[-4000:]

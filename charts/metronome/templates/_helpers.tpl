@@ -75,11 +75,19 @@ What the operator does inside the namespaces it manages — every verb is used:
 {{- end }}
 {{- end -}}
 
-{{/* Cluster-scoped reads: kopf discovers resources through CRDs; the operator checks for the PodMonitor CRD. */}}
+{{/*
+Cluster-scoped reads: kopf discovers resources through CRDs; the operator checks for the PodMonitor CRD. With
+explicit namespaces kopf also observes Namespace objects (to follow namespaces that come and go).
+*/}}
 {{- define "metronome.clusterRules" -}}
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [get, list, watch]
+{{- if .Values.watchNamespaces }}
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- end }}
 {{- if and .Values.peering.enabled (not .Values.watchNamespaces) }}
 - apiGroups: [kopf.dev]
   resources: [clusterkopfpeerings]
