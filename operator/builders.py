@@ -138,8 +138,8 @@ def config_map(service: InferenceService, config: ServerConfigFile) -> dict[str,
 # --- the server pod ------------------------------------------------------------------------------------------
 
 
-def model_argument_and_volume(spec: InferenceServiceSpec) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
-    """What to pass as --model (None = the server's default model), the `model` volume and its mount."""
+def model_argument_and_volume(spec: InferenceServiceSpec) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """What to pass as --model, the `model` volume and its mount."""
     source = spec.model.source
     mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
     if source.kind == "gguf":
@@ -153,23 +153,20 @@ def model_argument_and_volume(spec: InferenceServiceSpec) -> tuple[str | None, d
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}}
         path = posixpath.join(MODEL_DIR, source.value) if source.value else MODEL_DIR
         return path, volume, mount
-    # default / random:<preset>: no weights to mount; a writable scratch folder where weights would live.
+    # default (the GGUF inside the image) / random:<preset>: nothing to mount; a writable scratch folder instead.
     scratch = {"name": "model", "emptyDir": {}}
-    argument = None if source.kind == "default" else f"random:{source.value}"
+    argument = "default" if source.kind == "default" else f"random:{source.value}"
     return argument, scratch, {**mount, "readOnly": False}
 
 
-def server_args(spec: InferenceServiceSpec) -> list[str]:
+def server_args(service: InferenceService) -> list[str]:
+    """`metronome serve` flags (server/api/serve_cli.py; a unit test parses them with that very parser). Clients
+    and metrics name the model after the InferenceService."""
+    spec = service.spec
     model_argument, _, _ = model_argument_and_volume(spec)
-    args = ["serve"]
-    if model_argument is not None:
-        args += ["--model", model_argument]
+    args = ["serve", "--model", model_argument, "--served-model-name", service.name]
     args += ["--config", CONFIG_PATH, "--host", "0.0.0.0", "--port", str(SERVER_PORT)]
-    gpus = spec.resources.gpus
-    args += ["--device", "cuda" if gpus > 0 else "cpu"]
-    if gpus > 0:
-        args += ["--tensor-parallel-size", str(gpus)]
-    args += ["--dtype", spec.model.dtype]
+    args += ["--device", "cuda" if spec.resources.gpus > 0 else "cpu", "--dtype", spec.model.dtype]
     if spec.model.max_model_len is not None:
         args += ["--max-model-len", str(spec.model.max_model_len)]
     if spec.engine.block_size is not None:
@@ -223,7 +220,7 @@ def pod_template(service: InferenceService) -> dict[str, Any]:
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["metronome"],
-        "args": server_args(spec),
+        "args": server_args(service),
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "env": [
             # The root filesystem is read-only: every cache goes to /tmp.

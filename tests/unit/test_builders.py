@@ -74,21 +74,42 @@ def test_server_command_line():
     assert args[0] == "serve"
     pairs = dict(zip(args[1::2], args[2::2]))
     assert pairs["--model"] == "random:llama-3-8b"
+    assert pairs["--served-model-name"] == "chat"
     assert pairs["--config"] == "/etc/metronome/server.yaml"
     assert pairs["--port"] == "8000"
-    assert pairs["--tensor-parallel-size"] == "4"
     assert pairs["--device"] == "cuda"
     assert pairs["--dtype"] == "bfloat16"
     assert pairs["--max-model-len"] == "8192"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
 
 
-def test_default_model_uses_the_servers_default_and_cpu_pods_ask_for_no_gpu():
+def test_default_model_and_cpu_pods_ask_for_no_gpu():
     container = container_of(builders.deployment(service_of(resources={"gpus": 0})))
-    assert "--model" not in container["args"]
-    assert "--tensor-parallel-size" not in container["args"]
+    assert container["args"][container["args"].index("--model") + 1] == "default"
     assert container["args"][container["args"].index("--device") + 1] == "cpu"
     assert "nvidia.com/gpu" not in container["resources"]["limits"]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {},
+        {"model": {"source": "pvc:weights/llama", "dtype": "float16", "maxModelLen": 4096}, "resources": {"gpus": 2},
+         "engine": {"blockSize": 256, "attentionBackend": "flash_attn", "maxWaiting": 64}},
+        {"model": {"source": "gguf:/data/m.gguf"}, "resources": {"gpus": 0}},
+    ],
+)
+def test_the_server_parser_accepts_the_command_line(spec):
+    """The contract with `metronome serve`: its own argument parser takes every flag the operator writes."""
+    import argparse
+
+    from metronome.server.api import serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.configure(parser)
+    args = container_of(builders.deployment(service_of(**spec)))["args"]
+    parsed = parser.parse_args(args[1:])
+    assert parsed.config == "/etc/metronome/server.yaml" and parsed.port == 8000
 
 
 def test_probes_ports_and_prometheus_annotations():
