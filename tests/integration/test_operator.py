@@ -233,6 +233,43 @@ def test_unschedulable_pods_are_explained_in_ready(cluster, operator, ns):
     cluster.kubectl("delete", "inferenceservices.metronome.dev", "too-big", "-n", ns)
 
 
+PODMONITOR_CRD = """
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: podmonitors.monitoring.coreos.com
+spec:
+  group: monitoring.coreos.com
+  scope: Namespaced
+  names: {kind: PodMonitor, listKind: PodMonitorList, plural: podmonitors, singular: podmonitor}
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
+"""
+
+
+def test_a_podmonitor_is_created_when_the_cluster_has_its_crd(cluster, operator, ns):
+    # The real API group (prometheus-operator's CRD, reduced to an open schema), installed for this test only.
+    cluster.apply(PODMONITOR_CRD)
+    try:
+        cluster.kubectl("wait", "--for=condition=Established", "crd/podmonitors.monitoring.coreos.com", "--timeout=60s")
+        manifest = yaml.safe_load(EXAMPLE.read_text())
+        manifest["metadata"]["name"] = "monitored"
+        cluster.apply(yaml.safe_dump(manifest), namespace=ns)
+        monitor = wait_for(lambda: get_json(cluster, "podmonitors.monitoring.coreos.com", "monitored", "-n", ns),
+                           "the PodMonitor")
+        assert monitor["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+        assert monitor["metadata"]["ownerReferences"][0]["name"] == "monitored"
+        cluster.kubectl("delete", "inferenceservices.metronome.dev", "monitored", "-n", ns, "--timeout=60s")
+        wait_for(lambda: get_json(cluster, "podmonitors.monitoring.coreos.com", "monitored", "-n", ns) is None,
+                 "the PodMonitor to be garbage-collected", timeout=120)
+    finally:
+        cluster.kubectl("delete", "crd", "podmonitors.monitoring.coreos.com", "--ignore-not-found", check=False)
+
+
 def test_delete_removes_every_child(cluster, operator, ns):
     cluster.kubectl("delete", "inferenceservices.metronome.dev", NAME, "-n", ns, "--wait=true", "--timeout=60s")
 
