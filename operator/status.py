@@ -260,3 +260,28 @@ def status_patch(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) 
     """The merge patch that turns `current` into `desired` for the keys `desired` names (None deletes)."""
     current = current or {}
     return {key: value for key, value in desired.items() if current.get(key) != value}
+
+
+def decision_record(
+    *,
+    time: str,
+    before: tuple[int, str, int],
+    after: tuple[int, str, int],
+    reason: str,
+    policy: str,
+    applied: bool,
+) -> dict[str, Any]:
+    """status.lastDecision as the CRD defines it; `before`/`after` are (chunkSize, queuePolicy, replicas)."""
+
+    def settings(values: tuple[int, str, int]) -> dict[str, Any]:
+        chunk_size, queue_policy, replicas = values
+        return {"chunkSize": int(chunk_size), "queuePolicy": str(queue_policy), "replicas": int(replicas)}
+
+    return {
+        "time": time,
+        "from": settings(before),
+        "to": settings(after),
+        "reason": reason,
+        "policy": policy,
+        "applied": applied,
+    }

@@ -130,3 +130,15 @@ def test_server_fields_mirror_the_scheduler_schema(schema):
                 assert prop["maximum"] == meta.le, name
     assert set(server) == {f.alias for f in SchedulerConfig.model_fields.values()}
     assert server["queuePolicy"]["enum"] == [p.value for p in QueuePolicy]
+
+
+def test_decision_record_fits_the_status_schema(schema):
+    from metronome.operator.status import decision_record
+
+    record = decision_record(time="2026-01-01T00:00:00Z", before=(4096, "fcfs", 2), after=(1024, "split", 2),
+                             reason="TBT p99 80 ms > 50 ms", policy="model", applied=True)
+    props = schema["properties"]["status"]["properties"]["lastDecision"]["properties"]
+    assert set(record) == set(props)
+    for side in ("from", "to"):
+        assert set(record[side]) == set(props[side]["properties"])
+    assert record["to"] == {"chunkSize": 1024, "queuePolicy": "split", "replicas": 2}
