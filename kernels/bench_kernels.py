@@ -125,6 +125,8 @@ def run(args) -> list[dict]:
           f"{args.dtype}, block_size {args.block_size}")
     rows = []
     for name, q_lens, ctx_lens in DECODE_CASES + MIXED_CASES:
+        if args.cases and not any(part in name for part in args.cases.split(",")):
+            continue
         q, k_cache, v_cache, meta = build_batch(q_lens, ctx_lens, args.block_size, n_kv, group, head_dim, dtype,
                                                 device)
         scale = 1.0 / math.sqrt(head_dim)
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--sweep", action="store_true", help="also try a grid of tile configs and split counts")
     parser.add_argument("--sdpa-peer", action="store_true", help="time torch SDPA on a dense cache for decodes")
+    parser.add_argument("--cases", help="comma-separated substrings: run only the cases whose names contain one")
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -1,11 +1,13 @@
 """Triton attention for a flat mixed batch (prefill chunks and decodes together) over the paged KV cache.
 
 One launch covers the whole batch. The grid is (query tile, kv head, kv split):
-- a query tile is BLOCK_Q consecutive new tokens of one sequence times all GROUP query heads that share the kv
-  head, so each K/V tile is loaded once for the whole GQA group (rows = BLOCK_Q * GROUP_PAD);
-- tiles are numbered per sequence without a host-built map: sequence b's tiles start at
-  cu_seqlens_q[b] // BLOCK_Q + b (an upper bound on the tiles before it), found by binary search in the kernel;
-  spare tiles past a sequence's end exit at once;
+- a query tile is some new tokens of one sequence times all GROUP query heads that share the kv head, so each
+  K/V tile is loaded once for the whole GQA group (rows = tokens * GROUP_PAD);
+- the batch's leading decodes (the engine puts decodes first) get one small tile each (16 rows); the other
+  sequences are cut into tiles of BLOCK_Q tokens, numbered without a host-built map: sequence b's tiles start at
+  (cu_seqlens_q[b] - D) // BLOCK_Q + (b - D) for D leading decodes (an upper bound on the tiles before it),
+  found by binary search in the kernel; spare tiles past a sequence's end exit at once. Chunk tiles run first,
+  heaviest first, and decode tiles fill in around them;
 - kv splits (flash-decoding) cut the key range of each tile into NUM_SPLITS parts when the batch alone cannot
   fill the GPU (decode of a few long sequences); a second small kernel merges the parts.
 Keys are read through the block table one token at a time (block id = table[pos // PAGE]), so any page size
@@ -138,11 +140,11 @@ def _attention_tile(
 
 
 # Batch-dependent integers are not specialised (==1, %16): new batch shapes must not recompile.
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_lead_decodes", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_lead_decodes", "num_chunk_tiles", "stride_bt"])
 def _paged_attention(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, num_tokens, num_lead_decodes, n_heads, scale_log2,
+    num_seqs, num_tokens, num_lead_decodes, num_chunk_tiles, n_heads, scale_log2,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -150,15 +152,17 @@ def _paged_attention(
     DECODE_BLOCK_M: tl.constexpr, DECODE_BLOCK_N: tl.constexpr, HAS_CHUNKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Tiles 0 .. num_lead_decodes - 1 are the batch's leading decodes (q_len 1, so sequence b is token b): one
-    small tile each. The rest cover the other sequences in tiles of BLOCK_Q tokens (HAS_CHUNKS: there are any)."""
+    """The first num_chunk_tiles programs cover the sequences after the leading decodes in tiles of BLOCK_Q tokens,
+    heaviest (latest) tiles first so that they do not start last; the remaining programs are the batch's leading
+    decodes (q_len 1, so decode b is token b), one small tile each, filling in around them."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if tile < num_lead_decodes:
+    if tile >= num_chunk_tiles:
+        decode = tile - num_chunk_tiles
         _attention_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr,
-            block_tables_ptr, tile, tile, 1, 0, kv_head, split, num_tokens, n_heads, scale_log2,
+            block_tables_ptr, decode, decode, 1, 0, kv_head, split, num_tokens, n_heads, scale_log2,
             stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_ot, stride_oh, stride_bt,
             GROUP, GROUP_PAD, HEAD_DIM, D_PAD, PAGE, 1, DECODE_BLOCK_M, DECODE_BLOCK_N, NUM_SPLITS,
@@ -167,7 +171,7 @@ def _paged_attention(
         # Sequence b (>= num_lead_decodes) owns tiles from (cu_q[b] - D) // BLOCK_Q + (b - D) on (D leading
         # decodes, which hold tokens 0 .. D-1): an upper bound on the tiles before it. Find the last b whose first
         # tile is <= this one.
-        chunk_tile = tile - num_lead_decodes
+        chunk_tile = num_chunk_tiles - 1 - tile
         lo = num_lead_decodes
         hi = num_seqs
         while lo < hi:
@@ -300,9 +304,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if cfg.block_m % group_pad or min(cfg.block_m, cfg.block_n, cfg.decode_block_n) < 16:
         raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and every side >= 16")
     block_q = cfg.block_m // group_pad
-    grid_tiles = lead_decodes
+    chunk_tiles = 0
     if has_chunks:  # an upper bound: each chunk sequence may waste one partial tile
-        grid_tiles += (num_tokens - lead_decodes) // block_q + (num_seqs - lead_decodes)
+        chunk_tiles = (num_tokens - lead_decodes) // block_q + (num_seqs - lead_decodes)
+    grid_tiles = chunk_tiles + lead_decodes
     if num_splits is None:
         num_splits = 1
         if on_cuda:
@@ -321,7 +326,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention[(grid_tiles, n_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-        num_seqs, num_tokens, lead_decodes, n_heads, scale * math.log2(math.e),
+        num_seqs, num_tokens, lead_decodes, chunk_tiles, n_heads, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
