@@ -16,6 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from standin.lifetime import die_with_parent
 from standin.loopback import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +52,7 @@ class OperatorProcess:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            env=env, cwd=ROOT, start_new_session=True)
+                                            env=env, cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while not self.healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:

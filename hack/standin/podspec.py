@@ -5,8 +5,7 @@ ConfigMap as its config folder, and mounts its model somewhere (hostPath file or
 weights). The stand-in runs the same program on this machine, so every path inside a mount is mapped to the local
 folder that plays that volume, and the bind address, port and device are the stand-in's own:
 - `--host`/`--port` → a loopback address 127.0.0.x and a free port (never the pod's IP);
-- `--device` → the stand-in's device (cpu here); `--tensor-parallel-size` is dropped with it: tensor parallelism
-  is a property of the GPUs the pod asked for, which the stand-in does not have;
+- `--device` → the stand-in's device (cpu here): the GPUs the pod asked for exist on paper only;
 - a path under a mount → the same relative path under the volume's local folder.
 No I/O here; `PodSpecError` names what cannot be played locally (a PVC, no server container, ...).
 """
@@ -21,7 +20,6 @@ from metronome.server.errors import MetronomeError
 
 SERVER_POD_SELECTOR = f"{LABEL_NAME}=metronome-server,{LABEL_SERVICE}"
 REPLACED_FLAGS = ("--host", "--port", "--device")
-DROPPED_FLAGS = ("--tensor-parallel-size",)
 
 
 class PodSpecError(MetronomeError, ValueError):
@@ -136,7 +134,7 @@ class LocalMounts:
 def local_argv(pod: ServerPod, program: list[str], host: str, port: int, device: str, mounts: LocalMounts,
                extra_args: tuple[str, ...] = ()) -> list[str]:
     """The command line that plays `pod` here: `program` in place of the image's `metronome` entry point,
-    the pod's args with host/port/device replaced, tensor parallelism dropped and paths mapped, then
+    the pod's args with host/port/device replaced and paths mapped, then
     `extra_args` (local tuning such as a KV budget or a shorter drain)."""
     if pod.command and posixpath.basename(pod.command[0]) != "metronome":
         raise PodSpecError(f"pod {pod.namespace}/{pod.name}: command {list(pod.command)} is not `metronome`")
@@ -145,9 +143,6 @@ def local_argv(pod: ServerPod, program: list[str], host: str, port: int, device:
     i = 0
     while i < len(args):
         flag, value, consumed = _split_flag(args, i)
-        if flag in DROPPED_FLAGS:
-            i += consumed
-            continue
         if flag in REPLACED_FLAGS:
             i += consumed
             continue  # appended below with the stand-in's values

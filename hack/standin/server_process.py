@@ -1,6 +1,6 @@
 """One `metronome serve` process playing one pod: started in its own session (a Ctrl-C in the terminal reaches
 the driver, not the servers), output to a log file, stopped by its pid like the kubelet stops a container:
-SIGTERM, the grace period, then SIGKILL."""
+SIGTERM, the grace period, then SIGKILL. Should the driver die first, the kernel sends it SIGTERM (lifetime.py)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .lifetime import die_with_parent
 
 
 def http_ready(base_url: str, timeout_s: float = 2.0) -> bool:
@@ -46,7 +48,8 @@ class ServerProcess:
             log.write(f"--- {time.strftime('%H:%M:%S')} starting: {' '.join(self.argv)}\n".encode())
             log.flush()
             self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **self.env}, start_new_session=True, close_fds=True)
+                                            env={**os.environ, **self.env}, start_new_session=True, close_fds=True,
+                                            preexec_fn=die_with_parent)
         self.started_at = time.monotonic()
 
     def exit_code(self) -> int | None:

@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from closedloop import OperatorProcess, install_chart, service_account_kubeconfig
@@ -18,6 +20,12 @@ RELEASE = "metronome-e2e"
 RELEASE_NAMESPACE = "metronome-e2e-system"
 SCRAPE_INTERVAL_S = 1.0
 SERVER_ARGS = ("--kv-cache-memory-gb", "0.5", "--drain-seconds", "2", "--log-level", "warning")
+
+
+def pytest_configure(config):
+    # `timeout` and CI cancellations send SIGTERM: make it the Ctrl-C on which pytest still tears fixtures down,
+    # so the servers, the operator and Prometheus are stopped by pid rather than left behind.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
