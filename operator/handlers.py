@@ -72,9 +72,11 @@ def reconcile_service(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: 
     _write_status(memo.kube, service, body, reconcile.observe(memo.kube, service), patch)
 
 
-def serve_spec_server(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+def serve_spec_server(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     service = _service(body, memo.kube)
-    reconcile.serve_scheduler(memo.kube, service, body, service.spec.server, why="spec.server changed")
+    config = reconcile.serve_scheduler(memo.kube, service, body, service.spec.server, why="spec.server changed")
+    # Record the generation at once: it is where numbering resumes if the ConfigMap is ever lost.
+    patch.status.update(status_mod.served_config_fields(config))
 
 
 def refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:

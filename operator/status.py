@@ -206,6 +206,15 @@ def slo_condition(slo: SLOSpec | None, metrics: ServingMetrics | None) -> tuple[
 # --- the whole status ----------------------------------------------------------------------------------------
 
 
+def served_config_fields(config: ServerConfigFile | None) -> dict[str, Any]:
+    """The status fields that show what server.yaml serves (None clears them)."""
+    return {
+        "chunkSize": config.scheduler.chunk_size if config else None,
+        "queuePolicy": config.scheduler.queue_policy.value if config else None,
+        "configGeneration": config.generation if config else None,
+    }
+
+
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(float(value), 1)
 
@@ -235,7 +244,6 @@ def compute_status(
         make(SLO_MET, slo_verdict),
         make(CONFIG_APPLIED, config_condition(observed, rollout)),
     ]
-    config = observed.served_config
     ready = rollout.ready if rollout else 0
     have_metrics = metrics is not None and metrics.available
     return {
@@ -245,9 +253,7 @@ def compute_status(
         "readyReplicas": ready,
         "ready": f"{ready}/{desired}",
         "selector": selector_string(service.name),
-        "chunkSize": config.scheduler.chunk_size if config else None,
-        "queuePolicy": config.scheduler.queue_policy.value if config else None,
-        "configGeneration": config.generation if config else None,
+        **served_config_fields(observed.served_config),
         "podsOnGeneration": metrics.pods_on_generation if have_metrics else None,
         "tbtP99Ms": _rounded(metrics.tbt_p99_ms) if have_metrics else None,
         "ttftP99Ms": _rounded(metrics.ttft_p99_ms) if have_metrics else None,

@@ -209,6 +209,8 @@ def test_restart_creates_no_duplicates_and_catches_up(cluster, operator, ns):
 
 def test_a_deleted_child_comes_back_with_a_newer_generation(cluster, operator, ns):
     generation = _config(cluster, ns)["generation"]
+    wait_for(lambda: _isvc(cluster, ns)["status"].get("configGeneration") == generation,
+             "status.configGeneration to record the served generation")
     cluster.kubectl("delete", "configmap", f"{NAME}-config", "-n", ns)
     config = wait_for(lambda: get_json(cluster, "configmap", f"{NAME}-config", "-n", ns), "the ConfigMap to return")
     assert yaml.safe_load(config["data"]["server.yaml"])["generation"] > generation
