@@ -9,11 +9,13 @@
 3. the kubelet stand-in (hack/standin): a real `metronome serve` on 127.0.0.x for each Running server pod, its
    config folder kept in sync with the pod's ConfigMap by the `..data` swap;
 4. Debian's Prometheus scraping those servers every second (file_sd targets written by the stand-in);
-5. examples/inferenceservice.yaml, then a merge patch that fits it to this CPU machine (fcfs, a reachable TBT
-   target, a short tuning interval and window) — printed before it is applied;
-6. long-short load against the servers (server/bench), and `kubectl get inferenceservices` every few seconds, so
-   CHUNK, TBT-P99 and SLO visibly change as the operator retunes.
---duration 0 runs until Ctrl-C. Either way everything started here is stopped by its pid at the end (servers,
+5. examples/inferenceservice.yaml, then a merge patch that fits it to this CPU machine (fcfs from chunk 512, a
+   short tuning interval and window, autotune off until a target is known) — printed before it is applied;
+6. long-short load against the servers (server/bench); after 20 s of it, a TBT target that chunk 512 violates,
+   chosen from those 20 s (hack/closedloop/slo.py; or --slo-ms), and autotune on;
+7. `kubectl get inferenceservices` every few seconds, so CHUNK, TBT-P99 and SLO visibly change as the operator
+   retunes.
+--duration counts from the start of the load; 0 runs until Ctrl-C. Either way everything started here is stopped by its pid at the end (servers,
 operator, Prometheus, control plane) and the exit code is 0 when the run went as planned.
 Only 127.0.0.0/8 is contacted.
 """
@@ -32,6 +34,7 @@ ROOT = HACK_DIR.parent
 sys.path.insert(0, str(HACK_DIR))
 
 from closedloop import LoadDriver, LoadSpec, OperatorProcess, install_chart, service_account_kubeconfig  # noqa: E402
+from closedloop.slo import CalibrationError, choose_tbt_target  # noqa: E402
 from localcluster import ClusterError, KubeTools, LocalCluster, default_cache_dir  # noqa: E402
 from standin import KubeletStandIn, StandInOptions, scrape_config  # noqa: E402
 
@@ -47,8 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, default=0.0,
                         help="seconds of load and tuning after the servers are up; 0 = until Ctrl-C (default)")
     parser.add_argument("--slo-ms", type=int, default=None,
-                        help="p99 TBT target for this CPU machine (default: the one docs/e2e.md derives, "
-                             "see CPU_SLO_MS)")
+                        help="p99 TBT target (default: chosen from 20 s of load at chunk 512, as docs/e2e.md explains)")
     parser.add_argument("--concurrency", type=int, default=LoadSpec.concurrency_per_server,
                         help="concurrent requests per server (default %(default)s)")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between table prints")
@@ -57,20 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The CPU adaptation of the example (docs/e2e.md has the measurements behind these numbers).
-CPU_SLO_MS = 1000
-CPU_INITIAL_CHUNK = 512
-
-
-def cpu_patch(slo_ms: int) -> dict:
-    return {"spec": {
-        "server": {"chunkSize": CPU_INITIAL_CHUNK, "queuePolicy": "fcfs", "maxNumSeqs": 16},
-        "slo": {"tbtP99Ms": slo_ms},
-        "autotune": {"mode": "apply", "policy": "model", "intervalSeconds": 5, "cooldownSeconds": 10,
-                     "minChunkSize": 32, "maxChunkSize": 1024, "chunkGranularity": 32, "deadbandLow": 0.3,
-                     "policySwitching": False},
-        "metrics": {"windowSeconds": 20},
-    }}
+# The CPU adaptation of the example (docs/e2e.md has the measurements behind these numbers): fcfs, so the
+# prefill budget can go below split's 512-token floor; steps of 0.1-1 s, so a short interval and window.
+INITIAL_CHUNK, FLOOR_CHUNK = 512, 32
+CALIBRATION_S = 20.0
+FALLBACK_SLO_MS = 1000
+CPU_PATCH = {"spec": {
+    "server": {"chunkSize": INITIAL_CHUNK, "queuePolicy": "fcfs", "maxNumSeqs": 16},
+    "autotune": {"mode": "off", "policy": "model", "intervalSeconds": 5, "cooldownSeconds": 10,
+                 "minChunkSize": FLOOR_CHUNK, "maxChunkSize": 1024, "chunkGranularity": 32, "deadbandLow": 0.3,
+                 "policySwitching": False},
+    "metrics": {"windowSeconds": 20},
+}}
 
 
 class Stop:
@@ -150,10 +150,8 @@ def run(args, stop: Stop, cluster: LocalCluster, started: list) -> int:
 
     kube.kubectl("create", "namespace", NAMESPACE, check=False)
     kube.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLE))
-    patch = cpu_patch(args.slo_ms or CPU_SLO_MS)
-    say(f"applied {EXAMPLE.relative_to(ROOT)}; fitting it to this CPU machine with:\n  {json.dumps(patch)}")
-    kube.kubectl("patch", "inferenceservices.metronome.dev", NAME, "-n", NAMESPACE, "--type=merge",
-                 "-p", json.dumps(patch))
+    say(f"applied {EXAMPLE.relative_to(ROOT)}; fitting it to this CPU machine with:\n  {json.dumps(CPU_PATCH)}")
+    _patch(kube, CPU_PATCH)
 
     replicas = int(kube.kubectl("get", "inferenceservices.metronome.dev", NAME, "-n", NAMESPACE,
                                 "-o", "jsonpath={.spec.replicas}").stdout or 1)
@@ -169,9 +167,15 @@ def run(args, stop: Stop, cluster: LocalCluster, started: list) -> int:
     spec = LoadSpec(concurrency_per_server=args.concurrency)
     load = _start_load(standin, spec)
     started.append(load)
-    say(f"long-short load: {spec.concurrency_per_server} concurrent requests per server, {spec.long_fraction:.0%} of prompts "
-        f"{spec.long_prompt_len} tokens, the rest {spec.short_prompt_len}; {spec.output_len} output tokens each")
+    say(f"long-short load: {spec.concurrency_per_server} concurrent requests per server, {spec.long_fraction:.0%} "
+        f"of prompts {spec.long_prompt_len} tokens, the rest {spec.short_prompt_len}; {spec.output_len} output "
+        "tokens each")
     end = time.monotonic() + args.duration if args.duration else None
+    slo_ms = args.slo_ms
+    if slo_ms is not None:
+        _enable_autotune(kube, slo_ms)
+    else:
+        say(f"measuring {CALIBRATION_S:g} s at chunk {INITIAL_CHUNK} to choose a TBT target")
     servers = {s.base_url for s in standin.servers(NAMESPACE)}
     while not stop.event.is_set():
         table = kube.kubectl("get", "inferenceservices.metronome.dev", "-n", NAMESPACE, check=False)
@@ -179,6 +183,10 @@ def run(args, stop: Stop, cluster: LocalCluster, started: list) -> int:
         client = f"client-side p99 TBT (last 20 s): {p99 * 1e3:.0f} ms" if p99 else "client-side p99 TBT: -"
         print(f"\n{time.strftime('%H:%M:%S')}  {client}; completed {load.completed()}, "
               f"errors {len(load.errors())}\n{table.stdout.rstrip() or table.stderr.rstrip()}", flush=True)
+        gaps = load.gaps_since(0.0)
+        if slo_ms is None and load.now() >= CALIBRATION_S and len(gaps) >= 100:
+            slo_ms = _calibrated_slo_ms(gaps)
+            _enable_autotune(kube, slo_ms)
         now_servers = {s.base_url for s in standin.servers(NAMESPACE)}
         if now_servers != servers and len(standin.ready_servers(NAMESPACE)) == len(now_servers):
             servers = now_servers  # replicas changed: drive the new set
@@ -191,8 +199,30 @@ def run(args, stop: Stop, cluster: LocalCluster, started: list) -> int:
         stop.wait(args.interval if end is None else max(0.0, min(args.interval, end - time.monotonic())))
     final = kube.kubectl("get", "inferenceservices.metronome.dev", NAME, "-n", NAMESPACE,
                          "-o", "jsonpath={.status.slo} {.status.chunkSize} {.status.tbtP99Ms}", check=False).stdout
-    say(f"final: SLO, CHUNK, TBT-P99 = {final}")
+    say(f"final: SLO, CHUNK, TBT-P99 = {final} (target {slo_ms} ms)")
     return 0
+
+
+def _patch(kube: KubeTools, patch: dict) -> None:
+    kube.kubectl("patch", "inferenceservices.metronome.dev", NAME, "-n", NAMESPACE, "--type=merge",
+                 "-p", json.dumps(patch))
+
+
+def _calibrated_slo_ms(gaps: list[float]) -> int:
+    from metronome.server.bench.stats import percentile
+
+    try:
+        calibration = choose_tbt_target(percentile(gaps, 50), percentile(gaps, 99), INITIAL_CHUNK, FLOOR_CHUNK)
+    except CalibrationError as exc:
+        say(f"{exc}; using {FALLBACK_SLO_MS} ms")
+        return FALLBACK_SLO_MS
+    say(f"{len(gaps)} token gaps {calibration.describe()}")
+    return round(calibration.target_s * 1000)
+
+
+def _enable_autotune(kube: KubeTools, slo_ms: int) -> None:
+    say(f"SLO p99 TBT {slo_ms} ms, autotune on (mode apply, policy model)")
+    _patch(kube, {"spec": {"slo": {"tbtP99Ms": slo_ms}, "autotune": {"mode": "apply"}}})
 
 
 def _start_load(standin: KubeletStandIn, spec: LoadSpec) -> LoadDriver:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from metronome.server.bench.clients import HttpClient
 from metronome.server.bench.inprocess import DEFAULT_HTTP_TOKEN_RANGE, sampler_for_range
 from metronome.server.bench.records import RequestRecord
-from metronome.server.bench.stats import gaps, percentile
+from metronome.server.bench.stats import percentile
 from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, iter_requests
 
 
@@ -75,20 +75,19 @@ class LoadDriver:
         """Seconds since the load started, on the clock of the records' token times."""
         return time.monotonic() - self._t0
 
+    def gaps_since(self, since_s: float) -> list[float]:
+        """Token gaps (TBT) that began at or after `since_s` (load clock), every request and server together."""
+        return [b - a for r in list(self.stats.records) for a, b in zip(r.token_times_s, r.token_times_s[1:])
+                if a >= since_s]
+
     def tbt_p99_s(self, since_s: float = 0.0) -> float | None:
-        """p99 of the token gaps that ended after `since_s` (load clock), every request and server together."""
-        values = [b - a for r in list(self.stats.records) for a, b in zip(r.token_times_s, r.token_times_s[1:])
-                  if b >= since_s]
-        return percentile(values, 99)
+        return percentile(self.gaps_since(since_s), 99)
 
     def completed(self, since_s: float = 0.0) -> int:
         return sum(1 for r in list(self.stats.records) if r.ok and r.end_s is not None and r.end_s >= since_s)
 
     def errors(self) -> list[str]:
         return [r.error for r in list(self.stats.records) if r.error]
-
-    def token_gaps(self) -> list[float]:
-        return [g for r in list(self.stats.records) for g in gaps(r.token_times_s)]
 
     # --- the event loop thread ---------------------------------------------------------------------------------
 

@@ -72,13 +72,9 @@ def load(servers):
 def measure_gaps(load: LoadDriver, seconds: float) -> list[float]:
     """Token gaps of the next `seconds` of load (at least 100 of them)."""
     mark = load.now()
-    wait_for(lambda: load.now() - mark >= seconds and len(gaps_since(load, mark)) >= 100,
+    wait_for(lambda: load.now() - mark >= seconds and len(load.gaps_since(mark)) >= 100,
              f"{seconds:g} s and 100 token gaps of load", timeout=seconds + 180, interval=1.0)
-    return gaps_since(load, mark)
-
-
-def gaps_since(load: LoadDriver, mark: float) -> list[float]:
-    return [b - a for r in list(load.stats.records) for a, b in zip(r.token_times_s, r.token_times_s[1:]) if a >= mark]
+    return load.gaps_since(mark)
 
 
 def operator_view(prometheus: str, ns: str):
