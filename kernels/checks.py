@@ -1,6 +1,8 @@
 """Shape, dtype and device checks shared by every backend: bad input gets a ValueError that says what is wrong."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .metadata import AttentionMetadata
@@ -37,23 +39,26 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
     _same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
                  block_tables=meta.block_tables)
-    if meta is not _last_checked[0] or q.shape[0] != _last_checked[1]:
+    if _last_checked[0] is not meta or _last_checked[1] != q.shape[0]:
         _check_metadata(meta, q.shape[0], k_cache.shape[1])
         _last_checked[:] = [meta, q.shape[0]]
 
 
-# Every layer of a forward pass sees the same metadata object: check its per-sequence facts once.
+# Every layer of a forward pass gets the same metadata object (built once per step and never changed after):
+# its host-side facts are checked on the first layer only.
 _last_checked: list = [None, -1]
 
 
 def _check_metadata(meta: AttentionMetadata, num_tokens: int, block_size: int) -> None:
-    if len(meta.q_lens_host) != len(meta.seq_lens_host):
+    """Host-side facts of the batch, checked with C-level builtins where they loop over sequences."""
+    q_lens, seq_lens = meta.q_lens_host, meta.seq_lens_host
+    if len(q_lens) != len(seq_lens):
         raise ValueError("q_lens_host and seq_lens_host differ in length")
-    if meta.num_tokens != num_tokens:
-        raise ValueError(f"metadata describes {meta.num_tokens} new tokens, q has {num_tokens}")
-    for b, (q_len, seq_len) in enumerate(zip(meta.q_lens_host, meta.seq_lens_host)):
-        if q_len < 1 or seq_len < q_len:
-            raise ValueError(f"sequence {b}: need 1 <= q_len <= seq_len, got q_len={q_len} seq_len={seq_len}")
+    if sum(q_lens) != num_tokens:
+        raise ValueError(f"metadata describes {sum(q_lens)} new tokens, q has {num_tokens}")
+    if q_lens and (min(q_lens) < 1 or not all(map(operator.le, q_lens, seq_lens))):
+        b = next(b for b, (q, s) in enumerate(zip(q_lens, seq_lens)) if not 1 <= q <= s)
+        raise ValueError(f"sequence {b}: need 1 <= q_len <= seq_len, got q_len={q_lens[b]} seq_len={seq_lens[b]}")
     max_blocks = -(-max(meta.seq_lens_host, default=0) // block_size)
     if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != meta.num_seqs \
             or meta.block_tables.shape[1] < max_blocks:

@@ -18,6 +18,7 @@ On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set before tr
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -244,7 +245,8 @@ def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: i
     if not on_cuda:  # interpreter: big tiles mean few Python-level steps
         return TileConfig(max(64, group_pad), 128, num_stages=1, decode_block_n=128)
     if decode_only:
-        return TileConfig(decode_block_n=64, num_stages=2) if busy else TileConfig(decode_block_n=128, num_stages=3)
+        block_m = max(64, group_pad)  # unused by decode tiles, but must stay a multiple of the group
+        return TileConfig(block_m, decode_block_n=64 if busy else 128, num_stages=2 if busy else 3)
     if chunks_only and d_pad <= 128:
         return TileConfig(max(128, group_pad), 64, num_warps=8, num_stages=2)
     return TileConfig(max(64, group_pad), 64, num_warps=4, num_stages=3, decode_block_n=128)
@@ -265,7 +267,8 @@ def choose_num_splits(num_programs: int, num_tokens: int, max_seqlen_k: int, sm_
     return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants, tl.arange in the merge
 
 
-# Every layer of a forward pass sees the same metadata object: classify its batch once.
+# Every layer of a forward pass gets the same metadata object (built once per step and never changed after):
+# classify its batch on the first layer only.
 _batch_memo: list = [None, (0, False)]
 
 
@@ -273,12 +276,8 @@ def _batch_shape(meta: AttentionMetadata) -> tuple[int, bool]:
     """(how many sequences at the start of the batch are decodes, whether any sequence is a decode). Leading
     decodes get small tiles of their own; decodes elsewhere ride in chunk tiles."""
     if _batch_memo[0] is not meta:
-        lead = 0
-        for q_len in meta.q_lens_host:
-            if q_len != 1:
-                break
-            lead += 1
-        _batch_memo[:] = [meta, (lead, 1 in meta.q_lens_host)]
+        q_lens = meta.q_lens_host
+        _batch_memo[:] = [meta, (len(list(itertools.takewhile((1).__eq__, q_lens))), 1 in q_lens)]
     return _batch_memo[1]
 
 

@@ -221,3 +221,20 @@ def _run_triton_cases(out_path: str) -> None:
 
 if __name__ == "__main__":
     _run_triton_cases(sys.argv[1])
+
+
+def test_split_and_tile_choices_stay_within_the_compiled_variants():
+    from metronome.kernels.triton_attention import choose_config, choose_num_splits
+    for programs in (1, 8, 64, 131, 132, 1000):
+        for max_k in (16, 1023, 1024, 2048, 100_000):
+            splits = choose_num_splits(programs, num_tokens=programs, max_seqlen_k=max_k, sm_count=132)
+            assert splits in (1, 2, 4, 8, 16)
+            if programs >= 132 or max_k < 1024:
+                assert splits == 1  # a full GPU or a short context gains nothing from splitting
+            assert max_k // splits >= 256 or splits == 1
+    assert choose_num_splits(8, num_tokens=300, max_seqlen_k=8192, sm_count=132) == 1  # big batches never split
+    for decode_only, chunks_only, busy in [(True, False, True), (True, False, False), (False, True, False),
+                                           (False, False, True)]:
+        for group_pad in (1, 4, 8, 16):
+            cfg = choose_config(decode_only, chunks_only, busy, group_pad, 128, on_cuda=True)
+            assert cfg.block_m % group_pad == 0 and min(cfg.block_n, cfg.decode_block_n) >= 16
