@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from functools import lru_cache
 from typing import Protocol
 
 import torch
@@ -26,8 +27,19 @@ class AttentionBackend(Protocol):
         head_dim] in q's dtype. Causal, bottom-right aligned; query head h reads kv head h // (n_heads // n_kv)."""
 
 
+@lru_cache(maxsize=None)
 def _importable(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    """Installed and importable. flash_attn is really imported: a wheel built for another CUDA/torch is installed
+    but fails to load, and auto-selection must not pick it then."""
+    if importlib.util.find_spec(module) is None:
+        return False
+    if module != "flash_attn":
+        return True
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - any load failure means "not available"
+        return False
+    return True
 
 
 def available_backends() -> list[str]:
