@@ -125,3 +125,24 @@ async def test_idle_engine_does_not_step(engine):
     await asyncio.sleep(0.2)
     assert engine.observer.steps == steps
     assert engine.is_running
+
+
+async def test_a_failing_step_fails_its_requests_but_not_the_engine(engine):
+    real_step = engine.core.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device fell over")
+        return real_step()
+
+    engine.core.step = flaky_step
+    with pytest.raises(RuntimeError, match="device fell over"):
+        await collect(engine, list(range(30)), SamplingParams(max_tokens=5, temperature=0.0))
+    events = await collect(engine, [4, 5], SamplingParams(max_tokens=3, temperature=0.0))
+    assert [e.token_id for e in events] == expected_greedy([4, 5], 3)
+    await wait_idle(engine)
+    await engine.shutdown()
+    engine.core.check_no_leaks()
+    assert engine.core.block_manager.num_used_blocks == 0

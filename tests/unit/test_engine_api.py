@@ -221,3 +221,28 @@ def test_stall_free_long_prompt_joins_eight_decodes_within_budget():
         engine.step()
     assert long_seq.output_token_ids == expected_greedy(list(range(100)) * 20, 3)
     engine.check_no_leaks()
+
+
+def test_sampler_filters_top_k_and_top_p():
+    import torch
+
+    from metronome.server.engine.sampler import Sampler
+
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1], [0.5, 0.25, 0.15, 0.1], [0.5, 0.25, 0.15, 0.1]]))
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.7),
+              SamplingParams(temperature=1.0, top_p=0.75)]
+    probs = Sampler.probabilities(logits, params)
+    assert torch.allclose(probs[0], torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    assert torch.allclose(probs[1], torch.tensor([2 / 3, 1 / 3, 0, 0]))  # 0.5 + 0.25 covers 0.7
+    assert (probs[2] > 0).tolist() == [True, True, False, False]  # 0.75 reached exactly by the top two
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    draws = sampler.sample(logits.repeat(100, 1)[:100], [params[0]] * 100, [None] * 100)
+    assert set(draws) <= {0, 1} and len(set(draws)) == 2
+    greedy = sampler.sample(logits[:2], [SamplingParams(temperature=0.0), params[0]], [None, None])
+    assert greedy[0] == 0
+
+
+def test_finish_at_max_model_len():
+    engine = fake_engine(max_model_len=20)
+    r = engine.generate([[1] * 10], SamplingParams(max_tokens=10, temperature=0.0))[0]
+    assert len(r.token_ids) == 10 and r.finish_reason == "length"
