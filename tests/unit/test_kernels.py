@@ -137,11 +137,25 @@ def test_torch_reference_is_exact_for_low_precision_inputs():
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
 
 
-def test_write_kv_skips_negative_slots_and_matches_dense_layout():
+def write_with_a_skipped_slot(backend_name: str) -> PagedBatch:
     batch = make_paged_batch([3, 1], [5, 16], block_size=16, n_kv_heads=2, group=1, head_dim=64, seed=3)
     slots = batch.meta.slot_mapping.clone()
     slots[1] = -1  # the second new token of sequence 0 is not stored
-    get_backend("torch").write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, slots)
+    get_backend(backend_name).write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, slots)
+    return batch
+
+
+def test_triton_write_kv_skips_negative_slots_like_torch(triton_results):
+    k_cache, v_cache = triton_results["write_kv_skip"]
+    ref = write_with_a_skipped_slot("torch")
+    torch.testing.assert_close(k_cache, ref.k_cache, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, ref.v_cache, rtol=0, atol=0, equal_nan=True)
+
+
+def test_write_kv_skips_negative_slots_and_matches_dense_layout():
+    batch = write_with_a_skipped_slot("torch")
+    slots = batch.meta.slot_mapping.clone()
+    slots[1] = -1
     block_size = batch.k_cache.shape[1]
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -216,6 +230,8 @@ def _run_triton_cases(out_path: str) -> None:
             results[case.name] = run_backend("triton", case)
         except Exception:  # noqa: BLE001 - reported to the test of that case
             results[case.name] = traceback.format_exc()
+    batch = write_with_a_skipped_slot("triton")
+    results["write_kv_skip"] = (batch.k_cache, batch.v_cache)
     torch.save(results, out_path)
 
 
