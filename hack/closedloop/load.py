@@ -58,10 +58,16 @@ class LoadDriver:
         self._started = threading.Event()
         self.error: BaseException | None = None
 
-    def start(self) -> "LoadDriver":
+    def start(self, timeout_s: float = 60.0) -> "LoadDriver":
+        """Start sending; raises when the servers cannot be used (e.g. /v1/models does not answer)."""
         self._thread = threading.Thread(target=self._run, name="load", daemon=True)
         self._thread.start()
-        self._started.wait(30)
+        if not self._started.wait(timeout_s):
+            self.stop()
+            raise RuntimeError(f"the load did not start within {timeout_s:g} s")
+        if self.error is not None:
+            self.stop()
+            raise RuntimeError(f"the load could not start: {self.error}") from self.error
         return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -102,12 +108,12 @@ class LoadDriver:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self._t0 = time.monotonic()
-        self._started.set()
         clients = [HttpClient(url, timeout_s=self.spec.request_timeout_s) for url in self.base_urls]
         try:
             for client in clients:
                 await client.discover()
+            self._t0 = time.monotonic()
+            self._started.set()
             senders = [asyncio.create_task(self._drive(client, index)) for index, client in enumerate(clients)]
             await self._stop.wait()
             for task in senders:
