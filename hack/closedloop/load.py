@@ -71,8 +71,11 @@ class LoadDriver:
         return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # the loop closed in between: nothing left to stop
+                pass
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
