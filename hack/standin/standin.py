@@ -301,9 +301,7 @@ class KubeletStandIn:
         elif now >= entry.restart_at:
             entry.restarts += 1
             entry.restart_at = None
-            entry.server.port = free_port(entry.server.address)
-            entry.server.argv = self._argv(pod, entry.server.address, entry.server.port, pod_dir, config_dirs)
-            entry.server.start()
+            entry.server.start()  # same address and port: clients and Prometheus targets stay valid
 
     def _start_server(self, key: str, pod: ServerPod, pod_dir: Path, config_dirs: dict[str, Path]) -> None:
         address = self._addresses.take()
