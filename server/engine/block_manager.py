@@ -139,11 +139,11 @@ class BlockManager:
 
     def mark_computed(self, seq: Sequence) -> None:
         """Register seq's newly full and computed blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
-        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         hashes = seq.block_hashes
+        if not self.enable_prefix_caching or seq.num_computed_tokens // bs <= len(hashes):
+            return
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         tokens = seq.token_ids
         while len(hashes) < full:
             i = len(hashes)

@@ -41,6 +41,9 @@ class BlockTableMirror:
     def row_for(self, seq: Sequence) -> int:
         rid = seq.request_id
         row = self.rows.get(rid)
+        blocks = seq.block_table
+        if row is not None and self.synced[rid] == len(blocks) and self.table_ids[rid] == id(blocks):
+            return row  # the common case: nothing new since the last step
         if row is None:
             if not self.free_rows:
                 old = self.table.shape[0]
@@ -91,21 +94,27 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> PreparedInputs:
         entries = batch.entries
         num_seqs = len(entries)
-        q_lens = np.fromiter((n for _, n in entries), dtype=np.int64, count=num_seqs)
-        starts = np.fromiter((s.num_computed_tokens for s, _ in entries), dtype=np.int64, count=num_seqs)
+        q_list, start_list, total_list, row_list = [], [], [], []
+        token_ids: list[int] = []
+        row_for = self.mirror.row_for
+        for seq, n in entries:  # one pass over the sequences; everything else is vectorised
+            c = seq.num_computed_tokens
+            tokens = seq.token_ids
+            if n == 1:
+                token_ids.append(tokens[c])
+            else:
+                token_ids.extend(tokens[c:c + n])
+            q_list.append(n)
+            start_list.append(c)
+            total_list.append(len(tokens))
+            row_list.append(row_for(seq))
+        q_lens = np.array(q_list, dtype=np.int64)
+        starts = np.array(start_list, dtype=np.int64)
         seq_lens = starts + q_lens
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         num_tokens = int(cu[-1])
-
-        token_ids: list[int] = []
-        for seq, n in entries:
-            c = seq.num_computed_tokens
-            if n == 1:
-                token_ids.append(seq.token_ids[c])
-            else:
-                token_ids.extend(seq.token_ids[c:c + n])
-        rows = np.fromiter((self.mirror.row_for(s) for s, _ in entries), dtype=np.int64, count=num_seqs)
+        rows = np.array(row_list, dtype=np.int64)
         max_cols = int(-(-seq_lens.max() // self.block_size))
         block_tables = self.mirror.table[rows, :max_cols]
 
@@ -114,7 +123,7 @@ class ModelRunner:
         slot_mapping = (block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size
                         + positions % self.block_size)
 
-        sampling = seq_lens == np.fromiter((s.num_tokens for s, _ in entries), dtype=np.int64, count=num_seqs)
+        sampling = seq_lens == np.array(total_list, dtype=np.int64)
         sample_rows = cu[1:][sampling] - 1
         sampling_seqs = [s for (s, _), flag in zip(entries, sampling.tolist()) if flag]
 
