@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 
 import pytest
 import yaml
@@ -97,6 +98,16 @@ def test_a_configmap_change_reaches_each_server_through_the_data_swap(cluster, s
     assert not (config_dir / old_version).exists()
     wait_for(lambda: set(generation_series(prometheus, ns).values()) == {after},
              f"Prometheus to see generation {after} on every pod", timeout=30)
+
+
+def test_a_server_that_dies_is_restarted_on_the_same_address(standin, ns):
+    victim = standin.servers(namespace=ns)[0]
+    os.kill(victim.pid, signal.SIGKILL)  # our own child, by its pid
+    restarted = wait_for(lambda: [s for s in standin.ready_servers(namespace=ns) if s.pod == victim.pod
+                                  and s.restarts == victim.restarts + 1],
+                         f"{victim.pod}'s server to be restarted", timeout=60)
+    assert restarted[0].base_url == victim.base_url and restarted[0].pid != victim.pid
+    assert server_config(victim.base_url)["generation"] >= 1
 
 
 def test_a_deleted_pod_stops_its_server_and_the_replacement_gets_one(cluster, standin, ns):
