@@ -12,6 +12,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
+from metronome.operator.metrics_source import QueryWindow, podmonitor_relabelings
 from metronome.operator.spec import InferenceService, InferenceServiceSpec
 from metronome.server.config import (
     ConfigError,
@@ -308,16 +309,31 @@ def kube_service(service: InferenceService) -> dict[str, Any]:
     }
 
 
+def scrape_interval_seconds(window_seconds: float) -> int:
+    """A scrape interval that gives every rate() of the metrics source (operator/metrics_source.py) enough samples:
+    four per sub-window of the step fit, so 3 s for the default 60 s window, 1 s for short test windows, and
+    never slower than Prometheus' customary 15 s."""
+    sub_window = QueryWindow.for_window(window_seconds).sub_window_seconds
+    return int(max(1, min(15, sub_window // 4)))
+
+
 def pod_monitor(service: InferenceService) -> dict[str, Any]:
+    """prometheus-operator's PodMonitor: scrapes the server pods and labels their series as the metrics source
+    selects them (namespace, service = the pod's app.kubernetes.io/instance, pod)."""
     names = child_names(service.name)
+    interval = scrape_interval_seconds(service.spec.metrics.window_seconds)
+    endpoint = {
+        "port": "http",
+        "path": "/metrics",
+        "interval": f"{interval}s",
+        "scrapeTimeout": f"{interval}s",
+        "relabelings": podmonitor_relabelings(),
+    }
     return {
         "apiVersion": PODMONITOR_API_VERSION,
         "kind": "PodMonitor",
         "metadata": _metadata(service, names.pod_monitor),
-        "spec": {
-            "selector": {"matchLabels": selector_labels(service.name)},
-            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
-        },
+        "spec": {"selector": {"matchLabels": selector_labels(service.name)}, "podMetricsEndpoints": [endpoint]},
     }
 
 

@@ -58,6 +58,9 @@ def describe_config(before: ServerConfigFile | None, after: ServerConfigFile, wh
 
 # Reasons that mean something is wrong (not merely on its way), whatever came before.
 PROBLEM_REASONS = frozenset({"PodsFailing", "ProgressDeadlineExceeded", "InvalidConfig", "SLOViolated"})
+# MetricsAvailable=False because Prometheus failed (not merely idle), and an SLO the autotuner cannot restore.
+PROBLEM_REASONS |= {"PrometheusUnreachable", "PrometheusTimeout", "QueryFailed", "BadResponse", "NoSeries",
+                    "InvalidMetricsSettings", "ChunkAtFloor"}
 
 
 def describe_transitions(

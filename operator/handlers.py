@@ -4,8 +4,10 @@
   an operator restart re-runs `reconcile` on every object and creates nothing twice.
 - field spec.server: serve the new scheduler settings as a new server.yaml generation (ConfigMap only; the pods
   reload it, nothing rolls).
-- timer (one per InferenceService): observe the children (re-creating a deleted one) and refresh status. The
-  SLO control loop hooks in here.
+- timer (one per InferenceService, every --status-interval): observe the children (re-creating a deleted one)
+  and refresh status. Every spec.autotune.intervalSeconds (and at once after a spec change) the same tick reads
+  Prometheus and runs the control loop (autotune.step), then carries its result out: a new server.yaml
+  generation, a spec.replicas patch, status.lastDecision, Events.
 - delete: nothing to clean up by hand; every child has an owner reference and is garbage-collected.
 
 Handlers are registered onto a given registry by `register` (no import-time side effects), and write status
@@ -14,12 +16,14 @@ schema prunes).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Any, Mapping
 
 import kopf
 
-from metronome.operator import reconcile, status as status_mod
+from metronome.operator import autotune, reconcile, status as status_mod
 from metronome.operator.changes import describe_transitions
 from metronome.operator.k8s import Kube
 from metronome.operator.options import OperatorOptions
@@ -27,6 +31,9 @@ from metronome.operator.spec import GROUP, PLURAL, VERSION, InferenceService, Sp
 
 ANNOTATION_PREFIX = "metronome.dev"
 RESOURCE = (GROUP, VERSION, PLURAL)
+TUNER_MEMO_KEY = "tuner"  # per-object memo: autotune.TunerMemory
+
+log = logging.getLogger(__name__)
 
 
 def configure_settings(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -86,7 +93,47 @@ def refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any
         # Someone deleted a child: put it back (no watch on children; this tick is the repair loop).
         reconcile.sync_children(memo.kube, service, body)
         observed = reconcile.observe(memo.kube, service)
+    observed = _autotune(memo, service, body, observed, patch)
     _write_status(memo.kube, service, body, observed, patch)
+
+
+def _autotune(
+    memo: kopf.Memo, service: InferenceService, body: kopf.Body, observed: status_mod.Observed, patch: kopf.Patch
+) -> status_mod.Observed:
+    """Read the metrics and act on them when due; return `observed` with the latest reading for status."""
+    tuner: autotune.TunerMemory = memo.setdefault(TUNER_MEMO_KEY, autotune.TunerMemory())
+    now = time.time()
+    if tuner.due(now, service.generation):
+        url = service.spec.metrics.prometheus_url or memo.options.prometheus_url
+        observation, unavailable = reconcile.read_metrics(url, service, now) if url else (None, None)
+        result = autotune.step(service, observed.served_config, body.get("status") or {}, observation, unavailable,
+                               now, tuner.last_change_time)
+        observed = _actuate(memo.kube, service, body, observed, result, patch)
+        problem = tuner.remember(result, now, service.generation, service.spec.autotune.interval_seconds)
+        if problem:
+            memo.kube.emit_event(body, "Warning", "AutotuneBlocked", problem)
+    served_generation = observed.served_config.generation if observed.served_config is not None else None
+    return dataclasses.replace(observed, metrics=tuner.metrics_for(served_generation), slo_override=tuner.slo_override)
+
+
+def _actuate(
+    kube: Kube, service: InferenceService, body: kopf.Body, observed: status_mod.Observed,
+    result: autotune.TuneResult, patch: kopf.Patch,
+) -> status_mod.Observed:
+    if result.decision is not None and result.current is not None and (result.applied_change or result.last_decision):
+        log.info("%s/%s: %s (%s): %s", service.namespace, service.name,
+                 result.decision.describe_change(result.current), "applied" if result.applied_change else "advice",
+                 result.decision.reason)
+    if result.scheduler is not None:
+        config = reconcile.serve_scheduler(kube, service, body, result.scheduler, why=result.config_reason)
+        observed = dataclasses.replace(observed, served_config=config, config_error=None)
+    if result.replicas is not None:
+        patch.spec["replicas"] = result.replicas  # the update handler scales the Deployment
+    if result.last_decision is not None:
+        patch.status["lastDecision"] = result.last_decision
+    for event in result.events:
+        kube.emit_event(body, event.type, event.reason, event.message)
+    return observed
 
 
 def forget(name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:

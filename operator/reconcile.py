@@ -1,6 +1,6 @@
 """Reconciliation steps, each a few API calls around the pure builders: write the children, serve a scheduler
-config, observe what runs. The kopf handlers (handlers.py) call these; the control loop reuses `serve_scheduler`
-to actuate and `observe` to read the children.
+config, observe what runs, read the service's metrics from Prometheus. The kopf handlers (handlers.py) call
+these; the control loop reuses `serve_scheduler` to actuate and `observe` to read the children.
 """
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ import logging
 from typing import Any, Mapping
 
 from metronome.operator import builders, changes
+from metronome.operator.autotune import BAD_METRICS_SETTINGS
 from metronome.operator.k8s import Kube
+from metronome.operator.metrics_source import (
+    MetricsUnavailable,
+    PrometheusMetricsSource,
+    QueryWindow,
+    ServiceSelector,
+    try_observe,
+)
+from metronome.operator.observation import Observation
 from metronome.operator.spec import InferenceService
 from metronome.operator.status import Observed
 from metronome.server.config import SchedulerConfig, ServerConfigFile
@@ -84,3 +93,19 @@ def observe(kube: Kube, service: InferenceService) -> Observed:
     if deployment is not None and ready < service.spec.replicas:
         pods = kube.list("v1", "Pod", service.namespace, builders.selector_string(service.name))
     return Observed(deployment=deployment, pods=tuple(pods), served_config=config, config_error=error)
+
+
+def read_metrics(
+    prometheus_url: str, service: InferenceService, now: float
+) -> tuple[Observation | None, MetricsUnavailable | None]:
+    """One observation of the service over its spec.metrics window, or why there is none (never raises for
+    Prometheus' sake: a sick Prometheus costs one interval, not the status refresh)."""
+    try:
+        window = QueryWindow.for_window(service.spec.metrics.window_seconds)
+        source = PrometheusMetricsSource(prometheus_url)
+    except ValueError as exc:  # a URL that is not http(s)://, a window shorter than its sub-window
+        return None, MetricsUnavailable(BAD_METRICS_SETTINGS, str(exc))
+    try:
+        return try_observe(source, ServiceSelector(service.namespace, service.name), window, now)
+    finally:
+        source.close()

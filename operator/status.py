@@ -46,6 +46,9 @@ class Observed:
     served_config: ServerConfigFile | None = None
     config_error: str | None = None
     metrics: ServingMetrics | None = None
+    # (reason, message) that replaces SLOMet's SLOViolated when the control loop cannot fix the violation
+    # (chunk at its floor, no replicas to add): the condition then says why it stays violated.
+    slo_override: tuple[str, str] | None = None
 
 
 def condition(
@@ -160,7 +163,8 @@ def config_condition(observed: Observed, rollout: Rollout | None) -> tuple[str, 
     if config is None:
         return FALSE, "ConfigMapMissing", "server.yaml has not been written yet"
     metrics = observed.metrics
-    if metrics is None or not metrics.available or metrics.pods_on_generation is None:
+    # Generations are read even when there is no traffic (no TBT samples): only their absence is unknown.
+    if metrics is None or metrics.pods_on_generation is None:
         return UNKNOWN, "GenerationNotObserved", (
             f"generation {config.generation} written; waiting for the pods to report metronome_config_generation"
         )
@@ -192,12 +196,17 @@ def slo_violations(slo: SLOSpec, metrics: ServingMetrics) -> list[str]:
     return violations
 
 
-def slo_condition(slo: SLOSpec | None, metrics: ServingMetrics | None) -> tuple[str, str, str]:
+def slo_condition(
+    slo: SLOSpec | None, metrics: ServingMetrics | None, override: tuple[str, str] | None = None
+) -> tuple[str, str, str]:
     if slo is None:
         return UNKNOWN, "NoSLO", "spec.slo is not set"
     if metrics is None or not metrics.available or metrics.tbt_p99_ms is None:
         return UNKNOWN, "NoData", "no TBT samples to judge the SLO by"
     violations = slo_violations(slo, metrics)
+    if violations and override is not None:
+        reason, why = override
+        return FALSE, reason, "; ".join([*violations, why])
     if violations:
         return FALSE, "SLOViolated", "; ".join(violations)
     return TRUE, "SLOMet", f"TBT p99 {metrics.tbt_p99_ms:.1f} ms <= {slo.tbt_p99_ms:g} ms"
@@ -236,7 +245,7 @@ def compute_status(
         status, reason, message = verdict
         return condition(type_, status, reason, message, generation=service.generation, now=now, previous=previous)
 
-    slo_verdict = slo_condition(service.spec.slo, metrics)
+    slo_verdict = slo_condition(service.spec.slo, metrics, observed.slo_override)
     conditions = [
         make(READY, ready_condition(rollout, observed.pods)),
         make(PROGRESSING, progressing_condition(rollout)),
@@ -254,7 +263,7 @@ def compute_status(
         "ready": f"{ready}/{desired}",
         "selector": selector_string(service.name),
         **served_config_fields(observed.served_config),
-        "podsOnGeneration": metrics.pods_on_generation if have_metrics else None,
+        "podsOnGeneration": metrics.pods_on_generation if metrics is not None else None,
         "tbtP99Ms": _rounded(metrics.tbt_p99_ms) if have_metrics else None,
         "ttftP99Ms": _rounded(metrics.ttft_p99_ms) if have_metrics else None,
         "throughputTokensPerSecond": _rounded(metrics.throughput_tokens_per_second) if have_metrics else None,

@@ -199,6 +199,31 @@ def test_pod_monitor_only_when_monitoring_is_available():
     assert kinds == ["Deployment", "Service"]
 
 
+def test_pod_monitor_labels_series_as_the_metrics_source_selects_them():
+    children = builders.workload_children(service_of(metrics={"windowSeconds": 60}), monitoring_available=True)
+    monitor = children[-1]
+    assert monitor["kind"] == "PodMonitor"
+    assert monitor["spec"]["selector"]["matchLabels"] == builders.selector_labels("chat")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", "/metrics", "3s")
+    targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    assert targets == {
+        "namespace": ["__meta_kubernetes_namespace"],
+        "service": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"],
+        "pod": ["__meta_kubernetes_pod_name"],
+    }
+    # The `service` label comes from the pod label the builders set to the InferenceService's name.
+    pod_labels = builders.deployment(service_of())["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels[builders.LABEL_INSTANCE] == "chat"
+
+
+@pytest.mark.parametrize("window, interval", [(10, 1), (20, 1), (60, 3), (120, 7), (600, 15)])
+def test_scrape_interval_gives_each_sub_window_four_samples(window, interval):
+    assert builders.scrape_interval_seconds(window) == interval
+    monitor = builders.pod_monitor(service_of(metrics={"windowSeconds": window}))
+    assert monitor["spec"]["podMetricsEndpoints"][0]["interval"] == f"{interval}s"
+
+
 def test_service_and_deployment_select_the_same_pods():
     service = service_of()
     deployment = builders.deployment(service)
