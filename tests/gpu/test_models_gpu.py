@@ -83,7 +83,11 @@ def test_random_llama3_8b_builds_on_device_and_runs():
     assert torch.isfinite(logits).all() and 0.05 < logits.std().item() < 20
     loaded.model.set_attention_backend(get_backend("torch"))
     reference = run_mixed_batch(loaded, q_lens=[300, 1, 1, 17], ctx_lens=[0, 900, 31, 4])
-    assert (logits - reference).abs().max().item() < 0.25 * reference.std().item()
+    # bf16 through 32 random layers: kernels that round differently drift apart a little; a bug would not be
+    # "a little" (relative RMS of a wrong attention is ~1).
+    relative_rms = ((logits - reference).norm() / reference.norm()).item()
+    print(f"triton vs torch attention through the 8B model (bf16): relative RMS logit diff {relative_rms:.3f}")
+    assert relative_rms < 0.1
 
 
 def test_hf_folder_on_cuda_matches_transformers(tmp_path):
