@@ -17,7 +17,8 @@ Rules:
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, replace
+import threading
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from metronome.operator.changes import NORMAL, EventSpec
@@ -40,6 +41,7 @@ MIN_SAMPLES = AutotuneSpec.min_samples  # fewer TBT samples in the window = no d
 
 METRICS_READ = "MetricsRead"
 NO_SAMPLES = "NoSamples"
+AWAITING_PODS = "AwaitingPods"
 NOT_CONFIGURED = "PrometheusNotConfigured"
 BAD_METRICS_SETTINGS = "InvalidMetricsSettings"
 CHUNK_AT_FLOOR = "ChunkAtFloor"
@@ -76,9 +78,14 @@ class TuneResult:
 
 
 def serving_metrics(observation: Observation | None, unavailable: MetricsUnavailable | None,
-                    served_generation: int | None, min_samples: int = MIN_SAMPLES) -> ServingMetrics:
+                    served_generation: int | None, min_samples: int = MIN_SAMPLES,
+                    ready_pods: int | None = None) -> ServingMetrics:
     """MetricsAvailable and the measured status fields. Pods on the generation are counted whenever Prometheus
-    answered (generations need no traffic); TBT, TTFT and throughput only with enough TBT samples."""
+    answered (generations need no traffic); TBT, TTFT and throughput only with enough TBT samples. No series
+    while no pod is ready is expected (a new service), not a scrape problem."""
+    if unavailable is not None and unavailable.reason == MetricsUnavailable.NO_SERIES and ready_pods == 0:
+        return ServingMetrics(available=False, reason=AWAITING_PODS,
+                              message="no server pod is ready yet, so Prometheus has nothing to scrape")
     if unavailable is not None:
         return ServingMetrics(available=False, reason=unavailable.reason, message=unavailable.message)
     if observation is None:
@@ -149,10 +156,13 @@ def step(
     unavailable: MetricsUnavailable | None,
     now: float,
     remembered_change_time: float | None = None,
+    ready_pods: int | None = None,
 ) -> TuneResult:
     """One reading of one service. `remembered_change_time` is this process's own record of its last change
-    (status may lag a tick behind the patch that wrote it); the later of the two counts."""
-    metrics = serving_metrics(observation, unavailable, served.generation if served is not None else None)
+    (status may lag a tick behind the patch that wrote it); the later of the two counts. `ready_pods`: the
+    Deployment's ready replicas (None = unknown)."""
+    metrics = serving_metrics(observation, unavailable, served.generation if served is not None else None,
+                              ready_pods=ready_pods)
     reading = TuneResult(metrics, dict(observation.pod_generations) if observation is not None else None)
     tune = service.spec.autotune
     if tune.mode == AutotuneMode.OFF.value:
@@ -240,6 +250,8 @@ class TunerMemory:
     slo_override: tuple[str, str] | None = None
     last_change_time: float | None = None
     problem: str | None = None
+    # The status timer and the change handlers of one object run in different threads: one reading at a time.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def due(self, now: float, spec_generation: int) -> bool:
         """Read at the interval, and at once after a spec change (autotune switched on, new SLO, ...)."""

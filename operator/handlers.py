@@ -1,13 +1,14 @@
 """The kopf handlers: a few lines each, calling reconcile.py (API glue) and the pure builders/status.
 
-- create / resume / update: write or repair every child, then status. Idempotent (server-side apply, fixed names):
-  an operator restart re-runs `reconcile` on every object and creates nothing twice.
+- create / resume / update: write or repair every child, read the metrics (a spec change or a restart reads
+  at once), then status. Idempotent (server-side apply, fixed names): an operator restart re-runs `reconcile` on
+  every object and creates nothing twice.
 - field spec.server: serve the new scheduler settings as a new server.yaml generation (ConfigMap only; the pods
   reload it, nothing rolls).
 - timer (one per InferenceService, every --status-interval): observe the children (re-creating a deleted one)
-  and refresh status. Every spec.autotune.intervalSeconds (and at once after a spec change) the same tick reads
-  Prometheus and runs the control loop (autotune.step), then carries its result out: a new server.yaml
-  generation, a spec.replicas patch, status.lastDecision, Events.
+  and refresh status. Every spec.autotune.intervalSeconds the same tick reads Prometheus and runs the control
+  loop (autotune.step), then carries its result out: a new server.yaml generation, a spec.replicas patch,
+  status.lastDecision, Events. One reading at a time per object (TunerMemory.lock in kopf's per-object memo).
 - delete: nothing to clean up by hand; every child has an owner reference and is garbage-collected.
 
 Handlers are registered onto a given registry by `register` (no import-time side effects), and write status
@@ -76,7 +77,9 @@ def _write_status(
 def reconcile_service(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     service = _service(body, memo.kube)
     reconcile.sync_children(memo.kube, service, body)
-    _write_status(memo.kube, service, body, reconcile.observe(memo.kube, service), patch)
+    # A spec change (or a restart) reads the metrics at once: status keeps its measurements, autotune reacts.
+    observed = _autotune(memo, service, body, reconcile.observe(memo.kube, service), patch)
+    _write_status(memo.kube, service, body, observed, patch)
 
 
 def serve_spec_server(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
@@ -102,16 +105,18 @@ def _autotune(
 ) -> status_mod.Observed:
     """Read the metrics and act on them when due; return `observed` with the latest reading for status."""
     tuner: autotune.TunerMemory = memo.setdefault(TUNER_MEMO_KEY, autotune.TunerMemory())
-    now = time.time()
-    if tuner.due(now, service.generation):
-        url = service.spec.metrics.prometheus_url or memo.options.prometheus_url
-        observation, unavailable = reconcile.read_metrics(url, service, now) if url else (None, None)
-        result = autotune.step(service, observed.served_config, body.get("status") or {}, observation, unavailable,
-                               now, tuner.last_change_time)
-        observed = _actuate(memo.kube, service, body, observed, result, patch)
-        problem = tuner.remember(result, now, service.generation, service.spec.autotune.interval_seconds)
-        if problem:
-            memo.kube.emit_event(body, "Warning", "AutotuneBlocked", problem)
+    with tuner.lock:
+        now = time.time()
+        if tuner.due(now, service.generation):
+            url = service.spec.metrics.prometheus_url or memo.options.prometheus_url
+            observation, unavailable = reconcile.read_metrics(url, service, now) if url else (None, None)
+            ready = status_mod.rollout_of(observed.deployment, service.spec.replicas).ready if observed.deployment else 0
+            result = autotune.step(service, observed.served_config, body.get("status") or {}, observation,
+                                   unavailable, now, tuner.last_change_time, ready_pods=ready)
+            observed = _actuate(memo.kube, service, body, observed, result, patch)
+            problem = tuner.remember(result, now, service.generation, service.spec.autotune.interval_seconds)
+            if problem:
+                memo.kube.emit_event(body, "Warning", "AutotuneBlocked", problem)
     served_generation = observed.served_config.generation if observed.served_config is not None else None
     return dataclasses.replace(observed, metrics=tuner.metrics_for(served_generation), slo_override=tuner.slo_override)
 

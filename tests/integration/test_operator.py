@@ -286,3 +286,172 @@ def test_delete_removes_every_child(cluster, operator, ns):
         wait_for(lambda: not remaining(), "the garbage collector to remove every child", timeout=120)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; still there: {remaining()}") from None
+
+
+# --- the closed loop against a fake Prometheus ----------------------------------------------------------------
+# The operator's real path (PrometheusMetricsSource → controller → ConfigMap, status, Events) with canned
+# readings: a small /api/v1/query server on 127.0.0.1 that the service names in spec.metrics.prometheusUrl.
+
+TUNED = "tuned"
+TUNED_WINDOW_S = 10
+
+
+class CannedPrometheus:
+    """Answers each query of the metrics source (recognised by its exact PromQL) from `state`; `failing` makes
+    every query a 500."""
+
+    def __init__(self, namespace: str):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        import threading
+        from urllib.parse import parse_qs, urlparse
+
+        from metronome.operator.metrics_source import QueryWindow, ServiceSelector, build_queries
+
+        queries = build_queries(ServiceSelector(namespace, TUNED), QueryWindow.for_window(TUNED_WINDOW_S))
+        self.key_of = {query: key for key, query in queries.items()}
+        self.state = {"tbt_p99_s": 0.060, "samples": 5000, "tokens_per_s": 900.0, "generations": {"p0": 1, "p1": 1}}
+        self.failing = True
+        self.queries = 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                url = urlparse(self.path)
+                query = parse_qs(url.query).get("query", [""])[0]
+                fake.queries += 1
+                if url.path != "/api/v1/query" or fake.failing:
+                    return self._send(500, {"status": "error", "error": "canned failure"})
+                result = fake.result(fake.key_of.get(query))
+                self._send(200, {"status": "success", "data": {"resultType": "vector", "result": result}})
+
+            def _send(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def result(self, key: str | None) -> list[dict]:
+        from metronome.operator import metrics_source as ms
+
+        def scalar(value: float) -> list[dict]:
+            return [{"metric": {}, "value": [0, repr(float(value))]}]
+
+        state = self.state
+        scalars = {ms.TBT_P99: state["tbt_p99_s"], ms.TBT_COUNT: state["samples"], ms.TBT_MEAN: state["tbt_p99_s"] / 3,
+                   ms.TTFT_P99: 0.2, ms.OUTPUT_TOKENS_RATE: state["tokens_per_s"]}
+        if key in scalars:
+            return scalar(scalars[key])
+        if key == ms.GENERATION_BY_POD:
+            return [{"metric": {"pod": pod}, "value": [0, str(g)]} for pod, g in state["generations"].items()]
+        return []  # no step samples, queues, ...: the multiplicative policy needs none
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def canned_prometheus(ns):
+    fake = CannedPrometheus(ns)
+    yield fake
+    fake.close()
+
+
+def _tuned(cluster, ns) -> dict:
+    return get_json(cluster, "inferenceservices.metronome.dev", TUNED, "-n", ns) or {}
+
+
+def _tuned_config(cluster, ns) -> dict:
+    cm = get_json(cluster, "configmap", f"{TUNED}-config", "-n", ns)
+    return yaml.safe_load(cm["data"]["server.yaml"])
+
+
+def _tuned_events(cluster, ns) -> list[dict]:
+    return events_for(cluster, ns, TUNED)
+
+
+def test_autotune_reads_prometheus_advises_applies_and_reports(cluster, operator, ns, canned_prometheus):
+    fake = canned_prometheus
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["metadata"]["name"] = TUNED
+    manifest["spec"].update({
+        "replicas": 2,
+        "server": {"chunkSize": 1024, "queuePolicy": "fcfs"},
+        "slo": {"tbtP99Ms": 30},
+        "autotune": {"mode": "advise", "policy": "multiplicative", "intervalSeconds": 5, "cooldownSeconds": 600,
+                     "minChunkSize": 64, "maxChunkSize": 4096, "policySwitching": False},
+        "metrics": {"prometheusUrl": fake.url, "windowSeconds": TUNED_WINDOW_S},
+    })
+    cluster.apply(yaml.safe_dump(manifest), namespace=ns)
+
+    # 1. Prometheus fails: MetricsAvailable=False with the reason, one Warning, nothing changed.
+    def metrics_condition():
+        cond = condition(_tuned(cluster, ns), "MetricsAvailable")
+        return cond if cond and cond["status"] == "False" else None
+
+    cond = wait_for(metrics_condition, "MetricsAvailable=False while Prometheus fails", timeout=60)
+    assert cond["reason"] == "QueryFailed" and fake.url in cond["message"]
+    wait_for(lambda: any(e["type"] == "Warning" and e["reason"] == "QueryFailed" for e in _tuned_events(cluster, ns)),
+             "the Warning Event of the failing Prometheus")
+    assert _tuned(cluster, ns)["status"]["slo"] == "Unknown" and _tuned_config(cluster, ns)["generation"] == 1
+
+    # 2. Prometheus answers, advise mode: the proposal is recorded, announced, and not acted on.
+    fake.failing = False
+
+    def advised():
+        status = _tuned(cluster, ns).get("status") or {}
+        return status.get("lastDecision") if status.get("slo") == "Violated" and status.get("lastDecision") else None
+
+    decision = wait_for(advised, "an advised decision with SLO=Violated", timeout=60)
+    assert decision["applied"] is False and decision["policy"] == "multiplicative"
+    assert decision["from"]["chunkSize"] == 1024 and decision["to"]["chunkSize"] == 922
+    assert condition(_tuned(cluster, ns), "MetricsAvailable")["status"] == "True"
+    assert any(e["reason"] == "Advice" and "chunk 1024→922" in e["message"] for e in _tuned_events(cluster, ns))
+    status = _tuned(cluster, ns)["status"]
+    assert status["tbtP99Ms"] == 60.0 and status["throughputTokensPerSecond"] == 900.0
+    assert status["podsOnGeneration"] == 2 and condition(_tuned(cluster, ns), "ConfigApplied")["status"] == "True"
+    assert _tuned_config(cluster, ns)["generation"] == 1  # advice changes no config
+
+    # 3. apply: a new server.yaml generation with the smaller chunk; the pods are not on it yet.
+    cluster.kubectl("patch", "inferenceservices.metronome.dev", TUNED, "-n", ns, "--type=merge",
+                    "-p", json.dumps({"spec": {"autotune": {"mode": "apply"}}}))
+    config = wait_for(lambda: (c := _tuned_config(cluster, ns))["generation"] == 2 and c, "server.yaml generation 2")
+    assert config["scheduler"]["chunk_size"] == 922 and config["scheduler"]["queue_policy"] == "fcfs"
+
+    def applied():
+        status = _tuned(cluster, ns).get("status") or {}
+        record = status.get("lastDecision") or {}
+        return status if record.get("applied") and status.get("configGeneration") == 2 else None
+
+    status = wait_for(applied, "lastDecision applied and status on generation 2")
+    assert status["chunkSize"] == 922 and status["lastDecision"]["to"]["chunkSize"] == 922
+    messages = [e["message"] for e in _tuned_events(cluster, ns) if e["reason"] == "ConfigUpdated"]
+    assert any("1 -> 2 (autotune:" in m and "chunkSize 1024 -> 922" in m for m in messages), messages
+    assert condition(_tuned(cluster, ns), "ConfigApplied")["reason"] == "PodsOnOlderGeneration"
+
+    # 4. The servers reload it and the TBT falls inside the SLO (inside the dead band: no further change).
+    fake.state.update(tbt_p99_s=0.025, generations={"p0": 2, "p1": 2})
+
+    def settled():
+        status = _tuned(cluster, ns).get("status") or {}
+        return status if status.get("slo") == "Met" and status.get("podsOnGeneration") == 2 else None
+
+    status = wait_for(settled, "SLO=Met with both pods on generation 2", timeout=60)
+    assert condition(_tuned(cluster, ns), "ConfigApplied")["status"] == "True"
+    assert condition(_tuned(cluster, ns), "SLOMet")["status"] == "True"
+    header, row = cluster.kubectl("get", "inferenceservices.metronome.dev", TUNED, "-n", ns).stdout.splitlines()[:2]
+    cells = dict(zip(header.split(), row.split()))
+    assert (cells["CHUNK"], cells["SLO"], cells["TBT-P99"]) == ("922", "Met", "25")
+    assert _tuned_config(cluster, ns)["generation"] == 2
+    cluster.kubectl("delete", "inferenceservices.metronome.dev", TUNED, "-n", ns, "--wait=false")

@@ -6,6 +6,7 @@ import pytest
 
 from metronome.operator.autotune import (
     ADVICE,
+    AWAITING_PODS,
     CHUNK_AT_FLOOR,
     NO_SAMPLES,
     NOT_CONFIGURED,
@@ -256,3 +257,12 @@ def test_tuner_memory_announces_a_problem_once():
     assert memory.remember(blocked, NOW + 30, 4, 30) is None
     fine = step(service(), served(), {}, observation(tbt_ms=25), None, NOW + 60)
     assert memory.remember(fine, NOW + 60, 4, 30) is None and memory.problem is None
+
+
+def test_no_series_before_any_pod_is_ready_is_expected_not_a_warning():
+    missing = MetricsUnavailable(MetricsUnavailable.NO_SERIES, "Prometheus has no Metronome series")
+    waiting = serving_metrics(None, missing, served_generation=1, ready_pods=0)
+    assert (waiting.available, waiting.reason) == (False, AWAITING_PODS)
+    assert serving_metrics(None, missing, served_generation=1, ready_pods=2).reason == MetricsUnavailable.NO_SERIES
+    status = compute_status(service(), Observed(None, served_config=served(), metrics=waiting), now="t0")
+    assert ("Normal", AWAITING_PODS) in [(e.type, e.reason) for e in describe_transitions([], status["conditions"])]
