@@ -39,5 +39,6 @@ class EngineConfig:
             raise InvalidRequestError("max_waiting must be >= 0", param="max_waiting")
         if not 0.0 <= self.watermark < 1.0:
             raise InvalidRequestError("watermark must be in [0, 1)", param="watermark")
-        if self.tensor_parallel_size != 1:
-            raise InvalidRequestError("tensor_parallel_size > 1 is not supported", param="tensor_parallel_size")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise InvalidRequestError("tensor_parallel_size must be an integer >= 1", param="tensor_parallel_size")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from typing import Any, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Sequence as Seq
 
 import torch
 
@@ -21,12 +21,18 @@ from metronome.server.engine.scheduler import Scheduler
 from metronome.server.engine.sequence import Sequence, SequenceStatus
 from metronome.server.errors import EngineOverloadedError, InvalidRequestError
 
+if TYPE_CHECKING:
+    from metronome.server.engine.tp_launch import WorkerPool
+
 ABORT_TOKEN_ID = -1
 
 
 class EngineCore:
-    def __init__(self, loaded: Any, config: EngineConfig, scheduler_config: SchedulerConfig):
+    def __init__(self, loaded: Any, config: EngineConfig, scheduler_config: SchedulerConfig,
+                 workers: "WorkerPool | None" = None):
+        """`workers`: rank 0's tensor-parallel worker processes (tp_launch.py); None at tensor_parallel_size 1."""
         config.validate()
+        self.workers = workers
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -41,15 +47,19 @@ class EngineCore:
         self.max_model_len: int = config.max_model_len or model_max
         device = torch.device(loaded.device)
         dtype = loaded.dtype if isinstance(loaded.dtype, torch.dtype) else getattr(torch, str(loaded.dtype))
+        kv_heads = model_config.num_key_value_heads if workers is None else workers.kv_heads_per_rank
         per_block = bytes_per_block(model_config.num_hidden_layers, config.block_size,
-                                    model_config.num_key_value_heads, model_config.head_dim, dtype)
+                                    kv_heads, model_config.head_dim, dtype)
         num_blocks = plan_num_blocks(config, per_block, device)
+        if workers is not None:
+            num_blocks = workers.agree_num_blocks(num_blocks)  # every rank allocates the same cache
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.watermark)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
-        self.runner = ModelRunner(loaded.model, model_config.num_hidden_layers, model_config.num_key_value_heads,
-                                  model_config.head_dim, num_blocks, config.block_size, self.max_model_len, dtype,
-                                  device, seed=config.seed)
+        runner_class = ModelRunner if workers is None else workers.runner_class
+        self.runner = runner_class(loaded.model, model_config.num_hidden_layers, kv_heads,
+                                   model_config.head_dim, num_blocks, config.block_size, self.max_model_len, dtype,
+                                   device, seed=config.seed)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids or ())
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
@@ -63,9 +73,18 @@ class EngineCore:
         device = config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if config.tensor_parallel_size > 1:
+            from metronome.server.engine.tp_launch import start_tensor_parallel
+
+            return start_tensor_parallel(cls, config, scheduler_config or SchedulerConfig())
         loaded = load_model(config.model, dtype=config.dtype, device=device, attention_backend=config.attention_backend,
                             seed=config.seed, block_size=config.block_size)
         return cls(loaded, config, scheduler_config or SchedulerConfig())
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step afterwards)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # --- requests ------------------------------------------------------------------------------------------
     def prepare_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:

@@ -15,7 +15,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
@@ -25,6 +25,9 @@ from metronome.server.models.default_model import DEFAULT_MODEL_NAME, default_mo
 from metronome.server.models.llama import LlamaForCausalLM
 from metronome.server.models.presets import preset_config, preset_names
 from metronome.server.models.tokenizer import ByteTokenizer, Tokenizer, load_hf_tokenizer
+
+if TYPE_CHECKING:
+    from metronome.server.models.parallel import TPContext
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +138,22 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
     so the residual stream and the logits stay in a sane range at any depth."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    residual_std = INIT_STD / math.sqrt(2 * model.config.num_hidden_layers)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            std = random_init_std(name, model.config.num_hidden_layers)
+            if std is None:
                 param.fill_(1.0)
-            elif name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
-                param.normal_(0.0, residual_std, generator=generator)
             else:
-                param.normal_(0.0, INIT_STD, generator=generator)
+                param.normal_(0.0, std, generator=generator)
+
+
+def random_init_std(name: str, num_layers: int) -> float | None:
+    """The standard deviation of a random parameter; None for norms (filled with ones)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+        return INIT_STD / math.sqrt(2 * num_layers)
+    return INIT_STD
 
 
 def attention_backend_for(requested: str, device: torch.device, block_size: int, head_dim: int):
@@ -156,23 +166,38 @@ def attention_backend_for(requested: str, device: torch.device, block_size: int,
         raise InvalidRequestError(str(error), param="attention_backend") from None
 
 
+def read_model_config(spec: str | None) -> ModelConfig:
+    """The model's shape without building it (a GGUF is parsed once per process either way)."""
+    source = parse_model_spec(spec)
+    return _SOURCE_READERS[source.kind](source).config()
+
+
 def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               attention_backend: str = "auto", seed: int = 0, block_size: int = 16) -> LoadedModel:
+               attention_backend: str = "auto", seed: int = 0, block_size: int = 16,
+               tensor_parallel: "TPContext | None" = None) -> LoadedModel:
     """Load a model (see the module doc for `spec`). `block_size` only steers the "auto" attention backend
     choice (flash_attn needs multiples of 256); an engine may swap backends later with
-    `model.set_attention_backend`. `seed` seeds random weights."""
+    `model.set_attention_backend`. `seed` seeds random weights. With `tensor_parallel`, load only this rank's
+    shard (llama_tp.py; random weights are the same model as without it)."""
     source = parse_model_spec(spec)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     reader = _SOURCE_READERS[source.kind](source)
     config = reader.config()
     attention = attention_backend_for(attention_backend, torch_device, block_size, config.head_dim)
-    model = build_empty_model(config, attention, torch_device, torch_dtype)
-    if source.kind == "random":
+    if tensor_parallel is None:
+        model = build_empty_model(config, attention, torch_device, torch_dtype)
+    else:
+        from metronome.server.models.llama_tp import build_empty_tp_model, random_full_weights
+
+        model = build_empty_tp_model(config, attention, torch_device, torch_dtype, tensor_parallel)
+    if source.kind == "random" and tensor_parallel is None:
         init_random_weights(model, seed)
     else:
+        weights = (reader.weights(config) if source.kind != "random"
+                   else random_full_weights(config, seed, torch_device, torch_dtype))
         try:
-            model.load_weights(reader.weights(config))
+            model.load_weights(weights)
         except ValueError as error:
             if isinstance(error, ModelNotFoundError):
                 raise

@@ -1,0 +1,28 @@
+"""Rank 0's model runner under tensor parallelism: before its own forward pass it sends the step to the
+workers (header over their pipes, tensors by broadcast), so every rank runs the same batch on its shard.
+Sampling stays on rank 0; the logits every rank computes are already whole (all-gathered over the vocabulary)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from metronome.server.engine.model_runner import ModelRunner, PreparedInputs
+from metronome.server.engine.tp_channel import header_of, pack_payload
+
+if TYPE_CHECKING:
+    from metronome.server.engine.tp_launch import WorkerPool
+
+
+class TensorParallelRunner(ModelRunner):
+    def __init__(self, workers: "WorkerPool", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.workers = workers
+
+    @torch.inference_mode()
+    def forward_logits(self, inputs: PreparedInputs) -> torch.Tensor | None:
+        import torch.distributed as dist
+
+        self.workers.send_step(header_of(inputs.input_ids, inputs.meta, inputs.sample_rows))
+        dist.broadcast(pack_payload(inputs.input_ids, inputs.positions, inputs.meta, inputs.sample_rows), src=0)
+        return super().forward_logits(inputs)

@@ -1,0 +1,80 @@
+"""A tensor-parallel worker (ranks 1..N-1): `python -m metronome.server.engine.tp_worker RANK PORT DEVICE CONFIG`,
+started by tp_launch.WorkerPool. It loads its shard, reports how many KV blocks fit, then runs every step rank 0
+sends (tp_channel.py) with its own KV cache (its KV heads only) until SHUTDOWN or until its pipe closes.
+It never samples: the logits it helps all-gather are rank 0's to use.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """If rank 0 dies while this rank sits in a collective (NCCL waits until its timeout), leave at once."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        threading.Event().wait(0.5)
+
+
+def main(argv: list[str]) -> int:
+    rank, port, device_name, config_json = int(argv[0]), int(argv[1]), argv[2], argv[3]
+    commands = sys.stdin.buffer
+    replies = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # stray prints must not corrupt the reply pipe
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+
+    import torch
+    import torch.distributed as dist
+
+    from metronome.server.engine.config import EngineConfig
+    from metronome.server.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
+    from metronome.server.engine.tp_channel import (SET_NUM_BLOCKS, SHUTDOWN, STEP, ChannelClosed, encode_reply,
+                                                    read_message, unpack_payload)
+    from metronome.server.engine.tp_launch import COLLECTIVE_TIMEOUT, HOST
+    from metronome.server.models import load_model
+    from metronome.server.models.parallel import TPContext
+
+    config = EngineConfig(**json.loads(config_json))
+    world = config.tensor_parallel_size
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(HOST, port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+    try:
+        loaded = load_model(config.model, dtype=config.dtype, device=device_name,
+                            attention_backend=config.attention_backend, seed=config.seed,
+                            block_size=config.block_size, tensor_parallel=TPContext(rank, world, None))
+        model, plan = loaded.model, loaded.model.plan
+        layers = loaded.config.num_hidden_layers
+        per_block = bytes_per_block(layers, config.block_size, plan.num_kv_heads, plan.head_dim, loaded.dtype)
+        replies.write(encode_reply(plan_num_blocks(config, per_block, device)))
+        command, num_blocks, _ = read_message(commands)
+        if command != SET_NUM_BLOCKS:
+            return 0 if command == SHUTDOWN else 2
+        kv_caches = allocate_kv_cache(layers, num_blocks, config.block_size, plan.num_kv_heads, plan.head_dim,
+                                      loaded.dtype, device)
+        with torch.inference_mode():
+            while True:
+                command, _, header = read_message(commands)
+                if command != STEP:
+                    return 0 if command == SHUTDOWN else 2
+                payload = torch.empty(header.payload_numel, dtype=torch.int64, device=device)
+                dist.broadcast(payload, src=0)
+                input_ids, positions, meta, sample_rows = unpack_payload(payload, header)
+                hidden = model.forward(input_ids, positions, kv_caches, meta)
+                if header.num_sample:
+                    model.compute_logits(hidden.index_select(0, sample_rows))
+    except ChannelClosed:
+        return 0  # rank 0 went away between steps
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,88 @@
+"""One rank's shard of a tensor-parallel Llama: the ordinary LlamaForCausalLM built at the per-rank size
+(parallel.local_config), with the communicating modules swapped in and the loader cutting each full tensor
+down to this rank's part. At tensor_parallel_size 1 none of this is used: the model is llama.py's, unchanged.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import torch
+
+from metronome.server.models.config import ModelConfig
+from metronome.server.models.llama import LlamaForCausalLM
+from metronome.server.models.parallel import TPContext, local_config, plan_shards, shard_for, vocab_rows
+from metronome.server.models.parallel_layers import RowParallelLinear, VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from metronome.kernels import AttentionBackend
+
+
+class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, attention: "AttentionBackend", tp: TPContext):
+        plan = plan_shards(config, tp.world_size)
+        super().__init__(local_config(config, plan), attention)
+        self.full_config = config
+        self.plan = plan
+        self.tp = tp
+        hidden = config.hidden_size
+        self.model.embed_tokens = VocabParallelEmbedding(plan.vocab_per_rank, hidden,
+                                                         vocab_rows(plan, tp.rank)[0], tp)
+        for layer in self.model.layers:
+            layer.self_attn.o_proj = RowParallelLinear(plan.num_heads * plan.head_dim, hidden,
+                                                       config.attention_output_bias, tp)
+            layer.mlp.down_proj = RowParallelLinear(plan.intermediate_size, hidden, config.mlp_bias, tp)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every rank gets the full float32 [N, vocab] logits (its shard's columns all-gathered)."""
+        local = super().compute_logits(hidden)
+        return self.tp.all_gather_last_dim(local)[:, : self.plan.vocab_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Full transformers-named tensors in (CPU or device); only this rank's part is copied to its device."""
+        rank, plan = self.tp.rank, self.plan
+        super().load_weights((name, shard_for(name, tensor, plan, rank)) for name, tensor in weights)
+
+
+def build_empty_tp_model(config: ModelConfig, attention: "AttentionBackend", device: torch.device,
+                         dtype: torch.dtype, tp: TPContext) -> TensorParallelLlamaForCausalLM:
+    """Like loader.build_empty_model: per-rank weights allocated once, on the device, uninitialised."""
+    with torch.device("meta"):
+        model = TensorParallelLlamaForCausalLM(config, attention, tp)
+    model = model.to(dtype).to_empty(device=device)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+_UNFUSE = {".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
+           ".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj.")}
+
+
+def random_full_weights(config: ModelConfig, seed: int, device: torch.device,
+                        dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The exact weights `loader.init_random_weights` gives the whole model (same generator, same order, same
+    device and dtype), produced one full tensor at a time under transformers' names, so every rank can keep
+    its shard of the very model tensor_parallel_size 1 would run."""
+    from metronome.server.models.loader import random_init_std
+
+    with torch.device("meta"):
+        full = LlamaForCausalLM(config, attention=None)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, meta_param in full.named_parameters():
+        values = torch.empty(meta_param.shape, dtype=dtype, device=device)
+        std = random_init_std(name, config.num_hidden_layers)
+        if std is None:
+            values.fill_(1.0)
+        else:
+            values.normal_(0.0, std, generator=generator)
+        yield from _unfused(name, values, config)
+
+
+def _unfused(name: str, values: torch.Tensor, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    for fused, parts in _UNFUSE.items():
+        if fused in name:
+            sizes = ([config.q_size, config.kv_size, config.kv_size] if "qkv" in fused
+                     else [config.intermediate_size, config.intermediate_size])
+            for part, piece in zip(parts, values.split(sizes, dim=0)):
+                yield name.replace(fused, part), piece
+            return
+    yield name, values

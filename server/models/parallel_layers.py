@@ -1,0 +1,41 @@
+"""The modules of a tensor-parallel Llama that communicate: row-parallel linears (o_proj, down_proj) and the
+vocabulary-parallel embedding. (Column-parallel q/k/v and gate/up need no communication: see parallel.py.)"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metronome.server.models.parallel import TPContext
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks (x_rank @ W_rank^T) + b: this rank holds the columns of W that match its slice of the
+    input; the bias is whole on every rank and added once, after the all-reduce."""
+
+    def __init__(self, in_features_per_rank: int, out_features: int, bias: bool, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features_per_rank))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + rows) of the embedding; other ids embed to zero here and the all-reduce fills them
+    in from the rank that owns them (each sum has exactly one non-zero term, so it is exact)."""
+
+    def __init__(self, rows: int, hidden_size: int, start: int, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.start = start
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
