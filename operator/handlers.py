@@ -133,7 +133,10 @@ def _actuate(
         config = reconcile.serve_scheduler(kube, service, body, result.scheduler, why=result.config_reason)
         observed = dataclasses.replace(observed, served_config=config, config_error=None)
     if result.replicas is not None:
-        patch.spec["replicas"] = result.replicas  # the update handler scales the Deployment
+        # kopf counts its own patch as handled (no update handler follows), so scale the Deployment here too.
+        patch.spec["replicas"] = result.replicas
+        scaled = dataclasses.replace(service, spec=dataclasses.replace(service.spec, replicas=result.replicas))
+        reconcile.sync_children(kube, scaled, body)
     if result.last_decision is not None:
         patch.status["lastDecision"] = result.last_decision
     for event in result.events:

@@ -293,6 +293,7 @@ def test_delete_removes_every_child(cluster, operator, ns):
 # readings: a small /api/v1/query server on 127.0.0.1 that the service names in spec.metrics.prometheusUrl.
 
 TUNED = "tuned"
+SCALED = "scaled"
 TUNED_WINDOW_S = 10
 
 
@@ -307,8 +308,9 @@ class CannedPrometheus:
 
         from metronome.operator.metrics_source import QueryWindow, ServiceSelector, build_queries
 
-        queries = build_queries(ServiceSelector(namespace, TUNED), QueryWindow.for_window(TUNED_WINDOW_S))
-        self.key_of = {query: key for key, query in queries.items()}
+        window = QueryWindow.for_window(TUNED_WINDOW_S)
+        self.key_of = {query: key for name in (TUNED, SCALED)
+                       for key, query in build_queries(ServiceSelector(namespace, name), window).items()}
         self.state = {"tbt_p99_s": 0.060, "samples": 5000, "tokens_per_s": 900.0, "generations": {"p0": 1, "p1": 1}}
         self.failing = True
         self.queries = 0
@@ -455,3 +457,45 @@ def test_autotune_reads_prometheus_advises_applies_and_reports(cluster, operator
     assert (cells["CHUNK"], cells["SLO"], cells["TBT-P99"]) == ("922", "Met", "25")
     assert _tuned_config(cluster, ns)["generation"] == 2
     cluster.kubectl("delete", "inferenceservices.metronome.dev", TUNED, "-n", ns, "--wait=false")
+
+
+def test_autotune_at_the_chunk_floor_scales_replicas_then_reports_the_slo_unreachable(cluster, operator, ns,
+                                                                                       canned_prometheus):
+    fake = canned_prometheus
+    fake.failing = False
+    fake.state.update(tbt_p99_s=0.090, generations={"p0": 1, "p1": 1})
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["metadata"]["name"] = SCALED
+    manifest["spec"].update({
+        "replicas": 2, "minReplicas": 1, "maxReplicas": 3,
+        "server": {"chunkSize": 64, "queuePolicy": "fcfs"},
+        "slo": {"tbtP99Ms": 30},
+        "autotune": {"mode": "apply", "policy": "multiplicative", "intervalSeconds": 5, "cooldownSeconds": 0,
+                     "minChunkSize": 64, "maxChunkSize": 4096, "policySwitching": False, "scaleReplicas": True},
+        "metrics": {"prometheusUrl": fake.url, "windowSeconds": TUNED_WINDOW_S},
+    })
+    cluster.apply(yaml.safe_dump(manifest), namespace=ns)
+
+    def scaled():
+        isvc = get_json(cluster, "inferenceservices.metronome.dev", SCALED, "-n", ns) or {}
+        deployment = get_json(cluster, "deployment", SCALED, "-n", ns) or {}
+        return isvc if isvc.get("spec", {}).get("replicas") == 3 and deployment["spec"]["replicas"] == 3 else None
+
+    isvc = wait_for(scaled, "the autotuner to scale spec.replicas and the Deployment to 3", timeout=60)
+    record = isvc["status"]["lastDecision"]
+    assert record["applied"] is True and (record["from"]["replicas"], record["to"]["replicas"]) == (2, 3)
+    assert record["to"]["chunkSize"] == 64 and record["policy"] == "scale"
+    assert any(e["reason"] == "AutotuneScaled" and "replicas 2 -> 3" in e["message"]
+               for e in events_for(cluster, ns, SCALED))
+
+    # At the maximum, nothing is left to do: SLOMet says so, once, as a Warning.
+    def unreachable():
+        cond = condition(get_json(cluster, "inferenceservices.metronome.dev", SCALED, "-n", ns) or {}, "SLOMet")
+        return cond if cond and cond["reason"] == "ChunkAtFloor" else None
+
+    cond = wait_for(unreachable, "SLOMet=False reason ChunkAtFloor", timeout=90)
+    assert cond["status"] == "False" and "replicas already at the maximum 3" in cond["message"]
+    warnings = [e for e in events_for(cluster, ns, SCALED) if e["type"] == "Warning" and e["reason"] == "ChunkAtFloor"]
+    assert len(warnings) == 1 and warnings[0].get("count", 1) == 1
+    assert get_json(cluster, "inferenceservices.metronome.dev", SCALED, "-n", ns)["spec"]["replicas"] == 3
+    cluster.kubectl("delete", "inferenceservices.metronome.dev", SCALED, "-n", ns, "--wait=false")
