@@ -176,6 +176,8 @@ def server_args(service: InferenceService) -> list[str]:
         args += ["--attention-backend", spec.engine.attention_backend]
     if spec.engine.max_waiting is not None:
         args += ["--max-waiting", str(spec.engine.max_waiting)]
+    if spec.resources.gpus > 1:  # one tensor-parallel rank per GPU of the pod
+        args += ["--tensor-parallel-size", str(spec.resources.gpus)]
     return args
 
 

@@ -35,6 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", help="auto | torch | triton | flash_attn")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="shard the model over N processes (GPUs, or CPU ranks over gloo); default 1")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line, in order")
 
 
@@ -82,10 +84,14 @@ def _generate(args: argparse.Namespace):
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                           max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                          attention_backend=args.attention_backend)
+                          attention_backend=args.attention_backend,
+                          tensor_parallel_size=args.tensor_parallel_size)
     engine = EngineCore.from_config(config, scheduler)
-    if args.chat:
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompt]
-    else:
-        prompts = [engine.tokenizer.encode(p) for p in args.prompt]
-    return engine.generate(prompts, params), prompts
+    try:
+        if args.chat:
+            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompt]
+        else:
+            prompts = [engine.tokenizer.encode(p) for p in args.prompt]
+        return engine.generate(prompts, params), prompts
+    finally:
+        engine.close()

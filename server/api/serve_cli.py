@@ -39,6 +39,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--attention-backend", default="auto", help="auto | torch | triton | flash_attn")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     engine.add_argument("--seed", type=int, default=0, help="engine seed")
+    engine.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="shard the model over N GPUs of this host (one process each); default 1")
 
     scheduler = parser.add_argument_group("scheduler (initial values; the --config file overrides them)")
     scheduler.add_argument("--chunk-size", type=int, default=None, help="prefill tokens per step")
@@ -62,7 +64,7 @@ def engine_config_from_flags(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len, max_waiting=args.max_waiting, attention_backend=args.attention_backend,
-        seed=args.seed,
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
     )
     config.validate()
     return config

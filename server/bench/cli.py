@@ -109,6 +109,8 @@ def _add_target(p: argparse.ArgumentParser, engine_default_model: str | None = N
     g.add_argument("--queue-policy", choices=("fcfs", "split", "sjf"), default="fcfs",
                    help="in-process: initial queue policy (default: fcfs)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256, help="in-process: most running sequences")
+    g.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
+                   help="in-process: shard the model over N GPUs (one process each; default 1)")
 
 
 def _add_workload(p: argparse.ArgumentParser, default_workload: str = "long-short") -> None:

@@ -52,7 +52,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          kv_cache_memory_gb=args.kv_cache_memory_gb,
                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                          attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching,
-                         seed=args.seed)
+                         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
 
 
 @asynccontextmanager
@@ -77,6 +77,7 @@ async def open_target(args: argparse.Namespace) -> AsyncIterator[Target]:
         yield Target(EngineClient(engine), sampler, engine=engine, description=f"in-process {core.model_name}")
     finally:
         await engine.shutdown()
+        core.close()
 
 
 def workload_spec(args: argparse.Namespace, expected_requests: int | None) -> WorkloadSpec:

@@ -111,7 +111,8 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
                             kv_cache_memory_gb=args.kv_cache_memory_gb,
                             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                             attention_backend=args.attention_backend,
-                            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+                            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                            tensor_parallel_size=args.tensor_parallel_size)
     core = build_core(options, scheduler)
     config = model_config_of(core)
     dtype = core.loaded.dtype
@@ -156,6 +157,7 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
             doc["_runs"] = runs
         if batch is not None:
             doc["batch_comparison"] = {"metronome": batch.to_dict(include_records=False)}
+    core.close()  # tensor-parallel workers, if any
     del core
 
 

@@ -31,6 +31,7 @@ class EngineOptions:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     seed: int = 0
+    tensor_parallel_size: int = 1
 
 
 def build_core(options: EngineOptions, scheduler: SchedulerConfig) -> "EngineCore":
@@ -42,7 +43,7 @@ def build_core(options: EngineOptions, scheduler: SchedulerConfig) -> "EngineCor
         kv_cache_memory_gb=options.kv_cache_memory_gb, gpu_memory_utilization=options.gpu_memory_utilization,
         max_model_len=options.max_model_len, max_waiting=options.max_waiting,
         attention_backend=options.attention_backend, enable_prefix_caching=options.enable_prefix_caching,
-        seed=options.seed,
+        seed=options.seed, tensor_parallel_size=options.tensor_parallel_size,
     )
     return EngineCore.from_config(config, scheduler)
 
