@@ -25,7 +25,7 @@ from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, iter_r
 
 @dataclass(frozen=True)
 class LoadSpec:
-    concurrency_per_server: int = 3
+    concurrency_per_server: int = 4
     long_fraction: float = 0.5
     long_prompt_len: int = 512
     short_prompt_len: int = 32
