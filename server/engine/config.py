@@ -23,6 +23,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     watermark: float = 0.01  # fraction of KV blocks kept free at admission so running decodes can grow
+    cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA + triton only; False = --enforce-eager)
 
     def validate(self) -> None:
         if self.block_size < 1:

@@ -60,6 +60,12 @@ class EngineCore:
         self.runner = runner_class(loaded.model, model_config.num_hidden_layers, kv_heads,
                                    model_config.head_dim, num_blocks, config.block_size, self.max_model_len, dtype,
                                    device, seed=config.seed)
+        # "cuda_graphs" (decode steps replay captured graphs) or "eager: <why>"; reported in stats().
+        self.execution_mode = "eager: cuda_graphs disabled in the engine config"
+        if workers is not None:
+            self.execution_mode = "eager: tensor parallel (graphs are not captured across ranks)"
+        elif config.cuda_graphs:
+            self.execution_mode = self.runner.setup_cuda_graphs(scheduler_config.max_num_seqs, self.max_model_len)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids or ())
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
@@ -196,6 +202,7 @@ class EngineCore:
             if seq.num_preemptions == 0 and seq.num_computed_tokens < seq.num_prompt_tokens:
                 stats.new_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
         inputs = self.runner.prepare(batch)
+        stats.cuda_graph = inputs.graph_step is not None
         t1 = time.perf_counter()
         logits = self.runner.forward_logits(inputs)
         seqs = inputs.sampling_seqs
@@ -284,4 +291,5 @@ class EngineCore:
             kv_blocks_leaked=bm.count_leaked(self.scheduler.live_sequences()),
             preemptions_total=self.scheduler.preemptions_total,
             scheduler=self.scheduler.config,
+            execution_mode=self.execution_mode,
         )

@@ -6,16 +6,21 @@ travel in two pinned staging buffers with non-blocking copies.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from metronome.kernels.metadata import AttentionMetadata
+from metronome.server.engine.cuda_graphs import (GraphRunner, GraphStep, capture_cuda, capture_sizes, cuda_graph_pool,
+                                                 triton_split_classes)
 from metronome.server.engine.kv_cache import allocate_kv_cache
 from metronome.server.engine.sampler import Sampler
 from metronome.server.engine.scheduler import ScheduledBatch
 from metronome.server.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,6 +30,7 @@ class PreparedInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # int64 [N]: rows of the hidden states whose next token is sampled
     sampling_seqs: list[Sequence]
+    graph_step: GraphStep | None = None  # set when this step replays a captured CUDA graph (inputs are padded)
 
 
 class BlockTableMirror:
@@ -80,11 +86,18 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        # One block more than the block manager hands out: the scratch block that padding rows of a captured
+        # graph point at (never written: their slot is -1).
+        self.scratch_block = num_blocks
+        self.kv_caches = allocate_kv_cache(num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype,
+                                           device)
         self.sampler = Sampler(device, seed)
         self.mirror = BlockTableMirror(-(-max_model_len // block_size) + 1)
         self._on_cuda = device.type == "cuda"
         self._staging: dict[str, torch.Tensor] = {}
+        self._staged = torch.cuda.Event() if self._on_cuda else None  # the last upload from the staging buffers
+        self.graphs: GraphRunner | None = None
+        self.graph_capture_s: float | None = None
 
     def release(self, seq: Sequence) -> None:
         """seq left the engine (finished or aborted)."""
@@ -127,6 +140,14 @@ class ModelRunner:
         sample_rows = cu[1:][sampling] - 1
         sampling_seqs = [s for (s, _), flag in zip(entries, sampling.tolist()) if flag]
 
+        if self.graphs is not None and num_tokens == num_seqs:  # decode-only (one token each): a graph may fit
+            prepared = self.graphs.prepare(np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, seq_lens,
+                                           block_tables, sample_rows)
+            if prepared is not None:
+                step, sample_dev = prepared
+                static = step.graph.static
+                return PreparedInputs(static.input_ids, static.positions, step.graph.meta, sample_dev, sampling_seqs,
+                                      step)
         longs = np.concatenate([np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, sample_rows])
         ints = np.concatenate([cu.astype(np.int32), seq_lens.astype(np.int32), block_tables.reshape(-1)])
         longs_dev = self._to_device("longs", longs)
@@ -148,18 +169,72 @@ class ModelRunner:
         host = torch.from_numpy(array)
         if not self._on_cuda:
             return host
+        if self._staged is not None and name == "longs":
+            self._staged.synchronize()  # the last step's upload may still read the staging buffers (no sync if
+            # that step sampled nothing)
         staging = self._staging.get(name)
         if staging is None or staging.numel() < host.numel() or staging.dtype != host.dtype:
             staging = torch.empty(max(host.numel(), 4096) * 2, dtype=host.dtype, pin_memory=True)
             self._staging[name] = staging
         buf = staging[: host.numel()]
         buf.copy_(host)
-        return buf.to(self.device, non_blocking=True)
+        device_copy = buf.to(self.device, non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+        return device_copy
+
+    # --- CUDA graphs ----------------------------------------------------------------------------------------
+    def graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.forward(input_ids, positions, self.kv_caches, meta)
+
+    def attach_graphs(self, graphs: GraphRunner | None) -> None:
+        """Use these captured graphs for decode-only steps that fit them (None: eager only)."""
+        self.graphs = graphs
+
+    def setup_cuda_graphs(self, max_batch: int, max_model_len: int) -> str:
+        """Capture decode-step graphs for batches up to max_batch where that is safe: on CUDA with the Triton
+        attention backend (the only one whose launches were checked to need no host data at replay). Returns the
+        execution mode: "cuda_graphs", or "eager: <why>". Never raises: a failed capture is logged, and the engine
+        runs eager."""
+        backend = getattr(getattr(self.model, "attention_backend", None), "name", None)
+        if not self._on_cuda:
+            return "eager: not on CUDA"
+        if backend != "triton":
+            return f"eager: attention backend {backend!r} is not captured (only triton is)"
+        sizes = capture_sizes(max_batch)
+        if not sizes:
+            return "eager: no batch size to capture"
+        try:
+            with torch.cuda.device(self.device):
+                num_kv_heads = self.kv_caches[0][0].shape[2]
+                graphs = GraphRunner(self.graph_forward, sizes, self.mirror.cols, self.scratch_block, self.device,
+                                     triton_split_classes(num_kv_heads, self.device, max_model_len), capture_cuda,
+                                     cuda_graph_pool())
+                report = graphs.capture_all()
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - any capture failure means "serve eager", never "crash"
+            log.warning("CUDA graph capture failed; running eager (slower decode): %s: %s", type(exc).__name__, exc,
+                        exc_info=True)
+            self.graphs = None
+            try:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001 - best effort; eager steps report any real device error
+                pass
+            return f"eager: CUDA graph capture failed ({type(exc).__name__}: {exc})"
+        self.graphs = graphs
+        self.graph_capture_s = report.seconds
+        log.info("captured %d CUDA graphs for decode batches of %s sequences in %.1f s", report.graphs,
+                 ",".join(map(str, report.sizes)), report.seconds)
+        return "cuda_graphs"
 
     # --- forward + sample ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward_logits(self, inputs: PreparedInputs) -> torch.Tensor | None:
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if inputs.graph_step is not None:
+            hidden = GraphRunner.run(inputs.graph_step)  # padded rows; sample_rows pick real ones
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.sampling_seqs:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))

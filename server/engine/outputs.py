@@ -37,6 +37,7 @@ class StepStats:
     first_token_latencies_s: list[float] = field(default_factory=list)  # arrival -> first token
     finished_e2e_s: list[float] = field(default_factory=list)  # arrival -> finish
     num_preemptions: int = 0
+    cuda_graph: bool = False  # this step replayed a captured CUDA graph
 
 
 @dataclass
@@ -51,6 +52,7 @@ class EngineStats:
     kv_blocks_leaked: int
     preemptions_total: int
     scheduler: SchedulerConfig
+    execution_mode: str = "eager"  # "cuda_graphs" or "eager: <why>" (see ModelRunner.setup_cuda_graphs)
 
 
 @dataclass(frozen=True)

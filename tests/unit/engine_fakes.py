@@ -29,8 +29,9 @@ class ContextSumModel(torch.nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         k_cache, v_cache = kv_caches[0]
         flat_k = k_cache.view(-1)
-        flat_k[meta.slot_mapping] = input_ids.to(flat_k.dtype)  # the "KV write"
-        v_cache.view(-1)[meta.slot_mapping] = positions.to(flat_k.dtype)
+        keep = meta.slot_mapping >= 0  # a negative slot is not written (the backends' contract; graph padding)
+        flat_k[meta.slot_mapping[keep]] = input_ids[keep].to(flat_k.dtype)  # the "KV write"
+        v_cache.view(-1)[meta.slot_mapping[keep]] = positions[keep].to(flat_k.dtype)
         bs = k_cache.shape[1]
         out = torch.empty(input_ids.shape[0], 1, dtype=torch.float64)
         cu = meta.cu_seqlens_q.tolist()

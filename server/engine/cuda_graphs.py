@@ -1,0 +1,294 @@
+"""CUDA graphs for decode-only steps: the model forward captured once per padded batch size, replayed per step.
+
+An eager decode step of an 8B model is launch-bound (32 layers x ~15 kernel launches at 40-90 us of host time
+each); a graph replays all of them with one launch. A graph replays fixed kernels on fixed addresses, so:
+
+- Inputs live in static device buffers, one set per captured batch size, refilled in place before each replay by
+  one host-to-device copy per dtype from pinned buffers (`StaticBatch`). A batch of n decodes runs in the smallest
+  captured size >= n; the extra rows are dummy decodes: token 0 at position 0, seq_len 1, slot -1 (the KV write
+  skips it) and a block table pointing at the runner's scratch block, which no sequence owns. Rows never mix in
+  this model (matmuls, norms and rope are per row; attention is per sequence), so dummy rows cannot change real
+  ones; their outputs are dropped.
+- Block tables are captured at their full width (max blocks per sequence); a step fills only the columns its
+  longest sequence needs. The kernels read a row only below ceil(seq_len / block_size), so stale columns past
+  that are never read.
+- Every launch decision must be the same at replay as at capture. The Triton attention decides on the host, from
+  the metadata: the tile class (decode-only, and whether num_seqs x kv_heads fills the GPU: fixed per padded size,
+  since every row is a decode, cu_seqlens_q is 0..n) and the kv-split count (flash-decoding), which also depends
+  on max_seqlen_k, a per-step value. So a size is captured once per split count that any context length up to
+  max_model_len can produce (`SplitClasses`), and a step replays the graph of its own class: the same kernels,
+  tiles and splits that an eager step of the padded batch would launch, hence the same numbers.
+- The metadata object of each graph is built once and kept (the kernels check and classify a metadata object
+  once, by identity); its host lists describe the dummy batch it was captured with. Replays run no Python, so
+  they never read those lists. Only the recorded (CPU) capture runs the model again at replay; it refreshes the
+  host lists first, which is what lets the CPU tests check the padding logic with the torch reference backend.
+
+`GraphRunner` owns the captured sizes; `ModelRunner` asks it for a step's inputs (`prepare`) and runs the replay.
+Capture is pluggable: `capture_cuda` (a real torch.cuda.CUDAGraph, sharing one memory pool) or `capture_recorded`
+(records the callable; used on CPU to test the static-buffer logic without a GPU).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from metronome.kernels.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+# Padded batch sizes captured (up to the engine's max_num_seqs): dense where small batches are common.
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+# A capture returns (replay, output): replay() recomputes output in place from the static inputs.
+Capture = Callable[[Callable[[], torch.Tensor], Any], tuple[Callable[[], None], torch.Tensor]]
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """The sizes to capture for batches up to max_batch (max_batch itself included, so no step is left eager)."""
+    sizes = [s for s in CAPTURE_SIZES if s <= max_batch]
+    if max_batch >= 1 and (not sizes or sizes[-1] < max_batch) and max_batch <= CAPTURE_SIZES[-1]:
+        sizes.append(max_batch)
+    return sizes
+
+
+def capture_cuda(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
+    """Warm fn up on a side stream (Triton compiles, cuBLAS picks its kernels: neither may happen while
+    capturing), then capture it into a CUDA graph in the shared pool."""
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        fn()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: CUDA calls other threads make meanwhile (none expected) do not invalidate this capture.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        output = fn()
+    return graph.replay, output
+
+
+def capture_recorded(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
+    """No graph: replay calls fn again on the same static buffers and writes into the first output (CPU tests)."""
+    output = fn()
+
+    def replay() -> None:
+        with torch.inference_mode():  # like the captured forward: no autograd state, whoever calls
+            output.copy_(fn())
+
+    return replay, output
+
+
+def cuda_graph_pool() -> Any:
+    return torch.cuda.graph_pool_handle()
+
+
+@dataclass(frozen=True)
+class SplitClasses:
+    """Which captured variant of a padded size a step needs: `of(size, max_seqlen_k)` names the launch class,
+    `representatives(size)` gives one max_seqlen_k per class that contexts up to max_model_len can produce."""
+
+    of: Callable[[int, int], int]
+    max_model_len: int
+
+    def representatives(self, size: int) -> dict[int, int]:
+        # The Triton split choice reads max_seqlen_k only as `< 1024` and `// 256`: multiples of 256 (and 1 and
+        # max_model_len) meet every class. The largest length of a class represents it.
+        lengths = [1, *range(256, self.max_model_len + 1, 256), self.max_model_len]
+        classes: dict[int, int] = {}
+        for length in lengths:
+            split_class = self.of(size, length)
+            classes[split_class] = max(length, classes.get(split_class, 0))
+        return classes
+
+
+def single_class(max_model_len: int) -> SplitClasses:
+    """Backends whose launches do not depend on the context length (and the recorded capture)."""
+    return SplitClasses(lambda size, max_seqlen_k: 1, max_model_len)
+
+
+def triton_split_classes(num_kv_heads: int, device: torch.device, max_model_len: int) -> SplitClasses:
+    """The kv-split count triton_attention.paged_attention picks for a decode-only batch of `size` rows: its grid
+    has one tile per decode (grid_tiles = num_seqs = num_tokens = size) per kv head."""
+    from metronome.kernels.triton_attention import choose_num_splits
+
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    return SplitClasses(lambda size, max_seqlen_k: choose_num_splits(size * num_kv_heads, size, max_seqlen_k,
+                                                                     sm_count), max_model_len)
+
+
+class StaticBatch:
+    """The device inputs of one padded size, and the pinned host buffers they are refilled from.
+
+    int64 buffer: input_ids [S] | positions [S] | slot_mapping [S] | sample_rows [S] (only the first k used)
+    int32 buffer: cu_seqlens_q [S + 1] | seq_lens [S] | block_tables [S, cols]
+    """
+
+    def __init__(self, size: int, cols: int, scratch_block: int, device: torch.device):
+        self.size, self.cols, self.scratch_block = size, cols, scratch_block
+        on_cuda = device.type == "cuda"
+        self.longs = torch.zeros(4 * size, dtype=torch.int64, device=device)
+        self.ints = torch.zeros(2 * size + 1 + size * cols, dtype=torch.int32, device=device)
+        self._host_longs = torch.zeros(self.longs.shape, dtype=torch.int64, pin_memory=on_cuda)
+        self._host_ints = torch.zeros(self.ints.shape, dtype=torch.int32, pin_memory=on_cuda)
+        self._copied = torch.cuda.Event() if on_cuda else None  # the last upload; host buffers are free after it
+        s = size
+        self.input_ids, self.positions = self.longs[:s], self.longs[s:2 * s]
+        self.slot_mapping, self._sample_rows = self.longs[2 * s:3 * s], self.longs[3 * s:]
+        self.cu_seqlens_q, self.seq_lens = self.ints[:s + 1], self.ints[s + 1:2 * s + 1]
+        self.block_tables = self.ints[2 * s + 1:].view(s, cols)
+        hl, hi = self._host_longs.numpy(), self._host_ints.numpy()
+        self._h_ids, self._h_pos, self._h_slots, self._h_rows = hl[:s], hl[s:2 * s], hl[2 * s:3 * s], hl[3 * s:]
+        self._h_seq_lens, self._h_tables = hi[s + 1:2 * s + 1], hi[2 * s + 1:].reshape(s, cols)
+        hi[:s + 1] = np.arange(s + 1)  # every row is one token: cu_seqlens_q never changes
+        self._fill_padding(0)
+        self.upload()
+
+    def _fill_padding(self, n: int) -> None:
+        self._h_ids[n:] = 0
+        self._h_pos[n:] = 0
+        self._h_slots[n:] = -1
+        self._h_seq_lens[n:] = 1
+        self._h_tables[n:] = self.scratch_block
+
+    def fill(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+             tables: np.ndarray, sample_rows: np.ndarray) -> torch.Tensor:
+        """Write n real decodes (n <= size) and padding into the host buffers, upload; returns sample_rows on the
+        device. tables is [n, c] with c <= cols: the block-table columns the batch needs."""
+        n, c = len(token_ids), tables.shape[1]
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous upload may still be reading these pinned buffers
+        self._h_ids[:n] = token_ids
+        self._h_pos[:n] = positions
+        self._h_slots[:n] = slots
+        self._h_seq_lens[:n] = seq_lens
+        self._h_tables[:n, :c] = tables
+        self._h_rows[:len(sample_rows)] = sample_rows
+        self._fill_padding(n)
+        self.upload()
+        return self._sample_rows[:len(sample_rows)]
+
+    def upload(self) -> None:
+        self.longs.copy_(self._host_longs, non_blocking=True)
+        self.ints.copy_(self._host_ints, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def metadata(self, max_seqlen_k: int) -> AttentionMetadata:
+        """A metadata object for capture: device views of this batch, host facts of the dummy batch."""
+        return AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q, seq_lens=self.seq_lens,
+                                 block_tables=self.block_tables, slot_mapping=self.slot_mapping, max_seqlen_q=1,
+                                 max_seqlen_k=max_seqlen_k, q_lens_host=[1] * self.size,
+                                 seq_lens_host=[1] * self.size)
+
+
+@dataclass
+class CapturedGraph:
+    static: StaticBatch
+    meta: AttentionMetadata
+    replay: Callable[[], None]
+    output: torch.Tensor  # [size, hidden]: the forward's result after each replay
+
+
+@dataclass
+class GraphStep:
+    """A prepared graph step: which graph to replay and how many of its rows are real."""
+
+    graph: CapturedGraph
+    num_real: int
+
+
+@dataclass
+class CaptureReport:
+    sizes: list[int] = field(default_factory=list)
+    graphs: int = 0
+    seconds: float = 0.0
+
+
+class GraphRunner:
+    """Captured decode graphs for a model and its KV caches. `forward(input_ids, positions, meta)` is the model
+    forward that gets captured; it must touch no host data of its own that changes between steps."""
+
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 sizes: list[int], block_cols: int, scratch_block: int, device: torch.device,
+                 split_classes: SplitClasses, capture: Capture = capture_cuda, pool: Any = None,
+                 refresh_host_facts: bool = False):
+        if not sizes:
+            raise ValueError("no batch sizes to capture")
+        self.forward = forward
+        self.sizes = sorted(set(sizes))
+        self.block_cols = block_cols
+        self.scratch_block = scratch_block
+        self.device = device
+        self.split_classes = split_classes
+        self.capture_fn = capture
+        self.pool = pool
+        self.refresh_host_facts = refresh_host_facts  # recorded capture: replay re-runs Python over the metadata
+        self.graphs: dict[tuple[int, int], CapturedGraph] = {}
+        self.statics: dict[int, StaticBatch] = {}
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def capture_all(self) -> CaptureReport:
+        """Capture every size (largest first, so the shared pool is sized once) and split class, checking each
+        graph's first replay against an eager run of the same inputs. Raises on any failure."""
+        start = time.perf_counter()
+        for size in reversed(self.sizes):
+            static = StaticBatch(size, self.block_cols, self.scratch_block, self.device)
+            self.statics[size] = static
+            for split_class, max_seqlen_k in sorted(self.split_classes.representatives(size).items()):
+                meta = static.metadata(max_seqlen_k)
+                fn = self._bound(static, meta)
+                with torch.inference_mode():
+                    replay, output = self.capture_fn(fn, self.pool)
+                    graph = CapturedGraph(static, meta, replay, output)
+                    self._check(graph, fn, size, split_class)
+                self.graphs[(size, split_class)] = graph
+        return CaptureReport(list(self.sizes), len(self.graphs), time.perf_counter() - start)
+
+    def _bound(self, static: StaticBatch, meta: AttentionMetadata) -> Callable[[], torch.Tensor]:
+        forward = self.forward
+        return lambda: forward(static.input_ids, static.positions, meta)
+
+    def _check(self, graph: CapturedGraph, fn: Callable[[], torch.Tensor], size: int, split_class: int) -> None:
+        graph.replay()
+        expected = fn()
+        if not torch.allclose(graph.output.float(), expected.float(), rtol=1e-2, atol=1e-2):
+            diff = (graph.output.float() - expected.float()).abs().max().item()
+            raise RuntimeError(f"the graph of batch size {size} (split class {split_class}) disagrees with eager "
+                               f"execution (max abs difference {diff:.3g})")
+
+    # --- per step ------------------------------------------------------------------------------------------
+    def padded_size(self, num_seqs: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def prepare(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+                tables: np.ndarray, sample_rows: np.ndarray) -> tuple[GraphStep, torch.Tensor] | None:
+        """Fill the static inputs for a decode-only batch (one token per sequence); None if no graph fits."""
+        n = len(token_ids)
+        size = self.padded_size(n)
+        if size is None or tables.shape[1] > self.block_cols:
+            return None
+        max_seqlen_k = int(seq_lens.max())
+        graph = self.graphs.get((size, self.split_classes.of(size, max_seqlen_k)))
+        if graph is None:
+            return None
+        sample_dev = graph.static.fill(token_ids, positions, slots, seq_lens, tables, sample_rows)
+        if self.refresh_host_facts:
+            graph.meta.seq_lens_host = seq_lens.tolist() + [1] * (size - n)
+            graph.meta.max_seqlen_k = max_seqlen_k
+        return GraphStep(graph, n), sample_dev
+
+    @staticmethod
+    def run(step: GraphStep) -> torch.Tensor:
+        """Replay; the forward's hidden states of all padded rows (real rows first)."""
+        step.graph.replay()
+        return step.graph.output
