@@ -3,10 +3,12 @@
 Streaming text needs care: one token may carry half of a UTF-8 character, and SentencePiece/BPE decoders
 change how a token renders depending on its neighbours. `IncrementalDecoder` decodes a short window of
 recent tokens and emits only the text that became final, so that the concatenated deltas equal
-`decode(all ids)`.
+`decode(all ids)`. It runs once per generated token on the engine thread, between GPU steps, so it decodes
+once per token (not twice); the byte-level tokenizer streams through Python's incremental UTF-8 decoder.
 """
 from __future__ import annotations
 
+import codecs
 import functools
 from pathlib import Path
 from typing import Any, Callable
@@ -20,22 +22,36 @@ class IncrementalDecoder:
     """push(token_id) → the newly final text. Call finish() at the end for text held back (an unfinished char).
 
     Invariant: "".join(push(t) for t in ids) + finish() == decode(ids).
+
+    The window ids[prefix_offset:] is decoded once per push; the text of its emitted part (ids[prefix_offset:
+    read_offset]) is kept from the push that emitted it instead of being decoded again. The window start moves
+    up to the last emission point once the window holds more than WINDOW tokens (one extra decode then), so
+    decodes stay short.
     """
+
+    WINDOW = 16
 
     def __init__(self, decode: Callable[[list[int]], str]):
         self._decode = decode
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the decode window (context that fixes how the next token renders)
         self._read_offset = 0  # tokens before this have been emitted
+        self._prefix_text = ""  # == decode(ids[prefix_offset:read_offset])
         self._emitted: list[str] = []
 
     def push(self, token_id: int) -> str:
         self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset:])
+        prefix_text = self._prefix_text
         if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
             delta = full_text[len(prefix_text):]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            end = len(self._ids)
+            if end - self._prefix_offset > self.WINDOW:
+                self._prefix_offset = self._read_offset
+                self._prefix_text = self._decode(self._ids[self._prefix_offset:end])
+            else:
+                self._prefix_text = full_text
+            self._read_offset = end
             self._emitted.append(delta)
             return delta
         return ""
@@ -47,7 +63,31 @@ class IncrementalDecoder:
         tail = full[len(emitted):] if full.startswith(emitted) else ""
         self._emitted.append(tail)
         self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_text = ""
         return tail
+
+
+class ByteIncrementalDecoder:
+    """ByteTokenizer's streaming decode: each id is one byte, fed to Python's incremental UTF-8 decoder (errors
+    "replace", like ByteTokenizer.decode), which holds back an unfinished character by itself. O(1) per token."""
+
+    def __init__(self, tokenizer: "ByteTokenizer", skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        token = int(token_id)
+        if token in self._tokenizer.special_ids:
+            if self._skip_special:
+                return ""
+            return self.finish() + self._tokenizer.special_text(token)
+        return self._utf8.decode(bytes(((token - ByteTokenizer.BYTE_OFFSET) % 256,)))
+
+    def finish(self) -> str:
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
 
 
 class Tokenizer:
@@ -175,6 +215,16 @@ class ByteTokenizer(Tokenizer):
             ids.insert(0, self.bos_token_id)
         return ids
 
+    @property
+    def special_ids(self) -> set[int]:
+        return self._special_ids
+
+    def special_text(self, token: int) -> str:
+        return self.SPECIALS[token] if token < len(self.SPECIALS) else f"<special_{token}>"
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> ByteIncrementalDecoder:
+        return ByteIncrementalDecoder(self, skip_special_tokens)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         pieces: list[str] = []
         pending = bytearray()
@@ -185,7 +235,7 @@ class ByteTokenizer(Tokenizer):
                     continue
                 pieces.append(pending.decode("utf-8", errors="replace"))
                 pending.clear()
-                pieces.append(self.SPECIALS[token] if token < len(self.SPECIALS) else f"<special_{token}>")
+                pieces.append(self.special_text(token))
                 continue
             pending.append((token - self.BYTE_OFFSET) % 256)
         pieces.append(pending.decode("utf-8", errors="replace"))

@@ -144,3 +144,37 @@ def test_byte_tokenizer_renders_chatml():
 def test_byte_tokenizer_needs_room_for_the_bytes():
     with pytest.raises(ModelNotFoundError, match="at least 259"):
         ByteTokenizer(100, "too-small")
+
+
+def test_byte_tokenizer_streams_like_its_full_decode_with_and_without_specials():
+    rng = random.Random(1)
+    tokenizer = ByteTokenizer(512, "random:tiny")
+    for _ in range(50):
+        ids = [rng.randrange(512) for _ in range(rng.randrange(1, 200))]
+        for skip in (True, False):
+            decoder = tokenizer.incremental_decoder(skip_special_tokens=skip)
+            streamed = "".join(decoder.push(t) for t in ids) + decoder.finish()
+            assert streamed == tokenizer.decode(ids, skip_special_tokens=skip)
+    deltas, streamed = stream(tokenizer, tokenizer.encode("🍓!", add_special_tokens=False))
+    assert deltas == ["", "", "", "🍓", "!"] and streamed == "🍓!"
+
+
+def test_long_streams_slide_the_window_and_decode_about_once_per_token(smollm2):
+    """Past IncrementalDecoder.WINDOW tokens the window moves on; the text must still add up, with about one
+    decode call per token (the second per token is what the cached prefix text saves)."""
+    from metronome.server.models.tokenizer import IncrementalDecoder
+
+    text = " ".join(TEXTS) * 4
+    ids = smollm2.encode(text)
+    calls = []
+
+    def counting_decode(window: list[int]) -> str:
+        calls.append(len(window))
+        return smollm2.decode(window)
+
+    decoder = IncrementalDecoder(counting_decode)
+    streamed = "".join(decoder.push(t) for t in ids)
+    pushes = len(calls)
+    assert streamed + decoder.finish() == smollm2.decode(ids)
+    assert len(ids) > 4 * IncrementalDecoder.WINDOW
+    assert pushes <= 1.2 * len(ids) and max(calls[:pushes]) <= 2 * IncrementalDecoder.WINDOW
