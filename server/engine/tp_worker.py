@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
         command, num_blocks, _ = read_message(commands)
         if command != SET_NUM_BLOCKS:
             return 0 if command == SHUTDOWN else 2
-        kv_caches = allocate_kv_cache(layers, num_blocks, config.block_size, plan.num_kv_heads, plan.head_dim,
+        # + 1: the scratch block ModelRunner keeps for padded CUDA-graph rows, so the caches match rank 0's.
+        kv_caches = allocate_kv_cache(layers, num_blocks + 1, config.block_size, plan.num_kv_heads, plan.head_dim,
                                       loaded.dtype, device)
         with torch.inference_mode():
             while True:
