@@ -19,6 +19,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--graphs", action="store_true",
+                        help="decode through the CUDA-graph input path (recorded capture: the CPU stand-in)")
     args = parser.parse_args()
 
     import torch
@@ -31,6 +33,15 @@ def main() -> int:
 
     config = EngineConfig(model="random:tiny", device="cpu", attention_backend="torch", num_kv_blocks=4096)
     core = EngineCore.from_config(config, SchedulerConfig(chunk_size=8192, max_num_seqs=args.batch))
+    if args.graphs:
+        from metronome.server.engine.cuda_graphs import GraphRunner, capture_recorded, capture_sizes, single_class
+
+        runner = core.runner
+        graphs = GraphRunner(runner.graph_forward, capture_sizes(args.batch), runner.mirror.cols, runner.scratch_block,
+                             runner.device, single_class(core.max_model_len), capture_recorded,
+                             refresh_host_facts=True)
+        graphs.capture_all()
+        runner.attach_graphs(graphs)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.steps + 20, temperature=0.0, ignore_eos=True)
     for _ in range(args.batch):
@@ -48,11 +59,12 @@ def main() -> int:
         if profiler:
             profiler.disable()
         assert stats.num_decode_tokens == args.batch and not stats.num_prefill_tokens
+        assert stats.cuda_graph == args.graphs
         overheads.append(stats.scheduler_overhead_s)
     print(f"batch {args.batch}: host time per decode step, median {statistics.median(overheads) * 1e3:.3f} ms "
           f"(min {min(overheads) * 1e3:.3f} ms) over {args.steps} steps")
     if profiler:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats("server/(engine|models/tokenizer)", 30)
     return 0
 
 

@@ -219,13 +219,15 @@ class EngineCore:
         return events, stats
 
     def _emit(self, seq: Sequence, token: int, now: float, stats: StepStats) -> TokenEvent:
+        # Runs once per generated token between GPU steps: plain attribute reads, no repeated properties.
         seq.token_ids.append(token)
         stats.generated_tokens += 1
-        if seq.last_token_time is None:
+        last = seq.last_token_time
+        if last is None:
             seq.first_token_time = now
             stats.first_token_latencies_s.append(now - seq.arrival_time)
         else:
-            stats.token_gaps_s.append(now - seq.last_token_time)
+            stats.token_gaps_s.append(now - last)
         seq.last_token_time = now
         reason, text_cut = self._finish_reason(seq, token)
         if reason is not None:
@@ -234,8 +236,9 @@ class EngineCore:
             self._finish(seq, reason)
             stats.finished_e2e_s.append(now - seq.arrival_time)
         finished = reason is not None
-        return TokenEvent(seq.request_id, token, seq.detokenizer.take_delta(finished), seq.num_output_tokens - 1,
-                          now, finished, reason, seq.num_prompt_tokens, seq.num_output_tokens)
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        return TokenEvent(seq.request_id, token, seq.detokenizer.take_delta(finished), num_output - 1, now, finished,
+                          reason, seq.num_prompt_tokens, num_output)
 
     def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, bool]:
         """(finish reason or None, whether a stop string cut the text)."""
@@ -244,7 +247,8 @@ class EngineCore:
             return "stop", False  # the stop token's text is not part of the output
         if seq.detokenizer.push(token):
             return "stop", True
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length", False
         return None, False
 
