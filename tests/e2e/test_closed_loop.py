@@ -115,25 +115,40 @@ def test_the_operator_retunes_the_chunk_size_until_the_slo_is_met(cluster, stand
                 and status.get("podsOnGeneration") == 2 and status.get("chunkSize", INITIAL_CHUNK) < INITIAL_CHUNK
                 and status)
 
-    status = wait_for(settled, f"SLO=Met on the new config (target {target_ms} ms)", timeout=300, interval=1.0)
-    generation, chunk = status["configGeneration"], status["chunkSize"]
-    for server in servers:  # each server, on its own loopback address
-        config = server_config(server.base_url)
-        assert (config["generation"], config["scheduler"]["chunk_size"]) == (generation, chunk), server.pod
-    series = prom_query(prometheus, f'metronome_config_generation{{namespace="{ns}",service="{NAME}"}}')
-    assert {s["metric"]["pod"]: int(float(s["value"][1])) for s in series} == {s.pod: generation for s in servers}
+    wait_for(settled, f"SLO=Met on the new config (target {target_ms} ms)", timeout=300, interval=1.0)
 
-    # The load's own measurement after the change is under the target.
-    after = measure_gaps(load, MEASURE_S)
-    p99_after = percentile(after, 99)
-    print(f"after: chunk {chunk}, generation {generation}, client p99 TBT {p99_after * 1e3:.0f} ms over {len(after)} "
-          f"gaps (target {target_ms} ms); status {json.dumps({k: status.get(k) for k in ('tbtP99Ms', 'slo')})}")
-    assert p99_after < calibration.target_s
-    assert not load.errors(), load.errors()[:5]
+    # Both servers report the generation the status names, on their own loopback address and in Prometheus
+    # (polled: the operator may take one more step in between).
+    def servers_on_status_generation():
+        status = isvc(cluster, ns, NAME)["status"]
+        generation, chunk = status["configGeneration"], status["chunkSize"]
+        configs = {s.pod: server_config(s.base_url) for s in servers}
+        series = prom_query(prometheus, f'metronome_config_generation{{namespace="{ns}",service="{NAME}"}}')
+        seen = {x["metric"]["pod"]: int(float(x["value"][1])) for x in series}
+        done = (all((c["generation"], c["scheduler"]["chunk_size"]) == (generation, chunk) for c in configs.values())
+                and seen == {s.pod: generation for s in servers} and generation > first_generation)
+        return done and (generation, chunk)
 
-    columns = isvc_columns(cluster, ns, NAME)
+    generation, chunk = wait_for(servers_on_status_generation, "both servers on the status' config generation",
+                                 timeout=60, interval=1.0)
+    print(f"servers on generation {generation} (chunk {chunk})")
+
+    # The end state: the load's own p99 TBT over its last MEASURE_S seconds under the target while the columns
+    # show the lowered chunk and SLO=Met. Polled, because on a shared machine a burst of other work can push one
+    # window over; the loop holds the service there, so the state comes back.
+    def converged():
+        gaps = load.gaps_since(load.now() - MEASURE_S)
+        p99 = percentile(gaps, 99) if len(gaps) >= 100 else None
+        columns = isvc_columns(cluster, ns, NAME)
+        current = isvc(cluster, ns, NAME)["status"]
+        done = (p99 is not None and p99 < calibration.target_s and columns["SLO"] == "Met"
+                and current["chunkSize"] < INITIAL_CHUNK and columns["CHUNK"] == str(current["chunkSize"]))
+        return done and (p99, len(gaps), columns)
+
+    p99_after, count, columns = wait_for(converged, f"client p99 TBT < {target_ms} ms with SLO=Met",
+                                         timeout=240, interval=2.0)
+    print(f"after: chunk {columns['CHUNK']}, client p99 TBT {p99_after * 1e3:.0f} ms over {count} gaps of the last "
+          f"{MEASURE_S:g} s (target {target_ms} ms)")
     print(cluster.kubectl("get", "inferenceservices.metronome.dev", "-n", ns).stdout)
-    current = isvc(cluster, ns, NAME)["status"]
-    assert columns["SLO"] == "Met"
-    assert columns["CHUNK"] == str(current["chunkSize"]) and current["chunkSize"] < INITIAL_CHUNK
     assert float(columns["TBT-P99"]) <= target_ms
+    assert not load.errors(), load.errors()[:5]
