@@ -37,6 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="shard the model over N processes (GPUs, or CPU ranks over gloo); default 1")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line, in order")
 
 
@@ -85,7 +86,7 @@ def _generate(args: argparse.Namespace):
                           num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                           max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                           attention_backend=args.attention_backend,
-                          tensor_parallel_size=args.tensor_parallel_size)
+                          tensor_parallel_size=args.tensor_parallel_size, cuda_graphs=not args.enforce_eager)
     engine = EngineCore.from_config(config, scheduler)
     try:
         if args.chat:

@@ -41,6 +41,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--seed", type=int, default=0, help="engine seed")
     engine.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="shard the model over N GPUs of this host (one process each); default 1")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs for decode steps (captured at start on CUDA by default)")
 
     scheduler = parser.add_argument_group("scheduler (initial values; the --config file overrides them)")
     scheduler.add_argument("--chunk-size", type=int, default=None, help="prefill tokens per step")
@@ -64,7 +66,7 @@ def engine_config_from_flags(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len, max_waiting=args.max_waiting, attention_backend=args.attention_backend,
-        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, cuda_graphs=not args.enforce_eager,
     )
     config.validate()
     return config

@@ -111,6 +111,8 @@ def _add_target(p: argparse.ArgumentParser, engine_default_model: str | None = N
     g.add_argument("--max-num-seqs", type=_positive_int, default=256, help="in-process: most running sequences")
     g.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
                    help="in-process: shard the model over N GPUs (one process each; default 1)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="in-process: no CUDA graphs for decode steps (they are captured on CUDA by default)")
 
 
 def _add_workload(p: argparse.ArgumentParser, default_workload: str = "long-short") -> None:

@@ -52,7 +52,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          kv_cache_memory_gb=args.kv_cache_memory_gb,
                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                          attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching,
-                         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+                         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                         cuda_graphs=not getattr(args, "enforce_eager", False))
 
 
 @asynccontextmanager

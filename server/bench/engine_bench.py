@@ -112,7 +112,8 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
                             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                             attention_backend=args.attention_backend,
                             enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                            tensor_parallel_size=args.tensor_parallel_size)
+                            tensor_parallel_size=args.tensor_parallel_size,
+                            cuda_graphs=not getattr(args, "enforce_eager", False))
     core = build_core(options, scheduler)
     config = model_config_of(core)
     dtype = core.loaded.dtype
@@ -124,6 +125,9 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         "block_size": core.block_manager.block_size, "max_model_len": core.max_model_len,
         "weights_read_per_decode_step_bytes": sections.model_math.weights_read_per_decode_step(config, dtype_bytes),
         "kv_bytes_per_token": sections.model_math.kv_bytes_per_token(config, dtype_bytes),
+        # "cuda_graphs" when decode steps replay captured graphs, else "eager: <why>"
+        "execution_mode": getattr(core, "execution_mode", "eager"),
+        "cuda_graph_capture_s": getattr(core.runner, "graph_capture_s", None),
     }
     device_info = doc.get("device") or {}
     bandwidth = device_info.get("copy", {}).get("bandwidth_bytes_per_s")

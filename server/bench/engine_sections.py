@@ -92,7 +92,7 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
                                    f"in {prefill_steps} steps")
         for _ in range(warmup_steps):
             step()
-        wall, overhead, kv_tokens, mixed = [], [], [], 0
+        wall, overhead, kv_tokens, mixed, graph_steps = [], [], [], 0, 0
         for _ in range(steps):
             kv_tokens.append(sum(context + g for g in generated.values()))
             t0 = time.perf_counter()
@@ -101,6 +101,7 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
             overhead.append(stats.scheduler_overhead_s)
             if stats.num_prefill_tokens or stats.num_decode_tokens != batch:
                 mixed += 1
+            graph_steps += bool(getattr(stats, "cuda_graph", False))
     finally:
         _drain(core, ids)
     median = statistics.median(wall)
@@ -110,6 +111,7 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
         "tokens_per_s": batch / median, "scheduler_overhead_ms_median": statistics.median(overhead) * 1000,
         "scheduler_overhead_share": statistics.median(o / w for o, w in zip(overhead, wall)),
         "kv_tokens_read_median": statistics.median(kv_tokens), "non_decode_steps": mixed,
+        "cuda_graph_steps": graph_steps,
     }
     config = core.loaded.config
     floor_bytes = model_math.decode_floor_bytes(config, dtype_bytes, [int(statistics.median(kv_tokens))])

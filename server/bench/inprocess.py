@@ -32,6 +32,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
+    cuda_graphs: bool = True
 
 
 def build_core(options: EngineOptions, scheduler: SchedulerConfig) -> "EngineCore":
@@ -43,7 +44,7 @@ def build_core(options: EngineOptions, scheduler: SchedulerConfig) -> "EngineCor
         kv_cache_memory_gb=options.kv_cache_memory_gb, gpu_memory_utilization=options.gpu_memory_utilization,
         max_model_len=options.max_model_len, max_waiting=options.max_waiting,
         attention_backend=options.attention_backend, enable_prefix_caching=options.enable_prefix_caching,
-        seed=options.seed, tensor_parallel_size=options.tensor_parallel_size,
+        seed=options.seed, tensor_parallel_size=options.tensor_parallel_size, cuda_graphs=options.cuda_graphs,
     )
     return EngineCore.from_config(config, scheduler)
 
