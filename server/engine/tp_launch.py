@@ -36,6 +36,10 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 _SHUTDOWN_WAIT_S = 10.0
 
 
+def check_in_key(rank: int) -> str:
+    return f"metronome/tp/check-in/{rank}"
+
+
 class TensorParallelError(MetronomeError):
     """A tensor-parallel worker failed or could not be started."""
 
@@ -97,6 +101,7 @@ class WorkerPool:
                     [sys.executable, "-m", "metronome.server.engine.tp_worker", str(rank), str(store.port),
                      str(self.devices[rank]), config_json],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env))
+            self._wait_for_check_in(store)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             dist.init_process_group(self.backend, store=store, rank=0, world_size=self.world_size,
@@ -106,6 +111,15 @@ class WorkerPool:
             raise
         self.context = TPContext(0, self.world_size, None)
         threading.Thread(target=self._watch, name="tp-worker-watch", daemon=True).start()
+
+    def _wait_for_check_in(self, store: Any) -> None:
+        """Every worker reached the store: a worker that dies on start-up fails here at once instead of
+        leaving init_process_group waiting for its timeout."""
+        for rank, proc in enumerate(self.procs, start=1):
+            while not store.check([check_in_key(rank)]):
+                if proc.poll() is not None:
+                    raise self._failure(rank, "while starting")
+                threading.Event().wait(0.05)
 
     @property
     def kv_heads_per_rank(self) -> int:

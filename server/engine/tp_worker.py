@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
     from metronome.server.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
     from metronome.server.engine.tp_channel import (SET_NUM_BLOCKS, SHUTDOWN, STEP, ChannelClosed, encode_reply,
                                                     read_message, unpack_payload)
-    from metronome.server.engine.tp_launch import COLLECTIVE_TIMEOUT, HOST
+    from metronome.server.engine.tp_launch import COLLECTIVE_TIMEOUT, HOST, check_in_key
     from metronome.server.models import load_model
     from metronome.server.models.parallel import TPContext
 
@@ -43,6 +43,7 @@ def main(argv: list[str]) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.TCPStore(HOST, port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    store.set(check_in_key(rank), "1")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT)
     try:

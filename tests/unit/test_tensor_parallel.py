@@ -114,6 +114,19 @@ def test_a_dead_worker_fails_the_next_step_with_a_clear_error():
         core.close()
 
 
+def test_a_worker_that_cannot_start_fails_the_engine_at_once(monkeypatch):
+    import shutil
+
+    import torch.distributed as dist
+
+    from metronome.server.engine.tp_launch import TensorParallelError
+
+    monkeypatch.setattr(sys, "executable", shutil.which("false"))  # the worker "interpreter" exits 1 at once
+    with pytest.raises(TensorParallelError, match="worker rank 1 stopped while starting"):
+        engine("random:tiny", 2)
+    assert not dist.is_initialized()
+
+
 ORPHAN_SCRIPT = """
 import os, sys, torch
 torch.set_num_threads(1)
