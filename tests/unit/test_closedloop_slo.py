@@ -22,8 +22,11 @@ def test_an_idle_machine_gets_a_tight_bucket_bound():
 
 def test_a_busy_machine_gets_a_looser_one_but_never_the_largest_finite_bound():
     calibration = choose_tbt_target(0.500, 4.370, 512, 32)
-    assert calibration.target_s == 1.0  # 2.5 s is excluded: histogram_quantile clamps to it
-    assert "target 1000 ms" in calibration.describe()
+    assert calibration.target_s == 2.5  # largest bound with 1.5 x 2.5 <= 4.37 and >= 1.25 x 0.742
+    assert "target 2500 ms" in calibration.describe()
+    # With the largest finite bound (where histogram_quantile clamps) in reach, it is still never chosen.
+    clamped = choose_tbt_target(0.500, 4.370, 512, 32, buckets=(0.5, 1.0, 2.5))
+    assert clamped.target_s == 1.0
 
 
 def test_a_flat_response_is_refused_with_the_numbers():
