@@ -258,12 +258,15 @@ class GraphRunner:
         return lambda: forward(static.input_ids, static.positions, meta)
 
     def _check(self, graph: CapturedGraph, fn: Callable[[], torch.Tensor], size: int, split_class: int) -> None:
+        """The first replay against an eager run of the same inputs. The same kernels on the same data agree to
+        rounding; a relative RMS bound (not bitwise) leaves room for a library choosing another matmul algorithm
+        under capture, while a graph that reads the wrong memory is far off or not finite."""
         graph.replay()
-        expected = fn()
-        if not torch.allclose(graph.output.float(), expected.float(), rtol=1e-2, atol=1e-2):
-            diff = (graph.output.float() - expected.float()).abs().max().item()
+        got, expected = graph.output.float(), fn().float()
+        error = ((got - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+        if not (torch.isfinite(got).all().item() and error < 0.02):
             raise RuntimeError(f"the graph of batch size {size} (split class {split_class}) disagrees with eager "
-                               f"execution (max abs difference {diff:.3g})")
+                               f"execution (relative RMS difference {error:.3g})")
 
     # --- per step ------------------------------------------------------------------------------------------
     def padded_size(self, num_seqs: int) -> int | None:
