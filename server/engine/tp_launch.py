@@ -65,6 +65,13 @@ def rank_devices(device: str, world_size: int) -> list[torch.device]:
     return [torch.device("cuda", first + rank) for rank in range(world_size)]
 
 
+def share_cpu_threads(world_size: int) -> None:
+    """CPU ranks share the host's cores: without an explicit OMP_NUM_THREADS, give each rank its share instead
+    of letting N ranks each start a thread per core."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+
+
 def _loopback_env() -> dict[str, str]:
     """Keep gloo and NCCL's bootstrap sockets on the loopback interface."""
     return {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
@@ -104,6 +111,8 @@ class WorkerPool:
             self._wait_for_check_in(store)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
+            else:
+                share_cpu_threads(self.world_size)
             dist.init_process_group(self.backend, store=store, rank=0, world_size=self.world_size,
                                     timeout=COLLECTIVE_TIMEOUT)
         except BaseException:

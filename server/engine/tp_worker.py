@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 
@@ -25,6 +26,7 @@ def main(argv: list[str]) -> int:
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # stray prints must not corrupt the reply pipe
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; rank 0 decides
 
     import torch
     import torch.distributed as dist
@@ -33,7 +35,7 @@ def main(argv: list[str]) -> int:
     from metronome.server.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
     from metronome.server.engine.tp_channel import (SET_NUM_BLOCKS, SHUTDOWN, STEP, ChannelClosed, encode_reply,
                                                     read_message, unpack_payload)
-    from metronome.server.engine.tp_launch import COLLECTIVE_TIMEOUT, HOST, check_in_key
+    from metronome.server.engine.tp_launch import COLLECTIVE_TIMEOUT, HOST, check_in_key, share_cpu_threads
     from metronome.server.models import load_model
     from metronome.server.models.parallel import TPContext
 
@@ -42,6 +44,8 @@ def main(argv: list[str]) -> int:
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        share_cpu_threads(world)
     store = dist.TCPStore(HOST, port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     store.set(check_in_key(rank), "1")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
