@@ -121,6 +121,7 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
     sampler = sampler_for_engine(core)
     doc["model"] = {
         "name": core.model_name, "dtype": str(dtype).replace("torch.", ""), "device": str(core.loaded.device),
+        "tensor_parallel_size": core.config.tensor_parallel_size,
         "parameters": config.num_parameters(), "kv_blocks": core.block_manager.num_blocks,
         "block_size": core.block_manager.block_size, "max_model_len": core.max_model_len,
         "weights_read_per_decode_step_bytes": sections.model_math.weights_read_per_decode_step(config, dtype_bytes),
