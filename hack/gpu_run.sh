@@ -30,22 +30,24 @@ HF_TIMEOUT=${HF_TIMEOUT:-70}
 START=$SECONDS
 stamp() { echo "[gpu_run +$((SECONDS - START))s] $*" | tee -a "$OUT/gpu_run.log"; }
 
-# --- imports: `metronome` is the repo's own folder (it shadows anything on PYTHONPATH when run from here), so give
-# it the three code folders as sub-packages; wheels the image lacks go to /tmp/wh.
-ln -sfn ../server metronome/server
-ln -sfn ../kernels metronome/kernels
-ln -sfn ../operator metronome/operator
+# --- imports. Python runs with -P (no cwd / script folder on sys.path): from the repo root, its `operator/` folder
+# would shadow the standard library's `operator` and its bare `metronome/` folder the package. The package is put
+# together in /tmp instead: metronome/*.py plus the three code folders as sub-packages; wheels the image lacks go
+# to /tmp/metronome-wheels.
+PKG=/tmp/metronome-pkg
 WH=/tmp/metronome-wheels
-mkdir -p "$WH"
-python3 -m pip install --no-deps --no-index -q --target "$WH" .gpuwheels/*.whl >> "$OUT/gpu_run.log" 2>&1
+mkdir -p "$PKG/metronome" "$WH"
+cp metronome/*.py "$PKG/metronome/"
+for folder in server kernels operator; do ln -sfn "$ROOT/$folder" "$PKG/metronome/$folder"; done
+python3 -P -m pip install --no-deps --no-index -q --target "$WH" .gpuwheels/*.whl >> "$OUT/gpu_run.log" 2>&1
 for mod in pytest rich; do
-  if ! python3 -c "import $mod" 2>/dev/null && ls .gpuwheels/extra/*.whl >/dev/null 2>&1; then
-    python3 -m pip install --no-deps --no-index -q --target "$WH" .gpuwheels/extra/*.whl >> "$OUT/gpu_run.log" 2>&1
+  if ! python3 -P -c "import $mod" 2>/dev/null && ls .gpuwheels/extra/*.whl >/dev/null 2>&1; then
+    python3 -P -m pip install --no-deps --no-index -q --target "$WH" .gpuwheels/extra/*.whl >> "$OUT/gpu_run.log" 2>&1
     break
   fi
 done
-export PYTHONPATH=$ROOT:$WH
-python3 - <<'EOF' 2>&1 | tee -a "$OUT/gpu_run.log"
+export PYTHONPATH=$PKG:$WH
+python3 -P - <<'EOF' 2>&1 | tee -a "$OUT/gpu_run.log"
 import importlib, sys
 for mod in ("torch", "triton", "transformers", "pydantic", "rich", "pytest", "matplotlib", "metronome.server.engine.engine"):
     try:
@@ -57,8 +59,8 @@ import torch
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA", "python", sys.version.split()[0])
 EOF
 PLOT=()
-if python3 -c "import matplotlib" 2>/dev/null; then PLOT=(--plot "$OUT/h200-tbt-vs-throughput.png"); fi
-BENCH=(python3 -m metronome.cli bench engine --model random:llama-3-8b --device cuda --no-progress)
+if python3 -P -c "import matplotlib" 2>/dev/null; then PLOT=(--plot "$OUT/h200-tbt-vs-throughput.png"); fi
+BENCH=(python3 -P -m metronome.cli bench engine --model random:llama-3-8b --device cuda --no-progress)
 SMOKE_ARGS=()  # SMOKE=1: the same pieces on the CPU with a tiny model (checks this script, not the GPU)
 if [ "${SMOKE:-0}" = 1 ]; then
   SMOKE_ARGS=(--device cpu --model random:tiny --copy-mb 4 --matmul-size 64 --reps 2 --batch-sizes 1,3 --context 48
@@ -71,7 +73,7 @@ left() { echo $((590 - (SECONDS - START))); }  # the run tool stops a command at
 # --- (a) GPU tests (alphabetical: the CUDA-graph tests run first)
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   stamp "GPU tests (limit ${TEST_LIMIT}s)"
-  timeout -k 5 "$TEST_LIMIT" python3 -m pytest tests/gpu -x -q -s -p no:cacheprovider -o addopts="" \
+  timeout -k 5 "$TEST_LIMIT" python3 -P -m pytest tests/gpu -x -q -s -p no:cacheprovider -o addopts="" \
     > "$OUT/gpu-tests.log" 2>&1
   rc=$?
   stamp "GPU tests rc=$rc: $(tail -n 1 "$OUT/gpu-tests.log")"
@@ -104,7 +106,7 @@ if [ "${SKIP_HF:-0}" != 1 ] && [ "$(left)" -gt 60 ]; then
   rc=$?; stamp "bench part c rc=$rc"
 fi
 
-python3 hack/merge_engine_json.py "$OUT/h200-engine.json" "$OUT/h200-engine-a.json" "$OUT/h200-engine-b.json" \
+python3 -P hack/merge_engine_json.py "$OUT/h200-engine.json" "$OUT/h200-engine-a.json" "$OUT/h200-engine-b.json" \
   "$OUT/h200-engine-c.json" --eager "$OUT/h200-decode-eager.json" 2>&1 | tee -a "$OUT/gpu_run.log"
 cat "$OUT"/bench-a.log "$OUT"/bench-b.log "$OUT"/bench-eager.log "$OUT"/bench-c.log 2>/dev/null \
   | grep -v "━\|┃" > "$OUT/bench.log"
