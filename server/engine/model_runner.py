@@ -2,7 +2,8 @@
 
 Host work is kept small because on a GPU it sits between forward passes: index math is vectorised with numpy,
 each sequence's block table is mirrored into a persistent numpy row that is only appended to, and the inputs
-travel in two pinned staging buffers with non-blocking copies.
+travel in two pinned staging buffers with non-blocking copies. Decode-only batches that fit a captured size
+replay a CUDA graph instead (cuda_graphs.py): the same host arrays, written into that graph's static buffers.
 """
 from __future__ import annotations
 
