@@ -15,7 +15,7 @@
 #   $OUT/h200-engine.json, bench.log        a + b + c merged, targets evaluated, decode graphs vs eager side by side
 # Knobs (environment): TEST_LIMIT, RATES, DURATION, CHUNKS, HF_REQUESTS, HF_TIMEOUT, SKIP_TESTS=1, SKIP_HF=1, and
 # SMOKE=1 (tiny model on the CPU: checks the script's plumbing in a copy of the repo, not the GPU).
-set -u
+# (no `set -u`: empty option arrays would trip it on older bash)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
