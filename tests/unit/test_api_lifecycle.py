@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from api_helpers import ServerThread, build_server_parts, free_port, wait_until
+from api_helpers import ServerThread, build_server_parts, free_port, scrape, wait_until
 from metronome.server.api.lifecycle import Lifecycle
 
 METRONOME = Path(sys.executable).with_name("metronome")  # the venv's console script
@@ -105,7 +105,7 @@ def test_sigterm_during_streaming_completes_every_stream_and_exits_0(tmp_path):
     assert METRONOME.exists(), f"console script missing: {METRONOME} (run `make venv`)"
     port = free_port()
     log_path = tmp_path / "serve.log"
-    # One sequence at a time: when the first stream has its first token, the other two are surely in flight.
+    # One sequence at a time, so two streams are still queued when SIGTERM arrives.
     command = [str(METRONOME), "serve", "--model", "random:tiny", "--host", "127.0.0.1", "--port", str(port),
                "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "1024",
                "--max-num-seqs", "1", "--drain-seconds", "120", "--log-level", "info"]
@@ -126,6 +126,9 @@ def test_sigterm_during_streaming_completes_every_stream_and_exits_0(tmp_path):
             thread.start()
             streams.append((thread, out))
         assert first.wait(120)
+        # SIGTERM only once the server holds all three (one running, two queued): a stream whose request had not
+        # reached the server yet would rightly be refused with 503.
+        wait_until(lambda: _requests_held(url) == 3, timeout=60, what="all three requests inside the server")
         process.send_signal(signal.SIGTERM)
 
         wait_until(lambda: _get_status(url + "/ready") == 503, timeout=30, what="/ready 503 while draining")
@@ -145,6 +148,12 @@ def test_sigterm_during_streaming_completes_every_stream_and_exits_0(tmp_path):
         usage = json.loads(out[-2][len("data: "):])["usage"]
         finish = json.loads(out[-3][len("data: "):])["choices"][0]["finish_reason"]
         assert usage["completion_tokens"] == 300 and finish == "length"
+
+
+def _requests_held(url: str) -> float:
+    samples = scrape(url)
+    return sum(v for (name, _), v in samples.items()
+               if name in ("metronome_requests_running", "metronome_requests_waiting"))
 
 
 def _get_status(url: str) -> int | None:
