@@ -3,30 +3,9 @@ Everything here talks to 127.0.0.0/8 only (the API server through kubectl, Prome
 from __future__ import annotations
 
 import json
-import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable
-
-
-class WaitTimeout(AssertionError):
-    pass
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0, interval: float = 0.5) -> Any:
-    """Poll `check` until it returns something truthy; fail naming `what` and the last value or error."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = check()
-            if last:
-                return last
-        except Exception as exc:  # noqa: BLE001 - keep polling; the last error is reported on timeout
-            last = exc
-        if time.monotonic() > deadline:
-            raise WaitTimeout(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
-        time.sleep(interval)
+from typing import Any
 
 
 def get_json(url: str, timeout: float = 5.0) -> Any:

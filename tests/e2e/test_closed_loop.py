@@ -19,7 +19,8 @@ import yaml
 
 from closedloop import LoadDriver, LoadSpec
 from closedloop.slo import choose_tbt_target
-from e2e_helpers import config_map_generation, isvc, isvc_columns, prom_query, server_config, wait_for
+from e2e_helpers import config_map_generation, isvc, isvc_columns, prom_query, server_config
+from polling import wait_for
 
 from metronome.operator.metrics_source import PrometheusMetricsSource, QueryWindow, ServiceSelector
 from metronome.server.bench.stats import percentile

@@ -13,7 +13,8 @@ import signal
 import pytest
 import yaml
 
-from e2e_helpers import config_map_generation, prom_query, server_config, wait_for
+from e2e_helpers import config_map_generation, prom_query, server_config
+from polling import wait_for
 
 from metronome.operator.metrics_source import PrometheusMetricsSource, QueryWindow, ServiceSelector
 

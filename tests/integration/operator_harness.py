@@ -11,13 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import yaml
+
+from polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "metronome"
@@ -25,26 +25,6 @@ CRD_FILE = ROOT / "crds" / "inferenceservice.yaml"
 EXAMPLE = ROOT / "examples" / "inferenceservice.yaml"
 CRD_NAME = "inferenceservices.metronome.dev"
 RELEASE = "metronome"
-
-
-class WaitTimeout(AssertionError):
-    pass
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0, interval: float = 0.5) -> Any:
-    """Poll `check` until it returns something truthy; fail naming `what` and the last value/error."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = check()
-            if last:
-                return last
-        except Exception as exc:  # noqa: BLE001 - keep polling; report the last error on timeout
-            last = exc
-        if time.monotonic() > deadline:
-            raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
-        time.sleep(interval)
 
 
 def ensure_crd(cluster) -> None:
