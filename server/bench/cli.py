@@ -16,44 +16,23 @@ import math
 WORKLOADS = ("long-short", "chat", "shift", "jsonl")
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def _number(convert, what: str, accept, bound: str):
+    """An argparse type: `convert` the text, then insist on `accept(value)`; errors name the flag's value."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text}")
-    return value
+_positive_float = _number(float, "a number", lambda v: v > 0, "> 0")
+_positive_int = _number(int, "an integer", lambda v: v >= 1, ">= 1")
+_nonneg_int = _number(int, "an integer", lambda v: v >= 0, ">= 0")
+_fraction = _number(float, "a number", lambda v: 0.0 <= v <= 1.0, "within [0, 1]")
 
 
 def _rate(text: str) -> float:
