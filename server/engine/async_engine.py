@@ -183,14 +183,15 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
+            # Tokens go to their streams first; metrics bookkeeping must not delay what clients see.
+            if events and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._deliver, events)
             self._stats = stats = self.core.stats()
             for observer in self.observers:
                 try:
                     observer.on_step(step_stats, stats)
                 except Exception:
                     log.exception("observer on_step failed")
-            if events and self._loop is not None:
-                self._loop.call_soon_threadsafe(self._deliver, events)
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for event in events:
