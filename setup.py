@@ -7,7 +7,7 @@ from setuptools import find_packages, setup
 
 CODE_FOLDERS = ("server", "kernels", "operator")
 
-packages = ["metronome"]
+packages = ["metronome"] + [f"metronome.{sub}" for sub in find_packages("metronome")]
 package_dir = {"metronome": "metronome"}
 for folder in CODE_FOLDERS:
     package_dir[f"metronome.{folder}"] = folder

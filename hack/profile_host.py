@@ -26,7 +26,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)  # the forward is not measured; keep it from crowding the host work on a busy CPU
-    from metronome.server.config import SchedulerConfig
+    from metronome.contract.config import SchedulerConfig
     from metronome.server.engine.config import EngineConfig
     from metronome.server.engine.engine import EngineCore
     from metronome.server.engine.sampling import SamplingParams

@@ -35,7 +35,7 @@ from metronome.operator.observation import (
 )
 from metronome.operator.spec import InferenceService
 from metronome.operator.status import ServingMetrics, decision_record
-from metronome.server.config import SchedulerConfig, ServerConfigFile
+from metronome.contract.config import SchedulerConfig, ServerConfigFile
 
 MIN_SAMPLES = AutotuneSpec.min_samples  # fewer TBT samples in the window = no data (the controller's own rule)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from metronome.operator.metrics_source import QueryWindow, podmonitor_relabelings
 from metronome.operator.spec import InferenceService, InferenceServiceSpec
-from metronome.server.config import (
+from metronome.contract.config import (
     ConfigError,
     SchedulerConfig,
     ServerConfigFile,

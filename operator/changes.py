@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from metronome.server.config import ServerConfigFile
+from metronome.contract.config import ServerConfigFile
 
 NORMAL, WARNING = "Normal", "Warning"
 

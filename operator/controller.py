@@ -47,7 +47,7 @@ from metronome.operator.step_model import (
     largest_chunk_within,
     predict_tbt_p99,
 )
-from metronome.server.config import QueuePolicy
+from metronome.contract.config import QueuePolicy
 
 METRICS_UNAVAILABLE = "metrics unavailable"
 

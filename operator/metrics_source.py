@@ -1,7 +1,7 @@
 """Where the controller's Observation comes from: PromQL over the servers' own metrics.
 
 Three layers, so that everything but the HTTP call is testable without Prometheus:
-- `build_queries(selector, window)` — pure: the PromQL, built only from `metronome.server.metric_names`;
+- `build_queries(selector, window)` — pure: the PromQL, built only from `metronome.contract.metric_names`;
 - `observation_from_results(results, window)` — pure: Prometheus' JSON `result` lists → Observation;
 - `PrometheusMetricsSource.observe(...)` — the I/O, through `prometheus-api-client`, every failure turned into
   `MetricsUnavailable` with a condition-ready reason.
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from metronome.operator.observation import Observation, StepSample
-from metronome.server import metric_names as names
-from metronome.server.errors import MetronomeError
+from metronome.contract import metric_names as names
+from metronome.contract.errors import MetronomeError
 
 # Keys of build_queries' result; one PromQL expression each.
 TBT_P99 = "tbt_p99"

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from metronome.server.config import ConfigError, QueuePolicy, SchedulerConfig, validate_scheduler
-from metronome.server.errors import MetronomeError
+from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig, validate_scheduler
+from metronome.contract.errors import MetronomeError
 
 if TYPE_CHECKING:  # the operator's parsed CR; only its attributes are read
     from metronome.operator.spec import InferenceServiceSpec

@@ -21,7 +21,7 @@ from metronome.operator.metrics_source import (
 from metronome.operator.observation import Observation
 from metronome.operator.spec import InferenceService
 from metronome.operator.status import Observed
-from metronome.server.config import SchedulerConfig, ServerConfigFile
+from metronome.contract.config import SchedulerConfig, ServerConfigFile
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
-from metronome.server.config import ConfigError, SchedulerConfig, validate_scheduler
+from metronome.contract.config import ConfigError, SchedulerConfig, validate_scheduler
 
 GROUP = "metronome.dev"
 VERSION = "v1alpha1"

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping
 
 from metronome.operator.builders import selector_string
 from metronome.operator.spec import InferenceService, SLOSpec
-from metronome.server.config import ServerConfigFile
+from metronome.contract.config import ServerConfigFile
 
 READY = "Ready"
 PROGRESSING = "Progressing"

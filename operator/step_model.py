@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from metronome.server.errors import MetronomeError
+from metronome.contract.errors import MetronomeError
 
 
 class FitError(MetronomeError, ValueError):

@@ -1,5 +1,4 @@
-"""The Metronome model server: engine, models, HTTP API, metrics, config and bench.
+"""The Metronome model server: engine, models, HTTP API, metrics and bench.
 
-Kept import-light: `metronome.server.config` and `metronome.server.metric_names` are shared with the operator,
-whose image has no torch.
+Its contract with the operator (config schema, metric names, errors) lives in `metronome.contract`.
 """

@@ -42,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from metronome.server.errors import MetronomeError
+    from metronome.contract.errors import MetronomeError
 
     try:
         results, prompt_ids = _generate(args)
@@ -63,11 +63,11 @@ def run(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace):
     from pydantic import ValidationError
 
-    from metronome.server.config import ConfigError, SchedulerConfig
+    from metronome.contract.config import ConfigError, SchedulerConfig
     from metronome.server.engine.config import EngineConfig
     from metronome.server.engine.engine import EngineCore
     from metronome.server.engine.sampling import SamplingParams
-    from metronome.server.errors import InvalidRequestError
+    from metronome.contract.errors import InvalidRequestError
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)

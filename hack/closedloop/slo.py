@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from metronome.server.metric_names import TBT_BUCKETS
+from metronome.contract.metric_names import TBT_BUCKETS
 
 
 class CalibrationError(ValueError):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from metronome.operator.builders import LABEL_INSTANCE, LABEL_NAME, LABEL_SERVICE, SERVER_CONTAINER
-from metronome.server.errors import MetronomeError
+from metronome.contract.errors import MetronomeError
 
 SERVER_POD_SELECTOR = f"{LABEL_NAME}=metronome-server,{LABEL_SERVICE}"
 REPLACED_FLAGS = ("--host", "--port", "--device")

@@ -26,7 +26,7 @@ from metronome.server.api.protocol import (
 from metronome.server.api.responses import ChatShaper, CompletionShaper
 from metronome.server.api.state import ServerState
 from metronome.server.engine.sampling import SamplingParams
-from metronome.server.errors import EngineDrainingError, InvalidRequestError, ModelNotFoundError
+from metronome.contract.errors import EngineDrainingError, InvalidRequestError, ModelNotFoundError
 
 log = logging.getLogger("metronome.api")
 

@@ -1,7 +1,7 @@
 """Chat messages → prompt token ids through the model's own chat template."""
 from __future__ import annotations
 
-from metronome.server.errors import InvalidRequestError
+from metronome.contract.errors import InvalidRequestError
 
 
 def render_chat_prompt(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:

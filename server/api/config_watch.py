@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from metronome.server.config import (
+from metronome.contract.config import (
     ConfigError,
     SchedulerConfig,
     ServerConfigFile,

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one server: exactly the names, labels and buckets of server/metric_names.py.
+"""Prometheus metrics of one server: exactly the names, labels and buckets of metronome/contract/metric_names.py.
 
 `ServerMetrics` is an EngineObserver: the engine thread calls `on_step` after every step and `on_rejected` when
 it turns a request away (prometheus-client is thread-safe). Gauges that describe engine state are also refreshed
@@ -11,8 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from metronome.server import metric_names as names
-from metronome.server.config import QueuePolicy, SchedulerConfig
+from metronome.contract import metric_names as names
+from metronome.contract.config import QueuePolicy, SchedulerConfig
 
 KNOWN_QUEUES = ("fcfs", "short", "long", "sjf")
 KNOWN_REJECT_REASONS = ("overloaded", "invalid", "draining")  # the engine names the first two

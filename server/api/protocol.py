@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from metronome.server.errors import InvalidRequestError
+from metronome.contract.errors import InvalidRequestError
 
 
 class _Request(BaseModel):

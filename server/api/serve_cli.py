@@ -52,7 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def scheduler_from_flags(args: argparse.Namespace):
-    from metronome.server.config import validate_scheduler
+    from metronome.contract.config import validate_scheduler
 
     given = {name: getattr(args, name) for name in SCHEDULER_FLAGS if getattr(args, name, None) is not None}
     return validate_scheduler(given, source="command line")
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from metronome.server.api.config_watch import load_config
-    from metronome.server.errors import MetronomeError
+    from metronome.contract.errors import MetronomeError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

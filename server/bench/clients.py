@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from metronome.server.bench.records import RequestRecord
 from metronome.server.bench.workloads import BenchRequest
-from metronome.server.errors import MetronomeError
+from metronome.contract.errors import MetronomeError
 
 if TYPE_CHECKING:  # the engine (torch) stays out of module import time
     from metronome.server.engine.async_engine import AsyncEngine
@@ -150,7 +150,7 @@ class EngineClient:
 
     async def send(self, request: BenchRequest, record: RequestRecord, t0: float) -> None:
         from metronome.server.engine.sampling import SamplingParams
-        from metronome.server.errors import EngineOverloadedError, InvalidRequestError
+        from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
 
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         record.sent_s = time.monotonic() - t0

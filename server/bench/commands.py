@@ -29,8 +29,8 @@ from metronome.server.bench.workloads import (
     load_jsonl,
     validate_spec,
 )
-from metronome.server.config import ConfigError, SchedulerConfig, validate_scheduler
-from metronome.server.errors import MetronomeError
+from metronome.contract.config import ConfigError, SchedulerConfig, validate_scheduler
+from metronome.contract.errors import MetronomeError
 
 
 @dataclass

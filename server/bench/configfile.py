@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from metronome.server.errors import MetronomeError
+from metronome.contract.errors import MetronomeError
 
 DATA_LINK = "..data"
 

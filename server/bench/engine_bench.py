@@ -22,8 +22,8 @@ from metronome.server.bench.inprocess import EngineOptions, build_core, model_co
 from metronome.server.bench.results import RunEntry, environment, write_json
 from metronome.server.bench.runner import StopRule
 from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, take, iter_requests
-from metronome.server.config import SchedulerConfig
-from metronome.server.errors import MetronomeError
+from metronome.contract.config import SchedulerConfig
+from metronome.contract.errors import MetronomeError
 
 SECTIONS = ("device", "decode", "prefill", "longshort", "hf")
 

@@ -20,8 +20,8 @@ from metronome.server.bench.results import RunEntry
 from metronome.server.bench.runner import LoadPattern, StopRule, run_load
 from metronome.server.bench.stats import percentile, summarize
 from metronome.server.bench.workloads import TokenSampler, WorkloadSpec, iter_requests, take
-from metronome.server.config import SchedulerConfig
-from metronome.server.errors import MetronomeError
+from metronome.contract.config import SchedulerConfig
+from metronome.contract.errors import MetronomeError
 
 UNCHUNKED = 1 << 20
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from metronome.server.bench.workloads import TokenSampler
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 
 if TYPE_CHECKING:
     from metronome.server.engine.engine import EngineCore

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metronome.server.errors import MetronomeError
+from metronome.contract.errors import MetronomeError
 
 
 class PlotError(MetronomeError):

@@ -14,7 +14,7 @@ from typing import Any
 
 from metronome.server.bench.records import RequestRecord
 from metronome.server.bench.stats import RunSummary
-from metronome.server.errors import MetronomeError
+from metronome.contract.errors import MetronomeError
 
 SCHEMA = "metronome-bench/1"
 

@@ -22,8 +22,8 @@ from metronome.server.bench.results import RunEntry
 from metronome.server.bench.runner import LoadPattern, StopRule, run_load
 from metronome.server.bench.stats import summarize
 from metronome.server.bench.workloads import BenchRequest
-from metronome.server.config import ConfigError, QueuePolicy, SchedulerConfig, load_server_config, validate_scheduler
-from metronome.server.errors import MetronomeError
+from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig, load_server_config, validate_scheduler
+from metronome.contract.errors import MetronomeError
 
 
 class SweepError(MetronomeError):
@@ -163,7 +163,7 @@ class ServerFileTarget:
             generation = max(generation, load_server_config(self.config_file).generation + 1)
         except ConfigError:
             pass  # no readable file yet: the server's generation is the reference
-        from metronome.server.config import ServerConfigFile
+        from metronome.contract.config import ServerConfigFile
 
         text = ServerConfigFile(generation=generation, scheduler=scheduler).to_yaml()
         atomic_configmap_write(self.config_file, text)

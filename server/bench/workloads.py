@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from metronome.server.errors import MetronomeError
+from metronome.contract.errors import MetronomeError
 
 WORKLOAD_NAMES = ("long-short", "chat", "shift", "jsonl")
 

@@ -15,11 +15,11 @@ import uuid
 from collections import deque
 from typing import AsyncIterator, Callable, Protocol, Sequence as Seq
 
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.outputs import EngineStats, StepStats, TokenEvent
 from metronome.server.engine.sampling import SamplingParams
-from metronome.server.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError
+from metronome.contract.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """Engine construction settings (fixed for the life of an engine; the scheduler knobs live in
-metronome.server.config.SchedulerConfig and can change at runtime)."""
+metronome.contract.config.SchedulerConfig and can change at runtime)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from metronome.server.errors import InvalidRequestError
+from metronome.contract.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

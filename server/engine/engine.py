@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence as Seq
 
 import torch
 
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.block_manager import BlockManager
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.kv_cache import bytes_per_block, plan_num_blocks
@@ -19,7 +19,7 @@ from metronome.server.engine.outputs import EngineStats, GenerationResult, StepS
 from metronome.server.engine.sampling import SamplingParams
 from metronome.server.engine.scheduler import Scheduler
 from metronome.server.engine.sequence import Sequence, SequenceStatus
-from metronome.server.errors import EngineOverloadedError, InvalidRequestError
+from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
 
 if TYPE_CHECKING:
     from metronome.server.engine.tp_launch import WorkerPool

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Iterator
 
-from metronome.server.config import QueuePolicy, SchedulerConfig
+from metronome.contract.config import QueuePolicy, SchedulerConfig
 from metronome.server.engine.sequence import Sequence, SequenceStatus
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from metronome.server.errors import InvalidRequestError
+from metronome.contract.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

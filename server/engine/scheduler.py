@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.block_manager import BlockManager, KVCacheError
 from metronome.server.engine.queues import WaitingQueues
 from metronome.server.engine.sequence import Sequence, SequenceStatus

@@ -25,7 +25,7 @@ import torch
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.tp_channel import (SET_NUM_BLOCKS, SHUTDOWN, ChannelClosed, StepHeader,
                                                 encode_command, encode_step, read_reply)
-from metronome.server.errors import InvalidRequestError, MetronomeError
+from metronome.contract.errors import InvalidRequestError, MetronomeError
 from metronome.server.models.parallel import TPContext, plan_shards
 
 log = logging.getLogger(__name__)

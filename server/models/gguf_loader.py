@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from metronome.server.errors import ModelNotFoundError
+from metronome.contract.errors import ModelNotFoundError
 from metronome.server.models.config import ModelConfig, UnsupportedModelError
 
 # GGUF architectures we read, and whether their Q/K rows were permuted by llama.cpp's converter.

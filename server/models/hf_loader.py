@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 import torch
 
-from metronome.server.errors import ModelNotFoundError
+from metronome.contract.errors import ModelNotFoundError
 from metronome.server.models.config import ModelConfig, config_from_hf_dict
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from metronome.server.errors import InvalidRequestError, ModelNotFoundError
+from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 from metronome.server.models.config import ModelConfig
 from metronome.server.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from metronome.server.models.llama import LlamaForCausalLM

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from metronome.server.errors import InvalidRequestError
+from metronome.contract.errors import InvalidRequestError
 from metronome.server.models.config import ModelConfig
 
 

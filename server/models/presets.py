@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metronome.server.errors import ModelNotFoundError
+from metronome.contract.errors import ModelNotFoundError
 from metronome.server.models.config import ModelConfig
 
 _LLAMA3_8B: dict[str, Any] = dict(

@@ -13,7 +13,7 @@ import functools
 from pathlib import Path
 from typing import Any, Callable
 
-from metronome.server.errors import InvalidRequestError, ModelNotFoundError
+from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 
 REPLACEMENT_CHAR = "\ufffd"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from metronome.kernels import get_backend
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.sampling import SamplingParams

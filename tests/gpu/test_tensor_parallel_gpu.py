@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.sampling import SamplingParams

@@ -54,7 +54,7 @@ def _write_timestamped(root: Path, text: str, serial: int) -> Path:
 
 def build_engine(model: str = TINY, max_waiting: int = 1024, num_kv_blocks: int = 256, scheduler=None,
                  observers=(), max_model_len: int = 1024):
-    from metronome.server.config import SchedulerConfig
+    from metronome.contract.config import SchedulerConfig
     from metronome.server.engine.async_engine import AsyncEngine
     from metronome.server.engine.config import EngineConfig
     from metronome.server.engine.engine import EngineCore
@@ -71,7 +71,7 @@ def build_server_parts(model: str = TINY, max_waiting: int = 1024, scheduler=Non
     from metronome.server.api.app import create_app
     from metronome.server.api.metrics import ServerMetrics
     from metronome.server.api.state import build_state
-    from metronome.server.config import SchedulerConfig
+    from metronome.contract.config import SchedulerConfig
 
     base = scheduler or SchedulerConfig()
     metrics = ServerMetrics(model)

@@ -97,7 +97,7 @@ def fake_loaded(max_position_embeddings: int = 4096) -> FakeLoaded:
 
 def fake_engine(num_kv_blocks: int = 256, block_size: int = 4, prefix_caching: bool = True, max_waiting: int = 64,
                 max_model_len: int | None = None, **scheduler):
-    from metronome.server.config import SchedulerConfig
+    from metronome.contract.config import SchedulerConfig
     from metronome.server.engine.config import EngineConfig
     from metronome.server.engine.engine import EngineCore
 

@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from api_helpers import ServerThread, build_server_parts, metric, scrape, wait_until
-from metronome.server import metric_names as names
-from metronome.server.config import SchedulerConfig
+from metronome.contract import metric_names as names
+from metronome.contract.config import SchedulerConfig
 
 
 @pytest.fixture(scope="module")

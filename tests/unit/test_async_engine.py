@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.async_engine import AsyncEngine
 from metronome.server.engine.sampling import SamplingParams
-from metronome.server.errors import EngineOverloadedError, InvalidRequestError
+from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
 
 from engine_fakes import expected_greedy, fake_engine
 

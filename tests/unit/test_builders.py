@@ -8,7 +8,7 @@ import pytest
 from metronome.operator import builders
 from metronome.operator.changes import describe_child, describe_config
 from metronome.operator.spec import ModelSource, SpecError, parse_service
-from metronome.server.config import QueuePolicy, ServerConfigFile, parse_server_config
+from metronome.contract.config import QueuePolicy, ServerConfigFile, parse_server_config
 
 
 def make_body(**spec_overrides) -> dict:

@@ -362,7 +362,7 @@ def test_spec_invariants():
 
 def test_split_budget_is_the_larger_lane_and_decisions_land_on_the_lanes():
     from metronome.operator.observation import prefill_budget, scheduler_for
-    from metronome.server.config import SchedulerConfig
+    from metronome.contract.config import SchedulerConfig
 
     served = SchedulerConfig(chunk_size=512, queue_policy="split", short_chunk_size=2048, long_chunk_size=512)
     current = CurrentConfig.from_scheduler(served, replicas=2, generation=5)

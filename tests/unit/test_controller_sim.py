@@ -28,7 +28,7 @@ from metronome.operator.observation import (
     StepSample,
     TuningPolicy,
 )
-from metronome.server.metric_names import TBT_BUCKETS
+from metronome.contract.metric_names import TBT_BUCKETS
 
 TARGET_S = 0.030
 INTERVAL_S = 20.0

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from metronome.operator.spec import GROUP, KIND, PLURAL, VERSION, parse_spec
-from metronome.server.config import QueuePolicy, SchedulerConfig
+from metronome.contract.config import QueuePolicy, SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "inferenceservice.yaml"

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.cuda_graphs import (CAPTURE_SIZES, GraphRunner, SplitClasses, StaticBatch,
                                                  capture_recorded, capture_sizes, single_class)

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.sampling import SamplingParams
-from metronome.server.errors import EngineOverloadedError, InvalidRequestError
+from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
 
 from engine_fakes import expected_greedy, fake_engine
 

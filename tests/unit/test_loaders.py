@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from metronome.server.errors import InvalidRequestError, ModelNotFoundError
+from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 from metronome.server.models import ModelConfig, UnsupportedModelError, load_model
 from metronome.server.models.config import config_from_hf_dict
 from metronome.server.models.gguf_loader import unpermute_rows

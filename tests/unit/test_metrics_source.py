@@ -24,7 +24,7 @@ from metronome.operator.metrics_source import (
     parse_duration,
     try_observe,
 )
-from metronome.server import metric_names as names
+from metronome.contract import metric_names as names
 
 SELECTOR = ServiceSelector(namespace="demo", service="tiny")
 WINDOW = QueryWindow(window_seconds=60, sub_window_seconds=15)

@@ -33,3 +33,15 @@ def test_unknown_subcommand_is_a_usage_error_naming_it():
     result = subprocess.run([str(VENV_BIN / "metronome"), "frobnicate"], capture_output=True, text=True)
     assert result.returncode == 2
     assert "frobnicate" in result.stderr
+
+
+def test_operator_imports_only_the_contract_never_the_server():
+    """The operator's side of the wall: every module under operator/ loads without metronome.server or torch."""
+    operator_dir = Path(__file__).resolve().parents[2] / "operator"
+    modules = sorted(f"metronome.operator.{p.stem}" for p in operator_dir.glob("*.py")
+                     if p.stem not in ("__init__", "__main__"))
+    probe = ("import importlib, sys\n"
+             f"for name in {modules!r}: importlib.import_module(name)\n"
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('metronome.server')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"the operator reached into the server: {out.stdout}"

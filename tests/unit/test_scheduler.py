@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.block_manager import BlockManager
 from metronome.server.engine.sampling import SamplingParams
 from metronome.server.engine.scheduler import ScheduledBatch, Scheduler

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from metronome.server.config import SchedulerConfig
+from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.sampling import SamplingParams

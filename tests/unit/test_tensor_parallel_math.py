@@ -15,7 +15,7 @@ from metronome.server.engine.tp_channel import (SHUTDOWN, STEP, ChannelClosed, S
                                                 encode_reply, encode_step, pack_payload, read_message, read_reply,
                                                 unpack_payload)
 from metronome.server.engine.tp_launch import rank_devices
-from metronome.server.errors import InvalidRequestError
+from metronome.contract.errors import InvalidRequestError
 from metronome.server.models.parallel import (kv_rows, local_config, plan_shards, q_rows, shard_for,
                                               vocab_rows)
 from metronome.server.models.presets import preset_config

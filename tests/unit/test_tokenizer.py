@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from metronome.server.errors import InvalidRequestError, ModelNotFoundError
+from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 from metronome.server.models.tokenizer import REPLACEMENT_CHAR, ByteTokenizer, HFTokenizer, load_hf_tokenizer
 
 TEXTS = [
