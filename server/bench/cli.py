@@ -13,32 +13,17 @@ from __future__ import annotations
 import argparse
 import math
 
+from metronome.contract.config import QueuePolicy
+from metronome.server.cli_types import fraction, nonneg_int, positive_chunk, positive_float, positive_int
+from metronome.server.engine.flags import add_engine_flags, add_scheduler_flags
+
 WORKLOADS = ("long-short", "chat", "shift", "jsonl")
-
-
-def _number(convert, what: str, accept, bound: str):
-    """An argparse type: `convert` the text, then insist on `accept(value)`; errors name the flag's value."""
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
-        if not accept(value):
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
-        return value
-    return parse
-
-
-_positive_float = _number(float, "a number", lambda v: v > 0, "> 0")
-_positive_int = _number(int, "an integer", lambda v: v >= 1, ">= 1")
-_nonneg_int = _number(int, "an integer", lambda v: v >= 0, ">= 0")
-_fraction = _number(float, "a number", lambda v: 0.0 <= v <= 1.0, "within [0, 1]")
 
 
 def _rate(text: str) -> float:
     if text.strip().lower() in ("inf", "burst"):
         return math.inf
-    return _positive_float(text)
+    return positive_float(text)
 
 
 def _csv(item_type):
@@ -49,12 +34,6 @@ def _csv(item_type):
         return [item_type(t) for t in items]
 
     return parse
-
-
-def _chunk(text: str) -> int:
-    if text.strip().lower() in ("unchunked", "none", "inf"):
-        return 1 << 20
-    return _positive_int(text)
 
 
 def _token_range(text: str) -> tuple[int, int]:
@@ -68,30 +47,24 @@ def _token_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _add_target(p: argparse.ArgumentParser, engine_default_model: str | None = None) -> None:
+# A benchmark measures queueing: it does not want 429s unless asked (--max-waiting).
+BENCH_MAX_WAITING = 100_000
+POLICIES = tuple(p.value for p in QueuePolicy)
+
+
+def _add_target(p: argparse.ArgumentParser, with_url: bool = True, model: str | None = None,
+                engine_defaults: dict | None = None, scheduler_defaults: dict | None = None) -> None:
+    """--url, or the in-process engine's flags (engine/flags.py; --seed, defined with the workload, seeds the
+    engine too)."""
     g = p.add_argument_group("target")
-    if engine_default_model is None:
+    if with_url:
         g.add_argument("--url", help="benchmark a running server (OpenAI API) instead of an in-process engine")
-    g.add_argument("--model", default=engine_default_model,
+    g.add_argument("--model", default=model,
                    help="in-process: the model spec (random:<preset>, .gguf, hf-dir:...; default: the engine's "
                         "default model); with --url: the served model name (default: the first in /v1/models)")
-    g.add_argument("--dtype", default="auto", help="in-process: auto | bf16 | fp16 | fp32 (default: auto)")
-    g.add_argument("--device", default="auto" if engine_default_model is None else "cuda",
-                   help="in-process: auto | cpu | cuda[:N]")
-    g.add_argument("--kv-cache-memory-gb", type=_positive_float, default=1.0, help="in-process, CPU: KV budget")
-    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, help="in-process, CUDA: memory share")
-    g.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="in-process: fixed KV block count")
-    g.add_argument("--max-model-len", type=_positive_int, default=None, help="in-process: context limit")
-    g.add_argument("--attention-backend", default="auto", help="in-process: torch | triton | flash_attn | auto")
-    g.add_argument("--no-prefix-caching", action="store_true", help="in-process: disable prefix caching")
-    g.add_argument("--chunk-size", type=_chunk, default=512, help="in-process: initial chunk size ('unchunked' ok)")
-    g.add_argument("--queue-policy", choices=("fcfs", "split", "sjf"), default="fcfs",
-                   help="in-process: initial queue policy (default: fcfs)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=256, help="in-process: most running sequences")
-    g.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
-                   help="in-process: shard the model over N GPUs (one process each; default 1)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="in-process: no CUDA graphs for decode steps (they are captured on CUDA by default)")
+    add_engine_flags(g, skip=("model", "seed"), defaults={"max_waiting": BENCH_MAX_WAITING, **(engine_defaults or {})},
+                     note="in-process: ")
+    add_scheduler_flags(g, defaults=scheduler_defaults, note="in-process, initial: ")
 
 
 def _add_workload(p: argparse.ArgumentParser, default_workload: str = "long-short") -> None:
@@ -99,11 +72,11 @@ def _add_workload(p: argparse.ArgumentParser, default_workload: str = "long-shor
     g.add_argument("--workload", choices=WORKLOADS, default=default_workload,
                    help=f"request mix (default: {default_workload})")
     g.add_argument("--jsonl", metavar="PATH", help="jsonl workload: one {prompt|prompt_token_ids, max_tokens} a line")
-    g.add_argument("--max-tokens", type=_positive_int, default=None, help="override every request's output length")
-    g.add_argument("--long-fraction", type=_fraction, default=0.2, help="long-short: share of long prompts")
-    g.add_argument("--long-prompt-len", type=_positive_int, default=2000, help="long-short/shift: long prompt tokens")
-    g.add_argument("--short-prompt-len", type=_positive_int, default=50, help="long-short/shift: short prompt tokens")
-    g.add_argument("--output-len", type=_positive_int, default=128, help="long-short/shift: output tokens")
+    g.add_argument("--max-tokens", type=positive_int, default=None, help="override every request's output length")
+    g.add_argument("--long-fraction", type=fraction, default=0.2, help="long-short: share of long prompts")
+    g.add_argument("--long-prompt-len", type=positive_int, default=2000, help="long-short/shift: long prompt tokens")
+    g.add_argument("--short-prompt-len", type=positive_int, default=50, help="long-short/shift: short prompt tokens")
+    g.add_argument("--output-len", type=positive_int, default=128, help="long-short/shift: output tokens")
     g.add_argument("--shift-after", type=int, default=None,
                    help="shift: requests in the short-heavy phase (default: half the run)")
     g.add_argument("--token-id-range", type=_token_range, default=None, metavar="LOW:HIGH",
@@ -120,21 +93,21 @@ def _add_load(p: argparse.ArgumentParser, sweep: bool) -> None:
         mode = g.add_mutually_exclusive_group()
         mode.add_argument("--rate", type=_csv(_rate), default=None,
                           help="Poisson arrivals, req/s; a comma list runs once per rate; 'inf' = all at once")
-        mode.add_argument("--concurrency", type=_positive_int, default=None, help="fixed number of requests in flight")
+        mode.add_argument("--concurrency", type=positive_int, default=None, help="fixed number of requests in flight")
     stop = g.add_mutually_exclusive_group()
-    stop.add_argument("--duration", type=_positive_float, default=None, help="seconds of sending per run")
-    stop.add_argument("--num-requests", type=_positive_int, default=None, help="requests per run (default: 100)")
-    g.add_argument("--request-timeout", type=_positive_float, default=600.0, help="per-request limit, s (600)")
-    g.add_argument("--drain-timeout", type=_positive_float, default=120.0,
+    stop.add_argument("--duration", type=positive_float, default=None, help="seconds of sending per run")
+    stop.add_argument("--num-requests", type=positive_int, default=None, help="requests per run (default: 100)")
+    g.add_argument("--request-timeout", type=positive_float, default=600.0, help="per-request limit, s (600)")
+    g.add_argument("--drain-timeout", type=positive_float, default=120.0,
                    help="after the last send, in-flight requests get this long, then are cancelled (120)")
-    g.add_argument("--warmup-requests", type=_nonneg_int, default=2, help="unmeasured requests sent first (2)")
+    g.add_argument("--warmup-requests", type=nonneg_int, default=2, help="unmeasured requests sent first (2)")
 
 
 def _add_output(p: argparse.ArgumentParser, slo_default: str) -> None:
     g = p.add_argument_group("output")
-    g.add_argument("--slo-tbt-ms", type=_csv(_positive_float), default=_csv(_positive_float)(slo_default),
+    g.add_argument("--slo-tbt-ms", type=_csv(positive_float), default=_csv(positive_float)(slo_default),
                    help=f"TBT SLO in ms for goodput and recommendations; sweep takes a list (default: {slo_default})")
-    g.add_argument("--slo-ttft-ms", type=_positive_float, default=None, help="optional TTFT SLO for goodput, ms")
+    g.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="optional TTFT SLO for goodput, ms")
     g.add_argument("--out", metavar="PATH", help="write results JSON here")
     g.add_argument("--plot", metavar="PATH", help="write a PNG: TBT CDF per run, TBT p99 vs throughput")
     g.add_argument("--no-records", action="store_true", help="leave raw per-request records out of the JSON")
@@ -154,56 +127,56 @@ def _configure_sweep(p: argparse.ArgumentParser) -> None:
     _add_load(p, sweep=True)
     _add_output(p, "100")
     g = p.add_argument_group("sweep")
-    g.add_argument("--chunk-sizes", type=_csv(_chunk), default=[256, 512, 1024, 2048],
+    g.add_argument("--chunk-sizes", type=_csv(positive_chunk), default=[256, 512, 1024, 2048],
                    help="chunk sizes to try ('unchunked' = 1<<20) (256,512,1024,2048)")
     g.add_argument("--policies", default="fcfs,split", help="queue policies to try (fcfs,split)")
     g.add_argument("--config-file", metavar="PATH",
                    help="with --url: the server's --config file, rewritten by a Kubernetes-style ..data swap")
-    g.add_argument("--reload-timeout", type=_positive_float, default=30.0,
+    g.add_argument("--reload-timeout", type=positive_float, default=30.0,
                    help="with --url: seconds to wait for /v1/config to report a new generation (30)")
 
 
 def _configure_engine(p: argparse.ArgumentParser) -> None:
-    _add_target(p, engine_default_model="random:llama-3-8b")
-    p.set_defaults(chunk_size=2048)
+    _add_target(p, with_url=False, model="random:llama-3-8b", engine_defaults={"device": "cuda"},
+                scheduler_defaults={"chunk_size": 2048})
     g = p.add_argument_group("engine benchmark")
     g.add_argument("--sections", type=_csv(str), default=["device", "decode", "prefill", "longshort", "hf"],
                    help="which parts to run (device,decode,prefill,longshort,hf)")
-    g.add_argument("--copy-mb", type=_positive_int, default=2048, help="device copy size, MiB (2048)")
-    g.add_argument("--matmul-size", type=_positive_int, default=8192, help="square bf16 matmul size (8192)")
-    g.add_argument("--reps", type=_positive_int, default=10, help="timed repetitions per micro-benchmark (10)")
-    g.add_argument("--batch-sizes", type=_csv(_positive_int), default=[1, 16, 64, 256], help="decode batches")
-    g.add_argument("--context", type=_positive_int, default=2048, help="decode context length, tokens (2048)")
-    g.add_argument("--decode-steps", type=_positive_int, default=20, help="timed decode steps per batch (20)")
-    g.add_argument("--prefill-prompt-len", type=_positive_int, default=2048, help="prefill prompt length (2048)")
-    g.add_argument("--prefill-prompts", type=_positive_int, default=8, help="prompts in the prefill test (8)")
-    g.add_argument("--prefill-chunk", type=_chunk, default=8192,
+    g.add_argument("--copy-mb", type=positive_int, default=2048, help="device copy size, MiB (2048)")
+    g.add_argument("--matmul-size", type=positive_int, default=8192, help="square bf16 matmul size (8192)")
+    g.add_argument("--reps", type=positive_int, default=10, help="timed repetitions per micro-benchmark (10)")
+    g.add_argument("--batch-sizes", type=_csv(positive_int), default=[1, 16, 64, 256], help="decode batches")
+    g.add_argument("--context", type=positive_int, default=2048, help="decode context length, tokens (2048)")
+    g.add_argument("--decode-steps", type=positive_int, default=20, help="timed decode steps per batch (20)")
+    g.add_argument("--prefill-prompt-len", type=positive_int, default=2048, help="prefill prompt length (2048)")
+    g.add_argument("--prefill-prompts", type=positive_int, default=8, help="prompts in the prefill test (8)")
+    g.add_argument("--prefill-chunk", type=positive_chunk, default=8192,
                    help="chunk size while building decode contexts and in the prefill test (8192)")
     g.add_argument("--rates", type=_csv(_rate), default=[8.0, 16.0, 32.0, 48.0, 64.0],
                    help="long-short Poisson rates, req/s (8,16,32,48,64)")
-    g.add_argument("--chunk-sizes", type=_csv(_chunk), default=[256, 512, 1024, 2048, 1 << 20],
+    g.add_argument("--chunk-sizes", type=_csv(positive_chunk), default=[256, 512, 1024, 2048, 1 << 20],
                    help="chunk sizes for long-short ('unchunked' = 1<<20)")
-    g.add_argument("--queue-policy-longshort", dest="longshort_policy", choices=("fcfs", "split", "sjf"),
-                   default="fcfs", help="queue policy of the long-short runs (fcfs)")
+    g.add_argument("--queue-policy-longshort", dest="longshort_policy", choices=POLICIES,
+                   default=QueuePolicy.FCFS.value, help="queue policy of the long-short runs (fcfs)")
     per_run = g.add_mutually_exclusive_group()
-    per_run.add_argument("--num-requests", type=_positive_int, default=None,
+    per_run.add_argument("--num-requests", type=positive_int, default=None,
                          help="long-short requests per run (default: 200)")
-    per_run.add_argument("--duration", type=_positive_float, default=None,
+    per_run.add_argument("--duration", type=positive_float, default=None,
                          help="long-short: seconds of sending per run instead of a count")
-    g.add_argument("--drain-timeout", type=_positive_float, default=120.0, help="long-short drain limit, s")
-    g.add_argument("--warmup-requests", type=_nonneg_int, default=16,
+    g.add_argument("--drain-timeout", type=positive_float, default=120.0, help="long-short drain limit, s")
+    g.add_argument("--warmup-requests", type=nonneg_int, default=16,
                    help="unmeasured long-short requests sent at once before each chunk size's runs (16)")
-    g.add_argument("--long-prompt-len", type=_positive_int, default=2000, help="long-short long prompt tokens")
-    g.add_argument("--short-prompt-len", type=_positive_int, default=50, help="long-short short prompt tokens")
-    g.add_argument("--output-len", type=_positive_int, default=128, help="long-short output tokens")
-    g.add_argument("--long-fraction", type=_fraction, default=0.2, help="long-short share of long prompts")
-    g.add_argument("--batch-chunk-size", type=_chunk, default=512,
+    g.add_argument("--long-prompt-len", type=positive_int, default=2000, help="long-short long prompt tokens")
+    g.add_argument("--short-prompt-len", type=positive_int, default=50, help="long-short short prompt tokens")
+    g.add_argument("--output-len", type=positive_int, default=128, help="long-short output tokens")
+    g.add_argument("--long-fraction", type=fraction, default=0.2, help="long-short share of long prompts")
+    g.add_argument("--batch-chunk-size", type=positive_chunk, default=512,
                    help="chunk size of our engine on the same-batch comparison with transformers (512)")
     g.add_argument("--skip-hf", action="store_true", help="skip the transformers continuous-batching peer")
-    g.add_argument("--hf-requests", type=_positive_int, default=200, help="requests in the transformers batch (200)")
+    g.add_argument("--hf-requests", type=positive_int, default=200, help="requests in the transformers batch (200)")
     g.add_argument("--hf-attn", default="paged|sdpa", help="transformers attn_implementation (paged|sdpa)")
-    g.add_argument("--hf-timeout", type=_positive_float, default=900.0, help="transformers batch limit, s")
-    g.add_argument("--slo-tbt-ms", type=_positive_float, default=30.0, help="TBT SLO for capacity, ms (30)")
+    g.add_argument("--hf-timeout", type=positive_float, default=900.0, help="transformers batch limit, s")
+    g.add_argument("--slo-tbt-ms", type=positive_float, default=30.0, help="TBT SLO for capacity, ms (30)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", metavar="PATH", help="write the one results JSON here")
     g.add_argument("--plot", metavar="PATH", help="PNG of TBT p99 vs throughput per chunk size")

@@ -9,17 +9,12 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from metronome.server.bench.clients import Client, EngineClient, HttpClient
-from metronome.server.bench.inprocess import (
-    DEFAULT_HTTP_TOKEN_RANGE,
-    EngineOptions,
-    build_core,
-    sampler_for_engine,
-    sampler_for_range,
-)
-from metronome.server.bench.plots import PlotRun, plot_runs
+from metronome.server.bench.inprocess import DEFAULT_HTTP_TOKEN_RANGE, sampler_for_engine, sampler_for_range
+from metronome.server.bench.plots import plot_runs
 from metronome.server.bench.results import RunEntry, environment, write_json
+from metronome.server.bench.run_output import args_config, plot_entries
 from metronome.server.bench.runner import LoadPattern, StopRule, run_load
-from metronome.server.bench.stats import gaps, summarize
+from metronome.server.bench.stats import summarize
 from metronome.server.bench.workloads import (
     LongShortSpec,
     ShiftSpec,
@@ -29,8 +24,9 @@ from metronome.server.bench.workloads import (
     load_jsonl,
     validate_spec,
 )
-from metronome.contract.config import ConfigError, SchedulerConfig, validate_scheduler
+from metronome.contract.config import ConfigError, validate_scheduler
 from metronome.contract.errors import MetronomeError
+from metronome.server.engine.flags import engine_config_from_args, scheduler_from_args
 
 
 @dataclass
@@ -40,20 +36,6 @@ class Target:
     engine: Any = None  # AsyncEngine when in-process
     http: HttpClient | None = None
     description: str = ""
-
-
-def scheduler_from_args(args: argparse.Namespace) -> SchedulerConfig:
-    return validate_scheduler({"chunk_size": args.chunk_size, "queue_policy": args.queue_policy,
-                               "max_num_seqs": args.max_num_seqs}, source="command line")
-
-
-def engine_options(args: argparse.Namespace) -> EngineOptions:
-    return EngineOptions(model=args.model, dtype=args.dtype, device=args.device, num_kv_blocks=args.num_kv_blocks,
-                         kv_cache_memory_gb=args.kv_cache_memory_gb,
-                         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                         attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching,
-                         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                         cuda_graphs=not getattr(args, "enforce_eager", False))
 
 
 @asynccontextmanager
@@ -69,8 +51,9 @@ async def open_target(args: argparse.Namespace) -> AsyncIterator[Target]:
             await http.close()
         return
     from metronome.server.engine.async_engine import AsyncEngine
+    from metronome.server.engine.engine import EngineCore
 
-    core = build_core(engine_options(args), scheduler_from_args(args))
+    core = EngineCore.from_config(engine_config_from_args(args), scheduler_from_args(args))
     engine = AsyncEngine(core)
     await engine.start()
     try:
@@ -107,11 +90,6 @@ def stop_rule(args: argparse.Namespace) -> StopRule:
                     drain_timeout_s=args.drain_timeout)
 
 
-def args_config(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
-            if not k.startswith("_") and not callable(v)}
-
-
 async def warm_up(target: Target, spec: WorkloadSpec, seed: int, count: int) -> None:
     """Unmeasured requests first (compilation, allocator, connection pool); a different seed keeps the measured
     prompts out of the prefix cache."""
@@ -120,13 +98,6 @@ async def warm_up(target: Target, spec: WorkloadSpec, seed: int, count: int) -> 
     stop = StopRule(num_requests=count, request_timeout_s=600.0, drain_timeout_s=600.0)
     await run_load(target.client, iter_requests(spec, target.sampler, seed + 1_000_003),
                    LoadPattern(concurrency=min(count, 4)), stop)
-
-
-def plot_entries(runs: list[RunEntry], group_of) -> list[PlotRun]:
-    return [PlotRun(label=r.label, group=group_of(r), gaps_ms=[g * 1000 for rec in r.records if rec.ok
-                                                                for g in gaps(rec.token_times_s)],
-                    output_tokens_per_s=r.summary.output_tokens_per_s, tbt_p99_ms=r.summary.tbt.p99_ms)
-            for r in runs]
 
 
 async def bench_run(args: argparse.Namespace) -> int:

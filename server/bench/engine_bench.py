@@ -17,13 +17,13 @@ import sys
 from typing import Any
 
 from metronome.server.bench import engine_sections as sections
-from metronome.server.bench.commands import args_config
-from metronome.server.bench.inprocess import EngineOptions, build_core, model_config_of, sampler_for_engine
+from metronome.server.bench.inprocess import sampler_for_engine
 from metronome.server.bench.results import RunEntry, environment, write_json
+from metronome.server.bench.run_output import args_config, plot_entries
 from metronome.server.bench.runner import StopRule
 from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, take, iter_requests
-from metronome.contract.config import SchedulerConfig
-from metronome.contract.errors import MetronomeError
+from metronome.contract.errors import InvalidRequestError, MetronomeError
+from metronome.server.engine.flags import engine_config_from_args, scheduler_from_args
 
 SECTIONS = ("device", "decode", "prefill", "longshort", "hf")
 
@@ -79,18 +79,13 @@ def evaluate_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _resolve_device(name: str) -> Any:
-    import torch
+    from metronome.server.models.device import resolve_device
 
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise EngineBenchArgsError(f"unknown device {name!r}; use cpu or cuda[:N]") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise EngineBenchArgsError("no CUDA device here; for a CPU smoke run pass --device cpu --model random:tiny "
-                                   "with small sizes (see docs/bench.md)")
-    return device
+        return resolve_device(name)
+    except InvalidRequestError as exc:
+        raise EngineBenchArgsError(f"{exc}; for a CPU smoke run pass --device cpu --model random:tiny with small "
+                                   "sizes (see docs/bench.md)") from None
 
 
 def _check_args(args: argparse.Namespace) -> list[str]:
@@ -105,17 +100,11 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 
 def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str, Any]) -> None:
     """Everything that needs our engine; the engine is released when this returns (before transformers runs)."""
-    scheduler = SchedulerConfig(chunk_size=args.chunk_size, max_num_seqs=max([args.max_num_seqs,
-                                                                              *args.batch_sizes]))
-    options = EngineOptions(model=args.model, dtype=args.dtype, device=args.device, num_kv_blocks=args.num_kv_blocks,
-                            kv_cache_memory_gb=args.kv_cache_memory_gb,
-                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                            attention_backend=args.attention_backend,
-                            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                            tensor_parallel_size=args.tensor_parallel_size,
-                            cuda_graphs=not getattr(args, "enforce_eager", False))
-    core = build_core(options, scheduler)
-    config = model_config_of(core)
+    from metronome.server.engine.engine import EngineCore
+
+    max_num_seqs = max([scheduler_from_args(args).max_num_seqs, *args.batch_sizes])  # room for every batch
+    core = EngineCore.from_config(engine_config_from_args(args), scheduler_from_args(args, max_num_seqs=max_num_seqs))
+    config = core.loaded.config
     dtype = core.loaded.dtype
     dtype_bytes = dtype.itemsize
     sampler = sampler_for_engine(core)
@@ -153,7 +142,7 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         runs, batch = asyncio.run(sections.longshort_section(
             core, spec, sampler, args.chunk_sizes if "longshort" in chosen else [args.batch_chunk_size],
             args.rates if "longshort" in chosen else [], args.longshort_policy,
-            max([args.max_num_seqs, *args.batch_sizes]), stop, args.seed, args.slo_tbt_ms, progress,
+            max_num_seqs, stop, args.seed, args.slo_tbt_ms, progress,
             args.hf_requests if "hf" in chosen else None, args.batch_chunk_size, args.warmup_requests))
         if "longshort" in chosen:
             doc["longshort"] = {"policy": args.longshort_policy, "slo_tbt_ms": args.slo_tbt_ms,
@@ -247,7 +236,6 @@ def _print(doc: dict[str, Any]) -> None:
 
 
 def _plot(doc: dict[str, Any], path: str, slo: float) -> None:
-    from metronome.server.bench.commands import plot_entries
     from metronome.server.bench.plots import plot_runs
 
     runs: list[RunEntry] = doc.get("_runs") or []

@@ -76,15 +76,12 @@ class EngineCore:
         from metronome.server.models import load_model  # heavy: only when an engine is built
 
         config.validate()
-        device = config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         if config.tensor_parallel_size > 1:
             from metronome.server.engine.tp_launch import start_tensor_parallel
 
             return start_tensor_parallel(cls, config, scheduler_config or SchedulerConfig())
-        loaded = load_model(config.model, dtype=config.dtype, device=device, attention_backend=config.attention_backend,
-                            seed=config.seed, block_size=config.block_size)
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                            attention_backend=config.attention_backend, seed=config.seed, block_size=config.block_size)
         return cls(loaded, config, scheduler_config or SchedulerConfig())
 
     def close(self) -> None:
@@ -224,7 +221,6 @@ class EngineCore:
         stats.generated_tokens += 1
         last = seq.last_token_time
         if last is None:
-            seq.first_token_time = now
             stats.first_token_latencies_s.append(now - seq.arrival_time)
         else:
             stats.token_gaps_s.append(now - last)

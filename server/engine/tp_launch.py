@@ -26,6 +26,7 @@ from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.tp_channel import (SET_NUM_BLOCKS, SHUTDOWN, ChannelClosed, StepHeader,
                                                 encode_command, encode_step, read_reply)
 from metronome.contract.errors import InvalidRequestError, MetronomeError
+from metronome.server.models.device import resolve_device
 from metronome.server.models.parallel import TPContext, plan_shards
 
 log = logging.getLogger(__name__)
@@ -46,16 +47,9 @@ class TensorParallelError(MetronomeError):
 
 def rank_devices(device: str, world_size: int) -> list[torch.device]:
     """The device of every rank: all CPU, or consecutive GPUs starting at the one asked for (cuda = cuda:0)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        base = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidRequestError(f"unknown device {device!r}; use cpu or cuda[:N]", param="device") from None
+    base = resolve_device(device, check_available=False)  # the GPU count below says how many are missing
     if base.type == "cpu":
         return [torch.device("cpu")] * world_size
-    if base.type != "cuda":
-        raise InvalidRequestError(f"unknown device {device!r}; use cpu or cuda[:N]", param="device")
     first = base.index or 0
     available = torch.cuda.device_count()
     if first + world_size > available:

@@ -3,19 +3,22 @@ workers (header over their pipes, tensors by broadcast), so every rank runs the 
 Sampling stays on rank 0; the logits every rank computes are already whole (all-gathered over the vocabulary)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from metronome.server.engine.model_runner import ModelRunner, PreparedInputs
-from metronome.server.engine.tp_channel import header_of, pack_payload
+from metronome.server.engine.tp_channel import StepHeader, header_of, pack_payload
 
-if TYPE_CHECKING:
-    from metronome.server.engine.tp_launch import WorkerPool
+
+class StepSender(Protocol):
+    """What the runner needs of the worker pool (tp_launch.WorkerPool): announce a step to every worker."""
+
+    def send_step(self, header: StepHeader) -> None: ...
 
 
 class TensorParallelRunner(ModelRunner):
-    def __init__(self, workers: "WorkerPool", *args, **kwargs):
+    def __init__(self, workers: StepSender, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.workers = workers
 

@@ -12,6 +12,7 @@ from metronome.server.models.config import ModelConfig
 from metronome.server.models.llama import LlamaForCausalLM
 from metronome.server.models.parallel import TPContext, local_config, plan_shards, shard_for, vocab_rows
 from metronome.server.models.parallel_layers import RowParallelLinear, VocabParallelEmbedding
+from metronome.server.models.random_weights import random_init_std
 
 if TYPE_CHECKING:
     from metronome.kernels import AttentionBackend
@@ -59,11 +60,9 @@ _UNFUSE = {".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", 
 
 def random_full_weights(config: ModelConfig, seed: int, device: torch.device,
                         dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The exact weights `loader.init_random_weights` gives the whole model (same generator, same order, same
-    device and dtype), produced one full tensor at a time under transformers' names, so every rank can keep
-    its shard of the very model tensor_parallel_size 1 would run."""
-    from metronome.server.models.loader import random_init_std
-
+    """The exact weights `random_weights.init_random_weights` gives the whole model (same generator, same
+    order, same device and dtype), produced one full tensor at a time under transformers' names, so every rank
+    can keep its shard of the very model tensor_parallel_size 1 would run."""
     with torch.device("meta"):
         full = LlamaForCausalLM(config, attention=None)
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -12,7 +12,6 @@ so an 8B random model on a GPU never allocates its weights on the CPU or in floa
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
@@ -22,8 +21,10 @@ import torch
 from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 from metronome.server.models.config import ModelConfig
 from metronome.server.models.default_model import DEFAULT_MODEL_NAME, default_model_path
+from metronome.server.models.device import resolve_device
 from metronome.server.models.llama import LlamaForCausalLM
 from metronome.server.models.presets import preset_config, preset_names
+from metronome.server.models.random_weights import init_random_weights
 from metronome.server.models.tokenizer import ByteTokenizer, Tokenizer, load_hf_tokenizer
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-INIT_STD = 0.02
 
 
 @dataclass
@@ -99,18 +99,6 @@ def _existing(path_text: str) -> Path:
     return path
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        resolved = None
-    if resolved is None or resolved.type not in ("cpu", "cuda"):
-        raise InvalidRequestError(f"unknown device {device!r}; use cpu or cuda[:N]", param="device")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequestError("device cuda requested but no CUDA device is available", param="device")
-    return resolved
-
-
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """'auto' → bfloat16 on CUDA, float32 on CPU."""
     if isinstance(dtype, torch.dtype):
@@ -131,29 +119,6 @@ def build_empty_model(config: ModelConfig, attention, device: torch.device, dtyp
     model = model.to(dtype).to_empty(device=device)
     model.requires_grad_(False)
     return model.eval()
-
-
-def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Deterministic (per seed and device) N(0, 0.02) weights; residual outputs scaled down by sqrt(2·layers)
-    so the residual stream and the logits stay in a sane range at any depth."""
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            std = random_init_std(name, model.config.num_hidden_layers)
-            if std is None:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, std, generator=generator)
-
-
-def random_init_std(name: str, num_layers: int) -> float | None:
-    """The standard deviation of a random parameter; None for norms (filled with ones)."""
-    if name.endswith("norm.weight"):
-        return None
-    if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
-        return INIT_STD / math.sqrt(2 * num_layers)
-    return INIT_STD
 
 
 def attention_backend_for(requested: str, device: torch.device, block_size: int, head_dim: int):

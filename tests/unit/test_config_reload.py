@@ -156,13 +156,13 @@ def state_effective_chunk(url: str) -> int:
 def test_serve_flags_give_the_base_that_the_file_overrides(tmp_path):
     from metronome.cli import build_parser
     from metronome.server.api.config_watch import load_config
-    from metronome.server.api.serve_cli import engine_config_from_flags, scheduler_from_flags
+    from metronome.server.engine.flags import engine_config_from_args, scheduler_from_args
 
     args = build_parser().parse_args(["serve", "--model", "random:tiny", "--chunk-size", "64", "--max-num-seqs", "8",
                                       "--queue-policy", "fcfs", "--max-waiting", "3", "--block-size", "32"])
-    base = scheduler_from_flags(args)
+    base = scheduler_from_args(args)
     assert (base.chunk_size, base.max_num_seqs, base.queue_policy.value) == (64, 8, "fcfs")
-    engine = engine_config_from_flags(args)
+    engine = engine_config_from_args(args)
     assert (engine.model, engine.max_waiting, engine.block_size) == ("random:tiny", 3, 32)
     path = tmp_path / "server.yaml"
     path.write_text("generation: 2\nscheduler:\n  chunk_size: 1024\n")

@@ -21,7 +21,7 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_json_lines_in_prompt_order_match_single_prompt_runs(capsys):
     prompts = ["hello there", "a much longer prompt that spans a few blocks of the cache", "x"]
-    args = [*TINY, "--max-tokens", "6", "--chunk-size", "7", "--json"]
+    args = [*TINY, "--max-tokens", "6", "--chunk-size", "7", "--queue-policy", "fcfs", "--json"]  # chunk 7 applies
     rc, out, err = run_cli(capsys, *args, *[a for p in prompts for a in ("--prompt", p)])
     assert rc == 0, err
     rows = [json.loads(line) for line in out.splitlines()]

@@ -1,0 +1,32 @@
+"""Random weights with a real model's shapes (`random:<preset>`): N(0, 0.02), residual outputs scaled down by
+sqrt(2·layers) so the residual stream and the logits stay in a sane range at any depth, norms at one.
+Used by the loader for the whole model and by llama_tp.py for the full tensors it shards."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+INIT_STD = 0.02
+
+
+def random_init_std(name: str, num_layers: int) -> float | None:
+    """The standard deviation of a random parameter; None for norms (filled with ones)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+        return INIT_STD / math.sqrt(2 * num_layers)
+    return INIT_STD
+
+
+def init_random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Deterministic (per seed and device) weights, in parameter order from one generator."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            std = random_init_std(name, model.config.num_hidden_layers)
+            if std is None:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=generator)
