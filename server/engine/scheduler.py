@@ -42,12 +42,6 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.entries
 
-    def tokens_for(self, seq: Sequence) -> int:
-        for s, n in self.entries:
-            if s is seq:
-                return n
-        return 0
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,

@@ -2,13 +2,9 @@
 from __future__ import annotations
 
 import enum
-import itertools
 from typing import Any
 
 from metronome.server.engine.sampling import SamplingParams
-
-_admission_counter = itertools.count()
-
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # in a queue, no KV blocks
@@ -38,16 +34,12 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
         self.num_cached_tokens = 0  # prefix-cache hit at the last admission
-        self.admitted_at = -1  # admission counter: larger = newer (preemption victims are the newest)
         self.lane: str | None = None  # the scheduler queue/lane this sequence belongs to
         self.finish_reason: str | None = None
         # Output bookkeeping, owned by the engine.
-        self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.generator: Any = None  # torch.Generator for seeded requests
-        self.detokenizer: Any = None
-        self.output_text = ""  # detokenized output (stop string trimmed)
-        self.emitted_text_len = 0  # chars of output_text already sent in events
+        self.detokenizer: Any = None  # OutputText: incremental text and stop strings
         self.num_preemptions = 0
 
     # --- token views -------------------------------------------------------------------------------------
@@ -76,15 +68,10 @@ class Sequence:
         """Still computing the tokens it had when (re)admitted; otherwise it is decoding one token per step."""
         return self.num_computed_tokens < self.prefill_target
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     # --- transitions ---------------------------------------------------------------------------------------
     def mark_admitted(self) -> None:
         self.status = SequenceStatus.RUNNING
         self.prefill_target = len(self.token_ids)
-        self.admitted_at = next(_admission_counter)
 
     def reset_for_recompute(self) -> None:
         """Preempted: its blocks were freed; it will prefill prompt + generated tokens again."""

@@ -174,10 +174,11 @@ def test_preemption_recomputes_newest_first_and_everything_finishes():
     seqs = [h.add(f"r{i}", 6) for i in range(4)]
     preempted: list[str] = []
     while h.sched.has_work():
+        admitted = list(h.sched.running)  # admission order: the last one is the newest
         batch = h.step()
         for victim in batch.preempted:
             preempted.append(victim.request_id)
-            newer = [s for s in h.sched.running if s.admitted_at > victim.admitted_at]
+            newer = [s for s in h.sched.running if s in admitted and admitted.index(s) > admitted.index(victim)]
             assert not newer  # the newest running sequence is the victim
     assert preempted
     assert sorted(s.request_id for s in h.finished) == [s.request_id for s in seqs]
