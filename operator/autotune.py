@@ -1,10 +1,10 @@
 """The autotune step of one InferenceService: a metrics reading → what status shows and what to actuate.
 
 Pure: `step(...)` takes the parsed service, the served config, the CR's status and the reading (an Observation,
-or why there is none) and returns a `TuneResult`. The handler (handlers.refresh_status) reads Prometheus, calls
-`step` and carries the result out: a new scheduler becomes a new server.yaml generation (reconcile.serve_scheduler,
-with a ConfigUpdated Event naming the reason), a replica change becomes a patch of spec.replicas, lastDecision and
-Events are written as given. `TunerMemory` is the little state kept per object between readings.
+or why there is none) and returns a `TuneResult`. control_loop.tick reads Prometheus, calls `step` and carries the
+result out: a new scheduler becomes a new server.yaml generation (reconcile.serve_scheduler, with a ConfigUpdated
+Event naming the reason), a replica change becomes a patch of spec.replicas, lastDecision and Events are written
+as given. `TunerMemory` is the little state kept per object between readings.
 
 Rules:
 - no reading (Prometheus down, no series, no URL) or too few TBT samples → change nothing; MetricsAvailable=False
@@ -21,21 +21,15 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from metronome.contract.config import ConfigError, SchedulerConfig, ServerConfigFile
 from metronome.operator.changes import NORMAL, EventSpec
+from metronome.operator.configmap import scheduler_for
 from metronome.operator.controller import decide
+from metronome.operator.decision import CurrentConfig, Decision
 from metronome.operator.metrics_source import MetricsUnavailable
-from metronome.operator.observation import (
-    AutotuneMode,
-    AutotuneSpec,
-    AutotuneSpecError,
-    CurrentConfig,
-    Decision,
-    Observation,
-    scheduler_for,
-)
-from metronome.operator.spec import InferenceService
+from metronome.operator.observation import Observation
+from metronome.operator.spec import AutotuneMode, AutotuneSpec, InferenceService, SpecError
 from metronome.operator.status import ServingMetrics, decision_record
-from metronome.contract.config import SchedulerConfig, ServerConfigFile
 
 MIN_SAMPLES = AutotuneSpec.min_samples  # fewer TBT samples in the window = no data (the controller's own rule)
 
@@ -164,23 +158,22 @@ def step(
     metrics = serving_metrics(observation, unavailable, served.generation if served is not None else None,
                               ready_pods=ready_pods)
     reading = TuneResult(metrics, dict(observation.pod_generations) if observation is not None else None)
-    tune = service.spec.autotune
-    if tune.mode == AutotuneMode.OFF.value:
+    spec = service.spec.autotune
+    if spec.mode is AutotuneMode.OFF:
         return reading
     if unavailable is None and observation is None:
-        return replace(reading, problem=f"autotune is {tune.mode} but {metrics.message}")
+        return replace(reading, problem=f"autotune is {spec.mode.value} but {metrics.message}")
     if served is None:
         return reading  # nothing served to tune from; ConfigApplied says why
-    try:
-        spec = AutotuneSpec.from_service(service.spec)
-    except AutotuneSpecError as exc:
-        return replace(reading, problem=f"autotune is {tune.mode} but cannot run: {exc}")
 
     current = CurrentConfig.from_scheduler(
         served.scheduler, service.spec.replicas, served.generation,
         _latest(last_change_time(status), remembered_change_time),
     )
-    decision = decide(observation if unavailable is None else None, current, spec, now)
+    try:
+        decision = decide(observation if unavailable is None else None, current, spec, now)
+    except SpecError as exc:
+        return replace(reading, problem=f"autotune is {spec.mode.value} but cannot run: {exc}")
     slo_override = (CHUNK_AT_FLOOR, decision.reason) if decision.slo_unreachable else None
     result = replace(reading, decision=decision, current=current, slo_override=slo_override)
     if decision.changed:
@@ -205,7 +198,7 @@ def _apply(result: TuneResult, decision: Decision, current: CurrentConfig, serve
     if (decision.chunk_size, decision.queue_policy) != (current.chunk_size, current.queue_policy):
         try:
             scheduler = scheduler_for(decision, served.scheduler)
-        except AutotuneSpecError as exc:
+        except ConfigError as exc:
             return replace(result, problem=f"decision {decision.describe_change(current)} not applied: {exc}")
     replicas, events = None, []
     if decision.replicas != current.replicas:

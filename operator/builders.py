@@ -1,4 +1,5 @@
 """Pure builders: an InferenceService → the objects that serve it (Deployment, Service, ConfigMap, PodMonitor).
+What server.yaml holds and which generation comes next is configmap.py's.
 
 No API calls here. Two rules shape the output:
 - The pod template depends only on what needs a restart (model, image, resources, engine flags). The scheduler
@@ -12,20 +13,12 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
+from metronome.contract.config import ServerConfigFile
+from metronome.operator.configmap import ANNOTATION_CONFIG_GENERATION, CONFIG_DIR, CONFIG_KEY, CONFIG_PATH
 from metronome.operator.metrics_source import QueryWindow, podmonitor_relabelings
 from metronome.operator.spec import InferenceService, InferenceServiceSpec
-from metronome.contract.config import (
-    ConfigError,
-    SchedulerConfig,
-    ServerConfigFile,
-    parse_server_config,
-    validate_scheduler,
-)
 
 SERVER_PORT = 8000
-CONFIG_KEY = "server.yaml"
-CONFIG_DIR = "/etc/metronome"
-CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 MODEL_DIR = "/models"
 SERVER_CONTAINER = "server"
 RUN_AS_USER = 1000
@@ -37,7 +30,6 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
-ANNOTATION_CONFIG_GENERATION = "metronome.dev/config-generation"
 MANAGED_BY = "metronome-operator"
 
 PODMONITOR_API_VERSION = "monitoring.coreos.com/v1"
@@ -85,43 +77,7 @@ def _metadata(service: InferenceService, name: str, **extra: Any) -> dict[str, A
     }
 
 
-# --- server.yaml ---------------------------------------------------------------------------------------------
-
-
-def next_server_config(current: ServerConfigFile | None, scheduler: SchedulerConfig) -> ServerConfigFile:
-    """The config to serve `scheduler`: the current one if it already does, else a new generation."""
-    if current is None:
-        return ServerConfigFile(generation=1, scheduler=scheduler)
-    if current.scheduler == scheduler:
-        return current
-    return ServerConfigFile(generation=current.generation + 1, scheduler=scheduler)
-
-
-def with_scheduler_changes(current: ServerConfigFile, **changes: Any) -> ServerConfigFile:
-    """`current` with some scheduler fields replaced (snake_case names, validated); the generation moves on only
-    if something changed. The autotuner's actuation goes through here."""
-    merged = {**current.scheduler.snake_dict(), **changes}
-    return next_server_config(current, validate_scheduler(merged, source="scheduler change"))
-
-
-def read_server_config(config_map: dict[str, Any] | None) -> ServerConfigFile | None:
-    """The config a ConfigMap serves; None when there is no ConfigMap or no server.yaml in it.
-    Raises ConfigError when server.yaml is there but invalid (someone edited it by hand)."""
-    if not config_map:
-        return None
-    text = (config_map.get("data") or {}).get(CONFIG_KEY)
-    if text is None:
-        return None
-    name = (config_map.get("metadata") or {}).get("name", "configmap")
-    return parse_server_config(text, source=f"ConfigMap {name} key {CONFIG_KEY}")
-
-
-def safe_read_server_config(config_map: dict[str, Any] | None) -> tuple[ServerConfigFile | None, str | None]:
-    """read_server_config, with an invalid file reported as (None, error) instead of raised."""
-    try:
-        return read_server_config(config_map), None
-    except ConfigError as exc:
-        return None, str(exc)
+# --- the ConfigMap (its content: configmap.py) ----------------------------------------------------------
 
 
 def config_map(service: InferenceService, config: ServerConfigFile) -> dict[str, Any]:

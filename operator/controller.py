@@ -29,15 +29,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from metronome.operator.observation import (
-    ActionKind,
-    AutotuneMode,
-    AutotuneSpec,
-    CurrentConfig,
-    Decision,
-    Observation,
-    TuningPolicy,
-)
+from metronome.contract.config import QueuePolicy
+from metronome.operator.decision import ActionKind, CurrentConfig, Decision
+from metronome.operator.observation import Observation
+from metronome.operator.spec import AutotuneMode, AutotuneSpec, SpecError, TuningPolicy
 from metronome.operator.step_model import (
     FitError,
     StepFit,
@@ -47,7 +42,6 @@ from metronome.operator.step_model import (
     largest_chunk_within,
     predict_tbt_p99,
 )
-from metronome.contract.config import QueuePolicy
 
 METRICS_UNAVAILABLE = "metrics unavailable"
 
@@ -66,7 +60,9 @@ class _Proposal:
 
 
 def decide(observation: Observation | None, current: CurrentConfig, spec: AutotuneSpec, now: float) -> Decision:
-    """The next step for one service. Pure: same inputs, same Decision."""
+    """The next step for one service. Pure: same inputs, same Decision. Raises SpecError without an SLO."""
+    if spec.tbt_p99_target_s is None:
+        raise SpecError("spec.slo.tbtP99Ms is required for autotuning")
     if observation is None:
         return _no_data(current, METRICS_UNAVAILABLE if spec.mode is not AutotuneMode.OFF
                         else f"autotune is off; {METRICS_UNAVAILABLE}")

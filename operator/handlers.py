@@ -6,9 +6,9 @@
 - field spec.server: serve the new scheduler settings as a new server.yaml generation (ConfigMap only; the pods
   reload it, nothing rolls).
 - timer (one per InferenceService, every --status-interval): observe the children (re-creating a deleted one)
-  and refresh status. Every spec.autotune.intervalSeconds the same tick reads Prometheus and runs the control
-  loop (autotune.step), then carries its result out: a new server.yaml generation, a spec.replicas patch,
-  status.lastDecision, Events. One reading at a time per object (TunerMemory.lock in kopf's per-object memo).
+  and refresh status. The same tick runs the control loop (control_loop.tick: every
+  spec.autotune.intervalSeconds it reads Prometheus, decides and acts); the handler patches what it returns
+  (spec.replicas, status.lastDecision). Its per-object state (autotune.TunerMemory) lives in kopf's memo.
 - delete: nothing to clean up by hand; every child has an owner reference and is garbage-collected.
 
 Handlers are registered onto a given registry by `register` (no import-time side effects), and write status
@@ -17,14 +17,13 @@ schema prunes).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 from typing import Any, Mapping
 
 import kopf
 
-from metronome.operator import autotune, reconcile, status as status_mod
+from metronome.operator import autotune, control_loop, reconcile
+from metronome.operator import status as status_mod
 from metronome.operator.changes import describe_transitions
 from metronome.operator.k8s import Kube
 from metronome.operator.options import OperatorOptions
@@ -103,45 +102,14 @@ def refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any
 def _autotune(
     memo: kopf.Memo, service: InferenceService, body: kopf.Body, observed: status_mod.Observed, patch: kopf.Patch
 ) -> status_mod.Observed:
-    """Read the metrics and act on them when due; return `observed` with the latest reading for status."""
+    """control_loop.tick, and its changes to the CR through kopf's patch."""
     tuner: autotune.TunerMemory = memo.setdefault(TUNER_MEMO_KEY, autotune.TunerMemory())
-    with tuner.lock:
-        now = time.time()
-        if tuner.due(now, service.generation):
-            url = service.spec.metrics.prometheus_url or memo.options.prometheus_url
-            observation, unavailable = reconcile.read_metrics(url, service, now) if url else (None, None)
-            ready = status_mod.rollout_of(observed.deployment, service.spec.replicas).ready if observed.deployment else 0
-            result = autotune.step(service, observed.served_config, body.get("status") or {}, observation,
-                                   unavailable, now, tuner.last_change_time, ready_pods=ready)
-            observed = _actuate(memo.kube, service, body, observed, result, patch)
-            problem = tuner.remember(result, now, service.generation, service.spec.autotune.interval_seconds)
-            if problem:
-                memo.kube.emit_event(body, "Warning", "AutotuneBlocked", problem)
-    served_generation = observed.served_config.generation if observed.served_config is not None else None
-    return dataclasses.replace(observed, metrics=tuner.metrics_for(served_generation), slo_override=tuner.slo_override)
-
-
-def _actuate(
-    kube: Kube, service: InferenceService, body: kopf.Body, observed: status_mod.Observed,
-    result: autotune.TuneResult, patch: kopf.Patch,
-) -> status_mod.Observed:
-    if result.decision is not None and result.current is not None and (result.applied_change or result.last_decision):
-        log.info("%s/%s: %s (%s): %s", service.namespace, service.name,
-                 result.decision.describe_change(result.current), "applied" if result.applied_change else "advice",
-                 result.decision.reason)
-    if result.scheduler is not None:
-        config = reconcile.serve_scheduler(kube, service, body, result.scheduler, why=result.config_reason)
-        observed = dataclasses.replace(observed, served_config=config, config_error=None)
+    result = control_loop.tick(memo.kube, service, body, observed, tuner, memo.options.prometheus_url)
     if result.replicas is not None:
-        # kopf counts its own patch as handled (no update handler follows), so scale the Deployment here too.
         patch.spec["replicas"] = result.replicas
-        scaled = dataclasses.replace(service, spec=dataclasses.replace(service.spec, replicas=result.replicas))
-        reconcile.sync_children(kube, scaled, body)
     if result.last_decision is not None:
         patch.status["lastDecision"] = result.last_decision
-    for event in result.events:
-        kube.emit_event(body, event.type, event.reason, event.message)
-    return observed
+    return result.observed
 
 
 def forget(name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:

@@ -9,7 +9,7 @@ Three layers, so that everything but the HTTP call is testable without Prometheu
 Label contract (what the operator's scrape config / PodMonitor must produce): every server series carries
 `namespace` (the InferenceService's namespace) and `service` (its name, from the pod label
 `app.kubernetes.io/instance`), plus `pod` (or at least `instance`) to tell pods apart. `POD_RELABELING` states
-it as relabeling rules (rendered for a PodMonitor or a plain scrape config below). The label names are fields
+it as relabeling rules (rendered for the PodMonitor below; hack/standin writes the same labels). The label names are fields
 of `ServiceSelector`, so another relabeling only needs another selector.
 
 Long-prompt share is a proxy: the server exports prompt-token and finished-request counters, not a prompt
@@ -23,27 +23,24 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
-from metronome.operator.observation import Observation, StepSample
 from metronome.contract import metric_names as names
 from metronome.contract.errors import MetronomeError
+from metronome.operator.observation import Observation, StepSample
 
 # Keys of build_queries' result; one PromQL expression each.
 TBT_P99 = "tbt_p99"
 TBT_COUNT = "tbt_count"
-TBT_MEAN = "tbt_mean"
 TTFT_P99 = "ttft_p99"
 OUTPUT_TOKENS_RATE = "output_tokens_rate"
 PROMPT_TOKENS_RATE = "prompt_tokens_rate"
 REQUESTS_RATE = "requests_rate"
-WAITING_BY_QUEUE = "waiting_by_queue"
 RUNNING_PER_POD = "running_per_pod"
 STEP_TOKENS_RATE = "step_tokens_rate"
 STEP_SECONDS_RATE = "step_seconds_rate"
 STEP_COUNT_RATE = "step_count_rate"
 GENERATION_BY_POD = "generation_by_pod"
-QUERY_KEYS = (TBT_P99, TBT_COUNT, TBT_MEAN, TTFT_P99, OUTPUT_TOKENS_RATE, PROMPT_TOKENS_RATE, REQUESTS_RATE,
-              WAITING_BY_QUEUE, RUNNING_PER_POD, STEP_TOKENS_RATE, STEP_SECONDS_RATE, STEP_COUNT_RATE,
-              GENERATION_BY_POD)
+QUERY_KEYS = (TBT_P99, TBT_COUNT, TTFT_P99, OUTPUT_TOKENS_RATE, PROMPT_TOKENS_RATE, REQUESTS_RATE,
+              RUNNING_PER_POD, STEP_TOKENS_RATE, STEP_SECONDS_RATE, STEP_COUNT_RATE, GENERATION_BY_POD)
 
 
 # The label contract, as relabeling rules from Kubernetes service discovery (role: pod) to series labels.
@@ -57,12 +54,6 @@ POD_RELABELING = (
 def podmonitor_relabelings() -> list[dict[str, Any]]:
     """`spec.podMetricsEndpoints[].relabelings` of a PodMonitor (prometheus-operator) that meets the contract."""
     return [{"sourceLabels": [source], "targetLabel": target, "action": "replace"} for source, target in POD_RELABELING]
-
-
-def scrape_relabel_configs() -> list[dict[str, Any]]:
-    """`relabel_configs` of a plain Prometheus `kubernetes_sd_configs: [{role: pod}]` job that meets the contract."""
-    return [{"source_labels": [source], "target_label": target, "action": "replace"}
-            for source, target in POD_RELABELING]
 
 
 class MetricsUnavailable(MetronomeError):
@@ -90,12 +81,11 @@ class ServiceSelector:
     service_label: str = "service"
     pod_label: str = "pod"
     instance_label: str = "instance"
-    queue_label: str = "queue"
 
     def __post_init__(self) -> None:
         if not self.namespace or not self.service:
             raise ValueError(f"ServiceSelector needs a namespace and a service, got {self.namespace!r}/{self.service!r}")
-        for label in (self.namespace_label, self.service_label, self.pod_label, self.instance_label, self.queue_label):
+        for label in (self.namespace_label, self.service_label, self.pod_label, self.instance_label):
             if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", label):
                 raise ValueError(f"not a Prometheus label name: {label!r}")
 
@@ -128,11 +118,6 @@ class QueryWindow:
             scrape = parse_duration(scrape_interval_seconds, "scrape interval") if scrape_interval_seconds else 0.0
             sub_window_seconds = max(5.0, window / 4, 4 * scrape)
         return cls(window, min(parse_duration(sub_window_seconds, "sub-window"), window))
-
-    @classmethod
-    def from_spec(cls, metrics: Mapping[str, Any] | None) -> "QueryWindow":
-        """From an InferenceService's raw `spec.metrics` (`windowSeconds`, default 60)."""
-        return cls.for_window((metrics or {}).get("windowSeconds", cls.window_seconds))
 
 
 @dataclass(frozen=True)
@@ -176,12 +161,10 @@ def build_queries(selector: ServiceSelector, window: QueryWindow) -> dict[str, s
     return {
         TBT_P99: f"histogram_quantile(0.99, sum by (le) (rate({tbt}_bucket{m}[{w}])))",
         TBT_COUNT: f"sum(increase({tbt}_count{m}[{w}]))",
-        TBT_MEAN: f"sum(rate({tbt}_sum{m}[{w}])) / sum(rate({tbt}_count{m}[{w}]))",
         TTFT_P99: f"histogram_quantile(0.99, sum by (le) (rate({ttft}_bucket{m}[{w}])))",
         OUTPUT_TOKENS_RATE: f"sum(rate({names.GENERATION_TOKENS}{m}[{w}]))",
         PROMPT_TOKENS_RATE: f"sum(rate({names.PROMPT_TOKENS}{m}[{w}]))",
         REQUESTS_RATE: f"sum(rate({names.REQUEST_E2E}_count{m}[{w}]))",
-        WAITING_BY_QUEUE: f"sum by ({selector.queue_label}) (avg_over_time({names.REQUESTS_WAITING}{m}[{w}]))",
         RUNNING_PER_POD: f"avg(avg_over_time({names.REQUESTS_RUNNING}{m}[{w}]))",
         STEP_TOKENS_RATE: slices(f"{names.STEP_TOKENS}_sum"),
         STEP_SECONDS_RATE: slices(f"{names.STEP_DURATION}_sum"),
@@ -203,7 +186,6 @@ def observation_from_results(results: Mapping[str, Any], window: QueryWindow,
         raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE, f"results missing for {', '.join(missing)}")
     pod_label = selector.pod_label if selector else "pod"
     instance_label = selector.instance_label if selector else "instance"
-    queue_label = selector.queue_label if selector else "queue"
     if all(not _as_list(results[key], key) for key in QUERY_KEYS):
         who = f"{selector.namespace}/{selector.service}" if selector else "the service"
         raise MetricsUnavailable(MetricsUnavailable.NO_SERIES,
@@ -217,12 +199,6 @@ def observation_from_results(results: Mapping[str, Any], window: QueryWindow,
     prompt_rate = _scalar(results, PROMPT_TOKENS_RATE)
     requests_rate = _scalar(results, REQUESTS_RATE)
     mean_prompt = prompt_rate / requests_rate if prompt_rate is not None and requests_rate else None
-    waiting = {}
-    for series in _as_list(results[WAITING_BY_QUEUE], WAITING_BY_QUEUE):
-        value = _value(series, WAITING_BY_QUEUE)
-        if value is not None:
-            queue = series.get("metric", {}).get(queue_label, "")
-            waiting[queue] = waiting.get(queue, 0.0) + value
     generations = {}
     for series in _as_list(results[GENERATION_BY_POD], GENERATION_BY_POD):
         value = _value(series, GENERATION_BY_POD)
@@ -232,14 +208,12 @@ def observation_from_results(results: Mapping[str, Any], window: QueryWindow,
         window_seconds=window.window_seconds,
         sample_count=int(round(sample_count or 0.0)),
         tbt_p99_s=_positive(_scalar(results, TBT_P99)),
-        tbt_mean_s=_positive(_scalar(results, TBT_MEAN)),
         ttft_p99_s=_positive(_scalar(results, TTFT_P99)),
         output_tokens_per_s=output_rate or 0.0,
         prompt_tokens_per_s=prompt_rate,
         requests_per_s=requests_rate,
         mean_prompt_tokens=mean_prompt,
         long_prompt_share=proxy.share(mean_prompt) if mean_prompt is not None else None,
-        waiting_by_queue=waiting,
         decode_batch_size=_scalar(results, RUNNING_PER_POD),
         step_samples=_step_samples(results, window, pod_of),
         pod_generations=generations,

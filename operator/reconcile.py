@@ -8,7 +8,8 @@ import datetime as dt
 import logging
 from typing import Any, Mapping
 
-from metronome.operator import builders, changes
+from metronome.contract.config import SchedulerConfig, ServerConfigFile
+from metronome.operator import builders, changes, configmap
 from metronome.operator.autotune import BAD_METRICS_SETTINGS
 from metronome.operator.k8s import Kube
 from metronome.operator.metrics_source import (
@@ -21,7 +22,6 @@ from metronome.operator.metrics_source import (
 from metronome.operator.observation import Observation
 from metronome.operator.spec import InferenceService
 from metronome.operator.status import Observed
-from metronome.contract.config import SchedulerConfig, ServerConfigFile
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def _emit(kube: Kube, owner: Mapping[str, Any], event: changes.EventSpec | None)
 
 def _read_config(kube: Kube, service: InferenceService) -> tuple[dict | None, ServerConfigFile | None, str | None]:
     existing = kube.get("v1", "ConfigMap", service.namespace, builders.child_names(service.name).config_map)
-    config, error = builders.safe_read_server_config(existing)
+    config, error = configmap.safe_read_server_config(existing)
     return existing, config, error
 
 
@@ -46,7 +46,7 @@ def _last_generation(existing: Mapping[str, Any] | None, owner: Mapping[str, Any
     """The highest generation ever written (ConfigMap annotation or status), so that a rewritten server.yaml
     continues the numbering and metronome_config_generation only moves forward."""
     annotations = ((existing or {}).get("metadata") or {}).get("annotations") or {}
-    written = str(annotations.get(builders.ANNOTATION_CONFIG_GENERATION, "0"))
+    written = str(annotations.get(configmap.ANNOTATION_CONFIG_GENERATION, "0"))
     in_status = (owner.get("status") or {}).get("configGeneration") or 0
     return max(int(written) if written.isdigit() else 0, int(in_status))
 
@@ -61,7 +61,7 @@ def serve_scheduler(
             _emit(kube, owner, changes.EventSpec(changes.WARNING, "InvalidConfig", f"{error}; rewriting it"))
         config = ServerConfigFile(generation=_last_generation(existing, owner) + 1, scheduler=scheduler)
     else:
-        config = builders.next_server_config(current, scheduler)
+        config = configmap.next_server_config(current, scheduler)
     kube.apply(builders.config_map(service, config))
     _emit(kube, owner, changes.describe_config(current, config, why))
     return config

@@ -1,17 +1,30 @@
 """A typed view of an InferenceService: the CR body (a dict, camelCase) parsed into frozen dataclasses.
 
 The API server has already validated and defaulted the object against crds/inferenceservice.yaml; the defaults
-here mirror the CRD's (a unit test keeps them equal) so that bodies built by hand parse the same way. Anything
-that cannot be used raises SpecError naming the field, never a KeyError.
+here are the CRD's (each written once, as a dataclass field default; tests/unit/test_crd_schema.py keeps the two
+equal) so that bodies built by hand parse the same way. Anything that cannot be used raises SpecError naming the
+field, never a KeyError.
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+import dataclasses
+import enum
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from metronome.contract.config import ConfigError, SchedulerConfig, validate_scheduler
+from metronome import __version__
+from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig, validate_scheduler
+from metronome.contract.errors import MetronomeError
+from metronome.contract.model_source import (
+    DEFAULT,
+    SCHEMES,
+    ModelSource,
+    ModelSourceError,
+    parse_model_source,
+    syntax,
+)
 
 GROUP = "metronome.dev"
 VERSION = "v1alpha1"
@@ -19,43 +32,28 @@ KIND = "InferenceService"
 PLURAL = "inferenceservices"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-DEFAULT_IMAGE = "ghcr.io/metronome-dev/metronome-server:0.1.0"
-MODEL_KINDS = ("default", "random", "gguf", "hf-dir", "pvc")
-_PVC_SOURCE = re.compile(r"^(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(/(?P<path>.*))?$")
+DEFAULT_IMAGE = f"ghcr.io/metronome-dev/metronome-server:{__version__}"
+HOST_PATH_KINDS = ("gguf", "hf-dir")  # mounted from the node, so their paths are absolute
 
 
-class SpecError(ValueError):
+class SpecError(MetronomeError, ValueError):
     """An InferenceService body the operator cannot act on; the message names the field."""
 
 
-@dataclass(frozen=True)
-class ModelSource:
-    """`default`, `random:<preset>`, `gguf:/file.gguf`, `hf-dir:/dir` or `pvc:<claim>[/<path>]`."""
-
-    kind: str
-    value: str = ""  # preset, absolute path, or path inside the claim
-    claim: str = ""  # pvc only
-
-    @classmethod
-    def parse(cls, source: str) -> "ModelSource":
-        if not isinstance(source, str) or not source:
-            raise SpecError("spec.model.source: must be a non-empty string")
-        if source == "default":
-            return cls("default")
-        kind, sep, rest = source.partition(":")
-        if not sep or kind not in MODEL_KINDS or not rest:
-            raise SpecError(
-                f"spec.model.source: {source!r} is not one of default, random:<preset>, gguf:/path.gguf, "
-                "hf-dir:/path, pvc:<claim>[/<path>]"
-            )
-        if kind in ("gguf", "hf-dir") and not rest.startswith("/"):
-            raise SpecError(f"spec.model.source: {kind} needs an absolute path, got {rest!r}")
-        if kind == "pvc":
-            match = _PVC_SOURCE.match(rest)
-            if not match:
-                raise SpecError(f"spec.model.source: {rest!r} is not <claim>[/<path>] with a valid claim name")
-            return cls("pvc", value=(match.group("path") or "").strip("/"), claim=match.group("claim"))
-        return cls(kind, value=rest)
+def parse_source(text: Any) -> ModelSource:
+    """spec.model.source through the shared syntax (metronome.contract.model_source), with the operator's own
+    rules on top: a scheme the operator serves, and absolute node paths for what it mounts through hostPath."""
+    where = "spec.model.source"
+    try:
+        source = parse_model_source(text)
+    except ModelSourceError as exc:
+        raise SpecError(f"{where}: {exc}") from exc
+    scheme = SCHEMES.get(source.kind)
+    if source.kind != DEFAULT and (scheme is None or not scheme.operator):
+        raise SpecError(f"{where}: {text!r} is not one of {syntax('operator')}")
+    if source.kind in HOST_PATH_KINDS and not source.value.startswith("/"):
+        raise SpecError(f"{where}: {source.kind} needs an absolute path on the node, got {source.value!r}")
+    return source
 
 
 @dataclass(frozen=True)
@@ -107,22 +105,105 @@ class SLOSpec:
     min_throughput_tokens_per_second: float | None = None
 
 
+class AutotuneMode(str, enum.Enum):
+    OFF = "off"  # observe only: status shows TBT and throughput, nothing is decided
+    ADVISE = "advise"  # decide and record the proposal, never act
+    APPLY = "apply"  # decide and act
+
+
+class TuningPolicy(str, enum.Enum):
+    MODEL = "model"  # fit step time = a + b*tokens, pick the largest chunk predicted to meet the SLO
+    MULTIPLICATIVE = "multiplicative"  # the background report's rule: x0.9 when over target, else x1.1
+
+
+# spec.autotune's keys → AutotuneSpec fields (parse_autotune reads these; a test holds them to the CRD).
+AUTOTUNE_FIELDS = {
+    "mode": "mode", "policy": "policy", "intervalSeconds": "interval_seconds", "cooldownSeconds": "cooldown_seconds",
+    "minChunkSize": "min_chunk", "maxChunkSize": "max_chunk", "maxStepUp": "max_step_up",
+    "maxStepDown": "max_step_down", "margin": "margin", "deadbandLow": "deadband_low",
+    "deadbandHigh": "deadband_high", "chunkGranularity": "chunk_granularity",
+    "policySwitching": "policy_switching", "scaleReplicas": "scale_replicas",
+}
+
+
 @dataclass(frozen=True)
 class AutotuneSpec:
-    mode: str = "off"
-    policy: str = "model"
-    interval_seconds: int = 30
-    cooldown_seconds: int = 60
-    min_chunk_size: int = 64
-    max_chunk_size: int = 8192
+    """Everything the control loop is asked to do: spec.autotune (the fields in AUTOTUNE_FIELDS, defaults = the
+    CRD's), the targets of spec.slo, the replica bounds spec.minReplicas/maxReplicas, the policy that switching
+    returns to (spec.server.queuePolicy), and the controller's fixed constants (no CRD field). Times in seconds,
+    sizes in tokens. `tbt_p99_target_s` is None when spec.slo is absent: the loop then cannot run.
+
+    Deadband: no change while `deadband_low <= tbt_p99 / target <= deadband_high` for the `model` policy (it aims
+    at `margin`, inside the band, and acts before the SLO breaks), and while `deadband_low <= ratio <= 1.0` for
+    `multiplicative` (the report's rule shrinks only over target). Cap: one decision moves the chunk size at most
+    `max_step_up` times up or `max_step_down` times down (x2 / /4 by default: 4096 reaches 256 in two intervals).
+    """
+
+    tbt_p99_target_s: float | None = None
+    mode: AutotuneMode = AutotuneMode.OFF  # nothing acts unless asked to
+    policy: TuningPolicy = TuningPolicy.MODEL
+    interval_seconds: float = 30.0
+    cooldown_seconds: float = 60.0
+    min_chunk: int = 64
+    max_chunk: int = 8192
     max_step_up: float = 2.0
     max_step_down: float = 4.0
-    margin: float = 0.9
-    deadband_low: float = 0.7
+    margin: float = 0.9  # the model aims at target * margin
+    deadband_low: float = 0.7  # wider than the TBT buckets near typical targets (25-30 ms is 17 %)
     deadband_high: float = 0.95
-    chunk_granularity: int = 64
+    chunk_granularity: int = 64  # the model's chunk sizes are multiples of this
     policy_switching: bool = True
     scale_replicas: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 8
+    base_queue_policy: str = QueuePolicy.FCFS.value  # the resource's own policy: where switching returns to
+    ttft_p99_target_s: float | None = None
+    min_throughput_tokens_per_s: float | None = None
+    # The controller's constants.
+    multiplicative_down: float = 0.9
+    multiplicative_up: float = 1.1
+    min_samples: int = 100  # fewer TBT samples in the window = no data
+    min_fit_points: int = 4
+    min_fit_r2: float = 0.8
+    min_fit_token_spread: float = 0.05  # (max - min) / mean tokens per step across fit points
+    long_share_on: float = 0.2  # switch to split above this share of long prompts (with TBT over target)
+    long_share_off: float = 0.05  # and back below this one: the gap is the hysteresis
+    settle_timeout_seconds: float = 300.0  # stop waiting for lagging pods after this long
+
+    def __post_init__(self) -> None:
+        problems = []
+        target = self.tbt_p99_target_s
+        if target is not None and not (math.isfinite(target) and target > 0):
+            problems.append(f"spec.slo.tbtP99Ms must be positive, got {target * 1000:g} ms")
+        if self.min_chunk < 1 or self.max_chunk < self.min_chunk:
+            problems.append("spec.autotune chunk bounds need 1 <= minChunkSize <= maxChunkSize, got "
+                            f"{self.min_chunk}..{self.max_chunk}")
+        if self.min_replicas < 0 or self.max_replicas < self.min_replicas:
+            problems.append(f"spec replica bounds need 0 <= minReplicas <= maxReplicas, got "
+                            f"{self.min_replicas}..{self.max_replicas}")
+        if self.interval_seconds <= 0 or self.cooldown_seconds < 0:
+            problems.append("spec.autotune.intervalSeconds must be > 0 and cooldownSeconds >= 0")
+        if not 0 < self.margin <= 1:
+            problems.append(f"spec.autotune.margin must be in (0, 1], got {self.margin}")
+        if not 0 <= self.deadband_low <= self.margin <= self.deadband_high <= 1:
+            problems.append(f"spec.autotune needs 0 <= deadbandLow <= margin <= deadbandHigh <= 1, got "
+                            f"{self.deadband_low}, {self.margin}, {self.deadband_high}")
+        if self.max_step_up < 1 or self.max_step_down < 1:
+            problems.append("spec.autotune.maxStepUp and maxStepDown must be >= 1")
+        if not 0 < self.multiplicative_down < 1 < self.multiplicative_up:
+            problems.append("multiplicative factors need 0 < down < 1 < up")
+        if self.chunk_granularity < 1:
+            problems.append("spec.autotune.chunkGranularity must be >= 1")
+        if not 0 <= self.long_share_off <= self.long_share_on <= 1:
+            problems.append("long-prompt share thresholds need 0 <= off <= on <= 1")
+        if self.base_queue_policy not in {p.value for p in QueuePolicy}:
+            problems.append(f"spec.server.queuePolicy: unknown queue policy {self.base_queue_policy!r}")
+        for name in ("ttft_p99_target_s", "min_throughput_tokens_per_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                problems.append(f"{name} must be positive when set, got {value}")
+        if problems:
+            raise SpecError("; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -135,8 +216,6 @@ class MetricsSpec:
 class InferenceServiceSpec:
     model: ModelSpec
     replicas: int = 1
-    min_replicas: int = 1
-    max_replicas: int = 8
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
     image: str = DEFAULT_IMAGE
     image_pull_policy: str = "IfNotPresent"
@@ -198,6 +277,17 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
+def _defaults(cls: type) -> dict[str, Any]:
+    """A dataclass's field defaults: where parse_* read a default, so that each is written once."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
 def _quantity(data: Mapping[str, Any], key: str, default: str, where: str) -> str:
     return str(_value(data, key, (int, str), default, where))
 
@@ -206,10 +296,11 @@ def parse_model(data: Mapping[str, Any]) -> ModelSpec:
     where = "spec.model"
     if "source" not in data:
         raise SpecError(f"{where}.source: required")
+    defaults = _defaults(ModelSpec)
     return ModelSpec(
-        source=ModelSource.parse(data["source"]),
-        dtype=_value(data, "dtype", str, "auto", where),
-        max_model_len=_value(data, "maxModelLen", int, None, where),
+        source=parse_source(data["source"]),
+        dtype=_value(data, "dtype", str, defaults["dtype"], where),
+        max_model_len=_value(data, "maxModelLen", int, defaults["max_model_len"], where),
     )
 
 
@@ -230,10 +321,11 @@ def parse_resources(data: Mapping[str, Any]) -> ResourcesSpec:
                 toleration_seconds=_value(item, "tolerationSeconds", int, None, item_where),
             )
         )
+    defaults = _defaults(ResourcesSpec)
     return ResourcesSpec(
-        gpus=_value(data, "gpus", int, 1, where),
-        cpu=_quantity(data, "cpu", "2", where),
-        memory=_quantity(data, "memory", "8Gi", where),
+        gpus=_value(data, "gpus", int, defaults["gpus"], where),
+        cpu=_quantity(data, "cpu", defaults["cpu"], where),
+        memory=_quantity(data, "memory", defaults["memory"], where),
         node_selector={str(k): str(v) for k, v in node_selector.items()},
         tolerations=tuple(tolerations),
     )
@@ -241,10 +333,11 @@ def parse_resources(data: Mapping[str, Any]) -> ResourcesSpec:
 
 def parse_engine(data: Mapping[str, Any]) -> EngineSpec:
     where = "spec.engine"
+    defaults = _defaults(EngineSpec)
     return EngineSpec(
-        block_size=_value(data, "blockSize", int, None, where),
-        attention_backend=_value(data, "attentionBackend", str, "auto", where),
-        max_waiting=_value(data, "maxWaiting", int, None, where),
+        block_size=_value(data, "blockSize", int, defaults["block_size"], where),
+        attention_backend=_value(data, "attentionBackend", str, defaults["attention_backend"], where),
+        max_waiting=_value(data, "maxWaiting", int, defaults["max_waiting"], where),
     )
 
 
@@ -270,32 +363,46 @@ def _optional_float(data: Mapping[str, Any], key: str, where: str) -> float | No
     return None if value is None else float(value)
 
 
-def parse_autotune(data: Mapping[str, Any]) -> AutotuneSpec:
+def _enum(kind: type[enum.Enum], value: Any, where: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(m.value for m in kind)
+        raise SpecError(f"{where}: must be one of {allowed}, got {value!r}") from None
+
+
+def parse_autotune(data: Mapping[str, Any], spec: Mapping[str, Any], slo: SLOSpec | None,
+                   server: SchedulerConfig) -> AutotuneSpec:
+    """spec.autotune, with the targets of `slo`, spec's replica bounds and the served queue policy."""
     where = "spec.autotune"
-    defaults = AutotuneSpec()
+    defaults = _defaults(AutotuneSpec)
+    kinds = {"mode": str, "policy": str, "policy_switching": bool, "scale_replicas": bool,
+             "min_chunk": int, "max_chunk": int, "chunk_granularity": int}
+    values = {}
+    for key, name in AUTOTUNE_FIELDS.items():
+        if kinds.get(name) in (str, bool, int):
+            values[name] = _value(data, key, kinds[name], defaults[name], where)
+        else:
+            values[name] = _float(data, key, defaults[name], where)
+    values["mode"] = _enum(AutotuneMode, values["mode"], f"{where}.mode")
+    values["policy"] = _enum(TuningPolicy, values["policy"], f"{where}.policy")
     return AutotuneSpec(
-        mode=_value(data, "mode", str, defaults.mode, where),
-        policy=_value(data, "policy", str, defaults.policy, where),
-        interval_seconds=_value(data, "intervalSeconds", int, defaults.interval_seconds, where),
-        cooldown_seconds=_value(data, "cooldownSeconds", int, defaults.cooldown_seconds, where),
-        min_chunk_size=_value(data, "minChunkSize", int, defaults.min_chunk_size, where),
-        max_chunk_size=_value(data, "maxChunkSize", int, defaults.max_chunk_size, where),
-        max_step_up=_float(data, "maxStepUp", defaults.max_step_up, where),
-        max_step_down=_float(data, "maxStepDown", defaults.max_step_down, where),
-        margin=_float(data, "margin", defaults.margin, where),
-        deadband_low=_float(data, "deadbandLow", defaults.deadband_low, where),
-        deadband_high=_float(data, "deadbandHigh", defaults.deadband_high, where),
-        chunk_granularity=_value(data, "chunkGranularity", int, defaults.chunk_granularity, where),
-        policy_switching=_value(data, "policySwitching", bool, defaults.policy_switching, where),
-        scale_replicas=_value(data, "scaleReplicas", bool, defaults.scale_replicas, where),
+        **values,
+        tbt_p99_target_s=slo.tbt_p99_ms / 1000.0 if slo is not None else None,
+        ttft_p99_target_s=slo.ttft_p99_ms / 1000.0 if slo is not None and slo.ttft_p99_ms is not None else None,
+        min_throughput_tokens_per_s=slo.min_throughput_tokens_per_second if slo is not None else None,
+        min_replicas=_value(spec, "minReplicas", int, defaults["min_replicas"], "spec"),
+        max_replicas=_value(spec, "maxReplicas", int, defaults["max_replicas"], "spec"),
+        base_queue_policy=QueuePolicy(server.queue_policy).value,
     )
 
 
 def parse_metrics(data: Mapping[str, Any]) -> MetricsSpec:
     where = "spec.metrics"
+    defaults = _defaults(MetricsSpec)
     return MetricsSpec(
-        prometheus_url=_value(data, "prometheusUrl", str, None, where),
-        window_seconds=_value(data, "windowSeconds", int, 60, where),
+        prometheus_url=_value(data, "prometheusUrl", str, defaults["prometheus_url"], where),
+        window_seconds=_value(data, "windowSeconds", int, defaults["window_seconds"], where),
     )
 
 
@@ -310,18 +417,19 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
     if not isinstance(spec, Mapping):
         raise SpecError("spec: expected an object")
     where = "spec"
+    defaults = _defaults(InferenceServiceSpec)
+    server = parse_server(_section(spec, "server", where))
+    slo = parse_slo(_section(spec, "slo", where))
     return InferenceServiceSpec(
         model=parse_model(_section(spec, "model", where)),
-        replicas=_value(spec, "replicas", int, 1, where),
-        min_replicas=_value(spec, "minReplicas", int, 1, where),
-        max_replicas=_value(spec, "maxReplicas", int, 8, where),
+        replicas=_value(spec, "replicas", int, defaults["replicas"], where),
         resources=parse_resources(_section(spec, "resources", where)),
-        image=_value(spec, "image", str, DEFAULT_IMAGE, where),
-        image_pull_policy=_value(spec, "imagePullPolicy", str, "IfNotPresent", where),
+        image=_value(spec, "image", str, defaults["image"], where),
+        image_pull_policy=_value(spec, "imagePullPolicy", str, defaults["image_pull_policy"], where),
         engine=parse_engine(_section(spec, "engine", where)),
-        server=parse_server(_section(spec, "server", where)),
-        slo=parse_slo(_section(spec, "slo", where)),
-        autotune=parse_autotune(_section(spec, "autotune", where)),
+        server=server,
+        slo=slo,
+        autotune=parse_autotune(_section(spec, "autotune", where), spec, slo, server),
         metrics=parse_metrics(_section(spec, "metrics", where)),
     )
 

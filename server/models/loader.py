@@ -61,27 +61,38 @@ _SPEC_HELP = ("use a .gguf file, a Hugging Face model folder (hf-dir:<path>), or
 
 
 def parse_model_spec(spec: str | None) -> ModelSource:
-    """Turn a user's model string into a source; ModelNotFoundError for anything that cannot be one."""
-    if spec is None or spec == "default":
-        path = default_model_path()
-        return ModelSource("gguf", str(path), DEFAULT_MODEL_NAME)
+    """Turn a user's model string into a source; ModelNotFoundError for anything that cannot be one.
+    The syntax is the shared one (metronome.contract.model_source); this adds what exists on this machine."""
+    from metronome.contract.model_source import DEFAULT, PATH, SCHEMES, ModelSourceError, parse_model_source
+
+    if spec is None:
+        spec = DEFAULT
     if not isinstance(spec, str) or not spec.strip():
         raise ModelNotFoundError(f"empty model spec; {_SPEC_HELP}")
     spec = spec.strip()
-    scheme, sep, rest = spec.partition(":")
-    if sep and scheme == "random":
-        preset_config(rest)  # raises with the list of presets
-        return ModelSource("random", rest, spec)
-    if sep and scheme == "gguf":
-        path = _existing(rest)
+    try:
+        source = parse_model_source(spec)
+    except ModelSourceError as exc:
+        raise ModelNotFoundError(f"{exc}; {_SPEC_HELP}") from exc
+    if source.kind == DEFAULT:
+        return ModelSource("gguf", str(default_model_path()), DEFAULT_MODEL_NAME)
+    if source.kind == "random":
+        preset_config(source.value)  # raises with the list of presets
+        return ModelSource("random", source.value, spec)
+    if source.kind == "gguf":
+        path = _existing(source.value)
         if not path.is_file():
-            raise ModelNotFoundError(f"gguf:{rest} is not a file")
+            raise ModelNotFoundError(f"gguf:{source.value} is not a file")
         return ModelSource("gguf", str(path), path.stem)
-    if sep and scheme == "hf-dir":
-        path = _existing(rest)
+    if source.kind == "hf-dir":
+        path = _existing(source.value)
         if not path.is_dir():
-            raise ModelNotFoundError(f"hf-dir:{rest} is not a folder")
+            raise ModelNotFoundError(f"hf-dir:{source.value} is not a folder")
         return ModelSource("hf-dir", str(path), path.name)
+    if source.kind != PATH:
+        scheme = SCHEMES[source.kind].syntax
+        raise ModelNotFoundError(f"{spec}: {scheme} is a source for the operator (it mounts it and passes the server "
+                                 f"a path); {_SPEC_HELP}")
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", str(path), path.stem)

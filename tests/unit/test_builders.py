@@ -1,14 +1,23 @@
-"""Pure builders: spec → Deployment / Service / ConfigMap / PodMonitor, and the server.yaml generation rules."""
+"""Pure builders: spec → Deployment / Service / ConfigMap / PodMonitor, and the server.yaml generation rules
+(configmap.py)."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 
-from metronome.operator import builders
-from metronome.operator.changes import describe_child, describe_config
-from metronome.operator.spec import ModelSource, SpecError, parse_service
 from metronome.contract.config import QueuePolicy, ServerConfigFile, parse_server_config
+from metronome.operator import builders, configmap
+from metronome.operator.changes import describe_child, describe_config
+from metronome.operator.decision import Decision
+from metronome.operator.spec import SpecError, parse_service, parse_source
+
+
+def retuned(config: ServerConfigFile, chunk_size: int, queue_policy: str | None = None) -> ServerConfigFile:
+    """What the control loop serves after a decision: configmap.scheduler_for, then the next generation."""
+    decision = Decision(chunk_size=chunk_size, queue_policy=queue_policy or config.scheduler.queue_policy.value,
+                        replicas=1, reason="test", changed=True)
+    return configmap.next_server_config(config, configmap.scheduler_for(decision, config.scheduler))
 
 
 def make_body(**spec_overrides) -> dict:
@@ -181,7 +190,7 @@ def test_node_selector_and_tolerations_pass_through():
 
 def test_every_child_is_owned_by_the_inferenceservice_and_labelled():
     service = service_of()
-    config = builders.next_server_config(None, service.spec.server)
+    config = configmap.next_server_config(None, service.spec.server)
     children = [*builders.workload_children(service, monitoring_available=True), builders.config_map(service, config)]
     assert {c["kind"] for c in children} == {"Deployment", "Service", "PodMonitor", "ConfigMap"}
     for child in children:
@@ -239,35 +248,35 @@ def test_service_and_deployment_select_the_same_pods():
 
 def test_config_map_round_trips_through_the_server_schema():
     service = service_of(server={"chunkSize": 256, "queuePolicy": "sjf", "maxNumSeqs": 32})
-    config = builders.next_server_config(None, service.spec.server)
+    config = configmap.next_server_config(None, service.spec.server)
     cm = builders.config_map(service, config)
     parsed = parse_server_config(cm["data"]["server.yaml"])
     assert parsed == config
     assert (parsed.generation, parsed.scheduler.chunk_size, parsed.scheduler.queue_policy) == (1, 256, QueuePolicy.SJF)
     assert cm["metadata"]["annotations"]["metronome.dev/config-generation"] == "1"
-    assert builders.read_server_config(cm) == config
+    assert configmap.read_server_config(cm) == config
 
 
 def test_generation_moves_only_when_the_scheduler_changes():
-    first = builders.next_server_config(None, service_of().spec.server)
-    assert builders.next_server_config(first, service_of().spec.server) is first
-    second = builders.next_server_config(first, service_of(server={"chunkSize": 256}).spec.server)
+    first = configmap.next_server_config(None, service_of().spec.server)
+    assert configmap.next_server_config(first, service_of().spec.server) is first
+    second = configmap.next_server_config(first, service_of(server={"chunkSize": 256}).spec.server)
     assert second.generation == first.generation + 1
-    tuned = builders.with_scheduler_changes(second, chunk_size=128, queue_policy="fcfs")
+    tuned = retuned(second, 128, "fcfs")
     assert (tuned.generation, tuned.scheduler.chunk_size, tuned.scheduler.queue_policy) == (3, 128, QueuePolicy.FCFS)
-    assert builders.with_scheduler_changes(tuned, chunk_size=128) is tuned
+    assert retuned(tuned, 128) is tuned
 
 
 def test_invalid_server_yaml_in_the_configmap_is_reported_not_raised():
     cm = {"metadata": {"name": "chat-config"}, "data": {"server.yaml": "scheduler: {chunk_size: -3}"}}
-    config, error = builders.safe_read_server_config(cm)
+    config, error = configmap.safe_read_server_config(cm)
     assert config is None and "chat-config" in error and "chunk_size" in error
-    assert builders.safe_read_server_config(None) == (None, None)
+    assert configmap.safe_read_server_config(None) == (None, None)
 
 
 def test_events_describe_what_changed():
-    first = builders.next_server_config(None, service_of().spec.server)
-    second = builders.with_scheduler_changes(first, chunk_size=256)
+    first = configmap.next_server_config(None, service_of().spec.server)
+    second = retuned(first, 256)
     event = describe_config(first, second, "spec.server changed")
     assert event.reason == "ConfigUpdated" and "chunkSize 512 -> 256" in event.message and "1 -> 2" in event.message
     assert describe_config(second, second, "again") is None
@@ -287,7 +296,7 @@ def test_events_describe_what_changed():
 )
 def test_bad_model_sources_raise_spec_errors(source):
     with pytest.raises(SpecError, match="spec.model.source"):
-        ModelSource.parse(source)
+        parse_source(source)
 
 
 @pytest.mark.parametrize(
@@ -321,6 +330,6 @@ def test_a_deployment_never_carries_config_content():
 
 def test_server_config_file_is_the_shared_schema():
     service = service_of(server={"chunkSize": 300, "shortPromptThreshold": 256, "shortChunkSize": 1024})
-    config = builders.next_server_config(None, service.spec.server)
+    config = configmap.next_server_config(None, service.spec.server)
     assert isinstance(config, ServerConfigFile)
     assert config.scheduler.short_prompt_threshold == 256

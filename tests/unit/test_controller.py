@@ -9,16 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metronome.operator.controller import decide
-from metronome.operator.observation import (
-    ActionKind,
-    AutotuneMode,
-    AutotuneSpec,
-    AutotuneSpecError,
-    CurrentConfig,
-    Observation,
-    StepSample,
-    TuningPolicy,
-)
+from metronome.operator.decision import ActionKind, CurrentConfig
+from metronome.operator.observation import Observation, StepSample
+from metronome.operator.spec import AutotuneMode, AutotuneSpec, SpecError, TuningPolicy, parse_spec
 
 A, B = 0.008, 20e-6  # step = a + b * tokens
 DECODES = 20
@@ -297,8 +290,12 @@ def test_decisions_stay_in_bounds_and_follow_the_observation(chunk, tbt_ms, poli
 
 # --- spec parsing --------------------------------------------------------------------------------------------
 
+def autotune_of(spec: dict) -> AutotuneSpec:
+    return parse_spec({"model": {"source": "random:tiny"}, **spec}).autotune
+
+
 def test_spec_from_resource():
-    parsed = AutotuneSpec.from_resource_spec({
+    parsed = autotune_of({
         "replicas": 2, "maxReplicas": 4,
         "server": {"chunkSize": 2048, "queuePolicy": "sjf"},
         "slo": {"tbtP99Ms": 50, "ttftP99Ms": 800, "minThroughputTokensPerSecond": 1000},
@@ -311,24 +308,24 @@ def test_spec_from_resource():
     assert (parsed.min_chunk, parsed.max_chunk, parsed.interval_seconds, parsed.cooldown_seconds) == (128, 4096, 15, 45)
     assert parsed.policy_switching and parsed.scale_replicas
     assert (parsed.min_replicas, parsed.max_replicas) == (1, 4) and parsed.base_queue_policy == "sjf"
-    defaults = AutotuneSpec.from_resource_spec({"slo": {"tbtP99Ms": 40}})  # the CRD's defaults
+    defaults = autotune_of({"slo": {"tbtP99Ms": 40}})  # the CRD's defaults
     assert defaults.mode is AutotuneMode.OFF and defaults.policy is TuningPolicy.MODEL
     assert defaults.policy_switching and (defaults.min_replicas, defaults.max_replicas) == (1, 8)
 
 
-def test_spec_from_the_operators_parsed_resource_matches_the_raw_one():
-    from metronome.operator.spec import parse_spec
-
-    raw = {"model": {"source": "random:tiny"}, "replicas": 2, "minReplicas": 1, "maxReplicas": 3,
+def test_every_autotune_field_of_the_resource_reaches_the_spec():
+    raw = {"replicas": 2, "minReplicas": 1, "maxReplicas": 3,
            "server": {"chunkSize": 1024, "queuePolicy": "fcfs"},
            "slo": {"tbtP99Ms": 45, "minThroughputTokensPerSecond": 200},
            "autotune": {"mode": "apply", "maxStepUp": 1.5, "maxStepDown": 2, "margin": 0.85, "deadbandLow": 0.6,
                         "deadbandHigh": 0.9, "chunkGranularity": 32, "cooldownSeconds": 90, "scaleReplicas": True}}
-    from_parsed = AutotuneSpec.from_service(parse_spec(raw))
-    assert from_parsed == AutotuneSpec.from_resource_spec(raw)
-    assert from_parsed.max_step_down == 2 and from_parsed.chunk_granularity == 32 and from_parsed.max_replicas == 3
-    with pytest.raises(AutotuneSpecError):
-        AutotuneSpec.from_service(parse_spec({"model": {"source": "random:tiny"}}))
+    parsed = autotune_of(raw)
+    assert (parsed.max_step_up, parsed.max_step_down, parsed.margin, parsed.deadband_low, parsed.deadband_high) == (
+        1.5, 2, 0.85, 0.6, 0.9)
+    assert parsed.chunk_granularity == 32 and parsed.cooldown_seconds == 90 and parsed.scale_replicas
+    assert parsed.max_replicas == 3 and parsed.min_throughput_tokens_per_s == 200 and parsed.tbt_p99_target_s == 0.045
+    with pytest.raises(SpecError, match="tbtP99Ms"):  # no SLO: the spec parses, the controller refuses
+        decide(None, config(), autotune_of({}), NOW)
 
 
 @pytest.mark.parametrize("resource,field", [
@@ -340,20 +337,20 @@ def test_spec_from_the_operators_parsed_resource_matches_the_raw_one():
     ({"slo": {"tbtP99Ms": 30}, "autotune": {"minChunkSize": 512, "maxChunkSize": 256}}, "minChunkSize"),
     ({"slo": {"tbtP99Ms": 30}, "autotune": {"minChunkSize": 1.5}}, "spec.autotune.minChunkSize"),
     ({"slo": {"tbtP99Ms": 30}, "autotune": {"scaleReplicas": "yes"}}, "spec.autotune.scaleReplicas"),
-    ({"slo": {"tbtP99Ms": 30}, "server": {"queuePolicy": "lifo"}}, "spec.server.queuePolicy"),
+    ({"slo": {"tbtP99Ms": 30}, "server": {"queuePolicy": "lifo"}}, "spec.server: queuePolicy"),
     ({"slo": {"tbtP99Ms": 30}, "minReplicas": 3, "maxReplicas": 2}, "replica bounds"),
     ({"slo": [30]}, "spec.slo"),
 ])
 def test_bad_spec_is_a_typed_error_naming_the_field(resource, field):
-    with pytest.raises(AutotuneSpecError) as caught:
-        AutotuneSpec.from_resource_spec(resource)
+    with pytest.raises(SpecError) as caught:
+        decide(None, config(), autotune_of(resource), NOW)
     assert field in str(caught.value)
 
 
 def test_spec_invariants():
-    with pytest.raises(AutotuneSpecError):
+    with pytest.raises(SpecError):
         spec(margin=0.99, deadband_high=0.95)
-    with pytest.raises(AutotuneSpecError):
+    with pytest.raises(SpecError):
         spec(long_share_on=0.1, long_share_off=0.2)
     assert replace(spec(), min_chunk=128).min_chunk == 128
 
@@ -361,7 +358,8 @@ def test_spec_invariants():
 # --- the budget under each queue policy ----------------------------------------------------------------------
 
 def test_split_budget_is_the_larger_lane_and_decisions_land_on_the_lanes():
-    from metronome.operator.observation import prefill_budget, scheduler_for
+    from metronome.operator.configmap import scheduler_for
+    from metronome.operator.decision import prefill_budget
     from metronome.contract.config import SchedulerConfig
 
     served = SchedulerConfig(chunk_size=512, queue_policy="split", short_chunk_size=2048, long_chunk_size=512)

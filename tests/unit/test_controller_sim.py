@@ -19,16 +19,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from metronome.operator.controller import decide
-from metronome.operator.observation import (
-    AutotuneMode,
-    AutotuneSpec,
-    CurrentConfig,
-    Decision,
-    Observation,
-    StepSample,
-    TuningPolicy,
-)
 from metronome.contract.metric_names import TBT_BUCKETS
+from metronome.operator.decision import CurrentConfig, Decision
+from metronome.operator.observation import Observation, StepSample
+from metronome.operator.spec import AutotuneMode, AutotuneSpec, TuningPolicy
 
 TARGET_S = 0.030
 INTERVAL_S = 20.0

@@ -44,12 +44,10 @@ def canned_results() -> dict:
     return {
         ms.TBT_P99: [_instant(0.0412)],
         ms.TBT_COUNT: [_instant(12345.0)],
-        ms.TBT_MEAN: [_instant(0.012)],
         ms.TTFT_P99: [_instant(0.35)],
         ms.OUTPUT_TOKENS_RATE: [_instant(850.5)],
         ms.PROMPT_TOKENS_RATE: [_instant(4000.0)],
         ms.REQUESTS_RATE: [_instant(4.0)],
-        ms.WAITING_BY_QUEUE: [_instant(2.5, queue="short"), _instant(1.0, queue="long")],
         ms.RUNNING_PER_POD: [_instant(24.0)],
         ms.STEP_TOKENS_RATE: [_range([20000, 30000], pod="tiny-a", instance="10.0.0.1:8000"),
                               _range([15000, 25000], pod="tiny-b", instance="10.0.0.2:8000")],
@@ -74,7 +72,6 @@ def test_queries_use_the_shared_metric_names_and_select_one_service():
     assert f"rate({names.GENERATION_TOKENS}{{" in queries[ms.OUTPUT_TOKENS_RATE]
     assert names.PROMPT_TOKENS in queries[ms.PROMPT_TOKENS_RATE]
     assert f"{names.REQUEST_E2E}_count" in queries[ms.REQUESTS_RATE]
-    assert queries[ms.WAITING_BY_QUEUE].startswith("sum by (queue)") and names.REQUESTS_WAITING in queries[ms.WAITING_BY_QUEUE]
     assert names.REQUESTS_RUNNING in queries[ms.RUNNING_PER_POD]
     assert f"{names.STEP_TOKENS}_sum" in queries[ms.STEP_TOKENS_RATE]
     assert f"{names.STEP_DURATION}_sum" in queries[ms.STEP_SECONDS_RATE]
@@ -88,7 +85,9 @@ def test_queries_use_the_shared_metric_names_and_select_one_service():
                 base = token.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
                 assert token in names.ALL_NAMES or base in names.ALL_NAMES, token
         assert '{namespace="demo",service="tiny"}' in query
-    assert len(used) >= 10
+    assert used == {names.TIME_BETWEEN_TOKENS, names.TIME_TO_FIRST_TOKEN, names.GENERATION_TOKENS, names.PROMPT_TOKENS,
+                    names.REQUEST_E2E, names.REQUESTS_RUNNING, names.STEP_TOKENS, names.STEP_DURATION,
+                    names.CONFIG_GENERATION}  # each feeds the Observation
 
 
 def test_selector_label_names_are_parameters_and_values_are_escaped():
@@ -107,9 +106,11 @@ def test_selector_rejects_bad_input(bad):
 
 
 def test_window_from_spec_and_durations():
-    assert QueryWindow.from_spec(None) == QueryWindow(60.0, 15.0)
-    assert QueryWindow.from_spec({"windowSeconds": 120}) == QueryWindow(120.0, 30.0)
-    assert QueryWindow.from_spec({"windowSeconds": 12}) == QueryWindow(12.0, 5.0)
+    from metronome.operator.spec import MetricsSpec
+
+    assert QueryWindow.for_window(MetricsSpec().window_seconds) == QueryWindow(60.0, 15.0)  # spec.metrics default
+    assert QueryWindow.for_window(120) == QueryWindow(120.0, 30.0)
+    assert QueryWindow.for_window(12) == QueryWindow(12.0, 5.0)
     assert QueryWindow.for_window("2m", "20s") == QueryWindow(120.0, 20.0)
     assert QueryWindow.for_window(240, scrape_interval_seconds=15) == QueryWindow(240.0, 60.0)
     assert QueryWindow.for_window(60, scrape_interval_seconds=30) == QueryWindow(60.0, 60.0)  # capped at the window
@@ -129,15 +130,12 @@ def test_canned_results_become_an_observation():
     assert obs.window_seconds == 60
     assert obs.sample_count == 12345
     assert obs.tbt_p99_s == pytest.approx(0.0412)
-    assert obs.tbt_mean_s == pytest.approx(0.012)
     assert obs.ttft_p99_s == pytest.approx(0.35)
     assert obs.output_tokens_per_s == pytest.approx(850.5)
     assert obs.mean_prompt_tokens == pytest.approx(1000.0)
     assert obs.long_prompt_share == pytest.approx((1000 - 128) / (2048 - 128))
-    assert obs.waiting_by_queue == {"short": 2.5, "long": 1.0} and obs.waiting_total == 3.5
     assert obs.decode_batch_size == 24.0
     assert obs.pod_generations == {"tiny-a": 3, "tiny-b": 2}
-    assert obs.pods_on_generation(3) == 1 and obs.pods_on_generation(2) == 2
     # Three sub-windows had steps (tiny-b's last one is NaN: no steps, dropped): mean tokens and seconds per step.
     points = sorted((s.pod, round(s.tokens_per_step, 3), round(s.step_seconds, 5), s.steps) for s in obs.step_samples)
     assert points == [("tiny-a", 400.0, 0.018, 750.0), ("tiny-a", 750.0, 0.02375, 600.0),
@@ -177,7 +175,7 @@ def test_no_series_at_all_is_unavailable():
     lambda r: r.__setitem__(ms.TBT_COUNT, {"not": "a list"}),
     lambda r: r.__setitem__(ms.TBT_P99, [{"metric": {}, "value": ["x"]}]),
     lambda r: r.__setitem__(ms.STEP_COUNT_RATE, [{"metric": {}, "value": [NOW, "1"]}]),
-    lambda r: r.__setitem__(ms.TBT_MEAN, [{"metric": {}}]),
+    lambda r: r.__setitem__(ms.TTFT_P99, [{"metric": {}}]),
 ])
 def test_malformed_results_are_bad_responses(corrupt):
     results = canned_results()
@@ -299,6 +297,6 @@ def test_relabeling_rules_produce_the_selector_labels():
     selector = ServiceSelector("ns", "svc")
     targets = {rule["targetLabel"] for rule in ms.podmonitor_relabelings()}
     assert targets == {selector.namespace_label, selector.service_label, selector.pod_label}
-    assert {tuple(rule["source_labels"]) for rule in ms.scrape_relabel_configs()} == {
+    assert {tuple(rule["sourceLabels"]) for rule in ms.podmonitor_relabelings()} == {
         ("__meta_kubernetes_namespace",), ("__meta_kubernetes_pod_label_app_kubernetes_io_instance",),
         ("__meta_kubernetes_pod_name",)}

@@ -7,7 +7,8 @@ import copy
 
 import yaml
 
-from metronome.operator import builders, reconcile
+from metronome.operator import builders, configmap, reconcile
+from metronome.operator.decision import Decision
 from metronome.operator.k8s import Action, Applied
 from metronome.operator.spec import parse_service
 
@@ -83,8 +84,8 @@ def test_sync_keeps_a_retuned_config_and_serve_scheduler_bumps_the_generation():
     owner = body(server={"chunkSize": 512})
     service = parse_service(owner)
     first = reconcile.sync_children(kube, service, owner)
-    tuned = builders.with_scheduler_changes(first, chunk_size=192)
-    reconcile.serve_scheduler(kube, service, owner, tuned.scheduler, why="autotune")
+    tuned = configmap.scheduler_for(Decision(192, first.scheduler.queue_policy.value, 1, "test", changed=True), first.scheduler)
+    reconcile.serve_scheduler(kube, service, owner, tuned, why="autotune")
     assert served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 192
 
     # A later reconcile (e.g. replicas changed) must not undo the tuning.
@@ -105,7 +106,7 @@ def test_an_invalid_server_yaml_is_rewritten_with_a_higher_generation():
     reconcile.sync_children(kube, service, owner)
     cm = kube.objects[("ConfigMap", "ml", "chat-config")]
     cm["data"]["server.yaml"] = "generation: 5\nscheduler: {chunk_size: -1}\n"
-    cm["metadata"]["annotations"][builders.ANNOTATION_CONFIG_GENERATION] = "5"
+    cm["metadata"]["annotations"][configmap.ANNOTATION_CONFIG_GENERATION] = "5"
     reconcile.sync_children(kube, service, owner)
     assert served(kube)["generation"] == 6 and served(kube)["scheduler"]["chunk_size"] == 512
     assert ("Warning", "InvalidConfig") in [(t, r) for t, r, _ in kube.events]

@@ -1,7 +1,7 @@
 """Pure status: conditions, READY/SLO columns, lastTransitionTime, minimal patches, transition Events."""
 from __future__ import annotations
 
-from metronome.operator import builders
+from metronome.operator import configmap
 from metronome.operator.changes import describe_transitions
 from metronome.operator.spec import parse_service
 from metronome.operator.status import Observed, ServingMetrics, compute_status, status_patch
@@ -35,7 +35,7 @@ def conditions_by_type(status: dict) -> dict:
 
 
 def served(svc):
-    return builders.next_server_config(None, svc.spec.server)
+    return configmap.next_server_config(None, svc.spec.server)
 
 
 def test_all_ready_without_metrics():

@@ -1,0 +1,71 @@
+"""The control loop's body: one tick for one InferenceService, between the API and Prometheus.
+
+handlers.refresh_status (every --status-interval) and handlers.reconcile_service (create/update/resume) call
+`tick`. When a reading is due (every spec.autotune.intervalSeconds, and at once after a spec change) it reads
+Prometheus (reconcile.read_metrics), runs the pure step (autotune.step → controller.decide) and carries the result
+out: a new server.yaml generation (reconcile.serve_scheduler), the Deployment scaled, Events. What goes into the
+CR itself (spec.replicas, status.lastDecision) comes back in `Tick` for the handler to patch, so no kopf here.
+One reading at a time per object (TunerMemory.lock).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from metronome.operator import autotune, reconcile
+from metronome.operator.k8s import Kube
+from metronome.operator.spec import InferenceService
+from metronome.operator.status import Observed, rollout_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tick:
+    observed: Observed  # what status is computed from, with the latest reading
+    replicas: int | None = None  # patch spec.replicas to this
+    last_decision: dict[str, Any] | None = None  # patch status.lastDecision to this
+
+
+def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observed: Observed,
+         memory: autotune.TunerMemory, default_prometheus_url: str | None) -> Tick:
+    """Read the metrics and act on them when due; otherwise status gets the last reading."""
+    replicas = last_decision = None
+    with memory.lock:
+        now = time.time()
+        if memory.due(now, service.generation):
+            url = service.spec.metrics.prometheus_url or default_prometheus_url
+            observation, unavailable = reconcile.read_metrics(url, service, now) if url else (None, None)
+            ready = rollout_of(observed.deployment, service.spec.replicas).ready if observed.deployment else 0
+            result = autotune.step(service, observed.served_config, body.get("status") or {}, observation,
+                                   unavailable, now, memory.last_change_time, ready_pods=ready)
+            observed = _actuate(kube, service, body, observed, result)
+            replicas, last_decision = result.replicas, result.last_decision
+            problem = memory.remember(result, now, service.generation, service.spec.autotune.interval_seconds)
+            if problem:
+                kube.emit_event(body, "Warning", "AutotuneBlocked", problem)
+    served_generation = observed.served_config.generation if observed.served_config is not None else None
+    observed = dataclasses.replace(observed, metrics=memory.metrics_for(served_generation),
+                                   slo_override=memory.slo_override)
+    return Tick(observed, replicas, last_decision)
+
+
+def _actuate(kube: Kube, service: InferenceService, body: Mapping[str, Any], observed: Observed,
+             result: autotune.TuneResult) -> Observed:
+    if result.decision is not None and result.current is not None and (result.applied_change or result.last_decision):
+        log.info("%s/%s: %s (%s): %s", service.namespace, service.name,
+                 result.decision.describe_change(result.current), "applied" if result.applied_change else "advice",
+                 result.decision.reason)
+    if result.scheduler is not None:
+        config = reconcile.serve_scheduler(kube, service, body, result.scheduler, why=result.config_reason)
+        observed = dataclasses.replace(observed, served_config=config, config_error=None)
+    if result.replicas is not None:
+        # kopf counts the handler's own spec patch as handled (no update handler follows): scale the Deployment now.
+        scaled = dataclasses.replace(service, spec=dataclasses.replace(service.spec, replicas=result.replicas))
+        reconcile.sync_children(kube, scaled, body)
+    for event in result.events:
+        kube.emit_event(body, event.type, event.reason, event.message)
+    return observed
