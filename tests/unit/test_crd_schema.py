@@ -1,5 +1,5 @@
-"""The CRD file: one source (the chart's copy is byte-identical), well-formed, documented, and in step with the
-operator's spec parser and the server's scheduler schema."""
+"""The CRD file (the one source; the chart links to it, tests/unit/test_chart_files.py): well-formed, documented,
+and in step with the operator's spec parser, the shared model-source syntax and the server's scheduler schema."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,12 +7,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from metronome.operator.spec import GROUP, KIND, PLURAL, VERSION, parse_spec
 from metronome.contract.config import QueuePolicy, SchedulerConfig
+from metronome.operator.spec import (
+    AUTOTUNE_FIELDS,
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+    AutotuneSpec,
+    SpecError,
+    parse_source,
+    parse_spec,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "inferenceservice.yaml"
-CHART_CRD_PATH = ROOT / "charts" / "metronome" / "crds" / "inferenceservice.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +38,6 @@ def version(crd) -> dict:
 @pytest.fixture(scope="module")
 def schema(version) -> dict:
     return version["schema"]["openAPIV3Schema"]
-
-
-def test_chart_copy_is_byte_identical():
-    assert CHART_CRD_PATH.read_bytes() == CRD_PATH.read_bytes(), (
-        "charts/metronome/crds/inferenceservice.yaml differs from crds/inferenceservice.yaml: run `make chart-crds`"
-    )
 
 
 def test_names(crd, version):
@@ -114,6 +117,38 @@ def test_crd_defaults_match_the_operators_defaults(schema):
     defaulted = _apply_defaults(schema["properties"]["spec"], minimal)
     assert defaulted != minimal  # defaults were applied
     assert parse_spec(defaulted) == parse_spec(minimal)
+
+
+def test_autotune_fields_and_defaults_are_the_autotune_specs(schema):
+    """Each spec.autotune default is written once, in AutotuneSpec: the CRD must say the same."""
+    autotune = schema["properties"]["spec"]["properties"]["autotune"]["properties"]
+    assert set(autotune) == set(AUTOTUNE_FIELDS)
+    defaults = AutotuneSpec()
+    for key, name in AUTOTUNE_FIELDS.items():
+        ours = getattr(defaults, name)
+        assert autotune[key]["default"] == (ours.value if hasattr(ours, "value") else ours), key
+    top = schema["properties"]["spec"]["properties"]
+    assert (top["minReplicas"]["default"], top["maxReplicas"]["default"]) == (defaults.min_replicas,
+                                                                              defaults.max_replicas)
+
+
+@pytest.mark.parametrize("source", [
+    "default", "random:tiny", "random:llama-3.1-8b", "gguf:/models/a.gguf", "hf-dir:/models/llama",
+    "pvc:weights", "pvc:weights/llama-3/model.gguf",
+    "", "gguf:relative.gguf", "hf-dir:models/x", "s3://bucket/model", "pvc:Bad_Claim/x", "random:", "/models/a.gguf",
+])
+def test_the_crd_pattern_and_the_model_source_syntax_agree(schema, source):
+    """The API server's first check (the pattern) and the operator's parser (metronome.contract.model_source plus
+    its node-path rule) accept the same sources."""
+    import re
+
+    pattern = schema["properties"]["spec"]["properties"]["model"]["properties"]["source"]["pattern"]
+    try:
+        parse_source(source)
+        parsed = True
+    except SpecError:
+        parsed = False
+    assert bool(re.fullmatch(pattern, source)) == parsed
 
 
 def test_server_fields_mirror_the_scheduler_schema(schema):
