@@ -65,9 +65,6 @@ class Scheduler:
     def waiting_counts(self) -> dict[str, int]:
         return self.queues.counts()
 
-    def has_work(self) -> bool:
-        return bool(self.running) or len(self.queues) > 0
-
     def live_sequences(self) -> list[Sequence]:
         return list(self.running)
 

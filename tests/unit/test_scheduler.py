@@ -53,9 +53,12 @@ class Harness:
         self.bm.check_no_leaks(self.sched.live_sequences())
         return batch
 
+    def has_work(self) -> bool:
+        return bool(self.sched.running) or self.sched.num_waiting > 0
+
     def run_until_idle(self, limit: int = 10_000) -> None:
         for _ in range(limit):
-            if not self.sched.has_work():
+            if not self.has_work():
                 return
             self.step()
         raise AssertionError("scheduler did not drain")
@@ -163,7 +166,7 @@ def test_max_num_seqs_bounds_running():
     h = Harness(chunk_size=1000, max_num_seqs=3, queue_policy="fcfs", max_new=5)
     for i in range(7):
         h.add(f"r{i}", 10)
-    while h.sched.has_work():
+    while h.has_work():
         h.step()
         assert len(h.sched.running) <= 3
     assert len(h.finished) == 7
@@ -173,7 +176,7 @@ def test_preemption_recomputes_newest_first_and_everything_finishes():
     h = Harness(num_blocks=12, block_size=4, chunk_size=64, queue_policy="fcfs", max_new=12)
     seqs = [h.add(f"r{i}", 6) for i in range(4)]
     preempted: list[str] = []
-    while h.sched.has_work():
+    while h.has_work():
         admitted = list(h.sched.running)  # admission order: the last one is the newest
         batch = h.step()
         for victim in batch.preempted:
