@@ -20,7 +20,7 @@ from metronome.server.bench.results import RunEntry
 from metronome.server.bench.runner import LoadPattern, StopRule, run_load
 from metronome.server.bench.stats import percentile, summarize
 from metronome.server.bench.workloads import TokenSampler, WorkloadSpec, iter_requests, take
-from metronome.contract.config import SchedulerConfig
+from metronome.contract.config import QueuePolicy, SchedulerConfig
 from metronome.contract.errors import MetronomeError
 
 UNCHUNKED = 1 << 20
@@ -70,7 +70,8 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
     if need > kv_capacity_tokens(core):
         return {"batch": batch, "skipped": f"the KV cache holds {kv_capacity_tokens(core)} tokens; this point needs "
                                            f"{need} (raise --gpu-memory-utilization or --kv-cache-memory-gb)"}
-    core.reconfigure(SchedulerConfig(chunk_size=prefill_chunk, max_num_seqs=max(batch, 1), queue_policy="fcfs"))
+    core.reconfigure(SchedulerConfig(chunk_size=prefill_chunk, max_num_seqs=max(batch, 1),
+                                     queue_policy=QueuePolicy.FCFS))
     rng = random.Random(f"metronome-decode-{seed}-{batch}")
     ids = [core.add_request(list(sampler.sample(context, rng)), _params(max_tokens)) for _ in range(batch)]
     generated = dict.fromkeys(ids, 0)
@@ -159,7 +160,8 @@ def prefill_section(core: Any, prompt_len: int, prompts: int, chunk: int, sample
     if prompts * (prompt_len + 1) > kv_capacity_tokens(core):
         raise EngineBenchError(f"the KV cache holds {kv_capacity_tokens(core)} tokens; the prefill test needs "
                                f"{prompts * (prompt_len + 1)}")
-    core.reconfigure(SchedulerConfig(chunk_size=chunk, max_num_seqs=max(prompts, 1), queue_policy="fcfs"))
+    core.reconfigure(SchedulerConfig(chunk_size=chunk, max_num_seqs=max(prompts, 1),
+                                     queue_policy=QueuePolicy.FCFS))
     max_steps = 4 * (math.ceil(prompts * prompt_len / chunk) + prompts) + 10
     rng = random.Random(f"metronome-prefill-{seed}")
     _prefill_once(core, prompt_len, min(prompts, 2), sampler, rng, max_steps)  # warm-up: compile, allocator
