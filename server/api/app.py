@@ -2,6 +2,10 @@
 
 `create_app(engine, state)` owns the engine's lifetime through the ASGI lifespan: it starts the engine and the
 config watcher, marks the server ready, and shuts both down on exit.
+
+What one client sends must not slow the others' streams: request bodies are size-limited while they stream in
+(body_limit.py), and prompts are tokenized and chat templates rendered on worker threads after a size check
+(tokenization.py), so the event loop only ever does work proportional to the body it accepted.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from metronome.server.api.chat_template import render_chat_prompt
+from metronome.server.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from metronome.server.api.generation import run_request
 from metronome.server.api.http_errors import error_response, install_error_handlers
 from metronome.server.api.metrics import CONTENT_TYPE
@@ -25,8 +29,14 @@ from metronome.server.api.protocol import (
 )
 from metronome.server.api.responses import ChatShaper, CompletionShaper
 from metronome.server.api.state import ServerState
+from metronome.server.api.tokenization import DEFAULT_WORKERS, TokenizerPool
 from metronome.server.engine.sampling import SamplingParams
-from metronome.contract.errors import EngineDrainingError, InvalidRequestError, ModelNotFoundError
+from metronome.contract.errors import (
+    EngineDrainingError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    ModelNotFoundError,
+)
 
 log = logging.getLogger("metronome.api")
 
@@ -49,9 +59,12 @@ def sampling_params(body, max_tokens: int) -> SamplingParams:
     )
 
 
-def create_app(engine, state: ServerState) -> FastAPI:
+def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               tokenizer_workers: int = DEFAULT_WORKERS) -> FastAPI:
     metrics = state.metrics
     lifecycle = state.lifecycle
+    tokenizer_pool = TokenizerPool(engine.tokenizer, engine.max_model_len, workers=tokenizer_workers,
+                                   max_pending=engine.core.config.max_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -67,9 +80,11 @@ def create_app(engine, state: ServerState) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await watch_task
             await engine.shutdown()
+            tokenizer_pool.shutdown()
 
     app = FastAPI(title="Metronome", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app, on_reject=metrics.on_rejected)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, on_reject=metrics.on_rejected)
 
     def admit(body) -> None:
         """Checks before the engine sees the request; counted here because the engine never will."""
@@ -85,10 +100,23 @@ def create_app(engine, state: ServerState) -> FastAPI:
             metrics.on_rejected("invalid")
             raise
 
+    async def tokenized(work):
+        """Await a TokenizerPool call; its refusals are counted here (the engine never sees them)."""
+        try:
+            return await work
+        except InvalidRequestError:
+            metrics.on_rejected("invalid")
+            raise
+        except EngineOverloadedError:
+            metrics.on_rejected("overloaded")
+            raise
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         admit(body)
         prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            prompt = await tokenized(tokenizer_pool.encode(prompt))
         params = sampling_params(body, max_tokens=body.max_tokens if body.max_tokens is not None else 16)
         shaper = CompletionShaper(state.served_model_name)
         return await run_request(engine, lifecycle, request, prompt, params, shaper, body.stream,
@@ -97,11 +125,7 @@ def create_app(engine, state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         admit(body)
-        try:
-            prompt = render_chat_prompt(engine.tokenizer, body.template_messages(), body.add_generation_prompt)
-        except InvalidRequestError:
-            metrics.on_rejected("invalid")
-            raise
+        prompt = await tokenized(tokenizer_pool.render_chat(body.template_messages(), body.add_generation_prompt))
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # OpenAI's default: as much as the context allows
             max_tokens = max(engine.max_model_len - len(prompt), 1)

@@ -26,11 +26,20 @@ _TYPE_BY_STATUS = {
 }
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": printable(message), "type": _TYPE_BY_STATUS.get(status, "server_error"),
+                      "param": None if param is None else printable(param), "code": code}}
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": _TYPE_BY_STATUS.get(status, "server_error"), "param": param,
-                      "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def printable(text: str) -> str:
+    """`text` with anything UTF-8 cannot encode (a lone surrogate from the request) written as an escape, so
+    that an error about bad text can itself be sent."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def describe_validation_error(exc: RequestValidationError, limit: int = 3) -> tuple[str, str | None]:
@@ -42,13 +51,18 @@ def describe_validation_error(exc: RequestValidationError, limit: int = 3) -> tu
         where = ".".join(loc) or "body"
         if first_param is None:
             first_param = where
-        part = f"{where}: {item.get('msg', 'invalid')}"
+        part = f"{where}: {_plain(item.get('msg', 'invalid'))}"
         if part not in parts:
             parts.append(part)
     shown = "; ".join(parts[:limit])
     if len(parts) > limit:
         shown += f"; and {len(parts) - limit} more"
     return shown or "invalid request body", first_param
+
+
+def _plain(message: str) -> str:
+    """pydantic prefixes the messages of our own validators with "Value error, "."""
+    return message.removeprefix("Value error, ")
 
 
 def _is_union_tag(part) -> bool:

@@ -4,6 +4,8 @@ Requests are validated here (shape, ranges, unsupported options) so that a bad b
 field; the engine then validates what depends on the model (prompt length, token ids). Unknown fields are
 rejected rather than silently ignored: a client that asks for `logit_bias` should learn it had no effect.
 Options that OpenAI clients commonly send with their no-op default (`n=1`, `echo=false`, zero penalties) pass.
+Numbers must be finite (Python's JSON reader accepts NaN and Infinity), token ids must be integers (not
+booleans) below 2**31, and every string must be encodable as UTF-8 (JSON may carry lone surrogate escapes).
 """
 from __future__ import annotations
 
@@ -15,9 +17,76 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from metronome.contract.errors import InvalidRequestError
 
+TOKEN_ID_LIMIT = 1 << 31  # no vocabulary is this large; beyond it ids would overflow int32 tensors
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: NaN/Infinity get "Input should be a finite number", not a confusing range error.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    def check_text(self) -> None:
+        """Every string in the request must be encodable as UTF-8; raise InvalidRequestError naming the field."""
+        found = unencodable_text(self)
+        if found is not None:
+            path, position, char = found
+            raise InvalidRequestError(
+                f"{path} is not valid Unicode: character {position} is a lone surrogate ({ascii(char)}), "
+                "which cannot be encoded as UTF-8", param=path)
+
+
+def unencodable_text(value: Any, path: str = "body") -> tuple[str, int, str] | None:
+    """(field path, character index, character) of the first string that UTF-8 cannot encode, else None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path, exc.start, value[exc.start]
+        return None
+    for where, item in _children(value, path):
+        found = unencodable_text(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+def _children(value: Any, path: str):
+    """(path, value) of what a request value holds; a dict's key comes before its value, so that a path is
+    only built from keys already found encodable."""
+    prefix = "" if path == "body" else f"{path}."
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            yield prefix + name, getattr(value, name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield f"{prefix}<key>", key
+            yield f"{prefix}{key}", item
+    elif isinstance(value, (list, tuple)) and value and not isinstance(value[0], int):  # ids: nothing to check
+        for index, item in enumerate(value):
+            yield f"{path}[{index}]", item
+
+
+def check_token_ids(ids: list, where: str) -> list[int]:
+    """Token ids are plain integers in [0, 2**31): JSON true/false and 1.0 are not token ids."""
+    if not ids:
+        raise ValueError(f"{where} must not be empty")
+    for index, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ValueError(f"{where}[{index}] must be an integer token id, got {_json_name(token)}")
+        if not 0 <= token < TOKEN_ID_LIMIT:
+            raise ValueError(f"{where}[{index}] must be a token id in [0, {TOKEN_ID_LIMIT}), got {token}")
+    return ids
+
+
+def _json_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 class StreamOptions(_Request):
@@ -53,16 +122,17 @@ class _SamplingRequest(_Request):
             raise ValueError("stop sequences must not be empty")
         return value
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", mode="before")
     @classmethod
-    def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and any(token < 0 for token in value):
-            raise ValueError("token ids must be >= 0")
+    def _check_stop_token_ids(cls, value: Any) -> Any:
+        if isinstance(value, list) and value:
+            check_token_ids(value, "stop_token_ids")
         return value
 
     def check_supported(self) -> None:
-        """Reject options this server does not implement. A method, not a pydantic validator, so that the
-        error keeps its typed `param` instead of becoming a generic validation error."""
+        """Reject options this server does not implement, and text UTF-8 cannot carry. A method, not a pydantic
+        validator, so that the error keeps its typed `param` instead of becoming a generic validation error."""
+        self.check_text()
         if self.n != 1:
             raise InvalidRequestError("only n=1 is supported", param="n")
         if self.presence_penalty != 0.0:
@@ -91,6 +161,25 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, value: Any) -> Any:
+        """A string, a list of strings, or token ids (a list, or a list of lists): checked before pydantic's
+        union, whose lax mode would read `[true, false]` as the ids [1, 0] and bury the reason under one error
+        per union member."""
+        if isinstance(value, str) or not isinstance(value, list) or not value:
+            return value  # the union reports other types; an empty list is refused by single_prompt
+        if all(isinstance(item, str) for item in value):
+            return value
+        if isinstance(value[0], list):
+            for index, item in enumerate(value):
+                if not isinstance(item, list):
+                    raise ValueError(f"prompt[{index}] must be a list of token ids like prompt[0], got "
+                                     f"{_json_name(item)}")
+                check_token_ids(item, f"prompt[{index}]")
+            return value
+        return check_token_ids(value, "prompt")
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
@@ -110,9 +199,7 @@ class CompletionRequest(_SamplingRequest):
             return prompt
         if len(prompt) == 0:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
-        if all(isinstance(item, int) for item in prompt):
-            if any(item < 0 for item in prompt):  # type: ignore[operator]
-                raise InvalidRequestError("prompt token ids must be >= 0", param="prompt")
+        if all(isinstance(item, int) for item in prompt):  # ids checked by _check_prompt_shape
             return list(prompt)  # type: ignore[arg-type]
         if len(prompt) > 1:
             raise InvalidRequestError(
@@ -123,11 +210,8 @@ class CompletionRequest(_SamplingRequest):
 
     @staticmethod
     def _unwrap_single(item: Any) -> str | list[int]:
-        if isinstance(item, list):
-            if not item:
-                raise InvalidRequestError("prompt must not be empty", param="prompt")
-            if any(token < 0 for token in item):
-                raise InvalidRequestError("prompt token ids must be >= 0", param="prompt")
+        if isinstance(item, list) and not item:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
         return item
 
 

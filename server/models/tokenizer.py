@@ -107,6 +107,10 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         raise NotImplementedError
 
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters of text one token stands for (the API's cheap size check)."""
+        raise NotImplementedError
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Render with the model's own chat template and tokenize (the template writes its own special tokens)."""
         _check_messages(messages)
@@ -143,7 +147,22 @@ class HFTokenizer(Tokenizer):
         return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        # The Rust backend's batch encoder releases the GIL (its single-text encode does not), so a long prompt
+        # tokenized on a worker thread leaves the event loop and the engine thread running. Same ids as
+        # transformers' encode: its post-processor adds the special tokens either way.
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def max_chars_per_token(self) -> int:
+        # Every vocabulary entry is spelled with at least one character per character it decodes to (byte-level
+        # BPE: one per byte; SentencePiece: "\u2581" per space; byte fallback "<0x41>" is longer still).
+        return self._max_chars_per_token
+
+    @functools.cached_property
+    def _max_chars_per_token(self) -> int:
+        return max(len(token) for token in self._tok.get_vocab())
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of spaces: the text is what the tokens say, and streaming stays consistent with it.
@@ -214,6 +233,9 @@ class ByteTokenizer(Tokenizer):
         if add_special_tokens and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def max_chars_per_token(self) -> int:
+        return 1  # one byte per token, and a character is at least one byte
 
     @property
     def special_ids(self) -> set[int]:
