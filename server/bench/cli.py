@@ -59,9 +59,13 @@ def _add_target(p: argparse.ArgumentParser, with_url: bool = True, model: str | 
     g = p.add_argument_group("target")
     if with_url:
         g.add_argument("--url", help="benchmark a running server (OpenAI API) instead of an in-process engine")
-    g.add_argument("--model", default=model,
-                   help="in-process: the model spec (random:<preset>, .gguf, hf-dir:...; default: the engine's "
-                        "default model); with --url: the served model name (default: the first in /v1/models)")
+    if with_url:
+        g.add_argument("--model", default=model,
+                       help="in-process: the model spec (random:<preset>, .gguf, hf-dir:...; default: the engine's "
+                            "default model); with --url: the served model name (default: the first in /v1/models)")
+    else:
+        g.add_argument("--model", default=model,
+                       help="the model spec (random:<preset>, .gguf, hf-dir:...; default: %(default)s)")
     add_engine_flags(g, skip=("model", "seed"), defaults={"max_waiting": BENCH_MAX_WAITING, **(engine_defaults or {})},
                      note="in-process: ")
     add_scheduler_flags(g, defaults=scheduler_defaults, note="in-process, initial: ")
