@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from metronome.contract.config import ConfigError, SchedulerConfig, ServerConfigFile
 from metronome.operator.changes import NORMAL, EventSpec

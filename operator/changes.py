@@ -1,8 +1,9 @@
 """Pure: turn what the operator changed into Event (type, reason, message) triples that people can read."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from metronome.contract.config import ServerConfigFile
 

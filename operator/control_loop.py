@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from metronome.operator import autotune, reconcile
 from metronome.operator.k8s import Kube

@@ -211,7 +211,8 @@ def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
         if chunk >= current.chunk_size:
             return blocked(f"{basis}; {why}"), ""
         return _Proposal(chunk, current.queue_policy, current.replicas,
-                         f"{basis}; {why}{_cap_note(wanted, chunk, spec, _floor(spec, current))}", (ActionKind.CHUNK_DOWN,),
+                         f"{basis}; {why}{_cap_note(wanted, chunk, spec, _floor(spec, current))}",
+                         (ActionKind.CHUNK_DOWN,),
                          policy_used="model", predicted_tbt_p99_s=predicted(chunk),
                          fit_r_squared=fit.r_squared), ""
 
@@ -225,7 +226,8 @@ def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
                                        f"{spec.max_chunk}", "model", fit), ""
     return _Proposal(chunk, current.queue_policy, current.replicas,
                      f"{basis}; predicted p99 TBT {predicted(best) * 1e3:.1f} ms ≤ {budget * 1e3:.1f} ms at chunk "
-                     f"{best}{_cap_note(best, chunk, spec, _floor(spec, current))}", (ActionKind.CHUNK_UP,), policy_used="model",
+                     f"{best}{_cap_note(best, chunk, spec, _floor(spec, current))}", (ActionKind.CHUNK_UP,),
+                     policy_used="model",
                      predicted_tbt_p99_s=predicted(chunk), fit_r_squared=fit.r_squared), ""
 
 

@@ -35,7 +35,7 @@ class CurrentConfig:
 
     @classmethod
     def from_scheduler(cls, scheduler: SchedulerConfig, replicas: int, generation: int = 0,
-                       last_change_time: float | None = None) -> "CurrentConfig":
+                       last_change_time: float | None = None) -> CurrentConfig:
         return cls(prefill_budget(scheduler), QueuePolicy(scheduler.queue_policy).value, replicas, generation,
                    last_change_time, scheduler.short_prompt_threshold)
 

@@ -11,8 +11,9 @@ import enum
 import json
 import logging
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 FIELD_MANAGER = "metronome-operator"
 EVENT_COMPONENT = "metronome-operator"
@@ -149,7 +150,8 @@ class Kube:
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"generateName": f"{meta.get('name', 'inferenceservice')}.", "namespace": meta.get("namespace")},
+            "metadata": {"generateName": f"{meta.get('name', 'inferenceservice')}.",
+                         "namespace": meta.get("namespace")},
             "involvedObject": {
                 "apiVersion": owner.get("apiVersion"),
                 "kind": owner.get("kind"),

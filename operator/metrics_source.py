@@ -9,8 +9,8 @@ Three layers, so that everything but the HTTP call is testable without Prometheu
 Label contract (what the operator's scrape config / PodMonitor must produce): every server series carries
 `namespace` (the InferenceService's namespace) and `service` (its name, from the pod label
 `app.kubernetes.io/instance`), plus `pod` (or at least `instance`) to tell pods apart. `POD_RELABELING` states
-it as relabeling rules (rendered for the PodMonitor below; hack/standin writes the same labels). The label names are fields
-of `ServiceSelector`, so another relabeling only needs another selector.
+it as relabeling rules (rendered for the PodMonitor below; hack/standin writes the same labels). The label names
+are fields of `ServiceSelector`, so another relabeling only needs another selector.
 
 Long-prompt share is a proxy: the server exports prompt-token and finished-request counters, not a prompt
 length histogram, so the share is read off the mean prompt length with a two-point mixture (short prompts
@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from metronome.contract import metric_names as names
 from metronome.contract.errors import MetronomeError
@@ -84,7 +85,8 @@ class ServiceSelector:
 
     def __post_init__(self) -> None:
         if not self.namespace or not self.service:
-            raise ValueError(f"ServiceSelector needs a namespace and a service, got {self.namespace!r}/{self.service!r}")
+            raise ValueError(f"ServiceSelector needs a namespace and a service, got "
+                             f"{self.namespace!r}/{self.service!r}")
         for label in (self.namespace_label, self.service_label, self.pod_label, self.instance_label):
             if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", label):
                 raise ValueError(f"not a Prometheus label name: {label!r}")
@@ -109,7 +111,7 @@ class QueryWindow:
 
     @classmethod
     def for_window(cls, window_seconds: float, sub_window_seconds: float | None = None,
-                   scrape_interval_seconds: float | None = None) -> "QueryWindow":
+                   scrape_interval_seconds: float | None = None) -> QueryWindow:
         """A window (e.g. spec.metrics.windowSeconds) with its sub-window: by default a quarter of the window
         (a 60 s window gives the step fit 4 points per pod), at least 5 s and at least 4 scrape intervals
         (a rate() needs two samples in its range). With a 15 s scrape interval, use a window of 4 min or more."""

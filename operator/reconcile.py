@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from metronome.contract.config import SchedulerConfig, ServerConfigFile
 from metronome.operator import builders, changes, configmap
@@ -32,7 +33,8 @@ def utc_now() -> str:
 
 def _emit(kube: Kube, owner: Mapping[str, Any], event: changes.EventSpec | None) -> None:
     if event is not None:
-        log.info("%s/%s: %s: %s", owner["metadata"].get("namespace"), owner["metadata"].get("name"), event.reason, event.message)
+        meta = owner["metadata"]
+        log.info("%s/%s: %s: %s", meta.get("namespace"), meta.get("name"), event.reason, event.message)
         kube.emit_event(owner, event.type, event.reason, event.message)
 
 

@@ -6,12 +6,13 @@ so a periodic refresh that observes nothing new writes nothing.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
+from metronome.contract.config import ServerConfigFile
 from metronome.operator.builders import selector_string
 from metronome.operator.spec import InferenceService, SLOSpec
-from metronome.contract.config import ServerConfigFile
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -118,7 +119,8 @@ def pod_problems(pods: Iterable[Mapping[str, Any]], limit: int = 2) -> list[str]
         status = pod.get("status") or {}
         for cond in status.get("conditions") or []:
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-                problems.append(f"{name}: {cond.get('reason', 'Unschedulable')}: {cond.get('message', '')}".rstrip(": "))
+                why = f"{cond.get('reason', 'Unschedulable')}: {cond.get('message', '')}"
+                problems.append(f"{name}: {why}".rstrip(": "))
         for container in status.get("containerStatuses") or []:
             waiting = (container.get("state") or {}).get("waiting")
             if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):

@@ -11,8 +11,8 @@ overhead outside the step (sampling, streaming).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from metronome.contract.errors import MetronomeError
 

@@ -8,10 +8,13 @@ gguf:<file.gguf>          gguf      the path                       server, opera
 hf-dir:<folder>           hf-dir    the path                       server, operator (absolute: a hostPath)
 pvc:<claim>[/<path>]      pvc       the path inside the claim      operator (it mounts the claim, the server
                                     (`claim` holds the claim)      gets a path)
+hf://<org>/<name>[/<file>][@<revision>]   hf   the normalised URI  server (downloads into its model cache)
+s3://<bucket>[/<prefix>]  s3        the normalised URI             server (same); metronome.contract.remote_source
+                                                                   parses both and names their cache folders
 anything else             path      the text itself                server (a local .gguf file or model folder)
 
-A new scheme (e.g. `hf://<org>/<name>[@<revision>]`, `s3://<bucket>/<prefix>`) is one entry in SCHEMES: its
-prefix, the syntax that messages show, a parser for what follows the prefix, and the sides that accept it.
+A new scheme is one entry in SCHEMES: its prefix, the syntax that messages show, a parser for what follows the
+prefix, and the sides that accept it.
 Errors never name a field: each side says which field or flag the text came from.
 """
 from __future__ import annotations
@@ -65,11 +68,22 @@ def _pvc(rest: str) -> ModelSource:
     return ModelSource("pvc", value=(match.group("path") or "").strip("/"), claim=match.group("claim"))
 
 
+def _remote(prefix: str) -> Callable[[str], ModelSource]:
+    def parse(rest: str) -> ModelSource:
+        from metronome.contract.remote_source import parse_remote  # it imports ModelSourceError from here
+
+        return ModelSource(prefix.split(":")[0], value=parse_remote(prefix + rest).uri)
+
+    return parse
+
+
 SCHEMES: dict[str, Scheme] = {s.kind: s for s in (
     Scheme("random", "random:", "random:<preset>", _needs_text("random", "a preset name")),
     Scheme("gguf", "gguf:", "gguf:<file.gguf>", _needs_text("gguf", "a path")),
     Scheme("hf-dir", "hf-dir:", "hf-dir:<folder>", _needs_text("hf-dir", "a path")),
     Scheme("pvc", "pvc:", "pvc:<claim>[/<path>]", _pvc, server=False),
+    Scheme("hf", "hf://", "hf://<org>/<name>[/<file>][@<revision>]", _remote("hf://"), operator=False),
+    Scheme("s3", "s3://", "s3://<bucket>[/<prefix>]", _remote("s3://"), operator=False),
 )}
 
 

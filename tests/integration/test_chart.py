@@ -6,7 +6,6 @@ import json
 
 import pytest
 import yaml
-
 from operator_harness import (
     CHART,
     CRD_NAME,
@@ -157,7 +156,8 @@ def test_upgrade_and_uninstall(cluster):
     cluster.helm("install", release, str(CHART), "-n", namespace, "--set", f"watchNamespaces={{{watched}}}")
     assert cluster.kubectl_json("get", "role", "-n", watched)["items"]
     cluster.helm("upgrade", release, str(CHART), "-n", namespace, "--reuse-values", "--set", "logLevel=DEBUG")
-    deployment = cluster.kubectl_json("get", "deployment", "-n", namespace, "-l", f"app.kubernetes.io/instance={release}")
+    deployment = cluster.kubectl_json("get", "deployment", "-n", namespace,
+                                      "-l", f"app.kubernetes.io/instance={release}")
     (item,) = deployment["items"]
     assert "--log-level=DEBUG" in item["spec"]["template"]["spec"]["containers"][0]["args"]
     cluster.helm("uninstall", release, "-n", namespace, "--wait")

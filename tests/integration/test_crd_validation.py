@@ -7,7 +7,6 @@ import json
 
 import pytest
 import yaml
-
 from operator_harness import EXAMPLE, ROOT, ensure_crd
 
 VALID = yaml.safe_load(EXAMPLE.read_text())
@@ -57,13 +56,17 @@ INVALID = [
     ("bad-prometheus-url", _with("spec.metrics.prometheusUrl", "prometheus:9090"), "spec.metrics.prometheusUrl"),
     ("misplaced-field", _with("spec.chunkSize", 256), "spec.chunkSize"),
     # cross-field rules (CEL)
-    ("min-chunk-above-max", _with("spec.autotune.maxChunkSize", 32), "spec.autotune.minChunkSize must be <= spec.autotune.maxChunkSize"),
+    ("min-chunk-above-max", _with("spec.autotune.maxChunkSize", 32),
+     "spec.autotune.minChunkSize must be <= spec.autotune.maxChunkSize"),
     ("replicas-above-max", _with("spec.replicas", 9), "spec.replicas must be <= spec.maxReplicas"),
     ("replicas-below-min", _with("spec.minReplicas", 3), "spec.replicas must be >= spec.minReplicas"),
-    ("min-above-max-replicas", _with("spec.minReplicas", 3, _with("spec.maxReplicas", 2, _with("spec.replicas", 2))), "spec.minReplicas must be <= spec.maxReplicas"),
+    ("min-above-max-replicas", _with("spec.minReplicas", 3, _with("spec.maxReplicas", 2, _with("spec.replicas", 2))),
+     "spec.minReplicas must be <= spec.maxReplicas"),
     ("autotune-without-slo", _with("spec.slo", _DELETE), "spec.slo is required when spec.autotune.mode"),
-    ("batched-tokens-below-seqs", _with("spec.server.maxNumBatchedTokens", 16), "spec.server.maxNumBatchedTokens must be >= spec.server.maxNumSeqs"),
-    ("short-chunk-below-threshold", _with("spec.server.shortChunkSize", 256), "spec.server.shortChunkSize must be >= spec.server.shortPromptThreshold"),
+    ("batched-tokens-below-seqs", _with("spec.server.maxNumBatchedTokens", 16),
+     "spec.server.maxNumBatchedTokens must be >= spec.server.maxNumSeqs"),
+    ("short-chunk-below-threshold", _with("spec.server.shortChunkSize", 256),
+     "spec.server.shortChunkSize must be >= spec.server.shortPromptThreshold"),
     ("name-not-a-dns-label", _with("metadata.name", "smol.lm2"), "metadata.name"),
 ]
 

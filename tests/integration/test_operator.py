@@ -10,7 +10,6 @@ import re
 
 import pytest
 import yaml
-
 from operator_harness import (
     EXAMPLE,
     OperatorProcess,
@@ -302,8 +301,8 @@ class CannedPrometheus:
     every query a 500."""
 
     def __init__(self, namespace: str):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         from urllib.parse import parse_qs, urlparse
 
         from metronome.operator.metrics_source import QueryWindow, ServiceSelector, build_queries

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from metronome.contract.config import SchedulerConfig, ServerConfigFile
 from metronome.operator.autotune import (
     ADVICE,
     AWAITING_PODS,
@@ -24,7 +25,6 @@ from metronome.operator.metrics_source import MetricsUnavailable
 from metronome.operator.observation import Observation, StepSample
 from metronome.operator.spec import parse_service
 from metronome.operator.status import Observed, compute_status
-from metronome.contract.config import SchedulerConfig, ServerConfigFile
 
 NOW = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 A, B = 0.008, 20e-6  # the plant behind the step samples: step seconds = a + b * tokens

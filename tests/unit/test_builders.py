@@ -77,7 +77,8 @@ def test_replicas_change_the_deployment_but_not_its_template():
 
 
 def test_server_command_line():
-    container = container_of(builders.deployment(service_of(resources={"gpus": 4}, model={"source": "random:llama-3-8b", "dtype": "bfloat16", "maxModelLen": 8192})))
+    model = {"source": "random:llama-3-8b", "dtype": "bfloat16", "maxModelLen": 8192}
+    container = container_of(builders.deployment(service_of(resources={"gpus": 4}, model=model)))
     assert container["command"] == ["metronome"]
     args = container["args"]
     assert args[0] == "serve"
@@ -128,7 +129,8 @@ def test_probes_ports_and_prometheus_annotations():
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000", "prometheus.io/path": "/metrics"}
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
+                           "prometheus.io/path": "/metrics"}
 
 
 def test_restricted_security_context_with_writable_tmp():
@@ -156,9 +158,11 @@ def test_config_volume_mounts_the_configmap_read_only():
 @pytest.mark.parametrize(
     ("source", "volume", "mount_path", "model_arg"),
     [
-        ("pvc:weights/llama-3-8b", {"persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}, "/models", "/models/llama-3-8b"),
+        ("pvc:weights/llama-3-8b", {"persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}, "/models",
+         "/models/llama-3-8b"),
         ("pvc:weights", {"persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}, "/models", "/models"),
-        ("gguf:/data/smol.gguf", {"hostPath": {"path": "/data/smol.gguf", "type": "File"}}, "/models/smol.gguf", "/models/smol.gguf"),
+        ("gguf:/data/smol.gguf", {"hostPath": {"path": "/data/smol.gguf", "type": "File"}}, "/models/smol.gguf",
+         "/models/smol.gguf"),
         ("hf-dir:/data/llama", {"hostPath": {"path": "/data/llama", "type": "Directory"}}, "/models", "/models"),
         ("random:tiny", {"emptyDir": {}}, "/models", "random:tiny"),
     ],
@@ -179,7 +183,8 @@ def test_multi_gpu_pods_get_shared_memory():
 
 def test_node_selector_and_tolerations_pass_through():
     pod = builders.deployment(
-        service_of(resources={"nodeSelector": {"nvidia.com/gpu.product": "H200"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]})
+        service_of(resources={"nodeSelector": {"nvidia.com/gpu.product": "H200"},
+                              "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]})
     )["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H200"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]

@@ -358,9 +358,9 @@ def test_spec_invariants():
 # --- the budget under each queue policy ----------------------------------------------------------------------
 
 def test_split_budget_is_the_larger_lane_and_decisions_land_on_the_lanes():
+    from metronome.contract.config import SchedulerConfig
     from metronome.operator.configmap import scheduler_for
     from metronome.operator.decision import prefill_budget
-    from metronome.contract.config import SchedulerConfig
 
     served = SchedulerConfig(chunk_size=512, queue_policy="split", short_chunk_size=2048, long_chunk_size=512)
     current = CurrentConfig.from_scheduler(served, replicas=2, generation=5)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from metronome.operator.controller import decide
 from metronome.contract.metric_names import TBT_BUCKETS
+from metronome.operator.controller import decide
 from metronome.operator.decision import CurrentConfig, Decision
 from metronome.operator.observation import Observation, StepSample
 from metronome.operator.spec import AutotuneMode, AutotuneSpec, TuningPolicy

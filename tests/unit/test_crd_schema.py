@@ -89,13 +89,14 @@ def test_printer_columns_point_at_status_fields(version, schema):
 
 def test_conditions_follow_api_conventions(schema):
     item = schema["properties"]["status"]["properties"]["conditions"]["items"]
-    assert set(item["properties"]) == {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
+    assert set(item["properties"]) == {"type", "status", "reason", "message", "lastTransitionTime",
+                                       "observedGeneration"}
 
 
 def test_cel_rules_name_the_fields_they_check(schema):
     rules = [(p, r) for p, node in _walk(schema) for r in node.get("x-kubernetes-validations", [])]
     assert len(rules) >= 7
-    for path, rule in rules:
+    for _path, rule in rules:
         assert rule["message"].split()[0].startswith(("spec.", "metadata.")), rule
 
 

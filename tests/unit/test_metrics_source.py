@@ -12,6 +12,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
+from metronome.contract import metric_names as names
 from metronome.operator import metrics_source as ms
 from metronome.operator.metrics_source import (
     LongPromptProxy,
@@ -24,7 +25,6 @@ from metronome.operator.metrics_source import (
     parse_duration,
     try_observe,
 )
-from metronome.contract import metric_names as names
 
 SELECTOR = ServiceSelector(namespace="demo", service="tiny")
 WINDOW = QueryWindow(window_seconds=60, sub_window_seconds=15)
@@ -99,7 +99,8 @@ def test_selector_label_names_are_parameters_and_values_are_escaped():
     assert "[30s]" in queries[ms.TBT_P99] and "[30s:10s]" in queries[ms.STEP_TOKENS_RATE]
 
 
-@pytest.mark.parametrize("bad", [dict(namespace="", service="x"), dict(namespace="a", service="x", pod_label="bad-label")])
+@pytest.mark.parametrize("bad", [dict(namespace="", service="x"),
+                                 dict(namespace="a", service="x", pod_label="bad-label")])
 def test_selector_rejects_bad_input(bad):
     with pytest.raises(ValueError):
         ServiceSelector(**bad)

@@ -29,7 +29,9 @@ from metronome.operator.spec import SpecError, parse_source
     ("pvc:weights", ModelSource("pvc", "", claim="weights")),
     ("pvc:weights/llama/", ModelSource("pvc", "llama", claim="weights")),
     ("/m/a.gguf", ModelSource(PATH, "/m/a.gguf")),
-    ("s3://bucket/x", ModelSource(PATH, "s3://bucket/x")),  # no such scheme (yet): a path, which nothing has
+    ("gs://bucket/x", ModelSource(PATH, "gs://bucket/x")),  # no such scheme (yet): a path, which nothing has
+    ("hf://org/name", ModelSource("hf", "hf://org/name@main")),
+    ("s3://bucket/x/", ModelSource("s3", "s3://bucket/x")),
 ])
 def test_sources_parse(text, expected):
     assert parse_model_source(text) == expected

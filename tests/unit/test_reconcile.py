@@ -35,7 +35,8 @@ class MemoryKube:
         self.version += 1
         desired["metadata"]["resourceVersion"] = str(self.version)
         self.objects[key] = desired
-        return Applied(Action.CREATED if before is None else Action.UPDATED, copy.deepcopy(before), copy.deepcopy(desired))
+        action = Action.CREATED if before is None else Action.UPDATED
+        return Applied(action, copy.deepcopy(before), copy.deepcopy(desired))
 
     def list(self, api_version, kind, namespace, label_selector):
         return []
@@ -84,7 +85,8 @@ def test_sync_keeps_a_retuned_config_and_serve_scheduler_bumps_the_generation():
     owner = body(server={"chunkSize": 512})
     service = parse_service(owner)
     first = reconcile.sync_children(kube, service, owner)
-    tuned = configmap.scheduler_for(Decision(192, first.scheduler.queue_policy.value, 1, "test", changed=True), first.scheduler)
+    decision = Decision(192, first.scheduler.queue_policy.value, 1, "test", changed=True)
+    tuned = configmap.scheduler_for(decision, first.scheduler)
     reconcile.serve_scheduler(kube, service, owner, tuned, why="autotune")
     assert served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 192
 

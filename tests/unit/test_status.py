@@ -117,7 +117,8 @@ def test_no_metrics_is_metrics_available_false_and_slo_unknown():
     down = ServingMetrics(available=False, reason="PrometheusUnreachable", message="connection refused")
     status = compute_status(svc, Observed(deployment(ready=2), metrics=down), now=T0)
     cond = conditions_by_type(status)
-    assert (cond["MetricsAvailable"]["status"], cond["MetricsAvailable"]["reason"]) == ("False", "PrometheusUnreachable")
+    metrics = cond["MetricsAvailable"]
+    assert (metrics["status"], metrics["reason"]) == ("False", "PrometheusUnreachable")
     assert status["slo"] == "Unknown" and status["tbtP99Ms"] is None
 
 
@@ -140,7 +141,8 @@ def test_transition_events():
     events = describe_transitions([], first["conditions"])
     assert {e.reason for e in events} == {"ReplicasNotReady", "RollingOut"}  # Unknown first appearances are quiet
     assert {e.type for e in events} == {"Normal"}  # coming up is not a problem
-    ready = compute_status(svc, Observed(deployment(ready=2), served_config=served(svc)), now=T1, previous_conditions=first["conditions"])
+    ready = compute_status(svc, Observed(deployment(ready=2), served_config=served(svc)), now=T1,
+                           previous_conditions=first["conditions"])
     events = describe_transitions(first["conditions"], ready["conditions"])
     assert [(e.type, e.reason) for e in events] == [("Normal", "AllReplicasReady"), ("Normal", "Stable")]
     assert describe_transitions(ready["conditions"], ready["conditions"]) == []
