@@ -1,7 +1,8 @@
 """Remote model sources: `hf://org/name[/file][@revision]` and `s3://bucket[/prefix]`.
 
-Pure parsing and cache naming, shared by the downloader (`metronome fetch-model`, the server's loader) and the
-operator (which only validates the URI and hands it to the init container). No network, no heavy imports.
+Pure parsing and cache naming behind the `hf` and `s3` entries of metronome.contract.model_source, shared by the
+downloader (`metronome fetch-model`, the server's loader) and the operator (which validates the URI and hands it
+to the init container). No network, no heavy imports. Bad syntax raises ModelSourceError.
 
     hf://HuggingFaceTB/SmolLM2-135M-Instruct              the repo's main branch
     hf://HuggingFaceTB/SmolLM2-135M-Instruct@<sha|tag|branch>
@@ -17,7 +18,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from metronome.contract.errors import ModelNotFoundError
+from metronome.contract.model_source import ModelSourceError
 
 HF_SCHEME = "hf://"
 S3_SCHEME = "s3://"
@@ -62,26 +63,26 @@ def is_remote(spec: str) -> bool:
 
 
 def parse_remote(spec: str) -> RemoteSource:
-    """Parse an hf:// or s3:// URI; ModelNotFoundError (naming the URI and the rule it breaks) otherwise."""
+    """Parse an hf:// or s3:// URI; ModelSourceError (naming the URI and the rule it breaks) otherwise."""
     if spec.startswith(HF_SCHEME):
         return parse_hf(spec)
     if spec.startswith(S3_SCHEME):
         return parse_s3(spec)
-    raise ModelNotFoundError(f"{spec!r} is not a remote model source; use hf://org/name[@revision] or s3://bucket/prefix")
+    raise ModelSourceError(f"{spec!r} is not a remote model source; use hf://org/name[@revision] or s3://bucket/prefix")
 
 
 def parse_hf(spec: str) -> HubSource:
     body = spec[len(HF_SCHEME):]
     path, at, revision = body.partition("@")
     if at and not _REVISION.fullmatch(revision):
-        raise ModelNotFoundError(f"{spec}: revision {revision!r} is not a branch, tag or commit sha")
+        raise ModelSourceError(f"{spec}: revision {revision!r} is not a branch, tag or commit sha")
     parts = path.strip("/").split("/")
     if len(parts) < 2 or not all(_HUB_NAME.fullmatch(p) for p in parts[:2]):
-        raise ModelNotFoundError(f"{spec}: expected hf://org/name[/file][@revision] with org and name made of "
+        raise ModelSourceError(f"{spec}: expected hf://org/name[/file][@revision] with org and name made of "
                                  "letters, digits, '-', '_' and '.'")
     filename = "/".join(parts[2:]) or None
     if filename is not None and any(p in ("", ".", "..") for p in parts[2:]):
-        raise ModelNotFoundError(f"{spec}: file path {filename!r} inside the repo is not a plain relative path")
+        raise ModelSourceError(f"{spec}: file path {filename!r} inside the repo is not a plain relative path")
     revision = revision if at else DEFAULT_HF_REVISION
     repo_id = "/".join(parts[:2])
     normalised = f"{HF_SCHEME}{repo_id}" + (f"/{filename}" if filename else "") + f"@{revision}"
@@ -92,11 +93,11 @@ def parse_s3(spec: str) -> S3Source:
     body = spec[len(S3_SCHEME):]
     bucket, _, prefix = body.partition("/")
     if not _BUCKET.fullmatch(bucket):
-        raise ModelNotFoundError(f"{spec}: bucket {bucket!r} is not a valid S3 bucket name "
+        raise ModelSourceError(f"{spec}: bucket {bucket!r} is not a valid S3 bucket name "
                                  "(3-63 lowercase letters, digits, '.' and '-')")
     prefix = prefix.strip("/")
     if any(p in ("", ".", "..") for p in prefix.split("/")) and prefix:
-        raise ModelNotFoundError(f"{spec}: prefix {prefix!r} has an empty, '.' or '..' segment")
+        raise ModelSourceError(f"{spec}: prefix {prefix!r} has an empty, '.' or '..' segment")
     return S3Source(bucket, prefix, f"{S3_SCHEME}{bucket}" + (f"/{prefix}" if prefix else ""))
 
 

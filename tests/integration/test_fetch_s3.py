@@ -59,7 +59,7 @@ def test_fetch_model_downloads_a_gguf_that_generates_like_the_local_file(s3, tmp
     assert marker["files"] == [{"path": "SmolLM2-135M-Instruct.Q4_1.gguf", "size": head["ContentLength"],
                                 "etag": head["ETag"].strip('"')}]
     assert (folder / marker["files"][0]["path"]).read_bytes() == default_model_path().read_bytes()
-    assert generate(f"gguf:{folder / marker['files'][0]['path']}", env) == generate("default", env)
+    assert generate("s3://models/smollm2", env) == generate("default", env)  # loads the cached copy
 
     # Idempotent: the complete copy is found again without the network (the endpoint below does not answer).
     again = run_cli("fetch-model", "s3://models/smollm2", "--s3-endpoint", "http://127.0.0.1:9", env=env)

@@ -16,6 +16,7 @@ from hub_server import FakeHub
 from metronome.cli import main
 from metronome.contract.errors import ModelNotFoundError
 from metronome.server.models.fetch import fetch_model
+from metronome.server.models.loader import ModelSource, parse_model_spec
 from test_loaders import SMALL, save_hf_model
 
 
@@ -45,10 +46,14 @@ def generate(capsys, spec: str) -> list[dict]:
 
 
 def test_a_hub_folder_downloads_what_the_loader_reads_and_generates_like_the_original(hub, tiny_folder, tmp_path,
-                                                                                      capsys):
+                                                                                      capsys, monkeypatch):
     repo = hub.add_folder("test-org/tiny-llama", tiny_folder)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("METRONOME_MODEL_CACHE", str(tmp_path))
+    assert generate(capsys, "hf://test-org/tiny-llama") == generate(capsys, f"hf-dir:{tiny_folder}")
+
     fetched = fetch_model("hf://test-org/tiny-llama", tmp_path, hf_endpoint=hub.url)
-    assert fetched.downloaded and fetched.marker.resolved == repo.sha
+    assert fetched.marker.resolved == repo.sha
     assert fetched.folder.parent == tmp_path / "hf"
     got = sorted(p.name for p in fetched.folder.iterdir())
     assert "README.md" not in got and "pytorch_model.bin" not in got
@@ -56,7 +61,9 @@ def test_a_hub_folder_downloads_what_the_loader_reads_and_generates_like_the_ori
     for f in fetched.marker.files:
         assert (fetched.folder / f.path).read_bytes() == (tiny_folder / f.path).read_bytes()
     assert any(path.startswith("/lfs/") for _, path, _ in hub.requests)  # the weights came through the "CDN"
-    assert generate(capsys, fetched.local_spec) == generate(capsys, f"hf-dir:{tiny_folder}")
+    assert not fetched.downloaded  # generate's load above already put it there
+    assert parse_model_spec("hf://test-org/tiny-llama") == ModelSource("hf-dir", str(fetched.folder),
+                                                                        "test-org/tiny-llama")
 
 
 def test_a_second_fetch_is_a_no_op_without_network(hub, tiny_folder, tmp_path):

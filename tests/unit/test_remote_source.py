@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from metronome.contract.errors import ModelNotFoundError
+from metronome.contract.model_source import ModelSourceError
 from metronome.contract.remote_source import HubSource, S3Source, cache_subdir, is_remote, parse_remote
 from metronome.server.models.fetch.cache import Marker, RemoteFile, new_partial, publish, read_complete
 from metronome.server.models.fetch.files import local_model_spec, select_model_files
@@ -43,7 +44,7 @@ def test_s3_uris_parse(uri, bucket, prefix, normalised):
     ("gs://bucket/x", "remote"),
 ])
 def test_bad_uris_name_the_rule(uri, says):
-    with pytest.raises(ModelNotFoundError, match=says):
+    with pytest.raises(ModelSourceError, match=says):
         parse_remote(uri)
 
 
