@@ -16,7 +16,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from metronome.server.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from metronome.server.api.body_limit import BodyLimit
 from metronome.server.api.generation import run_request
 from metronome.server.api.http_errors import error_response, install_error_handlers
 from metronome.server.api.metrics import CONTENT_TYPE
@@ -29,7 +29,8 @@ from metronome.server.api.protocol import (
 )
 from metronome.server.api.responses import ChatShaper, CompletionShaper
 from metronome.server.api.state import ServerState
-from metronome.server.api.tokenization import DEFAULT_WORKERS, TokenizerPool
+from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_TOKENIZER_WORKERS
+from metronome.server.api.tokenization import TokenizerPool
 from metronome.server.engine.sampling import SamplingParams
 from metronome.contract.errors import (
     EngineDrainingError,
@@ -60,7 +61,7 @@ def sampling_params(body, max_tokens: int) -> SamplingParams:
 
 
 def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               tokenizer_workers: int = DEFAULT_WORKERS) -> FastAPI:
+               tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS) -> FastAPI:
     metrics = state.metrics
     lifecycle = state.lifecycle
     tokenizer_pool = TokenizerPool(engine.tokenizer, engine.max_model_len, workers=tokenizer_workers,

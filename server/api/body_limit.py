@@ -12,8 +12,7 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metronome.server.api.http_errors import error_body
-
-DEFAULT_MAX_BODY_BYTES = 2 << 20  # 2 MiB: a 128k-token prompt needs about 0.5 MiB as text, 1 MiB as ids
+from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES
 
 
 class BodyLimit:

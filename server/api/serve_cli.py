@@ -23,8 +23,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--config-poll-seconds", type=float, default=0.5, metavar="S",
                         help="how often the config file is checked for new content (default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    # Isolation between clients (issue 16): see docs/server.md "Limits".
+    from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_TOKENIZER_WORKERS
+
+    server.add_argument("--max-request-body-bytes", type=_at_least_one, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                        help="larger request bodies get 413 before they are read (default: %(default)s = 2 MiB)")
+    server.add_argument("--tokenizer-workers", type=_at_least_one, default=DEFAULT_TOKENIZER_WORKERS, metavar="N",
+                        help="threads that tokenize prompts and render chat templates off the event loop "
+                             "(default: %(default)s)")
     add_engine_flags(parser.add_argument_group("engine (fixed for the process)"))
     add_scheduler_flags(parser.add_argument_group("scheduler (initial values; the --config file overrides them)"))
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +85,8 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
     engine = AsyncEngine(core, observers=[metrics])
     state = build_state(engine, metrics, served_name, base, config_file=args.config,
                         poll_interval_s=args.config_poll_seconds)
-    app = create_app(engine, state)
+    app = create_app(engine, state, max_body_bytes=args.max_request_body_bytes,
+                     tokenizer_workers=args.tokenizer_workers)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                             timeout_graceful_shutdown=max(args.drain_seconds, 1.0))
     server = make_draining_server(config, state.lifecycle, args.drain_seconds, engine.abort)

@@ -18,14 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
 from metronome.server.api.chat_template import render_chat_prompt
-
-DEFAULT_WORKERS = 2
+from metronome.server.api.limits import DEFAULT_TOKENIZER_WORKERS
 
 
 class TokenizerPool:
     """`encode` and `render_chat` run on `workers` threads; at most `max_pending` wait at once (then 429)."""
 
-    def __init__(self, tokenizer, max_model_len: int, workers: int = DEFAULT_WORKERS, max_pending: int = 1024):
+    def __init__(self, tokenizer, max_model_len: int, workers: int = DEFAULT_TOKENIZER_WORKERS, max_pending: int = 1024):
         if workers < 1:
             raise ValueError(f"--tokenizer-workers must be >= 1, got {workers}")
         self.tokenizer = tokenizer
