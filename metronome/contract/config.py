@@ -54,10 +54,13 @@ class SchedulerConfig(_Schema):
 
 
 class ServerConfigFile(_Schema):
-    """What `server.yaml` holds. `generation` is written by the operator and echoed as a metric."""
+    """What `server.yaml` holds. `generation` is written by the operator and echoed as a metric.
 
-    generation: int = Field(0, ge=0, description="Bumped by the operator on every change; echoed by metronome_config_generation.")
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    Both keys are required: a file that is empty or lacks one (half-written, or a template gone wrong) must be
+    an error, not a silent reset to generation 0 and the default scheduler."""
+
+    generation: int = Field(..., ge=0, description="Bumped by the operator on every change; echoed by metronome_config_generation.")
+    scheduler: SchedulerConfig = Field(..., description="The scheduler fields to set; those left out keep the server's command-line values.")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(
@@ -69,7 +72,10 @@ def _format_validation_error(err: ValidationError) -> str:
     parts = []
     for item in err.errors():
         where = ".".join(str(p) for p in item["loc"]) or "<root>"
-        parts.append(f"{where}: {item['msg']}")
+        if item["type"] == "missing":  # a partial file is refused, never filled in with defaults
+            parts.append(f"{where} missing (a config file must set generation and scheduler)")
+        else:
+            parts.append(f"{where}: {item['msg']}")
     return "; ".join(parts)
 
 
@@ -80,7 +86,7 @@ def parse_server_config(text: str, source: str = "<config>") -> ServerConfigFile
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
     if data is None:
-        data = {}
+        raise ConfigError(f"{source}: the file is empty; it must set generation and scheduler")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
     try:

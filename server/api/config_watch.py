@@ -5,7 +5,9 @@ symlink over the old one; `server.yaml` is itself a symlink through `..data`. An
 none of that, so the watcher polls: every `interval_s` it resolves the symlink chain afresh, reads the text and
 acts only when the text differs from what it last saw. A new valid file is merged over the command-line
 scheduler values and handed to the engine (applied at the next step boundary); an invalid one keeps the last good
-config, is logged once, counted, and shown on /v1/config. Nothing in here raises out of the poll loop.
+config, is logged once, counted, and shown on /v1/config. Invalid includes an empty or partial file (the schema
+requires `generation` and `scheduler`) and a generation lower than the applied one: the generation the server
+reports never goes backwards. Nothing in here raises out of the poll loop.
 """
 from __future__ import annotations
 
@@ -59,6 +61,14 @@ def effective_scheduler(base: SchedulerConfig, file_config: ServerConfigFile, so
     return validate_scheduler({**base.snake_dict(), **overrides}, source=f"{source}: scheduler")
 
 
+def check_not_older(new: int, applied: int, source: str) -> None:
+    """A generation below the applied one is a stale or mistaken write; taking it would make the operator
+    count this pod as rolled back."""
+    if new < applied:
+        raise ConfigError(f"{source}: generation {new} is older than the applied generation {applied}; "
+                          "the generation never goes backwards")
+
+
 def read_config(path: str) -> tuple[str, str]:
     """(resolved path, text). Resolving each time follows a `..data` symlink that was swapped since last poll."""
     resolved = os.path.realpath(path)
@@ -110,6 +120,7 @@ class ConfigWatcher:
             return False
         try:
             parsed = parse_server_config(text, source=self.path)
+            check_not_older(parsed.generation, self.status.generation, self.path)
             scheduler = effective_scheduler(self.base, parsed, self.path)
             self.apply(scheduler)
         except (ConfigError, ValueError) as exc:  # the engine may refuse a combination the schema allows

@@ -84,10 +84,52 @@ def test_file_fields_override_flags_and_removed_fields_fall_back(tmp_path):
 
 def test_merged_cross_field_rule_is_checked(tmp_path):
     # The file alone is fine, but with the flag max_num_seqs=64 the token cap would starve decodes.
-    path = k8s_config_dir(tmp_path / "vol", "scheduler:\n  max_num_batched_tokens: 32\n")
+    path = k8s_config_dir(tmp_path / "vol", "generation: 1\nscheduler:\n  max_num_batched_tokens: 32\n")
     watcher, _, _ = make_watcher(path)
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
         watcher.load_initial()
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("", "empty"),
+    ("# nothing but a comment\n", "empty"),
+    ("scheduler:\n  chunk_size: 64\n", "generation missing"),
+    ("generation: 5\n", "scheduler missing"),
+    ("generation: 5\nscheduler:\n", "scheduler"),  # a key without a value
+])
+def test_an_empty_or_partial_file_never_resets_the_server(tmp_path, text, reason):
+    path = k8s_config_dir(tmp_path / "vol", "generation: 4\nscheduler:\n  chunk_size: 96\n")
+    watcher, applied, metrics = make_watcher(path)
+    watcher.load_initial()
+    k8s_swap(path, text)
+    assert not watcher.poll_once()
+    assert reason in watcher.status.last_reload_error
+    assert (watcher.status.generation, applied[-1].chunk_size, len(applied)) == (4, 96, 1)
+    assert gauge(metrics, names.CONFIG_RELOAD_ERRORS) == 1
+    assert gauge(metrics, names.CONFIG_GENERATION) == 4 and gauge(metrics, names.CHUNK_SIZE) == 96
+
+
+def test_an_empty_file_at_start_up_is_refused(tmp_path):
+    path = k8s_config_dir(tmp_path / "vol", "\n")
+    watcher, applied, _ = make_watcher(path)
+    with pytest.raises(ConfigError, match="empty"):
+        watcher.load_initial()
+    assert applied == []
+
+
+def test_the_generation_never_goes_backwards(tmp_path):
+    path = k8s_config_dir(tmp_path / "vol", "generation: 7\nscheduler:\n  chunk_size: 96\n")
+    watcher, applied, metrics = make_watcher(path)
+    watcher.load_initial()
+    k8s_swap(path, "generation: 6\nscheduler:\n  chunk_size: 32\n")
+    assert not watcher.poll_once()
+    assert "older than the applied generation 7" in watcher.status.last_reload_error
+    assert (watcher.status.generation, applied[-1].chunk_size) == (7, 96)
+    assert gauge(metrics, names.CONFIG_RELOAD_ERRORS) == 1
+    k8s_swap(path, "generation: 7\nscheduler:\n  chunk_size: 48\n")  # the same generation again: allowed
+    assert watcher.poll_once() and applied[-1].chunk_size == 48
+    k8s_swap(path, "generation: 8\nscheduler:\n  chunk_size: 64\n")
+    assert watcher.poll_once() and watcher.status.generation == 8 and watcher.status.last_reload_error is None
 
 
 def test_unreadable_file_is_an_error_not_a_crash(tmp_path):
