@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from metronome.contract.model_source import ModelSourceError
 
+CACHE_ENV = "METRONOME_MODEL_CACHE"  # the cache root, for the server and `metronome fetch-model` alike
 HF_SCHEME = "hf://"
 S3_SCHEME = "s3://"
 DEFAULT_HF_REVISION = "main"

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from metronome.contract.errors import ModelNotFoundError
+from metronome.contract.remote_source import CACHE_ENV
 
 MARKER = ".metronome-fetch.json"
 PARTIAL = ".partial"
-CACHE_ENV = "METRONOME_MODEL_CACHE"
 
 
 @dataclass(frozen=True)
