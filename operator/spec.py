@@ -126,6 +126,11 @@ AUTOTUNE_FIELDS = {
 }
 
 
+# Types of the AUTOTUNE_FIELDS that are not plain numbers (the others accept an int or a float).
+_AUTOTUNE_KINDS = {"mode": str, "policy": str, "policy_switching": bool, "scale_replicas": bool,
+                   "min_chunk": int, "max_chunk": int, "chunk_granularity": int}
+
+
 @dataclass(frozen=True)
 class AutotuneSpec:
     """Everything the control loop is asked to do: spec.autotune (the fields in AUTOTUNE_FIELDS, defaults = the
@@ -376,14 +381,8 @@ def parse_autotune(data: Mapping[str, Any], spec: Mapping[str, Any], slo: SLOSpe
     """spec.autotune, with the targets of `slo`, spec's replica bounds and the served queue policy."""
     where = "spec.autotune"
     defaults = _defaults(AutotuneSpec)
-    kinds = {"mode": str, "policy": str, "policy_switching": bool, "scale_replicas": bool,
-             "min_chunk": int, "max_chunk": int, "chunk_granularity": int}
-    values = {}
-    for key, name in AUTOTUNE_FIELDS.items():
-        if kinds.get(name) in (str, bool, int):
-            values[name] = _value(data, key, kinds[name], defaults[name], where)
-        else:
-            values[name] = _float(data, key, defaults[name], where)
+    values = {name: _value(data, key, _AUTOTUNE_KINDS[name], defaults[name], where) if name in _AUTOTUNE_KINDS
+              else _float(data, key, defaults[name], where) for key, name in AUTOTUNE_FIELDS.items()}
     values["mode"] = _enum(AutotuneMode, values["mode"], f"{where}.mode")
     values["policy"] = _enum(TuningPolicy, values["policy"], f"{where}.policy")
     return AutotuneSpec(
