@@ -1,0 +1,83 @@
+"""The loop's body (control_loop.tick) against the in-memory API of test_reconcile and a canned reading: it reads
+when due, serves the decision as a new server.yaml generation, scales, announces a blocked loop once, and hands
+the CR's own changes (spec.replicas, status.lastDecision) back to the handler."""
+from __future__ import annotations
+
+import pytest
+import yaml
+from test_reconcile import MemoryKube, body
+
+from metronome.operator import autotune, control_loop, reconcile
+from metronome.operator.observation import Observation
+from metronome.operator.spec import parse_service
+
+
+def reading(tbt_ms: float) -> Observation:
+    return Observation(window_seconds=20, sample_count=5000, tbt_p99_s=tbt_ms / 1000, output_tokens_per_s=900.0,
+                       pod_generations={"chat-a": 1, "chat-b": 1})
+
+
+@pytest.fixture
+def prometheus(monkeypatch):
+    """reconcile.read_metrics answering with `state["observation"]`; counts the readings."""
+    state = {"observation": reading(60.0), "reads": 0}
+
+    def read_metrics(url, service, now):
+        state["reads"] += 1
+        return state["observation"], None
+
+    monkeypatch.setattr(reconcile, "read_metrics", read_metrics)
+    return state
+
+
+def apply_body(**autotune_fields) -> dict:
+    return body(server={"chunkSize": 1024, "queuePolicy": "fcfs"}, minReplicas=1, maxReplicas=3,
+                slo={"tbtP99Ms": 30}, metrics={"windowSeconds": 20},
+                autotune={"mode": "apply", "policy": "multiplicative", "policySwitching": False, **autotune_fields})
+
+
+def served(kube: MemoryKube) -> dict:
+    return yaml.safe_load(kube.objects[("ConfigMap", "ml", "chat-config")]["data"]["server.yaml"])
+
+
+def test_a_due_reading_is_served_as_a_new_generation_and_recorded(prometheus):
+    kube, owner = MemoryKube(), apply_body()
+    service = parse_service(owner)
+    reconcile.sync_children(kube, service, owner)
+    memory = autotune.TunerMemory()
+    result = control_loop.tick(kube, service, owner, reconcile.observe(kube, service), memory, "http://127.0.0.1:1")
+    assert served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 922  # 1024 x 0.9
+    assert result.observed.served_config.generation == 2 and result.observed.metrics.available
+    assert result.last_decision["applied"] is True and result.last_decision["to"]["chunkSize"] == 922
+    assert result.replicas is None
+    assert "ConfigUpdated" in [reason for _, reason, _ in kube.events]
+
+    again = control_loop.tick(kube, service, owner, result.observed, memory, "http://127.0.0.1:1")
+    assert prometheus["reads"] == 1  # not due: status gets the last reading, nothing is decided
+    assert again.last_decision is None and again.observed.metrics.tbt_p99_ms == pytest.approx(60.0)
+    assert served(kube)["generation"] == 2
+
+
+def test_a_chunk_at_its_floor_scales_and_hands_back_the_replica_patch(prometheus):
+    kube, owner = MemoryKube(), apply_body(minChunkSize=1024, scaleReplicas=True)
+    service = parse_service(owner)
+    reconcile.sync_children(kube, service, owner)
+    result = control_loop.tick(kube, service, owner, reconcile.observe(kube, service), autotune.TunerMemory(),
+                               "http://127.0.0.1:1")
+    assert result.replicas == 3
+    assert kube.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == 3
+    assert "AutotuneScaled" in [reason for _, reason, _ in kube.events]
+
+
+def test_a_blocked_loop_is_announced_once(prometheus):
+    kube, owner = MemoryKube(), apply_body()
+    service = parse_service(owner)
+    reconcile.sync_children(kube, service, owner)
+    memory = autotune.TunerMemory()
+    observed = reconcile.observe(kube, service)
+    first = control_loop.tick(kube, service, owner, observed, memory, default_prometheus_url=None)
+    assert not first.observed.metrics.available and prometheus["reads"] == 0
+    memory.next_reading = 0.0  # due again
+    control_loop.tick(kube, service, owner, observed, memory, default_prometheus_url=None)
+    blocked = [message for _, reason, message in kube.events if reason == "AutotuneBlocked"]
+    assert len(blocked) == 1 and "--prometheus-url" in blocked[0]
