@@ -44,6 +44,12 @@ def test_one_version_everywhere():
     assert spec["properties"]["image"]["default"] == DEFAULT_IMAGE
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'dynamic = ["version"]' in pyproject and 'version = {attr = "metronome.__version__"}' in pyproject
-    for example in sorted((ROOT / "examples").glob("*.yaml")):
-        for tag in re.findall(r"ghcr\.io/metronome-dev/metronome-[a-z]+:([\w.-]+)", example.read_text()):
-            assert tag.split("-")[0] == __version__, example.name
+    # Image tags written out in examples, docs and the images' build instructions.
+    files = [*(ROOT / "examples").glob("*.yaml"), *(ROOT / "docs").glob("*.md"), *(ROOT / "images").glob("*"),
+             ROOT / "README.md"]
+    tags = 0
+    for path in sorted(p for p in files if p.is_file()):
+        for tag in re.findall(r"ghcr\.io/metronome-dev/metronome-[a-z]+:([\w.-]+)", path.read_text()):
+            assert tag.split("-")[0] == __version__, path.name
+            tags += 1
+    assert tags, "no image tag found: the pattern no longer matches"
