@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """`make demo`: Metronome's closed loop on this machine, from nothing to a retuned service.
 
-    python hack/demo.py [--duration SECONDS] [--slo-ms MS] [--concurrency N] [--state-dir DIR]
+    python hack/demo.py [--duration SECONDS] [--slo-ms MS] [--concurrency N] [--config-delay LOW-HIGH] [--state-dir DIR]
 
 1. the local control plane (hack/localcluster: etcd, kube-apiserver, controller-manager, scheduler, kwok GPU nodes);
 2. the chart, installed with helm. Its operator Pod is Running on a kwok node on paper only, so the real operator
    runs here as a process, with the chart's ServiceAccount token (the chart's RBAC is what it gets);
 3. the kubelet stand-in (hack/standin): a real `metronome serve` on 127.0.0.x for each Running server pod, its
-   config folder kept in sync with the pod's ConfigMap by the `..data` swap;
+   config folder kept in sync with the pod's ConfigMap by the `..data` swap, each change landing after a kubelet-like
+   delay (--config-delay, default 5-15 s; a real node takes 30-90 s), printed as `[kubelet]` lines;
 4. Debian's Prometheus scraping those servers every second (file_sd targets written by the stand-in);
 5. examples/inferenceservice.yaml, then a merge patch that fits it to this CPU machine (fcfs from chunk 512, a
    short tuning interval and window, autotune off until a target is known) — printed before it is applied;
@@ -36,7 +37,7 @@ sys.path.insert(0, str(HACK_DIR))
 from closedloop import LoadDriver, LoadSpec, OperatorProcess, install_chart, service_account_kubeconfig  # noqa: E402
 from closedloop.slo import CalibrationError, choose_tbt_target  # noqa: E402
 from localcluster import ClusterError, KubeTools, LocalCluster, default_cache_dir  # noqa: E402
-from standin import KubeletStandIn, StandInOptions, scrape_config  # noqa: E402
+from standin import DelayRange, KubeletStandIn, StandInOptions, scrape_config  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "inferenceservice.yaml"
 NAME = "smollm2"  # metadata.name in the example
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=LoadSpec.concurrency_per_server,
                         help="concurrent requests per server (default %(default)s)")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between table prints")
+    parser.add_argument("--config-delay", type=_delay_range, default=DEMO_CONFIG_DELAY,
+                        help="seconds from a ConfigMap write to the servers' config folders, LOW-HIGH or one number "
+                             "(default 5-15; a real kubelet: 30-90)")
     parser.add_argument("--state-dir", type=Path, default=default_cache_dir() / "clusters" / "demo",
                         help="the demo cluster's folder (logs are kept there)")
     return parser
@@ -71,6 +75,16 @@ CPU_PATCH = {"spec": {
                  "policySwitching": False},
     "metrics": {"windowSeconds": 20},
 }}
+
+
+DEMO_CONFIG_DELAY = DelayRange(5.0, 15.0)  # short enough that a few minutes show several retunes
+
+
+def _delay_range(text: str) -> DelayRange:
+    try:
+        return DelayRange.parse(text, "--config-delay")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class Stop:
@@ -130,9 +144,10 @@ def run(args, stop: Stop, cluster: LocalCluster, started: list) -> int:
 
     work = args.state_dir / "demo"
     standin = KubeletStandIn(info.kubeconfig, StandInOptions(work_dir=args.state_dir / "standin",
-                                                             extra_args=SERVER_ARGS))
+                                                             extra_args=SERVER_ARGS, config_delay=args.config_delay))
     standin.start()
     started.append(standin)
+    say(f"kubelet stand-in: ConfigMap changes reach the servers {args.config_delay.describe()} after they are seen")
     config = work / "prometheus.yml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(scrape_config(standin.options.targets_path, 1.0))
@@ -177,12 +192,14 @@ def run(args, stop: Stop, cluster: LocalCluster, started: list) -> int:
     else:
         say(f"measuring {CALIBRATION_S:g} s at chunk {INITIAL_CHUNK} to choose a TBT target")
     servers = {s.base_url for s in standin.servers(NAMESPACE)}
+    shown: set = set()  # config updates already printed as applied
     while not stop.event.is_set():
         table = kube.kubectl("get", "inferenceservices.metronome.dev", "-n", NAMESPACE, check=False)
         p99 = load.tbt_p99_s(since_s=max(0.0, load.now() - 20))
         client = f"client-side p99 TBT (last 20 s): {p99 * 1e3:.0f} ms" if p99 else "client-side p99 TBT: -"
         print(f"\n{time.strftime('%H:%M:%S')}  {client}; completed {load.completed()}, "
               f"errors {len(load.errors())}\n{table.stdout.rstrip() or table.stderr.rstrip()}", flush=True)
+        _print_config_updates(standin, shown)
         gaps = load.gaps_since(0.0)
         if slo_ms is None and load.now() >= CALIBRATION_S and len(gaps) >= 100:
             slo_ms = _calibrated_slo_ms(gaps)
@@ -201,6 +218,24 @@ def run(args, stop: Stop, cluster: LocalCluster, started: list) -> int:
                          "-o", "jsonpath={.status.slo} {.status.chunkSize} {.status.tbtP99Ms}", check=False).stdout
     say(f"final: SLO, CHUNK, TBT-P99 = {final} (target {slo_ms} ms)")
     return 0
+
+
+def _print_config_updates(standin: KubeletStandIn, shown: set) -> None:
+    """The kubelet's lag, made visible: ConfigMap changes still waiting for a pod's sync, and the ones just applied."""
+    pending, applied = standin.config_updates()
+    now = time.monotonic()
+    for update in applied:
+        if (update.volume, update.seen_at) not in shown:
+            shown.add((update.volume, update.seen_at))
+            print(f"[kubelet] {_pod_name(update.volume)}: {update.summary} applied {update.delay_s:.1f} s after the "
+                  "ConfigMap change was seen", flush=True)
+    for update in pending:
+        print(f"[kubelet] {_pod_name(update.volume)}: {update.summary} waiting for the pod's sync "
+              f"(seen {now - update.seen_at:.0f} s ago, applies in {max(0.0, update.due_at - now):.0f} s)", flush=True)
+
+
+def _pod_name(volume: str) -> str:
+    return volume.split(" ", 1)[0].split("/")[1]  # "<namespace>/<pod>/<uid> <mount>"
 
 
 def _patch(kube: KubeTools, patch: dict) -> None:

@@ -4,6 +4,8 @@ kwok plays the kubelet's bookkeeping (nodes, pod phases) but runs nothing. This 
 containers, for server pods only (DESIGN §5): it watches the Pods of InferenceService Deployments through the
 API server, and for each Running one it
 - projects the pod's ConfigMap volume into a local folder and keeps it in sync by the `..data` swap (projection.py),
+  a change landing after a kubelet-like delay (propagation.py: 30-90 s by default, `config_delay` or
+  $METRONOME_STANDIN_CONFIG_DELAY to change it),
 - starts `metronome serve` with the pod's own args on its own loopback address 127.0.0.x and a free port
   (podspec.py maps host/port/device and mount paths), restarting it with back-off if it dies,
 - lists it in a Prometheus file_sd targets file with the labels namespace/service/pod (targets.py),
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import sys
 import threading
@@ -27,7 +30,8 @@ from typing import Any
 
 from .loopback import AddressPool, free_port
 from .podspec import SERVER_POD_SELECTOR, LocalMounts, PodSpecError, ServerPod, is_running, local_argv, server_pod
-from .projection import project
+from .projection import current_files, project
+from .propagation import ConfigUpdate, DelayRange, Propagation
 from .server_process import ServerProcess, http_ready
 from .targets import Target, write_file_sd
 
@@ -64,6 +68,8 @@ class StandInOptions:
     resync_seconds: float = 0.5
     max_grace_seconds: float = 10.0  # a pod may ask for 60 s; a local stop should not take that long
     max_restart_backoff_seconds: float = 30.0
+    config_delay: DelayRange | None = None  # None: $METRONOME_STANDIN_CONFIG_DELAY, else the kubelet's 30-90 s
+    seed: int | None = None  # of the delays' random source (None: unseeded)
 
     @property
     def targets_path(self) -> Path:
@@ -118,6 +124,8 @@ class KubeletStandIn:
         self._threads: list[threading.Thread] = []
         self._api: Any = None
         self._watch: Any = None
+        self.config_delay = options.config_delay or DelayRange.from_env()
+        self._propagation = Propagation(self.config_delay, random.Random(options.seed))
         self.last_error: str | None = None
 
     # --- public API ------------------------------------------------------------------------------------------
@@ -180,6 +188,11 @@ class KubeletStandIn:
         """Pods that cannot be played here, with the reason (pod key → message)."""
         with self._lock:
             return dict(self._state.problems)
+
+    def config_updates(self) -> tuple[list[ConfigUpdate], list[ConfigUpdate]]:
+        """(pending, applied): ConfigMap changes waiting out the kubelet delay, and the last ones projected."""
+        with self._lock:
+            return self._propagation.pending(), self._propagation.history()
 
     def ready_servers(self, namespace: str | None = None, service: str | None = None) -> list[ServerInfo]:
         """The servers of the selection that answer /ready now."""
@@ -283,7 +296,10 @@ class KubeletStandIn:
                 if not volume.optional:
                     ready_to_run = False  # the kubelet holds the container until the ConfigMap exists
                 continue
-            if project(config_dirs[mount], volume.files(data)):
+            files, folder = volume.files(data), config_dirs[mount]
+            with self._lock:
+                due = self._propagation.ready(f"{key} {mount}", files, current_files(folder))
+            if due and project(folder, files):
                 log.info("%s: %s synced from ConfigMap %s", key, mount, volume.config_map)
         if entry is None:
             if ready_to_run:
@@ -333,6 +349,8 @@ class KubeletStandIn:
                           self.options.extra_args)
 
     def _stop_server(self, key: str, entry: _Running) -> None:
+        with self._lock:
+            self._propagation.forget(f"{key} ")
         code = entry.server.stop(entry.grace_s)
         self._addresses.give_back(entry.server.address)
         shutil.rmtree(self._pod_dir(entry.pod), ignore_errors=True)

@@ -1,7 +1,8 @@
 """Fixtures of the closed-loop tests (session scope, on the `cluster` fixture of tests/conftest.py):
 
 - `standin`: the kubelet stand-in (hack/standin) running `metronome serve` on 127.0.0.x for every Running server
-  pod, with a small KV budget and a short drain;
+  pod, with a small KV budget and a short drain, applying ConfigMap changes 5-15 s after they are written (a
+  real kubelet takes 30-90 s; this keeps the kubelet's lag in every test at a few minutes' cost in all);
 - `prometheus`: Debian's Prometheus, started through the cluster helper, scraping the stand-in's file_sd targets
   every second;
 - `operator`: the chart installed (release metronome-e2e), and the operator run as a local process under the
@@ -14,12 +15,13 @@ import signal
 import pytest
 
 from closedloop import OperatorProcess, install_chart, service_account_kubeconfig
-from standin import KubeletStandIn, StandInOptions, scrape_config
+from standin import DelayRange, KubeletStandIn, StandInOptions, scrape_config
 
 RELEASE = "metronome-e2e"
 RELEASE_NAMESPACE = "metronome-e2e-system"
 SCRAPE_INTERVAL_S = 1.0
 SERVER_ARGS = ("--kv-cache-memory-gb", "0.5", "--drain-seconds", "2", "--log-level", "warning")
+CONFIG_DELAY = DelayRange(5.0, 15.0)  # seconds from a ConfigMap write to the servers' folders (hack/standin)
 
 
 def pytest_configure(config):
@@ -35,7 +37,8 @@ def e2e_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def standin(cluster, e2e_dir):
-    harness = KubeletStandIn(cluster.kubeconfig, StandInOptions(work_dir=e2e_dir / "standin", extra_args=SERVER_ARGS))
+    harness = KubeletStandIn(cluster.kubeconfig, StandInOptions(work_dir=e2e_dir / "standin", extra_args=SERVER_ARGS,
+                                                                config_delay=CONFIG_DELAY))
     harness.start()
     try:
         yield harness

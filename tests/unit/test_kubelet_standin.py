@@ -151,3 +151,70 @@ def test_scrape_config_reads_the_targets_file(tmp_path):
     assert job["file_sd_configs"][0]["files"] == [str(tmp_path / "t.json")]
     with pytest.raises(ValueError):
         scrape_config(tmp_path / "t.json", 0)
+
+
+# --- the kubelet's ConfigMap propagation delay (propagation.py) ---------------------------------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_delay_range_parses_ranges_and_names_bad_input():
+    from standin.propagation import ENV, KUBELET_DEFAULT, DelayRange
+
+    assert DelayRange.parse("30-90") == DelayRange(30, 90) == KUBELET_DEFAULT
+    assert DelayRange.parse("5") == DelayRange(5, 5) and DelayRange.parse("0").describe() == "immediate"
+    assert DelayRange.parse(" 5 - 15 ") == DelayRange(5, 15)
+    assert DelayRange.from_env({}) == KUBELET_DEFAULT
+    assert DelayRange.from_env({ENV: "2-3"}) == DelayRange(2, 3)
+    for bad in ("", "-5", "abc", "9-3", "1-2-3"):
+        with pytest.raises(ValueError, match=ENV):
+            DelayRange.parse(bad)
+
+
+def test_a_change_lands_after_its_drawn_delay_with_the_newest_content():
+    import random
+
+    from standin.propagation import DelayRange, Propagation
+
+    clock = Clock()
+    propagation = Propagation(DelayRange(30, 90), random.Random(7), clock)
+    first = {"server.yaml": "generation: 1\n"}
+    assert propagation.ready("pod-a /etc/metronome", first, None)  # the first mount is immediate
+    assert not propagation.ready("pod-a /etc/metronome", first, first)
+    second = {"server.yaml": "generation: 2\n"}
+    assert not propagation.ready("pod-a /etc/metronome", second, first)
+    (pending,) = propagation.pending()
+    assert 30 <= pending.delay_s <= 90 and pending.summary == "server.yaml generation 2"
+    clock.now = pending.due_at - 0.5
+    third = {"server.yaml": "generation: 3\n"}
+    assert not propagation.ready("pod-a /etc/metronome", third, first)  # rewritten meanwhile: same deadline
+    assert propagation.pending()[0].due_at == pending.due_at
+    clock.now = pending.due_at
+    assert propagation.ready("pod-a /etc/metronome", third, first)
+    (applied,) = propagation.history()
+    assert applied.applied_at == pending.due_at and applied.summary == "server.yaml generation 3"
+    assert propagation.pending() == []
+
+
+def test_each_pod_draws_its_own_delay_and_a_revert_cancels():
+    import random
+
+    from standin.propagation import DelayRange, Propagation
+
+    clock = Clock()
+    propagation = Propagation(DelayRange(30, 90), random.Random(1), clock)
+    old, new = {"f": "a"}, {"f": "b"}
+    for pod in ("p1", "p2", "p3"):
+        assert not propagation.ready(pod, new, old)
+    delays = {u.volume: u.delay_s for u in propagation.pending()}
+    assert len(set(delays.values())) == 3 and all(30 <= d <= 90 for d in delays.values())
+    assert not propagation.ready("p1", old, old)  # written back before the sync: nothing pending for p1
+    propagation.forget("p2")
+    assert [u.volume for u in propagation.pending()] == ["p3"]
+    immediate = Propagation(DelayRange(0, 0), random.Random(1), clock)
+    assert immediate.ready("p1", new, old) and immediate.history()[0].delay_s == 0
