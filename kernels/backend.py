@@ -22,9 +22,22 @@ class AttentionBackend(Protocol):
         slot_mapping [T] (block * block_size + offset; negative = skip)."""
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
+                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, n_heads, head_dim] of the batch's new tokens, whose K/V are already in the cache → [T, n_heads,
-        head_dim] in q's dtype. Causal, bottom-right aligned; query head h reads kv head h // (n_heads // n_kv)."""
+        head_dim] in q's dtype (written into `out` when given). Causal, bottom-right aligned; query head h reads
+        kv head h // (n_heads // n_kv)."""
+
+    def decode_variant(self, num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
+        """Which launch variant a decode-only batch of num_seqs sequences gets at this longest context: a CUDA
+        graph replays fixed launches, so decode graphs are captured once per variant."""
+
+    def variant_lengths(self, max_model_len: int) -> list[int]:
+        """Context lengths (ascending, max_model_len last) among which every decode variant occurs."""
+
+    def warm_up(self, q_shape: tuple[int, int, int], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                max_num_tokens: int) -> int:
+        """Compile every kernel variant this backend can launch for these shapes (before a server is ready);
+        returns how many launches it made."""
 
 
 @lru_cache(maxsize=None)
@@ -46,6 +59,10 @@ def available_backends() -> list[str]:
     """Backends whose packages are installed in this process (device rules are `select_backend`'s business)."""
     return [name for name, module in (("torch", "torch"), ("triton", "triton"), ("flash_attn", "flash_attn"))
             if _importable(module)]
+
+
+def triton_available() -> bool:
+    return _importable("triton")
 
 
 def get_backend(name: str) -> AttentionBackend:

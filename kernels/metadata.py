@@ -8,6 +8,7 @@ its blocks in order, so position p lives in block `block_tables[b, p // block_si
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -35,3 +36,18 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_seqlen_q == 1
+
+
+def scratch_metadata(q_lens: list[int], block: int, device: torch.device | str) -> AttentionMetadata:
+    """A batch whose sequences have no cached context and read (never write: every slot is -1) one block, for
+    warm-up launches. Each tensor is its own allocation (16-byte aligned, like the runner's staged arrays)."""
+    cu = [0, *itertools.accumulate(q_lens)]
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return AttentionMetadata(cu_seqlens_q=ints(cu), seq_lens=ints(q_lens),
+                             block_tables=ints([block] * len(q_lens)).view(len(q_lens), 1),
+                             slot_mapping=torch.full((cu[-1],), -1, dtype=torch.int64, device=device),
+                             max_seqlen_q=max(q_lens), max_seqlen_k=max(q_lens), q_lens_host=list(q_lens),
+                             seq_lens_host=list(q_lens))

@@ -52,9 +52,10 @@ class TorchBackend:
         write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
+                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         check_attention_inputs(q, k_cache, v_cache, meta)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q_lens = meta.q_lens_host
         decodes = [b for b, n in enumerate(q_lens) if n == 1]
         starts = [0]
@@ -68,6 +69,16 @@ class TorchBackend:
                 out[rows] = self._one_sequence(q[rows], k_cache, v_cache, meta.block_tables[b],
                                                meta.seq_lens_host[b], scale)
         return out
+
+    # Launches that depend on nothing but the shapes: one variant, nothing to compile.
+    def decode_variant(self, num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
+        return 0
+
+    def variant_lengths(self, max_model_len: int) -> list[int]:
+        return [max_model_len]
+
+    def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int) -> int:
+        return 0
 
     @staticmethod
     def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

@@ -257,13 +257,22 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    device = torch.device(device)
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+MAX_SPLITS = 16
+MIN_SPLIT_KEYS = 256  # keys per split at least
+
+
 def choose_num_splits(num_programs: int, num_tokens: int, max_seqlen_k: int, sm_count: int) -> int:
     """Split the key range only when the batch alone leaves most SMs idle and keys are many (flash-decoding)."""
     if num_tokens > 256 or max_seqlen_k < 1024 or num_programs >= sm_count:
         return 1
     wanted = -(-2 * sm_count // num_programs)
-    by_length = max_seqlen_k // 256  # at least 256 keys per split
-    splits = min(wanted, by_length, 16)
+    by_length = max_seqlen_k // MIN_SPLIT_KEYS
+    splits = min(wanted, by_length, MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants, tl.arange in the merge
 
 
@@ -282,8 +291,10 @@ def _batch_shape(meta: AttentionMetadata) -> tuple[int, bool]:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, config: TileConfig | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """Attention of the batch's new tokens over the paged cache (their K/V already written). Returns [T, H, D]."""
+                    scale: float, config: TileConfig | None = None, num_splits: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of the batch's new tokens over the paged cache (their K/V already written). Returns [T, H, D]
+    (`out` when given: [T, H, D] with contiguous heads, e.g. rows of a static buffer)."""
     num_tokens, n_heads, head_dim = q.shape
     page, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
@@ -314,7 +325,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
 
-    out = torch.empty((num_tokens, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((num_tokens, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.stride(1) != head_dim:
+        raise ValueError(f"out must be [T, H, D] like q with contiguous heads, got {tuple(out.shape)} {out.dtype}")
     if num_splits > 1:
         part_acc = torch.empty((num_splits, num_tokens, n_heads, d_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((num_splits, num_tokens, n_heads), dtype=torch.float32, device=q.device)

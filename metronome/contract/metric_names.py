@@ -17,6 +17,8 @@ OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192, 16384)
 
 MODEL_LABEL = "model"
+STEP_KIND_LABEL = "kind"  # on the step histograms: "decode" (no prefill tokens) or "mixed"
+STEP_KINDS = ("decode", "mixed")
 
 TIME_BETWEEN_TOKENS = PREFIX + "time_between_tokens_seconds"
 TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"
@@ -36,9 +38,11 @@ CHUNK_SIZE = PREFIX + "chunk_size"
 QUEUE_POLICY_INFO = PREFIX + "queue_policy_info"  # label: policy
 CONFIG_GENERATION = PREFIX + "config_generation"
 CONFIG_RELOAD_ERRORS = PREFIX + "config_reload_errors_total"
+KERNEL_COMPILES_AFTER_READY = PREFIX + "kernel_compiles_after_ready_total"  # Triton variants compiled while serving
 
 ALL_NAMES = (
     TIME_BETWEEN_TOKENS, TIME_TO_FIRST_TOKEN, REQUEST_E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_RUNNING,
     REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_LEAKED, PREEMPTIONS, REQUESTS_REJECTED, STEP_DURATION, STEP_TOKENS,
     SCHEDULER_OVERHEAD, CHUNK_SIZE, QUEUE_POLICY_INFO, CONFIG_GENERATION, CONFIG_RELOAD_ERRORS,
+    KERNEL_COMPILES_AFTER_READY,
 )

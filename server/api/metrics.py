@@ -28,18 +28,22 @@ class ServerMetrics:
         model = [names.MODEL_LABEL]
         reg = self.registry
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, model, buckets=buckets, registry=reg)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: list[str] = model) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+
+        step = model + [names.STEP_KIND_LABEL]  # decode and mixed steps have different fixed costs
 
         self.tbt = histogram(names.TIME_BETWEEN_TOKENS, "Time between consecutive tokens of a request.",
                              names.TBT_BUCKETS)
         self.ttft = histogram(names.TIME_TO_FIRST_TOKEN, "Arrival to first token.", names.TTFT_BUCKETS)
         self.e2e = histogram(names.REQUEST_E2E, "Arrival to finish.", names.E2E_BUCKETS)
-        self.step_duration = histogram(names.STEP_DURATION, "Wall time of one engine step.", names.STEP_BUCKETS)
-        self.step_tokens = histogram(names.STEP_TOKENS, "Tokens computed in one engine step.",
-                                     tuple(float(b) for b in names.STEP_TOKEN_BUCKETS))
-        self.scheduler_overhead = histogram(names.SCHEDULER_OVERHEAD, "Host time per step outside the forward pass.",
-                                            names.OVERHEAD_BUCKETS)
+        self.step_duration = histogram(names.STEP_DURATION, "Wall time of one engine step, by kind.",
+                                       names.STEP_BUCKETS, step)
+        self.step_tokens = histogram(names.STEP_TOKENS, "Tokens computed in one engine step, by kind.",
+                                     tuple(float(b) for b in names.STEP_TOKEN_BUCKETS), step)
+        self.scheduler_overhead = histogram(names.SCHEDULER_OVERHEAD,
+                                            "Host time per step outside the forward pass, by kind.",
+                                            names.OVERHEAD_BUCKETS, step)
 
         self.prompt_tokens = Counter(names.PROMPT_TOKENS, "Prompt tokens computed.", model, registry=reg)
         self.generation_tokens = Counter(names.GENERATION_TOKENS, "Tokens generated.", model, registry=reg)
@@ -48,6 +52,10 @@ class ServerMetrics:
                                 registry=reg)
         self.reload_errors = Counter(names.CONFIG_RELOAD_ERRORS, "Config files that failed to load.", model,
                                      registry=reg)
+        self.compiles_after_ready = Counter(names.KERNEL_COMPILES_AFTER_READY,
+                                            "Kernel variants compiled after the engine was ready (each stalls a step).",
+                                            model, registry=reg)
+        self._compiles_counted = 0
 
         self.running = Gauge(names.REQUESTS_RUNNING, "Requests running.", model, registry=reg)
         self.waiting = Gauge(names.REQUESTS_WAITING, "Requests waiting, by queue.", model + ["queue"], registry=reg)
@@ -61,10 +69,13 @@ class ServerMetrics:
                                 registry=reg)
 
         # Create every labelled child up front so that each name is exported before its first event.
-        for metric in (self.tbt, self.ttft, self.e2e, self.step_duration, self.step_tokens, self.scheduler_overhead,
-                       self.prompt_tokens, self.generation_tokens, self.preemptions, self.reload_errors,
-                       self.running, self.kv_usage, self.kv_leaked, self.chunk_size, self.generation):
+        for metric in (self.tbt, self.ttft, self.e2e, self.prompt_tokens, self.generation_tokens, self.preemptions,
+                       self.reload_errors, self.compiles_after_ready, self.running, self.kv_usage, self.kv_leaked,
+                       self.chunk_size, self.generation):
             metric.labels(model_name)
+        for metric in (self.step_duration, self.step_tokens, self.scheduler_overhead):
+            for kind in names.STEP_KINDS:
+                metric.labels(model_name, kind)
         for queue in KNOWN_QUEUES:
             self.waiting.labels(model_name, queue)
         for reason in KNOWN_REJECT_REASONS:
@@ -86,9 +97,10 @@ class ServerMetrics:
         for latency in step.finished_e2e_s:
             e2e.observe(latency)
         if step.num_tokens > 0:
-            self.step_duration.labels(m).observe(step.duration_s)
-            self.step_tokens.labels(m).observe(step.num_tokens)
-            self.scheduler_overhead.labels(m).observe(step.scheduler_overhead_s)
+            kind = step.kind
+            self.step_duration.labels(m, kind).observe(step.duration_s)
+            self.step_tokens.labels(m, kind).observe(step.num_tokens)
+            self.scheduler_overhead.labels(m, kind).observe(step.scheduler_overhead_s)
         if step.new_prompt_tokens:
             self.prompt_tokens.labels(m).inc(step.new_prompt_tokens)
         if step.generated_tokens:
@@ -110,6 +122,10 @@ class ServerMetrics:
             self.waiting.labels(m, queue).set(stats.num_waiting.get(queue, 0))
         self.kv_usage.labels(m).set(stats.kv_usage_ratio)
         self.kv_leaked.labels(m).set(stats.kv_blocks_leaked)
+        compiles = getattr(stats, "kernel_compiles_after_ready", 0)
+        if compiles > self._compiles_counted:  # a counter only rises: add what is new since the last refresh
+            self.compiles_after_ready.labels(m).inc(compiles - self._compiles_counted)
+            self._compiles_counted = compiles
 
     def set_config(self, scheduler: SchedulerConfig, generation: int) -> None:
         m = self.model_name

@@ -1,4 +1,5 @@
 """CUDA graphs for decode-only steps: the model forward captured once per padded batch size, replayed per step.
+(Mixed steps: piecewise_graphs.py.)
 
 An eager decode step of an 8B model is launch-bound (32 layers x ~15 kernel launches at 40-90 us of host time
 each); a graph replays all of them with one launch. A graph replays fixed kernels on fixed addresses, so:
@@ -12,12 +13,12 @@ each); a graph replays all of them with one launch. A graph replays fixed kernel
 - Block tables are captured at their full width (max blocks per sequence); a step fills only the columns its
   longest sequence needs. The kernels read a row only below ceil(seq_len / block_size), so stale columns past
   that are never read.
-- Every launch decision must be the same at replay as at capture. The Triton attention decides on the host, from
-  the metadata: the tile class (decode-only, and whether num_seqs x kv_heads fills the GPU: fixed per padded size,
-  since every row is a decode, cu_seqlens_q is 0..n) and the kv-split count (flash-decoding), which also depends
-  on max_seqlen_k, a per-step value. So a size is captured once per split count that any context length up to
-  max_model_len can produce (`SplitClasses`), and a step replays the graph of its own class: the same kernels,
-  tiles and splits that an eager step of the padded batch would launch, hence the same numbers.
+- Every launch decision must be the same at replay as at capture. An attention backend may decide on the host,
+  from the metadata: the Triton one picks its tile class (fixed per padded size: every row is a decode) and a
+  kv-split count (flash-decoding) that also depends on max_seqlen_k, a per-step value. The backend names these
+  launch variants (`decode_variant`, `variant_lengths`); a size is captured once per variant that any context
+  length up to max_model_len can produce (`SplitClasses`), and a step replays the graph of its own variant: the
+  same kernels, tiles and splits that an eager step of the padded batch would launch, hence the same numbers.
 - The metadata object of each graph is built once and kept (the kernels check and classify a metadata object
   once, by identity); its host lists describe the dummy batch it was captured with. Replays run no Python, so
   they never read those lists. Only the recorded (CPU) capture runs the model again at replay; it refreshes the
@@ -57,29 +58,51 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-def capture_cuda(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
+_capture_streams: dict[int, Any] = {}
+
+
+def capture_cuda(fn: Callable[[], Any], pool: Any) -> tuple[Callable[[], None], Any]:
     """Warm fn up on a side stream (Triton compiles, cuBLAS picks its kernels: neither may happen while
-    capturing), then capture it into a CUDA graph in the shared pool."""
+    capturing), then capture it into a CUDA graph in the shared pool. fn returns a tensor or a tuple of them
+    (None allowed), which the graph rewrites in place at each replay.
+
+    CUDAGraph.capture_begin/end directly rather than `torch.cuda.graph`, whose synchronize + gc.collect +
+    empty_cache per capture would dominate the start-up with the ~1,200 piece graphs of mixed steps."""
+    device = torch.cuda.current_device()
+    side = _capture_streams.get(device)
+    if side is None:
+        side = _capture_streams[device] = torch.cuda.Stream()
     current = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
     side.wait_stream(current)
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         fn()
+        # thread_local: CUDA calls other threads make meanwhile (none expected) do not invalidate this capture.
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            output = fn()
+        finally:
+            graph.capture_end()
     current.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: CUDA calls other threads make meanwhile (none expected) do not invalidate this capture.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        output = fn()
     return graph.replay, output
 
 
-def capture_recorded(fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
-    """No graph: replay calls fn again on the same static buffers and writes into the first output (CPU tests)."""
+def _copy_outputs(captured: Any, fresh: Any) -> None:
+    if isinstance(captured, torch.Tensor):
+        captured.copy_(fresh)
+        return
+    for old, new in zip(captured, fresh):
+        if old is not None and old is not new:
+            old.copy_(new)
+
+
+def capture_recorded(fn: Callable[[], Any], pool: Any) -> tuple[Callable[[], None], Any]:
+    """No graph: replay calls fn again on the same static buffers and copies into the first outputs (CPU tests)."""
     output = fn()
 
     def replay() -> None:
         with torch.inference_mode():  # like the captured forward: no autograd state, whoever calls
-            output.copy_(fn())
+            _copy_outputs(output, fn())
 
     return replay, output
 
@@ -90,18 +113,18 @@ def cuda_graph_pool() -> Any:
 
 @dataclass(frozen=True)
 class SplitClasses:
-    """Which captured variant of a padded size a step needs: `of(size, max_seqlen_k)` names the launch class,
-    `representatives(size)` gives one max_seqlen_k per class that contexts up to max_model_len can produce."""
+    """Which captured variant of a padded size a step needs: `of(size, max_seqlen_k)` names the launch variant,
+    `representatives(size)` gives one max_seqlen_k per variant that contexts up to max_model_len can produce,
+    from `lengths`: context lengths among which every variant occurs (the attention backend says which)."""
 
     of: Callable[[int, int], int]
     max_model_len: int
+    lengths: tuple[int, ...] = ()
 
     def representatives(self, size: int) -> dict[int, int]:
-        # The Triton split choice reads max_seqlen_k only as `< 1024` and `// 256`: multiples of 256 (and 1 and
-        # max_model_len) meet every class. The largest length of a class represents it.
-        lengths = [1, *range(256, self.max_model_len + 1, 256), self.max_model_len]
+        # The largest length of a variant represents it.
         classes: dict[int, int] = {}
-        for length in lengths:
+        for length in self.lengths or (self.max_model_len,):
             split_class = self.of(size, length)
             classes[split_class] = max(length, classes.get(split_class, 0))
         return classes
@@ -112,14 +135,11 @@ def single_class(max_model_len: int) -> SplitClasses:
     return SplitClasses(lambda size, max_seqlen_k: 1, max_model_len)
 
 
-def triton_split_classes(num_kv_heads: int, device: torch.device, max_model_len: int) -> SplitClasses:
-    """The kv-split count triton_attention.paged_attention picks for a decode-only batch of `size` rows: its grid
-    has one tile per decode (grid_tiles = num_seqs = num_tokens = size) per kv head."""
-    from metronome.kernels.triton_attention import choose_num_splits
-
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    return SplitClasses(lambda size, max_seqlen_k: choose_num_splits(size * num_kv_heads, size, max_seqlen_k,
-                                                                     sm_count), max_model_len)
+def backend_split_classes(backend: Any, num_kv_heads: int, device: torch.device, max_model_len: int) -> SplitClasses:
+    """The decode launch variants of an attention backend (its `decode_variant` and `variant_lengths`), for a
+    decode-only batch: every row is one token of its own sequence."""
+    return SplitClasses(lambda size, max_seqlen_k: backend.decode_variant(size, num_kv_heads, max_seqlen_k, device),
+                        max_model_len, tuple(backend.variant_lengths(max_model_len)))
 
 
 class StaticBatch:

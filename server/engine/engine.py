@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Sequence as Seq
 import torch
 
 from metronome.contract.config import SchedulerConfig
+from metronome.kernels import compile_watch
 from metronome.server.engine.block_manager import BlockManager
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.kv_cache import bytes_per_block, plan_num_blocks
@@ -60,16 +61,26 @@ class EngineCore:
         self.runner = runner_class(loaded.model, model_config.num_hidden_layers, kv_heads,
                                    model_config.head_dim, num_blocks, config.block_size, self.max_model_len, dtype,
                                    device, seed=config.seed)
+        if device.type == "cuda":
+            compile_watch.install()  # before the first kernel: start-up compiles are counted too
         # "cuda_graphs" (decode steps replay captured graphs) or "eager: <why>"; reported in stats().
         self.execution_mode = "eager: cuda_graphs disabled in the engine config"
         if workers is not None:
             self.execution_mode = "eager: tensor parallel (graphs are not captured across ranks)"
         elif config.cuda_graphs:
             self.execution_mode = self.runner.setup_cuda_graphs(scheduler_config.max_num_seqs, self.max_model_len)
+        self._warm_up(device, workers is None)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids or ())
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self._abort_events: list[TokenEvent] = []
+
+    def _warm_up(self, device: torch.device, single_rank: bool) -> None:
+        """Compile every kernel variant serving can launch now (graph capture compiled most), then mark the
+        engine ready: any compile after this is a stall, counted in stats().kernel_compiles_after_ready."""
+        if device.type == "cuda" and single_rank:
+            self.runner.warm_up(self.max_model_len)
+        compile_watch.mark_ready()
 
     @classmethod
     def from_config(cls, config: EngineConfig, scheduler_config: SchedulerConfig | None = None) -> "EngineCore":
@@ -200,6 +211,7 @@ class EngineCore:
                 stats.new_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
         inputs = self.runner.prepare(batch)
         stats.cuda_graph = inputs.graph_step is not None
+        stats.forward = inputs.kind
         t1 = time.perf_counter()
         logits = self.runner.forward_logits(inputs)
         seqs = inputs.sampling_seqs
@@ -292,4 +304,5 @@ class EngineCore:
             preemptions_total=self.scheduler.preemptions_total,
             scheduler=self.scheduler.config,
             execution_mode=self.execution_mode,
+            kernel_compiles_after_ready=compile_watch.after_ready(),
         )

@@ -2,8 +2,13 @@
 
 Host work is kept small because on a GPU it sits between forward passes: index math is vectorised with numpy,
 each sequence's block table is mirrored into a persistent numpy row that is only appended to, and the inputs
-travel in two pinned staging buffers with non-blocking copies. Decode-only batches that fit a captured size
-replay a CUDA graph instead (cuda_graphs.py): the same host arrays, written into that graph's static buffers.
+travel in two pinned staging buffers with non-blocking copies. On CUDA a step runs one of three ways:
+decode-only batches that fit a captured size replay a CUDA graph (cuda_graphs.py); other steps of up to the
+largest token bucket replay piecewise graphs with eager attention between the pieces (piecewise_graphs.py);
+anything larger runs eagerly. Every kernel variant is compiled at start-up (`warm_up`), before serving.
+
+Each array of a staging buffer starts 16 bytes in: Triton specialises a kernel on whether a pointer is 16-byte
+aligned, and an offset that moved with the batch size would compile a second variant in the middle of serving.
 """
 from __future__ import annotations
 
@@ -13,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from metronome.kernels.metadata import AttentionMetadata
-from metronome.server.engine.cuda_graphs import (GraphRunner, GraphStep, capture_cuda, capture_sizes, cuda_graph_pool,
-                                                 triton_split_classes)
+from metronome.kernels.metadata import AttentionMetadata, scratch_metadata
+from metronome.server.engine.cuda_graphs import (GraphRunner, GraphStep, backend_split_classes, capture_cuda,
+                                                 capture_sizes, cuda_graph_pool)
+from metronome.server.engine.piecewise_graphs import PiecewiseRunner, PieceStep, token_buckets
 from metronome.server.engine.kv_cache import allocate_kv_cache
 from metronome.server.engine.sampler import Sampler
 from metronome.server.engine.scheduler import ScheduledBatch
@@ -32,6 +38,25 @@ class PreparedInputs:
     sample_rows: torch.Tensor  # int64 [N]: rows of the hidden states whose next token is sampled
     sampling_seqs: list[Sequence]
     graph_step: GraphStep | None = None  # set when this step replays a captured CUDA graph (inputs are padded)
+    piece_step: PieceStep | None = None  # set when this step replays piecewise graphs (mixed steps)
+
+    @property
+    def kind(self) -> str:
+        """How the forward runs: "graph" (decode graph), "piecewise" or "eager"."""
+        return "graph" if self.graph_step else "piecewise" if self.piece_step else "eager"
+
+
+def _aligned(parts: list[np.ndarray], dtype: type) -> tuple[np.ndarray, list[int]]:
+    """Concatenate with each part starting on a 16-byte boundary; returns the buffer and each part's offset."""
+    per = 16 // np.dtype(dtype).itemsize
+    offsets, total = [], 0
+    for part in parts:
+        offsets.append(total)
+        total += -(-len(part) // per) * per
+    out = np.zeros(total, dtype=dtype)
+    for part, offset in zip(parts, offsets):
+        out[offset:offset + len(part)] = part
+    return out, offsets
 
 
 class BlockTableMirror:
@@ -98,6 +123,7 @@ class ModelRunner:
         self._staging: dict[str, torch.Tensor] = {}
         self._staged = torch.cuda.Event() if self._on_cuda else None  # the last upload from the staging buffers
         self.graphs: GraphRunner | None = None
+        self.pieces: PiecewiseRunner | None = None
         self.graph_capture_s: float | None = None
 
     def release(self, seq: Sequence) -> None:
@@ -141,38 +167,49 @@ class ModelRunner:
         sample_rows = cu[1:][sampling] - 1
         sampling_seqs = [s for (s, _), flag in zip(entries, sampling.tolist()) if flag]
 
+        token_array = np.asarray(token_ids, dtype=np.int64)
         if self.graphs is not None and num_tokens == num_seqs:  # decode-only (one token each): a graph may fit
-            prepared = self.graphs.prepare(np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, seq_lens,
-                                           block_tables, sample_rows)
+            prepared = self.graphs.prepare(token_array, positions, slot_mapping, seq_lens, block_tables, sample_rows)
             if prepared is not None:
                 step, sample_dev = prepared
                 static = step.graph.static
                 return PreparedInputs(static.input_ids, static.positions, step.graph.meta, sample_dev, sampling_seqs,
                                       step)
-        longs = np.concatenate([np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, sample_rows])
-        ints = np.concatenate([cu.astype(np.int32), seq_lens.astype(np.int32), block_tables.reshape(-1)])
-        longs_dev = self._to_device("longs", longs)
-        ints_dev = self._to_device("ints", ints)
+        if self._staged is not None:
+            self._staged.synchronize()  # the last step's upload may still read the staging buffers (no sync if
+            # that step sampled nothing)
         t, b = num_tokens, num_seqs
+        piece = self.pieces.prepare(token_array, positions, slot_mapping, sample_rows) \
+            if self.pieces is not None else None
+        if piece is None:
+            longs, (o_ids, o_pos, o_slots, o_rows) = _aligned([token_array, positions, slot_mapping, sample_rows],
+                                                              np.int64)
+            longs_dev = self._to_device("longs", longs)
+            input_ids, positions_dev = longs_dev[o_ids:o_ids + t], longs_dev[o_pos:o_pos + t]
+            slots_dev, sample_dev = longs_dev[o_slots:o_slots + t], longs_dev[o_rows:o_rows + len(sample_rows)]
+        else:
+            step, sample_dev = piece
+            input_ids, positions_dev, slots_dev = self.pieces.inputs(step)
+        ints, (o_cu, o_lens, o_tables) = _aligned(
+            [cu.astype(np.int32), seq_lens.astype(np.int32), block_tables.reshape(-1)], np.int32)
+        ints_dev = self._to_device("ints", ints)
         meta = AttentionMetadata(
-            cu_seqlens_q=ints_dev[: b + 1],
-            seq_lens=ints_dev[b + 1: 2 * b + 1],
-            block_tables=ints_dev[2 * b + 1:].view(b, max_cols),
-            slot_mapping=longs_dev[2 * t: 3 * t],
+            cu_seqlens_q=ints_dev[o_cu:o_cu + b + 1],
+            seq_lens=ints_dev[o_lens:o_lens + b],
+            block_tables=ints_dev[o_tables:o_tables + b * max_cols].view(b, max_cols),
+            slot_mapping=slots_dev,
             max_seqlen_q=int(q_lens.max()),
             max_seqlen_k=int(seq_lens.max()),
             q_lens_host=q_lens.tolist(),
             seq_lens_host=seq_lens.tolist(),
         )
-        return PreparedInputs(longs_dev[:t], longs_dev[t: 2 * t], meta, longs_dev[3 * t:], sampling_seqs)
+        return PreparedInputs(input_ids, positions_dev, meta, sample_dev, sampling_seqs,
+                              piece_step=piece[0] if piece is not None else None)
 
     def _to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(array)
         if not self._on_cuda:
             return host
-        if self._staged is not None and name == "longs":
-            self._staged.synchronize()  # the last step's upload may still read the staging buffers (no sync if
-            # that step sampled nothing)
         staging = self._staging.get(name)
         if staging is None or staging.numel() < host.numel() or staging.dtype != host.dtype:
             staging = torch.empty(max(host.numel(), 4096) * 2, dtype=host.dtype, pin_memory=True)
@@ -192,63 +229,104 @@ class ModelRunner:
         """Use these captured graphs for decode-only steps that fit them (None: eager only)."""
         self.graphs = graphs
 
-    def setup_cuda_graphs(self, max_batch: int, max_model_len: int) -> str:
-        """Capture decode-step graphs for batches up to max_batch where that is safe: on CUDA with the Triton
-        attention backend (the only one whose launches were checked to need no host data at replay). Returns the
-        execution mode: "cuda_graphs", or "eager: <why>". Never raises: a failed capture is logged, and the engine
-        runs eager."""
-        backend = getattr(getattr(self.model, "attention_backend", None), "name", None)
+    def attach_pieces(self, pieces: PiecewiseRunner | None) -> None:
+        """Use these piecewise graphs for the other steps that fit a token bucket (None: eager)."""
+        self.pieces = pieces
+
+    def piecewise_runner(self, buckets: list[int], capture=capture_cuda, pool=None) -> PiecewiseRunner:
+        k_cache = self.kv_caches[0][0]
+        heads = getattr(self.model.config, "num_attention_heads", None)
+        return PiecewiseRunner(self.model, self.kv_caches, buckets, (heads, k_cache.shape[3]), k_cache.dtype,
+                               self.scratch_block, self.mirror.cols, self.device, capture, pool)
+
+    def setup_cuda_graphs(self, max_batch: int, max_model_len: int, max_tokens: int = 4096) -> str:
+        """Capture decode-step graphs for batches up to max_batch, and piecewise graphs for other steps of up to
+        max_tokens tokens, where that is safe: on CUDA with the Triton attention backend (the only one whose
+        launches were checked to need no host data at replay). Returns the execution mode: "cuda_graphs",
+        "cuda_graphs: decode only (<why>)" or "eager: <why>". Never raises: a failed capture is logged, and the
+        engine runs eager (or without the piecewise graphs)."""
+        backend = getattr(self.model, "attention_backend", None)
+        name = getattr(backend, "name", None)
         if not self._on_cuda:
             return "eager: not on CUDA"
-        if backend != "triton":
-            return f"eager: attention backend {backend!r} is not captured (only triton is)"
+        if name != "triton":
+            return f"eager: attention backend {name!r} is not captured (only triton is)"
         sizes = capture_sizes(max_batch)
         if not sizes:
             return "eager: no batch size to capture"
+        pool = None
         try:
             with torch.cuda.device(self.device):
+                self.model.model.rotary.tables(self.device, self.kv_caches[0][0].dtype)  # never inside a capture
                 num_kv_heads = self.kv_caches[0][0].shape[2]
+                pool = cuda_graph_pool()
                 graphs = GraphRunner(self.graph_forward, sizes, self.mirror.cols, self.scratch_block, self.device,
-                                     triton_split_classes(num_kv_heads, self.device, max_model_len), capture_cuda,
-                                     cuda_graph_pool())
+                                     backend_split_classes(backend, num_kv_heads, self.device, max_model_len),
+                                     capture_cuda, pool)
                 report = graphs.capture_all()
                 torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 - any capture failure means "serve eager", never "crash"
-            log.warning("CUDA graph capture failed; running eager (slower decode): %s: %s", type(exc).__name__, exc,
-                        exc_info=True)
-            self.graphs = None
-            try:
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-            except Exception:  # noqa: BLE001 - best effort; eager steps report any real device error
-                pass
-            return f"eager: CUDA graph capture failed ({type(exc).__name__}: {exc})"
+            return self._capture_failed("CUDA graph", exc)
         self.graphs = graphs
         self.graph_capture_s = report.seconds
         log.info("captured %d CUDA graphs for decode batches of %s sequences in %.1f s", report.graphs,
                  ",".join(map(str, report.sizes)), report.seconds)
+        buckets = token_buckets(max_tokens)
+        if not buckets or not hasattr(self.model, "piece"):
+            return "cuda_graphs: decode only (no token bucket or a model without pieces)"
+        try:
+            with torch.cuda.device(self.device):
+                pieces = self.piecewise_runner(buckets, capture_cuda, pool)
+                piece_report = pieces.capture_all()
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - decode graphs stay; mixed steps run eager
+            return "cuda_graphs: decode only (" + self._capture_failed("piecewise graph", exc, keep_graphs=True) + ")"
+        self.pieces = pieces
+        self.graph_capture_s += piece_report.seconds
+        log.info("captured %d piecewise graphs for mixed steps of up to %d tokens (%d buckets) in %.1f s",
+                 piece_report.graphs, buckets[-1], len(buckets), piece_report.seconds)
         return "cuda_graphs"
+
+    def _capture_failed(self, what: str, exc: Exception, keep_graphs: bool = False) -> str:
+        log.warning("%s capture failed; running without it: %s: %s", what, type(exc).__name__, exc, exc_info=True)
+        if not keep_graphs:
+            self.graphs = None
+        self.pieces = None
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - best effort; eager steps report any real device error
+            pass
+        return f"eager: {what} capture failed ({type(exc).__name__}: {exc})"
+
+    def warm_up(self, max_model_len: int) -> int:
+        """Compile every kernel variant a step can launch, before the server is ready: the attention backend's
+        variants (tile classes x kv splits) and one eager forward of a padding token (the fused element-wise
+        kernels of the eager path). Returns the launches made."""
+        backend = getattr(self.model, "attention_backend", None)
+        k_cache, v_cache = self.kv_caches[0]
+        heads = getattr(getattr(self.model, "config", None), "num_attention_heads", None)
+        launches = 0
+        with torch.inference_mode():
+            if backend is not None and heads is not None:
+                launches += backend.warm_up((1, heads, k_cache.shape[3]), k_cache, v_cache, max_model_len)
+            meta = scratch_metadata([1], self.scratch_block, self.device)
+            zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self.model.forward(zero, zero, self.kv_caches, meta)
+            launches += 1
+        if self._on_cuda:
+            torch.cuda.synchronize(self.device)
+        return launches
 
     # --- forward + sample ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward_logits(self, inputs: PreparedInputs) -> torch.Tensor | None:
         if inputs.graph_step is not None:
             hidden = GraphRunner.run(inputs.graph_step)  # padded rows; sample_rows pick real ones
+        elif inputs.piece_step is not None:
+            hidden = self.pieces.run(inputs.piece_step, inputs.meta)
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.sampling_seqs:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
-
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
-        """Run one step; return the sequences that got a new token and those tokens."""
-        inputs = self.prepare(batch)
-        logits = self.forward_logits(inputs)
-        if logits is None:
-            if self._on_cuda:
-                torch.cuda.current_stream(self.device).synchronize()
-            return [], []
-        seqs = inputs.sampling_seqs
-        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return seqs, tokens

@@ -37,7 +37,13 @@ class StepStats:
     first_token_latencies_s: list[float] = field(default_factory=list)  # arrival -> first token
     finished_e2e_s: list[float] = field(default_factory=list)  # arrival -> finish
     num_preemptions: int = 0
-    cuda_graph: bool = False  # this step replayed a captured CUDA graph
+    cuda_graph: bool = False  # this step replayed a captured (decode) CUDA graph
+    forward: str = "eager"  # how the forward ran: "graph" (decode graph), "piecewise" (mixed-step graphs), "eager"
+
+    @property
+    def kind(self) -> str:
+        """"mixed" when the step carried prefill tokens, else "decode" (the `kind` label of the step metrics)."""
+        return "mixed" if self.num_prefill_tokens else "decode"
 
 
 @dataclass
@@ -53,6 +59,7 @@ class EngineStats:
     preemptions_total: int
     scheduler: SchedulerConfig
     execution_mode: str = "eager"  # "cuda_graphs" or "eager: <why>" (see ModelRunner.setup_cuda_graphs)
+    kernel_compiles_after_ready: int = 0  # Triton variants compiled since the engine was ready (each a stall)
 
 
 @dataclass(frozen=True)

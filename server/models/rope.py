@@ -1,7 +1,10 @@
 """Rotary position embeddings in Hugging Face's layout (rotate-half, not interleaved), with Llama 3 scaling.
 
 The frequencies are computed once on the CPU in float32 the way transformers computes them, so that greedy
-outputs match it bit for bit where the arithmetic allows; cos/sin are computed per step at the given positions.
+outputs match it bit for bit where the arithmetic allows. cos/sin are computed once per model, for every
+position, into tables on the model's device (the same float32 products and cos/sin as transformers' per-step
+computation, so the same values); a step only looks its positions up, and the fused kernel reads the tables
+directly.
 """
 from __future__ import annotations
 
@@ -57,12 +60,14 @@ class RotaryEmbedding(torch.nn.Module):
     """Applies rope to q [T, Hq, D] and k [T, Hkv, D] at `positions` [T].
 
     The frequencies are a plain float32 attribute, not a buffer: module-wide dtype casts (model.to(bf16)) and
-    meta-device construction must not touch them. They follow the positions' device on first use.
+    meta-device construction must not touch them. The cos/sin tables follow the device and dtype asked for.
     """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.inv_freq = compute_inv_freq(config)
+        self.max_positions = config.max_position_embeddings
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def set_freq_factors(self, freq_factors: torch.Tensor) -> None:
         """llama.cpp's `rope_freqs` tensor (Llama 3.1 GGUFs bake their rope scaling into it): divides the freqs."""
@@ -70,13 +75,32 @@ class RotaryEmbedding(torch.nn.Module):
         if factors.numel() != self.inv_freq.numel():
             raise ValueError(f"rope_freqs has {factors.numel()} entries, expected {self.inv_freq.numel()}")
         self.inv_freq = self.inv_freq.to("cpu") / factors
+        self._tables.clear()
+
+    def limit_positions(self, max_positions: int) -> None:
+        """Tables only as long as the engine's context (a Llama 3.1 table of 131,072 positions is 32 MB)."""
+        if max_positions != self.max_positions:
+            self.max_positions = max_positions
+            self._tables.clear()
+
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [max_positions, D / 2] in dtype: the first half of transformers' cat(freqs, freqs) angles,
+        whose second half repeats it. Built on first use (outside any graph capture: the runner asks first)."""
+        key = (torch.device(device), dtype)
+        found = self._tables.get(key)
+        if found is None:
+            inv_freq = self.inv_freq.to(device)
+            positions = torch.arange(self.max_positions, device=device, dtype=torch.int64)
+            freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+            found = (freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous())
+            self._tables[key] = found
+        return found
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        """[T, D] each, at positions (looked up, not recomputed)."""
+        cos, sin = self.tables(positions.device, dtype)
+        c, s = cos[positions], sin[positions]
+        return torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin(positions, q.dtype)

@@ -131,7 +131,7 @@ def test_each_step_replays_the_graph_of_its_split_class():
         calls.append(meta.max_seqlen_k)
         return input_ids.to(torch.float32)[:, None] * 2
 
-    classes = SplitClasses(lambda size, max_k: 1 if max_k < 1024 else 4, max_model_len=2048)
+    classes = SplitClasses(lambda size, max_k: 1 if max_k < 1024 else 4, max_model_len=2048, lengths=(1, 1024, 2048))
     graphs = GraphRunner(forward, [2], 3, 0, torch.device("cpu"), classes, capture_recorded)
     report = graphs.capture_all()
     assert report.graphs == 2 and sorted(graphs.graphs) == [(2, 1), (2, 4)]
@@ -148,15 +148,25 @@ def test_each_step_replays_the_graph_of_its_split_class():
 
 def test_split_classes_match_the_triton_choice_for_every_context_length():
     from metronome.kernels.triton_attention import choose_num_splits
+    from metronome.kernels.triton_backend import TritonBackend
 
     n_kv, sms, max_len = 8, 132, 8192
-    classes = SplitClasses(lambda size, k: choose_num_splits(size * n_kv, size, k, sms), max_len)
+    lengths = tuple(TritonBackend().variant_lengths(max_len))  # the backend names where its variants change
+    classes = SplitClasses(lambda size, k: choose_num_splits(size * n_kv, size, k, sms), max_len, lengths)
     for size in capture_sizes(256):
         reps = classes.representatives(size)
         assert all(classes.of(size, k) == c for c, k in reps.items())
         for k in range(1, max_len + 1, 37):
             assert classes.of(size, k) in reps
     assert len(classes.representatives(1)) > 1 and len(classes.representatives(256)) == 1
+
+
+def test_backends_without_host_decisions_have_one_decode_variant():
+    from metronome.kernels import get_backend
+    from metronome.server.engine.cuda_graphs import backend_split_classes
+
+    classes = backend_split_classes(get_backend("torch"), 8, torch.device("cpu"), 4096)
+    assert classes.representatives(64) == {0: 4096}
 
 
 def test_a_graph_that_disagrees_with_eager_is_rejected():

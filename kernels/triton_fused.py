@@ -1,0 +1,168 @@
+"""Fused element-wise kernels of a Llama layer: one launch where the torch path takes 3-17.
+
+- `add_rms_norm`: residual += x (rounded to the model dtype), then out = weight * norm(residual); without x it
+  is a plain RMSNorm. One program per token row.
+- `rope_write_kv`: from the fused qkv projection, rotate q and k (rotate-half layout) with cos/sin read from a
+  per-position table built once, write rotated q to its own buffer and k, v into their paged-cache slots
+  (a negative slot skips the cache write). One program per token.
+- `silu_mul`: silu(gate) * up from the fused gate_up projection.
+
+Every rounding step of the torch path (models/layers.py, models/rope.py) is reproduced: each product or sum
+torch rounds to bf16/fp16 is rounded here too, so rotary and the residual add are bit-exact, and the norm and
+SiLU differ only by fp32 reduction order and the hardware rsqrt/exp (bf16 tolerances). Batch-dependent sizes
+are the grid only: a new token count never compiles a new variant.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_attention import require_runnable
+
+
+@triton.jit
+def _add_rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, eps,
+                  N: tl.constexpr, BLOCK: tl.constexpr, HAS_X: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    if HAS_X:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        r = (r.to(tl.float32) + x.to(tl.float32)).to(residual_ptr.dtype.element_ty)
+        tl.store(residual_ptr + row * stride_r + cols, r, mask=mask)
+    r32 = r.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(r32 * r32, 0) / N + eps)
+    normed = (r32 * inv).to(out_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """residual [T, N] (updated in place to residual + x when x is given); returns weight * rmsnorm(residual)."""
+    rows, n = residual.shape
+    if out is None:
+        out = torch.empty_like(residual)
+    if rows == 0:
+        return out
+    for t in (residual, out) + ((x,) if x is not None else ()):
+        if t.stride(-1) != 1:
+            raise ValueError("add_rms_norm needs rows with a contiguous last axis")
+    require_runnable(residual.device)
+    block = triton.next_power_of_2(n)
+    _add_rms_norm[(rows,)](
+        x if x is not None else residual, residual, weight, out,
+        x.stride(0) if x is not None else 0, residual.stride(0), out.stride(0), eps,
+        N=n, BLOCK=block, HAS_X=x is not None, num_warps=min(16, max(4, block // 512)),
+    )
+    return out
+
+
+@triton.jit
+def _rotate(x_ptr, cos, sin, heads, offs, HALF: tl.constexpr, mask):
+    """Rotate-half rope of heads x [2 * HALF] at x_ptr, each product and the sum rounded to x's dtype as torch
+    computes `x * cos + rotate_half(x) * sin` in that dtype."""
+    dtype = x_ptr.dtype.element_ty
+    x1 = tl.load(x_ptr + heads[:, None] * (2 * HALF) + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + heads[:, None] * (2 * HALF) + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    first = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+    second = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    return first.to(dtype), second.to(dtype)
+
+
+@triton.jit
+def _rope_write_kv(qkv_ptr, positions_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                   stride_qkv, stride_qo, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                   N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+                   HALF: tl.constexpr, PAGE: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * HALF + offs).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + offs).to(tl.float32)[None, :]
+    row = qkv_ptr + token * stride_qkv
+
+    heads = tl.arange(0, H_PAD)
+    qmask = (heads < N_HEADS)[:, None]
+    q1, q2 = _rotate(row, cos, sin, heads, offs, HALF, qmask)
+    q_dst = q_out_ptr + token * stride_qo + heads[:, None] * (2 * HALF) + offs[None, :]
+    tl.store(q_dst, q1.to(q_out_ptr.dtype.element_ty), mask=qmask)
+    tl.store(q_dst + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=qmask)
+
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        block = slot // PAGE
+        in_page = slot % PAGE
+        kv_heads = tl.arange(0, KV_PAD)
+        kmask = (kv_heads < N_KV_HEADS)[:, None]
+        k_row = row + N_HEADS * 2 * HALF
+        k1, k2 = _rotate(k_row, cos, sin, kv_heads, offs, HALF, kmask)
+        k_dst = k_cache_ptr + block * stride_kcb + in_page * stride_kct + kv_heads[:, None] * stride_kch + offs[None, :]
+        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+        tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+        v_row = k_row + N_KV_HEADS * 2 * HALF
+        offs_d = tl.arange(0, 2 * HALF)
+        v = tl.load(v_row + kv_heads[:, None] * (2 * HALF) + offs_d[None, :], mask=kmask, other=0.0)
+        v_dst = v_cache_ptr + block * stride_vcb + in_page * stride_vct + kv_heads[:, None] * stride_vch + offs_d[None, :]
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kmask)
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [T, (H + 2 KVH) * D] → rotated q [T, H, D] (into q_out if given); rotated k and v into the cache at
+    slot_mapping [T]. cos/sin: [max_position, D / 2] tables in qkv's dtype (RotaryEmbedding.tables)."""
+    tokens = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    half = head_dim // 2
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not a contiguous-row [T, (H + 2 KVH) * D] projection")
+    if half & (half - 1) or cos.shape[-1] != half or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
+        raise ValueError("rope_write_kv needs head_dim / 2 a power of two and cos/sin tables [P, D/2] in qkv's dtype")
+    if q_out is None:
+        q_out = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q_out
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q_out.stride(-1) != 1 or q_out.stride(1) != head_dim:
+        raise ValueError("rope_write_kv needs contiguous heads in q_out and the KV cache")
+    require_runnable(qkv.device)
+    _rope_write_kv[(tokens,)](
+        qkv, positions, slot_mapping, cos, sin, q_out, k_cache, v_cache,
+        qkv.stride(0), q_out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        N_HEADS=num_heads, N_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(num_heads),
+        KV_PAD=triton.next_power_of_2(num_kv_heads), HALF=half, PAGE=k_cache.shape[1], num_warps=4,
+    )
+    return q_out
+
+
+@triton.jit
+def _silu_mul(gate_up_ptr, out_ptr, stride_g, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(gate_up_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_ptr + row * stride_g + N + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch rounds silu(gate) before the product
+    tl.store(out_ptr + row * stride_o + cols, (silu * u).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [T, 2I] (gate columns first) → silu(gate) * up [T, I]."""
+    rows, width = gate_up.shape
+    n = width // 2
+    if out is None:
+        out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows == 0:
+        return out
+    if gate_up.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("silu_mul needs rows with a contiguous last axis")
+    require_runnable(gate_up.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block,
+                                             num_warps=4)
+    return out

@@ -1,0 +1,125 @@
+"""The fused element-wise kernels (kernels/triton_fused.py) against the torch path of the model, under Triton's
+interpreter on the CPU.
+
+As in test_kernels.py, the Triton side runs in a subprocess started with TRITON_INTERPRET=1 (this file run as a
+script) and hands back plain numbers; the checks are here. Inputs are fresh random values (never zeros); caches
+and outputs are poisoned with NaN first, so an unwritten element or a write to a skipped slot shows. The
+interpreter converts to bf16 by truncation (the GPU rounds to nearest), so bit-exactness is checked here in fp32
+and on the GPU in tests/gpu/test_fused_gpu.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# (name, tokens, hidden, heads, kv_heads, head_dim, block_size, dtype)
+CASES = [
+    ("f32_pow2", 7, 64, 4, 2, 16, 4, "float32"),
+    ("f32_odd_hidden_gqa3", 5, 96, 3, 1, 32, 16, "float32"),
+    ("bf16", 9, 128, 8, 2, 16, 8, "bfloat16"),
+]
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _case_results(name, tokens, hidden, heads, kv_heads, head_dim, block_size, dtype_name) -> dict:
+    from metronome.kernels.triton_fused import add_rms_norm, rope_write_kv, silu_mul
+    from metronome.server.models.config import ModelConfig
+    from metronome.server.models.layers import RMSNorm
+    from metronome.server.models.rope import RotaryEmbedding
+
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(len(name))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    out: dict = {}
+    # --- norm with and without the residual add
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.1 * randn(hidden).float())
+    x, residual = randn(tokens, hidden), randn(tokens, hidden)
+    expected_residual = residual + x
+    expected = norm(expected_residual)
+    got_residual = residual.clone()
+    got = add_rms_norm(x, got_residual, norm.weight, norm.eps)
+    out["residual_equal"] = torch.equal(got_residual, expected_residual)
+    out["norm_add"] = _rel(got, expected)
+    out["norm_plain"] = _rel(add_rms_norm(None, residual.clone(), norm.weight, norm.eps), norm(residual))
+
+    # --- rope + K/V write
+    config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=heads * head_dim, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                         max_position_embeddings=64, tie_word_embeddings=True, attention_bias=False,
+                         bos_token_id=None, eos_token_ids=(0,))
+    rotary = RotaryEmbedding(config)
+    num_blocks = 6
+    positions = torch.randint(0, 64, (tokens,), generator=g)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[1] = -1  # skipped: its K/V must not be written anywhere
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    cos, sin = rotary.tables(torch.device("cpu"), dtype)
+    q_out = torch.full((tokens, heads, head_dim), float("nan"), dtype=dtype)
+    rope_write_kv(qkv, positions, slots, cos, sin, k_cache, v_cache, heads, kv_heads, q_out)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_ref, k_ref = rotary(positions, q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim))
+    out["q"] = _rel(q_out, q_ref)
+    keep = slots >= 0
+    flat_k = k_cache.view(-1, kv_heads, head_dim)
+    flat_v = v_cache.view(-1, kv_heads, head_dim)
+    out["k"] = _rel(flat_k[slots[keep]], k_ref[keep])
+    out["v_equal"] = torch.equal(flat_v[slots[keep]], v.reshape(tokens, kv_heads, head_dim)[keep])
+    written = torch.zeros(flat_k.shape[0], dtype=torch.bool)
+    written[slots[keep]] = True
+    out["untouched_nan"] = bool(flat_k[~written].isnan().all() and flat_v[~written].isnan().all())
+
+    # --- SiLU * up
+    inter = hidden + 3  # not a power of two: masked tail
+    gate_up = randn(tokens, 2 * inter)
+    gate, up = gate_up.split(inter, dim=-1)
+    out["silu_mul"] = _rel(silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    out["finite"] = bool(torch.isfinite(q_out).all() and torch.isfinite(got).all())
+    return out
+
+
+def _run_all() -> dict:
+    return {case[0]: _case_results(*case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(__file__))
+    assert proc.returncode == 0, f"triton interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_fused_kernels_match_the_torch_path(results, case):
+    got = results[case[0]]
+    tol = TOL[case[-1]]
+    assert got["finite"]
+    if case[-1] == "float32":  # Triton's interpreter truncates to bf16 where the GPU rounds (checked in tests/gpu)
+        assert got["residual_equal"], "the residual add must round exactly as torch's"
+    assert got["v_equal"], "v is copied, not computed"
+    assert got["untouched_nan"], "a skipped slot (or a slot of no token) was written"
+    for key in ("norm_add", "norm_plain", "q", "k", "silu_mul"):
+        assert got[key] < tol, (key, got[key])
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_all()))
