@@ -1,12 +1,15 @@
 """hf:// and s3:// URIs, cache naming, file selection and the cache's atomic publish (pure, no network)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from metronome.contract.errors import ModelNotFoundError
 from metronome.contract.model_source import ModelSourceError
 from metronome.contract.remote_source import HubSource, S3Source, cache_subdir, is_remote, parse_remote
-from metronome.server.models.fetch.cache import Marker, RemoteFile, new_partial, publish, read_complete
+from metronome.server.models.fetch.cache import (STALE_PARTIAL_SECONDS, Marker, RemoteFile, new_partial, publish,
+                                                 read_complete)
 from metronome.server.models.fetch.files import local_model_spec, select_model_files
 
 
@@ -133,3 +136,12 @@ def test_an_incomplete_folder_under_the_final_name_is_replaced(tmp_path):
     publish(_partial_with(tmp_path, {"m.gguf": b"abc"}), dest, marker)
     assert read_complete(dest, "s3://b/p") == marker
     assert sorted(p.name for p in dest.parent.iterdir()) == ["d"]
+
+
+def test_crashed_downloads_are_cleared_a_day_later(tmp_path):
+    crashed = _partial_with(tmp_path, {"m.gguf": b"ab"})
+    live = _partial_with(tmp_path, {"m.gguf": b"a"})
+    day_ago = crashed.stat().st_mtime - STALE_PARTIAL_SECONDS - 1
+    os.utime(crashed, (day_ago, day_ago))
+    fresh = new_partial(tmp_path)
+    assert not crashed.exists() and live.exists() and fresh.exists()

@@ -2,7 +2,8 @@
 
     <root>/<cache_subdir(source)>/                   the model files, as the loaders read them
     <root>/<cache_subdir(source)>/.metronome-fetch.json   uri, resolved revision, every file's size and etag
-    <root>/.partial/<random>/                        a download in progress (renamed into place when complete)
+    <root>/.partial/<random>/                        a download in progress (renamed into place when complete;
+                                                     left over by a crash, removed a day later)
 
 A folder exists under its final name only once every file is in it, so a crashed download, or two init
 containers racing on a shared ReadWriteMany volume, never leave a half model where the server looks. A folder
@@ -14,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from metronome.contract.remote_source import CACHE_ENV
 
 MARKER = ".metronome-fetch.json"
 PARTIAL = ".partial"
+STALE_PARTIAL_SECONDS = 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,19 @@ def read_complete(folder: Path, uri: str) -> Marker | None:
     return marker
 
 
-def new_partial(root: Path) -> Path:
-    (root / PARTIAL).mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix="fetch-", dir=root / PARTIAL))
+def new_partial(root: Path, now: float | None = None) -> Path:
+    """A fresh folder for one download. Downloads that crashed (a killed init container) leave theirs behind:
+    any untouched for STALE_PARTIAL_SECONDS is removed first (on a shared volume a live one is written to)."""
+    partials = root / PARTIAL
+    partials.mkdir(parents=True, exist_ok=True)
+    now = time.time() if now is None else now
+    for old in partials.iterdir():
+        try:
+            if now - old.stat().st_mtime > STALE_PARTIAL_SECONDS:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass  # another fetch removed it first
+    return Path(tempfile.mkdtemp(prefix="fetch-", dir=partials))
 
 
 def publish(partial: Path, dest: Path, marker: Marker) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 from metronome.contract.errors import ModelNotFoundError
@@ -38,12 +39,30 @@ def download_s3(source: S3Source, dest: Path, endpoint: str | None = None) -> Ma
         if not objects:
             raise ModelNotFoundError(f"{where}: no objects under this prefix")
         wanted = select_model_files(sorted(objects), source.uri)
-        log.info("%s: fetching %d files (%.1f MB)", where, len(wanted), sum(objects[n][1] for n in wanted) / 1e6)
+        progress = _Progress(source.uri, sum(objects[n][1] for n in wanted))
+        log.info("%s: fetching %d files (%.1f MB)", where, len(wanted), progress.total / 1e6)
         for name in wanted:
             target = dest / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            client.download_file(source.bucket, objects[name][0], str(target))
+            client.download_file(source.bucket, objects[name][0], str(target), Callback=progress)
     return Marker(source.uri, None, [RemoteFile(n, objects[n][1], objects[n][2]) for n in wanted])
+
+
+class _Progress:
+    """boto3's transfer callback (called from its worker threads with byte counts): one log line per 10%."""
+
+    def __init__(self, uri: str, total: int):
+        self.uri, self.total, self.done, self.logged = uri, total, 0, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, chunk: int) -> None:
+        with self.lock:
+            self.done += chunk
+            tenth = self.done * 10 // max(self.total, 1)
+            if tenth > self.logged:
+                self.logged = tenth
+                log.info("%s: %d%% (%.1f of %.1f MB)", self.uri, min(tenth * 10, 100), self.done / 1e6,
+                         self.total / 1e6)
 
 
 def _client(endpoint: str | None):
