@@ -1,25 +1,35 @@
-# Metronome operator image: slim Python with kopf and the Kubernetes client; no torch (the operator imports only
-# metronome.operator and the pydantic config schema).
+# Metronome operator image: kopf and the Kubernetes client, no torch (the operator imports only
+# metronome.operator and metronome.contract).
 #
-#   docker build -f images/operator.Dockerfile -t ghcr.io/metronome-dev/metronome-operator:0.1.0 .
-FROM python:3.12-slim AS builder
-ENV PIP_NO_CACHE_DIR=1
-RUN python -m venv /opt/metronome
-ENV PATH=/opt/metronome/bin:$PATH
-WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
-COPY metronome ./metronome
-COPY server ./server
-COPY kernels ./kernels
-COPY operator ./operator
-# The [operator] extra only: the server's heavy extras (torch, triton, transformers) stay out.
-RUN pip install --upgrade pip setuptools wheel && pip install '.[operator]'
+# Built by `make images` (hack/images): it stages the context this file expects (pins.txt with the venv's exact
+# versions, src/ with the sources), picks BASE_IMAGE (Debian's public slim image, or one made from Debian
+# packages where no registry is reachable) and tags the image by a hash of its inputs. Runs as UID 1000; needs
+# no writable path.
+ARG BASE_IMAGE=docker.io/library/debian:bookworm-slim
+FROM ${BASE_IMAGE}
 
-FROM python:3.12-slim
-COPY --from=builder /opt/metronome /opt/metronome
-RUN useradd --uid 1000 --user-group --home-dir /tmp --no-create-home metronome
-ENV PATH=/opt/metronome/bin:$PATH HOME=/tmp PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# Build time only: pip installs the pinned wheels from the wheel cache make images mounts at /tmp/wheels, without
+# an index (pass --build-arg PIP_NO_INDEX=0 to let a build without that mount download them).
+ARG PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ARG DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && apt-get clean && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/metronome
+ENV PATH=/opt/metronome/bin:$PATH
+
+COPY pins.txt /opt/metronome/
+RUN pip install --no-deps --requirement /opt/metronome/pins.txt && pip check
+
+COPY src /tmp/metronome-src
+RUN pip install --no-deps --no-build-isolation /tmp/metronome-src \
+ && rm -rf /tmp/metronome-src \
+ && useradd --uid 1000 --user-group --home-dir /tmp --no-create-home --shell /usr/sbin/nologin metronome \
+ && metronome operator --help >/dev/null
+
+ENV HOME=/tmp PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 USER 1000:1000
+WORKDIR /tmp
 EXPOSE 8080
 ENTRYPOINT ["metronome"]
 CMD ["operator", "--all-namespaces", "--standalone"]

