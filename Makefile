@@ -78,3 +78,11 @@ bench-smoke: venv
 	  --batch-sizes 1,4 --context 64 --decode-steps 3 --prefill-prompt-len 64 --prefill-prompts 2 --prefill-chunk 256 \
 	  --rates 4,16 --chunk-sizes 32,unchunked --num-requests 6 --long-prompt-len 200 --short-prompt-len 20 \
 	  --output-len 8 --warmup-requests 2 --skip-hf --no-progress --out $(BENCH_OUT)/engine.json --plot $(BENCH_OUT)/engine.png
+
+# The server and operator images with podman (hack/images, docs/images.md): tagged by a hash of their inputs and
+# reused when that tag exists; a local Debian base is made when the public one cannot be pulled.
+# `make images IMAGES=operator` builds one.
+IMAGES ?=
+.PHONY: images
+images: venv
+	PYTHONPATH=hack $(PY) -m images $(IMAGES)

