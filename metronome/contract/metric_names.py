@@ -19,11 +19,16 @@ STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 204
 MODEL_LABEL = "model"
 STEP_KIND_LABEL = "kind"  # on the step histograms: "decode" (no prefill tokens) or "mixed"
 STEP_KINDS = ("decode", "mixed")
+# On TBT and PROMPTS: "short" when the request's prompt has at most the scheduler's short_prompt_threshold tokens
+# (whatever the queue policy), else "long". What policy switching reads: short requests' TBT and the long share.
+LANE_LABEL = "lane"
+LANES = ("short", "long")
 
 TIME_BETWEEN_TOKENS = PREFIX + "time_between_tokens_seconds"
 TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"
 REQUEST_E2E = PREFIX + "request_e2e_seconds"
 PROMPT_TOKENS = PREFIX + "prompt_tokens_total"
+PROMPTS = PREFIX + "prompts_total"  # label: lane; requests whose first token was emitted
 GENERATION_TOKENS = PREFIX + "generation_tokens_total"
 REQUESTS_RUNNING = PREFIX + "requests_running"
 REQUESTS_WAITING = PREFIX + "requests_waiting"  # label: queue
@@ -44,5 +49,5 @@ ALL_NAMES = (
     TIME_BETWEEN_TOKENS, TIME_TO_FIRST_TOKEN, REQUEST_E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_RUNNING,
     REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_LEAKED, PREEMPTIONS, REQUESTS_REJECTED, STEP_DURATION, STEP_TOKENS,
     SCHEDULER_OVERHEAD, CHUNK_SIZE, QUEUE_POLICY_INFO, CONFIG_GENERATION, CONFIG_RELOAD_ERRORS,
-    KERNEL_COMPILES_AFTER_READY,
+    KERNEL_COMPILES_AFTER_READY, PROMPTS,
 )

@@ -33,8 +33,9 @@ class ServerMetrics:
 
         step = model + [names.STEP_KIND_LABEL]  # decode and mixed steps have different fixed costs
 
-        self.tbt = histogram(names.TIME_BETWEEN_TOKENS, "Time between consecutive tokens of a request.",
-                             names.TBT_BUCKETS)
+        # By prompt lane: policy switching compares short requests' TBT with the whole; sum by (le) gives the whole.
+        self.tbt = Histogram(names.TIME_BETWEEN_TOKENS, "Time between consecutive tokens of a request, by prompt lane.",
+                             model + [names.LANE_LABEL], buckets=names.TBT_BUCKETS, registry=reg)
         self.ttft = histogram(names.TIME_TO_FIRST_TOKEN, "Arrival to first token.", names.TTFT_BUCKETS)
         self.e2e = histogram(names.REQUEST_E2E, "Arrival to finish.", names.E2E_BUCKETS)
         self.step_duration = histogram(names.STEP_DURATION, "Wall time of one engine step, by kind.",
@@ -46,6 +47,8 @@ class ServerMetrics:
                                             names.OVERHEAD_BUCKETS, step)
 
         self.prompt_tokens = Counter(names.PROMPT_TOKENS, "Prompt tokens computed.", model, registry=reg)
+        self.prompts = Counter(names.PROMPTS, "Requests whose first token was emitted, by prompt lane.",
+                               model + [names.LANE_LABEL], registry=reg)
         self.generation_tokens = Counter(names.GENERATION_TOKENS, "Tokens generated.", model, registry=reg)
         self.preemptions = Counter(names.PREEMPTIONS, "Sequences preempted (recomputed).", model, registry=reg)
         self.rejected = Counter(names.REQUESTS_REJECTED, "Requests turned away, by reason.", model + ["reason"],
@@ -69,13 +72,16 @@ class ServerMetrics:
                                 registry=reg)
 
         # Create every labelled child up front so that each name is exported before its first event.
-        for metric in (self.tbt, self.ttft, self.e2e, self.prompt_tokens, self.generation_tokens, self.preemptions,
+        for metric in (self.ttft, self.e2e, self.prompt_tokens, self.generation_tokens, self.preemptions,
                        self.reload_errors, self.compiles_after_ready, self.running, self.kv_usage, self.kv_leaked,
                        self.chunk_size, self.generation):
             metric.labels(model_name)
         for metric in (self.step_duration, self.step_tokens, self.scheduler_overhead):
             for kind in names.STEP_KINDS:
                 metric.labels(model_name, kind)
+        for lane in names.LANES:
+            self.tbt.labels(model_name, lane)
+            self.prompts.labels(model_name, lane)
         for queue in KNOWN_QUEUES:
             self.waiting.labels(model_name, queue)
         for reason in KNOWN_REJECT_REASONS:
@@ -87,9 +93,11 @@ class ServerMetrics:
 
     def on_step(self, step, stats) -> None:
         m = self.model_name
-        tbt = self.tbt.labels(m)
-        for gap in step.token_gaps_s:
-            tbt.observe(gap)
+        tbt = {lane: self.tbt.labels(m, lane) for lane in names.LANES}
+        for gap, lane in zip(step.token_gaps_s, step.token_gap_lanes, strict=True):
+            tbt[lane].observe(gap)
+        for lane in step.first_token_lanes:
+            self.prompts.labels(m, lane).inc()
         ttft = self.ttft.labels(m)
         for latency in step.first_token_latencies_s:
             ttft.observe(latency)

@@ -220,22 +220,26 @@ class EngineCore:
         t2 = time.perf_counter()
         self.scheduler.complete_step(batch)
         now = time.monotonic()
+        short_threshold = self.scheduler.config.short_prompt_threshold
         for seq, token in zip(seqs, tokens):
-            events.append(self._emit(seq, token, now, stats))
+            events.append(self._emit(seq, token, now, stats, short_threshold))
         t3 = time.perf_counter()
         stats.duration_s = t3 - t0
         stats.scheduler_overhead_s = (t1 - t0) + (t3 - t2)
         return events, stats
 
-    def _emit(self, seq: Sequence, token: int, now: float, stats: StepStats) -> TokenEvent:
+    def _emit(self, seq: Sequence, token: int, now: float, stats: StepStats, short_threshold: int) -> TokenEvent:
         # Runs once per generated token between GPU steps: plain attribute reads, no repeated properties.
         seq.token_ids.append(token)
         stats.generated_tokens += 1
         last = seq.last_token_time
+        lane = "short" if seq.num_prompt_tokens <= short_threshold else "long"  # metric_names.LANES
         if last is None:
             stats.first_token_latencies_s.append(now - seq.arrival_time)
+            stats.first_token_lanes.append(lane)
         else:
             stats.token_gaps_s.append(now - last)
+            stats.token_gap_lanes.append(lane)
         seq.last_token_time = now
         reason, text_cut = self._finish_reason(seq, token)
         if reason is not None:

@@ -35,6 +35,8 @@ class StepStats:
     generated_tokens: int = 0
     token_gaps_s: list[float] = field(default_factory=list)  # TBT of every token whose request already had one
     first_token_latencies_s: list[float] = field(default_factory=list)  # arrival -> first token
+    token_gap_lanes: list[str] = field(default_factory=list)  # prompt lane ("short"/"long") of each token gap
+    first_token_lanes: list[str] = field(default_factory=list)  # prompt lane of each first-token latency
     finished_e2e_s: list[float] = field(default_factory=list)  # arrival -> finish
     num_preemptions: int = 0
     cuda_graph: bool = False  # this step replayed a captured (decode) CUDA graph

@@ -43,7 +43,8 @@ def test_histogram_buckets_are_the_shared_ones(server):
                           names.OVERHEAD_BUCKETS), (names.STEP_TOKENS, names.STEP_TOKEN_BUCKETS)]:
         family = found[name]
         bounds = [float(s.labels["le"]) for s in family.samples
-                  if s.name == name + "_bucket" and s.labels.get(names.STEP_KIND_LABEL, "decode") == "decode"]
+                  if s.name == name + "_bucket" and s.labels.get(names.STEP_KIND_LABEL, "decode") == "decode"
+                  and s.labels.get(names.LANE_LABEL, "short") == "short"]
         assert bounds == [float(b) for b in buckets] + [float("inf")], name
 
 
@@ -102,6 +103,7 @@ def test_observer_maps_step_stats_exactly():
     step = StepStats(duration_s=0.009, scheduler_overhead_s=0.0004, num_tokens=40, num_prefill_tokens=37,
                      num_decode_tokens=3, num_seqs=4, new_prompt_tokens=37, generated_tokens=4,
                      token_gaps_s=[0.003, 0.0055, 0.011], first_token_latencies_s=[0.05], finished_e2e_s=[0.2],
+                     token_gap_lanes=["short", "short", "long"], first_token_lanes=["long"],
                      num_preemptions=2)
     stats = EngineStats(num_running=3, num_waiting={"short": 2, "long": 1}, kv_usage_ratio=0.25,
                         kv_blocks_total=100, kv_blocks_free=75, kv_blocks_leaked=0, preemptions_total=2,
@@ -109,9 +111,11 @@ def test_observer_maps_step_stats_exactly():
     metrics.on_step(step, stats)
     metrics.on_rejected("overloaded")
     value = lambda name, **labels: metrics.registry.get_sample_value(name, {"model": "m", **labels})  # noqa: E731
-    assert value(names.TIME_BETWEEN_TOKENS + "_bucket", le="0.004") == 1
-    assert value(names.TIME_BETWEEN_TOKENS + "_bucket", le="0.006") == 2
-    assert value(names.TIME_BETWEEN_TOKENS + "_count") == 3
+    assert value(names.TIME_BETWEEN_TOKENS + "_bucket", le="0.004", lane="short") == 1
+    assert value(names.TIME_BETWEEN_TOKENS + "_bucket", le="0.006", lane="short") == 2
+    assert value(names.TIME_BETWEEN_TOKENS + "_count", lane="short") == 2
+    assert value(names.TIME_BETWEEN_TOKENS + "_count", lane="long") == 1
+    assert value(names.PROMPTS, lane="long") == 1 and value(names.PROMPTS, lane="short") == 0
     assert value(names.TIME_TO_FIRST_TOKEN + "_sum") == pytest.approx(0.05)
     assert value(names.REQUEST_E2E + "_count") == 1
     assert value(names.STEP_TOKENS + "_bucket", le="64.0", kind="mixed") == 1  # it carried prefill tokens
