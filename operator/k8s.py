@@ -24,6 +24,7 @@ _PLURALS = {
     ("v1", "Pod"): "pods",
     ("v1", "Event"): "events",
     ("apps/v1", "Deployment"): "deployments",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
     ("metronome.dev/v1alpha1", "InferenceService"): "inferenceservices",
@@ -138,6 +139,16 @@ class Kube:
         else:
             action = Action.UNCHANGED
         return Applied(action, before, after)
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+        """Delete one object; False when it was not there (a child the spec no longer asks for)."""
+        try:
+            self._call("DELETE", resource_path(api_version, kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     def crd_exists(self, name: str) -> bool:
         return self.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", None, name) is not None
