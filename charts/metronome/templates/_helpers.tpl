@@ -40,6 +40,7 @@ What the operator does inside the namespaces it manages — every verb is used:
   blockOwnerDeletion on their owner reference (enforced where OwnerReferencesPermissionEnforcement is on).
 - deployments, services, configmaps, podmonitors: get + server-side apply (patch; create for new objects).
   No delete: children are garbage-collected through their owner references.
+- poddisruptionbudgets: get + server-side apply, and delete when spec.disruption.enabled turns false.
 - pods list: why pods are not ready (scheduling failures) in the Ready condition.
 - events create: an Event for every change.
 */}}
@@ -59,6 +60,9 @@ What the operator does inside the namespaces it manages — every verb is used:
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [get, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
   verbs: [list]
