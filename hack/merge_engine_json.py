@@ -1,10 +1,12 @@
 """Merge the parts of a split `metronome bench engine` run into one results JSON, and compare decode with and
-without CUDA graphs: `python hack/merge_engine_json.py OUT.json PART.json... [--eager EAGER.json]`.
+without CUDA graphs: `python hack/merge_engine_json.py OUT.json PART.json... [--eager EAGER.json] [--mixed M.json]`.
 
 The GPU script (hack/gpu_run.sh) runs the benchmark in pieces so that a piece that overruns its time limit loses
 only itself. Sections are taken from the parts in order (a later part does not overwrite a section an earlier
 one has); `targets` are evaluated again over the merged document. With --eager, a `decode_cuda_graphs` table puts
-each batch size's graph and eager step times side by side.
+each batch size's graph and eager step times side by side. With --mixed (hack/profile_mixed.py's output), its
+summary becomes `mixed_step`; `issue11_targets` then judges the mixed step, the long-short order and capacity by
+chunk size, the largest token gap and the compiles after ready.
 """
 from __future__ import annotations
 
@@ -42,11 +44,85 @@ def graph_vs_eager(graphs: list[dict], eager: list[dict]) -> list[dict]:
     return rows
 
 
+SLO_TBT_MS, SLO_TTFT_MS, MAX_GAP_MS = 30.0, 2000.0, 200.0
+
+
+def _chunk_order(label: str) -> float:
+    return float("inf") if label == "unchunked" else float(label)
+
+
+def longshort_table(runs: list[dict]) -> dict[str, dict[float, dict]]:
+    """{chunk label: {rate: {tbt_p99_ms, ttft_p99_ms, tbt_max_ms, completed}}} from the long-short runs."""
+    table: dict[str, dict[float, dict]] = {}
+    for run in runs:
+        params, summary = run.get("params", {}), run.get("summary", {})
+        chunk = params.get("chunk_size")
+        label = "unchunked" if chunk is not None and chunk >= 1 << 20 else str(chunk)
+        table.setdefault(label, {})[float(params.get("rate", 0))] = {
+            "tbt_p99_ms": (summary.get("tbt") or {}).get("p99_ms"),
+            "ttft_p99_ms": (summary.get("ttft") or {}).get("p99_ms"),
+            "tbt_max_ms": (summary.get("tbt") or {}).get("max_ms"),
+            "completed": summary.get("num_completed") == summary.get("num_requests"),
+            "output_tokens_per_s": summary.get("output_tokens_per_s")}
+    return dict(sorted(table.items(), key=lambda kv: _chunk_order(kv[0])))
+
+
+def capacity(rates: dict[float, dict]) -> float | None:
+    """The highest rate whose run kept TBT p99 <= 30 ms and TTFT p99 <= 2 s with every request completed."""
+    ok = [rate for rate, r in rates.items() if r["completed"] and r["tbt_p99_ms"] is not None
+          and r["tbt_p99_ms"] <= SLO_TBT_MS and r["ttft_p99_ms"] is not None and r["ttft_p99_ms"] <= SLO_TTFT_MS]
+    return max(ok) if ok else None
+
+
+def issue11_targets(doc: dict) -> list[dict]:
+    out = []
+
+    def target(key: str, goal: str, value, met) -> None:
+        out.append({"key": key, "target": goal, "value": value, "met": met})
+
+    mixed = (doc.get("mixed_step") or {}).get("summary", {}).get("piecewise")
+    ratio = mixed.get("ratio_to_floor") if mixed else None
+    target("mixed_step_ratio_to_floor", "<= 1.3", ratio, None if ratio is None else ratio <= 1.3)
+    for row in doc.get("decode") or []:
+        if row.get("batch") in (1, 64) and row.get("ratio_to_floor") is not None:
+            goal = 1.35 if row["batch"] == 1 else 1.3
+            target(f"decode_b{row['batch']}_ratio_to_floor", f"<= {goal}", row["ratio_to_floor"],
+                   row["ratio_to_floor"] <= goal)
+    table = longshort_table((doc.get("longshort") or {}).get("runs") or [])
+    if table:
+        rates = sorted(set.intersection(*(set(r) for r in table.values())))
+        for rate in rates:
+            p99s = [table[label][rate]["tbt_p99_ms"] for label in table]
+            rising = all(a is not None and b is not None and a < b for a, b in zip(p99s, p99s[1:]))
+            target(f"tbt_p99_rises_with_chunk_at_{rate:g}", "256 < 512 < ... < unchunked",
+                   [None if v is None else round(v, 1) for v in p99s], rising)
+        if "512" in table:
+            kept = [rate for rate, r in table["512"].items() if r["completed"]]
+            if kept:
+                top = max(kept)
+                value = table["512"][top]["tbt_p99_ms"]
+                target(f"chunk512_tbt_p99_at_{top:g}_ms", "<= 30", value, value is not None and value <= SLO_TBT_MS)
+        if "512" in table and "unchunked" in table:
+            ours, theirs = capacity(table["512"]), capacity(table["unchunked"])
+            ratio = None if ours is None or not theirs else ours / theirs
+            target("capacity_512_vs_unchunked", ">= 2 (rates: 512 / unchunked)", [ours, theirs],
+                   None if ours is None and theirs is None else (ours is not None and (theirs is None or ours >= 2 * theirs)))
+        gaps = [r["tbt_max_ms"] for rates_ in table.values() for r in rates_.values() if r["tbt_max_ms"] is not None]
+        if gaps:
+            target("largest_tbt_gap_ms", "< 200", max(gaps), max(gaps) < MAX_GAP_MS)
+    compiles = [part.get("kernel_compiles_after_ready") for part in doc.get("compiles_after_ready", [])]
+    compiles = [c for c in compiles if c is not None]
+    if compiles:
+        target("kernel_compiles_after_ready", "== 0", sum(compiles), sum(compiles) == 0)
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("parts", nargs="+")
     parser.add_argument("--eager", help="a decode-only run with --enforce-eager")
+    parser.add_argument("--mixed", help="hack/profile_mixed.py's JSON (the mixed step vs its floor)")
     args = parser.parse_args(argv)
     parts = [json.loads(Path(p).read_text()) for p in args.parts if Path(p).is_file()]
     if not parts:
@@ -61,6 +137,14 @@ def main(argv: list[str]) -> int:
         doc["decode_eager"] = {"execution_mode": (eager.get("model") or {}).get("execution_mode"),
                                "decode": eager.get("decode")}
         doc["decode_cuda_graphs"] = graph_vs_eager(doc.get("decode") or [], eager.get("decode") or [])
+    mixed = json.loads(Path(args.mixed).read_text()) if args.mixed and Path(args.mixed).is_file() else None
+    if mixed is not None:
+        doc["mixed_step"] = {k: v for k, v in mixed.items() if k != "steps"}
+    doc["compiles_after_ready"] = [{"part": i, "kernel_compiles_after_ready":
+                                    (p.get("model") or {}).get("kernel_compiles_after_ready")}
+                                   for i, p in enumerate(parts)] + (
+        [{"part": "mixed", "kernel_compiles_after_ready": mixed.get("kernel_compiles_after_ready")}] if mixed else [])
+    doc["issue11_targets"] = issue11_targets(doc)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     model = doc.get("model") or {}
     print(f"merged {len(parts)} part(s) into {args.out}; execution mode: {model.get('execution_mode')}, "
@@ -73,6 +157,8 @@ def main(argv: list[str]) -> int:
         value = target["value"]
         print(f"target {target['key']}: {'-' if value is None else f'{value:.3g}'} ({target['target']}) "
               f"met={target['met']}")
+    for target in doc["issue11_targets"]:
+        print(f"issue 11 {target['key']}: {target['value']} ({target['target']}) met={target['met']}")
     return 0
 
 

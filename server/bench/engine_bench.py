@@ -151,6 +151,7 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
             doc["_runs"] = runs
         if batch is not None:
             doc["batch_comparison"] = {"metronome": batch.to_dict(include_records=False)}
+    doc["model"]["kernel_compiles_after_ready"] = core.stats().kernel_compiles_after_ready  # 0: no stall
     core.close()  # tensor-parallel workers, if any
     del core
 
