@@ -67,7 +67,7 @@ class FakeHub:
         files = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
         return self.add_repo(repo_id, files, **kwargs)
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         for thread in self._threads:
             thread.start()
         return self

@@ -16,10 +16,12 @@ SECRET_KEY = "metronome-test-secret-0123456789"
 
 def s3_server_binary() -> Path:
     """The versitygw binary, built first if missing (minutes once; cached under ~/.cache/metronome/bin)."""
-    path = Path(subprocess.run([str(BUILD_SCRIPT), "--print"], capture_output=True, text=True, check=True).stdout.strip())
+    printed = subprocess.run([str(BUILD_SCRIPT), "--print"], capture_output=True, text=True, check=True).stdout
+    path = Path(printed.strip())
     if not path.is_file():
         build = subprocess.run([str(BUILD_SCRIPT)], capture_output=True, text=True)
-        assert build.returncode == 0 and path.is_file(), f"hack/build-s3-server.sh failed:\n{build.stdout}\n{build.stderr}"
+        assert build.returncode == 0 and path.is_file(), (
+            f"hack/build-s3-server.sh failed:\n{build.stdout}\n{build.stderr}")
     return path
 
 

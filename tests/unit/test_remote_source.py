@@ -8,8 +8,14 @@ import pytest
 from metronome.contract.errors import ModelNotFoundError
 from metronome.contract.model_source import ModelSourceError
 from metronome.contract.remote_source import HubSource, S3Source, cache_subdir, is_remote, parse_remote
-from metronome.server.models.fetch.cache import (STALE_PARTIAL_SECONDS, Marker, RemoteFile, new_partial, publish,
-                                                 read_complete)
+from metronome.server.models.fetch.cache import (
+    STALE_PARTIAL_SECONDS,
+    Marker,
+    RemoteFile,
+    new_partial,
+    publish,
+    read_complete,
+)
 from metronome.server.models.fetch.files import local_model_spec, select_model_files
 
 

@@ -44,7 +44,7 @@ class Marker:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def loads(cls, text: str) -> "Marker":
+    def loads(cls, text: str) -> Marker:
         raw = json.loads(text)
         return cls(raw["uri"], raw.get("resolved"), [RemoteFile(**f) for f in raw["files"]])
 
