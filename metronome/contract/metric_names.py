@@ -42,6 +42,9 @@ SCHEDULER_OVERHEAD = PREFIX + "scheduler_overhead_seconds"
 CHUNK_SIZE = PREFIX + "chunk_size"
 QUEUE_POLICY_INFO = PREFIX + "queue_policy_info"  # label: policy
 CONFIG_GENERATION = PREFIX + "config_generation"
+# Unix time at which the server applied its current config: the controller's settling window starts when the
+# last pod applied the new generation, not when the ConfigMap was written (a kubelet takes 30-90 s to project it).
+CONFIG_APPLIED_TIME = PREFIX + "config_applied_timestamp_seconds"
 CONFIG_RELOAD_ERRORS = PREFIX + "config_reload_errors_total"
 KERNEL_COMPILES_AFTER_READY = PREFIX + "kernel_compiles_after_ready_total"  # Triton variants compiled while serving
 
@@ -49,5 +52,5 @@ ALL_NAMES = (
     TIME_BETWEEN_TOKENS, TIME_TO_FIRST_TOKEN, REQUEST_E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_RUNNING,
     REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_LEAKED, PREEMPTIONS, REQUESTS_REJECTED, STEP_DURATION, STEP_TOKENS,
     SCHEDULER_OVERHEAD, CHUNK_SIZE, QUEUE_POLICY_INFO, CONFIG_GENERATION, CONFIG_RELOAD_ERRORS,
-    KERNEL_COMPILES_AFTER_READY, PROMPTS,
+    KERNEL_COMPILES_AFTER_READY, PROMPTS, CONFIG_APPLIED_TIME,
 )

@@ -8,6 +8,8 @@ applied, so they never flip back to an older value reported by a step that was a
 """
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -70,11 +72,13 @@ class ServerMetrics:
                                   registry=reg)
         self.generation = Gauge(names.CONFIG_GENERATION, "Generation of the applied config file.", model,
                                 registry=reg)
+        self.config_applied = Gauge(names.CONFIG_APPLIED_TIME, "Unix time the current config was applied.", model,
+                                    registry=reg)
 
         # Create every labelled child up front so that each name is exported before its first event.
         for metric in (self.ttft, self.e2e, self.prompt_tokens, self.generation_tokens, self.preemptions,
                        self.reload_errors, self.compiles_after_ready, self.running, self.kv_usage, self.kv_leaked,
-                       self.chunk_size, self.generation):
+                       self.chunk_size, self.generation, self.config_applied):
             metric.labels(model_name)
         for metric in (self.step_duration, self.step_tokens, self.scheduler_overhead):
             for kind in names.STEP_KINDS:
@@ -142,6 +146,7 @@ class ServerMetrics:
         for policy in QueuePolicy:
             self.queue_policy.labels(m, policy.value).set(1 if policy.value == current else 0)
         self.generation.labels(m).set(generation)
+        self.config_applied.labels(m).set(time.time())
 
     def count_reload_error(self) -> None:
         self.reload_errors.labels(self.model_name).inc()
