@@ -13,6 +13,7 @@ from metronome.contract.config import SchedulerConfig
 from metronome.kernels import compile_watch
 from metronome.server.engine.block_manager import BlockManager
 from metronome.server.engine.config import EngineConfig
+from metronome.server.engine.grammar import Grammars, advance
 from metronome.server.engine.kv_cache import bytes_per_block, plan_num_blocks
 from metronome.server.engine.model_runner import ModelRunner
 from metronome.server.engine.output_text import OutputText
@@ -71,6 +72,10 @@ class EngineCore:
             self.execution_mode = self.runner.setup_cuda_graphs(scheduler_config.max_num_seqs, self.max_model_len)
         self._warm_up(device, workers is None)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids or ())
+        # Constrained decoding (response_format): llguidance's tokenizer is built on a background thread now.
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, list(self.eos_token_ids), device) \
+            if Grammars.available() else None
+        self._matchers: dict[str, Any] = {}  # request id -> its grammar matcher
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self._abort_events: list[TokenEvent] = []
@@ -136,7 +141,20 @@ class EngineCore:
             raise InvalidRequestError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the KV cache capacity of "
                 f"{capacity} tokens for one request", param="prompt" if n > capacity else "max_tokens")
+        self._check_extras(params)
         return token_ids
+
+    def _check_extras(self, params: SamplingParams) -> None:
+        """What depends on the model: logit_bias ids inside the vocabulary, a grammar that compiles."""
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary of {self.vocab_size}",
+                                      param="logit_bias")
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("constrained decoding needs the llguidance package (the server extra)",
+                                          param="response_format")
+            self.grammars.check(params.grammar)
 
     def check_capacity(self) -> None:
         if self.scheduler.num_waiting >= self.config.max_waiting:
@@ -163,6 +181,8 @@ class EngineCore:
         if params.seed is not None and not params.is_greedy:
             seq.generator = self.runner.sampler.make_generator(params.seed)
         seq.detokenizer = OutputText(self.tokenizer.incremental_decoder(), params.stop)
+        if params.grammar is not None:
+            self._matchers[request_id] = self.grammars.matcher(params.grammar)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -174,6 +194,7 @@ class EngineCore:
             return
         self.scheduler.remove(seq)
         self.runner.release(seq)
+        self._matchers.pop(request_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
         self._abort_events.append(TokenEvent(request_id, ABORT_TOKEN_ID, seq.detokenizer.take_delta(True),
@@ -215,20 +236,35 @@ class EngineCore:
         t1 = time.perf_counter()
         logits = self.runner.forward_logits(inputs)
         seqs = inputs.sampling_seqs
-        tokens = self.runner.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs]) \
-            if logits is not None else []
+        sampled = self._sample(logits, seqs) if logits is not None else None
+        tokens = sampled.tokens if sampled is not None else []
+        logprobs = sampled.logprobs if sampled is not None else []
         t2 = time.perf_counter()
         self.scheduler.complete_step(batch)
         now = time.monotonic()
         short_threshold = self.scheduler.config.short_prompt_threshold
-        for seq, token in zip(seqs, tokens):
-            events.append(self._emit(seq, token, now, stats, short_threshold))
+        for seq, token, token_logprobs in zip(seqs, tokens, logprobs):
+            events.append(self._emit(seq, token, now, stats, short_threshold, token_logprobs))
         t3 = time.perf_counter()
         stats.duration_s = t3 - t0
         stats.scheduler_overhead_s = (t1 - t0) + (t3 - t2)
         return events, stats
 
-    def _emit(self, seq: Sequence, token: int, now: float, stats: StepStats, short_threshold: int) -> TokenEvent:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """The chosen ids. Runs right after the forward was launched: the grammar masks of constrained rows are
+        filled on the host meanwhile (grammar.py); penalties read each row's token history."""
+        params = [s.params for s in seqs]
+        mask = None
+        if self._matchers:
+            rows = [i for i, s in enumerate(seqs) if s.request_id in self._matchers]
+            if rows:
+                mask = self.grammars.mask(rows, [self._matchers[seqs[i].request_id] for i in rows])
+        histories = [(s.token_ids, s.num_prompt_tokens) if s.params.uses_penalties else None for s in seqs] \
+            if any(p.uses_penalties for p in params) else None
+        return self.runner.sampler.sample(logits, params, [s.generator for s in seqs], histories, mask)
+
+    def _emit(self, seq: Sequence, token: int, now: float, stats: StepStats, short_threshold: int,
+              logprobs=None) -> TokenEvent:
         # Runs once per generated token between GPU steps: plain attribute reads, no repeated properties.
         seq.token_ids.append(token)
         stats.generated_tokens += 1
@@ -241,7 +277,11 @@ class EngineCore:
             stats.token_gaps_s.append(now - last)
             stats.token_gap_lanes.append(lane)
         seq.last_token_time = now
+        matcher = self._matchers.get(seq.request_id)
+        grammar_done = matcher is not None and advance(matcher, token)
         reason, text_cut = self._finish_reason(seq, token)
+        if reason is None and grammar_done:
+            reason = "stop"  # the constrained text is complete
         if reason is not None:
             if not text_cut and seq.detokenizer.flush():  # held-back text may still complete a stop string
                 reason = "stop"
@@ -250,7 +290,7 @@ class EngineCore:
         finished = reason is not None
         num_output = len(seq.token_ids) - seq.num_prompt_tokens
         return TokenEvent(seq.request_id, token, seq.detokenizer.take_delta(finished), num_output - 1, now, finished,
-                          reason, seq.num_prompt_tokens, num_output)
+                          reason, seq.num_prompt_tokens, num_output, logprobs)
 
     def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, bool]:
         """(finish reason or None, whether a stop string cut the text)."""
@@ -267,6 +307,7 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
         self.runner.release(seq)
+        self._matchers.pop(seq.request_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._seqs.pop(seq.request_id, None)

@@ -7,6 +7,14 @@ from metronome.contract.config import SchedulerConfig
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The sampled token's log-probability under the model, and the `k` most likely tokens' (id, logprob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One per generated token, in order, per request (plus one token-less event for an abort)."""
 
@@ -19,6 +27,7 @@ class TokenEvent:
     finish_reason: str | None  # "stop" | "length" | "abort" when finished
     prompt_tokens: int
     completion_tokens: int  # tokens generated so far including this one
+    logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
 @dataclass

@@ -236,9 +236,9 @@ def test_sampler_filters_top_k_and_top_p():
     assert torch.allclose(probs[1], torch.tensor([2 / 3, 1 / 3, 0, 0]))  # 0.5 + 0.25 covers 0.7
     assert (probs[2] > 0).tolist() == [True, True, False, False]  # 0.75 reached exactly by the top two
     sampler = Sampler(torch.device("cpu"), seed=0)
-    draws = sampler.sample(logits.repeat(100, 1)[:100], [params[0]] * 100, [None] * 100)
+    draws = sampler.sample(logits.repeat(100, 1)[:100], [params[0]] * 100, [None] * 100).tokens
     assert set(draws) <= {0, 1} and len(set(draws)) == 2
-    greedy = sampler.sample(logits[:2], [SamplingParams(temperature=0.0), params[0]], [None, None])
+    greedy = sampler.sample(logits[:2], [SamplingParams(temperature=0.0), params[0]], [None, None]).tokens
     assert greedy[0] == 0
 
 
