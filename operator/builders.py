@@ -1,4 +1,5 @@
-"""Pure builders: an InferenceService → the objects that serve it (Deployment, Service, ConfigMap, PodMonitor).
+"""Pure builders: an InferenceService → the objects that serve it (Deployment, Service, ConfigMap, PodMonitor,
+PodDisruptionBudget).
 What server.yaml holds and which generation comes next is configmap.py's.
 
 No API calls here. Two rules shape the output:
@@ -16,6 +17,7 @@ from typing import Any
 from metronome.contract.config import ServerConfigFile
 from metronome.operator.configmap import ANNOTATION_CONFIG_GENERATION, CONFIG_DIR, CONFIG_KEY, CONFIG_PATH
 from metronome.operator.metrics_source import QueryWindow, podmonitor_relabelings
+from metronome.operator.pod_template import merge as merge_overlay
 from metronome.operator.spec import InferenceService, InferenceServiceSpec
 
 SERVER_PORT = 8000
@@ -42,10 +44,12 @@ class ChildNames:
     service: str
     config_map: str
     pod_monitor: str
+    disruption_budget: str
 
 
 def child_names(name: str) -> ChildNames:
-    return ChildNames(deployment=name, service=name, config_map=f"{name}-config", pod_monitor=name)
+    return ChildNames(deployment=name, service=name, config_map=f"{name}-config", pod_monitor=name,
+                      disruption_budget=name)
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -134,7 +138,8 @@ def server_args(service: InferenceService) -> list[str]:
         args += ["--max-waiting", str(spec.engine.max_waiting)]
     if spec.resources.gpus > 1:  # one tensor-parallel rank per GPU of the pod
         args += ["--tensor-parallel-size", str(spec.resources.gpus)]
-    return args
+    args += ["--drain-seconds", str(spec.shutdown.drain_seconds)]
+    return args + list(spec.engine.extra_args)
 
 
 def _resources(spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -170,10 +175,10 @@ def pod_template(service: InferenceService) -> dict[str, Any]:
         model_mount,
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    if spec.resources.gpus > 1:
-        # NCCL between tensor-parallel ranks needs more shared memory than the container default.
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    # The container runtime's /dev/shm is 64 MiB; NCCL between tensor-parallel ranks and torch's IPC need more. In
+    # memory, bounded: what it holds counts against the container's memory limit.
+    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}})
+    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     container = {
         "name": SERVER_CONTAINER,
         "image": spec.image,
@@ -195,6 +200,7 @@ def pod_template(service: InferenceService) -> dict[str, Any]:
         "startupProbe": _http_probe("/health", period=10, failures=180),
         "livenessProbe": _http_probe("/health", period=10, failures=3),
         "readinessProbe": _http_probe("/ready", period=5, failures=3),
+        **_lifecycle(spec),
         "securityContext": {
             "runAsNonRoot": True,
             "allowPrivilegeEscalation": False,
@@ -215,14 +221,14 @@ def pod_template(service: InferenceService) -> dict[str, Any]:
         },
         "automountServiceAccountToken": False,  # the server never talks to the API
         "enableServiceLinks": False,
-        # In-flight streams finish on SIGTERM (the server drains); leave them time to.
-        "terminationGracePeriodSeconds": 60,
+        # preStop sleep, then SIGTERM and the server's drain (--drain-seconds), then its own shutdown.
+        "terminationGracePeriodSeconds": spec.shutdown.grace_period_seconds,
     }
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
     if spec.resources.tolerations:
         pod_spec["tolerations"] = [t.to_k8s() for t in spec.resources.tolerations]
-    return {
+    built = {
         "metadata": {
             "labels": labels(service.name),
             "annotations": {
@@ -233,6 +239,15 @@ def pod_template(service: InferenceService) -> dict[str, Any]:
         },
         "spec": pod_spec,
     }
+    return merge_overlay(built, spec.pod_template, selector_labels(service.name))
+
+
+def _lifecycle(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """A terminating pod leaves the Service's endpoints at once, but kube-proxy, ingresses and cloud load balancers
+    learn it only seconds later: keep serving that long before SIGTERM (the kubelet's own sleep action, so the
+    image needs no `sleep` binary; Kubernetes >= 1.30)."""
+    seconds = spec.shutdown.pre_stop_sleep_seconds
+    return {"lifecycle": {"preStop": {"sleep": {"seconds": seconds}}}} if seconds > 0 else {}
 
 
 def deployment(service: InferenceService) -> dict[str, Any]:
@@ -244,8 +259,11 @@ def deployment(service: InferenceService) -> dict[str, Any]:
         "spec": {
             "replicas": service.spec.replicas,
             "selector": {"matchLabels": selector_labels(service.name)},
-            # GPUs are scarce: bring one new pod up before taking an old one down, never more.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # spec.strategy; by default one new pod comes up before an old one goes (maxSurge 1, maxUnavailable 0).
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+                "maxSurge": service.spec.strategy.max_surge,
+                "maxUnavailable": service.spec.strategy.max_unavailable,
+            }},
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": 1800,
             "template": pod_template(service),
@@ -263,6 +281,23 @@ def kube_service(service: InferenceService) -> dict[str, Any]:
             "type": "ClusterIP",
             "selector": selector_labels(service.name),
             "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_disruption_budget(service: InferenceService) -> dict[str, Any]:
+    """How many server pods voluntary evictions (drains, upgrades, the cluster autoscaler) may take at once.
+    Pods that are not ready (still loading, crash-looping) may always be evicted, so a broken rollout never
+    blocks a node drain."""
+    names = child_names(service.name)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(service, names.disruption_budget),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(service.name)},
+            **service.spec.disruption.budget,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
@@ -298,6 +333,8 @@ def pod_monitor(service: InferenceService) -> dict[str, Any]:
 def workload_children(service: InferenceService, *, monitoring_available: bool) -> list[dict[str, Any]]:
     """Every child except the ConfigMap, whose content depends on what is served now (see next_server_config)."""
     children = [deployment(service), kube_service(service)]
+    if service.spec.disruption.enabled:
+        children.append(pod_disruption_budget(service))
     if monitoring_available:
         children.append(pod_monitor(service))
     return children

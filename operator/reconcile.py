@@ -82,7 +82,16 @@ def sync_children(kube: Kube, service: InferenceService, owner: Mapping[str, Any
     for child in builders.workload_children(service, monitoring_available=monitoring):
         applied = kube.apply(child)
         _emit(kube, owner, changes.describe_child(applied.action.value, applied.before, applied.after))
+    if not service.spec.disruption.enabled:
+        remove_disruption_budget(kube, service, owner)
     return config
+
+
+def remove_disruption_budget(kube: Kube, service: InferenceService, owner: Mapping[str, Any]) -> None:
+    """spec.disruption.enabled false: the PodDisruptionBudget goes (garbage collection only follows the owner)."""
+    name = builders.child_names(service.name).disruption_budget
+    if kube.delete("policy/v1", "PodDisruptionBudget", service.namespace, name):
+        _emit(kube, owner, changes.EventSpec(changes.NORMAL, "Deleted", f"deleted PodDisruptionBudget {name}"))
 
 
 def observe(kube: Kube, service: InferenceService) -> Observed:

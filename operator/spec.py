@@ -25,6 +25,7 @@ from metronome.contract.model_source import (
     parse_model_source,
     syntax,
 )
+from metronome.operator.pod_template import PodOverlay, PodTemplateError, parse_overlay
 
 GROUP = "metronome.dev"
 VERSION = "v1alpha1"
@@ -89,6 +90,15 @@ class ResourcesSpec:
     memory: str = "8Gi"
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = ()
+    shm_size: str = "1Gi"  # /dev/shm: a memory-backed emptyDir of this size (counts against `memory`)
+
+
+# `metronome serve` flags the operator sets from spec fields: spec.engine.extraArgs may not repeat them (the CRD's
+# CEL rule lists the same; tests/unit/test_builders_podspec.py holds builders.server_args to this list).
+OWNED_SERVER_FLAGS = (
+    "--model", "--served-model-name", "--config", "--host", "--port", "--device", "--dtype", "--max-model-len",
+    "--block-size", "--attention-backend", "--max-waiting", "--tensor-parallel-size", "--drain-seconds",
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,49 @@ class EngineSpec:
     block_size: int | None = None
     attention_backend: str = "auto"
     max_waiting: int | None = None
+    extra_args: tuple[str, ...] = ()  # appended to the server's command line
+
+
+IntOrPercent = int | str  # a count of pods or "N%", as in a Deployment or a PodDisruptionBudget
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """The Deployment's rolling update. The default surges one pod and never drops below the replica count; in a
+    GPU pool with no free GPU the surge pod cannot schedule, and maxSurge 0 / maxUnavailable 1 rolls instead."""
+
+    max_surge: IntOrPercent = 1
+    max_unavailable: IntOrPercent = 0
+
+
+@dataclass(frozen=True)
+class DisruptionSpec:
+    """The PodDisruptionBudget child (voluntary evictions: drains, node upgrades, autoscaler)."""
+
+    enabled: bool = True
+    max_unavailable: IntOrPercent | None = None  # when neither is set: maxUnavailable 1
+    min_available: IntOrPercent | None = None
+
+    @property
+    def budget(self) -> dict[str, IntOrPercent]:
+        if self.min_available is not None:
+            return {"minAvailable": self.min_available}
+        return {"maxUnavailable": 1 if self.max_unavailable is None else self.max_unavailable}
+
+
+@dataclass(frozen=True)
+class ShutdownSpec:
+    """How a pod leaves: a preStop sleep while endpoint removal reaches every kube-proxy, ingress and load
+    balancer (the pod still serves), then SIGTERM, then the server's drain of in-flight streams."""
+
+    pre_stop_sleep_seconds: int = 15
+    drain_seconds: int = 30
+    margin_seconds: int = 15  # no CRD field: the server's own shutdown after the drain
+
+    @property
+    def grace_period_seconds(self) -> int:
+        """terminationGracePeriodSeconds: the kubelet counts the preStop hook inside it."""
+        return self.pre_stop_sleep_seconds + self.drain_seconds + self.margin_seconds
 
 
 @dataclass(frozen=True)
@@ -229,6 +282,10 @@ class InferenceServiceSpec:
     slo: SLOSpec | None = None
     autotune: AutotuneSpec = field(default_factory=AutotuneSpec)
     metrics: MetricsSpec = field(default_factory=MetricsSpec)
+    pod_template: PodOverlay = field(default_factory=PodOverlay)
+    strategy: StrategySpec = field(default_factory=StrategySpec)
+    disruption: DisruptionSpec = field(default_factory=DisruptionSpec)
+    shutdown: ShutdownSpec = field(default_factory=ShutdownSpec)
 
 
 @dataclass(frozen=True)
@@ -333,6 +390,7 @@ def parse_resources(data: Mapping[str, Any]) -> ResourcesSpec:
         memory=_quantity(data, "memory", defaults["memory"], where),
         node_selector={str(k): str(v) for k, v in node_selector.items()},
         tolerations=tuple(tolerations),
+        shm_size=_quantity(data, "shmSize", defaults["shm_size"], where),
     )
 
 
@@ -343,7 +401,81 @@ def parse_engine(data: Mapping[str, Any]) -> EngineSpec:
         block_size=_value(data, "blockSize", int, defaults["block_size"], where),
         attention_backend=_value(data, "attentionBackend", str, defaults["attention_backend"], where),
         max_waiting=_value(data, "maxWaiting", int, defaults["max_waiting"], where),
+        extra_args=parse_extra_args(_value(data, "extraArgs", list, [], where), f"{where}.extraArgs"),
     )
+
+
+def parse_extra_args(args: list[Any], where: str) -> tuple[str, ...]:
+    for index, arg in enumerate(args):
+        if not isinstance(arg, str):
+            raise SpecError(f"{where}[{index}]: expected a string, got {type(arg).__name__}")
+        flag = arg.split("=", 1)[0]
+        if flag in OWNED_SERVER_FLAGS:
+            raise SpecError(f"{where}[{index}]: {flag} is set by the operator from the spec; set that field instead")
+    return tuple(args)
+
+
+def _int_or_percent(data: Mapping[str, Any], key: str, default: IntOrPercent | None, where: str,
+                    most: int | None = None) -> IntOrPercent | None:
+    value = _value(data, key, (int, str), default, where)
+    if value is None:
+        return None
+    number = value[:-1] if isinstance(value, str) and value.endswith("%") else value
+    if isinstance(number, str) and not number.isdigit():
+        raise SpecError(f"{where}.{key}: expected a count or a percentage such as 25%, got {value!r}")
+    if int(number) < 0 or (most is not None and isinstance(value, str) and int(number) > most):
+        raise SpecError(f"{where}.{key}: {value!r} is out of range")
+    return value
+
+
+def _is_zero(value: IntOrPercent) -> bool:
+    return str(value).rstrip("%") in ("0", "")
+
+
+def parse_strategy(data: Mapping[str, Any]) -> StrategySpec:
+    where = "spec.strategy"
+    defaults = _defaults(StrategySpec)
+    strategy = StrategySpec(
+        max_surge=_int_or_percent(data, "maxSurge", defaults["max_surge"], where),
+        max_unavailable=_int_or_percent(data, "maxUnavailable", defaults["max_unavailable"], where, most=100),
+    )
+    if _is_zero(strategy.max_surge) and _is_zero(strategy.max_unavailable):
+        raise SpecError(f"{where}: maxSurge and maxUnavailable may not both be 0 (the rollout could never move)")
+    return strategy
+
+
+def parse_disruption(data: Mapping[str, Any]) -> DisruptionSpec:
+    where = "spec.disruption"
+    defaults = _defaults(DisruptionSpec)
+    disruption = DisruptionSpec(
+        enabled=_value(data, "enabled", bool, defaults["enabled"], where),
+        max_unavailable=_int_or_percent(data, "maxUnavailable", None, where, most=100),
+        min_available=_int_or_percent(data, "minAvailable", None, where, most=100),
+    )
+    if disruption.max_unavailable is not None and disruption.min_available is not None:
+        raise SpecError(f"{where}: set maxUnavailable or minAvailable, not both")
+    return disruption
+
+
+def parse_shutdown(data: Mapping[str, Any]) -> ShutdownSpec:
+    where = "spec.shutdown"
+    defaults = _defaults(ShutdownSpec)
+    shutdown = ShutdownSpec(
+        pre_stop_sleep_seconds=_value(data, "preStopSleepSeconds", int, defaults["pre_stop_sleep_seconds"], where),
+        drain_seconds=_value(data, "drainSeconds", int, defaults["drain_seconds"], where),
+    )
+    for key, value in (("preStopSleepSeconds", shutdown.pre_stop_sleep_seconds),
+                       ("drainSeconds", shutdown.drain_seconds)):
+        if value < 0:
+            raise SpecError(f"{where}.{key}: must be >= 0, got {value}")
+    return shutdown
+
+
+def parse_pod_template(data: Mapping[str, Any]) -> PodOverlay:
+    try:
+        return parse_overlay(data)
+    except PodTemplateError as exc:
+        raise SpecError(str(exc)) from exc
 
 
 def parse_slo(data: Mapping[str, Any] | None) -> SLOSpec | None:
@@ -430,6 +562,10 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
         slo=slo,
         autotune=parse_autotune(_section(spec, "autotune", where), spec, slo, server),
         metrics=parse_metrics(_section(spec, "metrics", where)),
+        pod_template=parse_pod_template(_section(spec, "podTemplate", where)),
+        strategy=parse_strategy(_section(spec, "strategy", where)),
+        disruption=parse_disruption(_section(spec, "disruption", where)),
+        shutdown=parse_shutdown(_section(spec, "shutdown", where)),
     )
 
 

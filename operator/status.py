@@ -86,6 +86,9 @@ class Rollout:
     available: int
     current: bool  # the Deployment controller has seen the latest Deployment spec
     deadline_exceeded: bool
+    # The Deployment's ReplicaFailure condition ("FailedCreate: pods ... forbidden: exceeded quota"): pods that
+    # could not even be created (quota, admission webhooks, pod security), so there are none to explain it.
+    replica_failure: str | None = None
 
     @property
     def settled(self) -> bool:
@@ -107,6 +110,11 @@ def rollout_of(deployment: Mapping[str, Any], desired: int) -> Rollout:
         current=int(status.get("observedGeneration") or 0) >= int(metadata.get("generation") or 0),
         deadline_exceeded=any(
             c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded" for c in conditions
+        ),
+        replica_failure=next(
+            (f"{c.get('reason') or 'ReplicaFailure'}: {c.get('message') or ''}".rstrip(": ")
+             for c in conditions if c.get("type") == "ReplicaFailure" and c.get("status") == "True"),
+            None,
         ),
     )
 
@@ -137,6 +145,8 @@ def ready_condition(rollout: Rollout | None, pods: Iterable[Mapping[str, Any]]) 
     summary = f"{rollout.ready}/{rollout.desired} server pods ready"
     if rollout.ready >= rollout.desired and rollout.settled:
         return TRUE, "AllReplicasReady", summary
+    if rollout.replica_failure:
+        return FALSE, "ReplicaFailure", f"{summary}; {rollout.replica_failure}"
     problems = pod_problems(pods)
     if problems:
         return FALSE, "PodsFailing", "; ".join([summary, *problems])

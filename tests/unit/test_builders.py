@@ -177,8 +177,8 @@ def test_model_volume_follows_the_source(source, volume, mount_path, model_arg):
 
 
 def test_multi_gpu_pods_get_shared_memory():
-    pod = builders.deployment(service_of(resources={"gpus": 2}))["spec"]["template"]["spec"]
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    pod = builders.deployment(service_of(resources={"gpus": 2, "shmSize": "16Gi"}))["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in pod["volumes"]
 
 
 def test_node_selector_and_tolerations_pass_through():
@@ -197,7 +197,7 @@ def test_every_child_is_owned_by_the_inferenceservice_and_labelled():
     service = service_of()
     config = configmap.next_server_config(None, service.spec.server)
     children = [*builders.workload_children(service, monitoring_available=True), builders.config_map(service, config)]
-    assert {c["kind"] for c in children} == {"Deployment", "Service", "PodMonitor", "ConfigMap"}
+    assert {c["kind"] for c in children} == {"Deployment", "Service", "PodDisruptionBudget", "PodMonitor", "ConfigMap"}
     for child in children:
         (owner,) = child["metadata"]["ownerReferences"]
         assert owner == {
@@ -210,7 +210,7 @@ def test_every_child_is_owned_by_the_inferenceservice_and_labelled():
 
 def test_pod_monitor_only_when_monitoring_is_available():
     kinds = [c["kind"] for c in builders.workload_children(service_of(), monitoring_available=False)]
-    assert kinds == ["Deployment", "Service"]
+    assert kinds == ["Deployment", "Service", "PodDisruptionBudget"]
 
 
 def test_pod_monitor_labels_series_as_the_metrics_source_selects_them():

@@ -66,9 +66,9 @@ def test_first_sync_creates_every_child_with_events():
     owner = body()
     config = reconcile.sync_children(kube, parse_service(owner), owner)
     assert config.generation == 1
-    assert {k[0] for k in kube.objects} == {"ConfigMap", "Deployment", "Service", "PodMonitor"}
+    assert {k[0] for k in kube.objects} == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "PodMonitor"}
     reasons = [reason for _, reason, _ in kube.events]
-    assert reasons.count("Created") == 3 and reasons.count("ConfigCreated") == 1
+    assert reasons.count("Created") == 4 and reasons.count("ConfigCreated") == 1
 
 
 def test_second_sync_changes_nothing_and_says_nothing():
