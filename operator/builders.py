@@ -11,6 +11,7 @@ No API calls here. Two rules shape the output:
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,11 +311,16 @@ def scrape_interval_seconds(window_seconds: float) -> int:
     return int(max(1, min(15, sub_window // 4)))
 
 
-def pod_monitor(service: InferenceService) -> dict[str, Any]:
-    """prometheus-operator's PodMonitor: scrapes the server pods and labels their series as the metrics source
-    selects them (namespace, service = the pod's app.kubernetes.io/instance, pod)."""
+def pod_monitor(service: InferenceService, extra_labels: Mapping[str, str] | None = None,
+                interval_seconds: float | None = None) -> dict[str, Any]:
+    """prometheus-operator's PodMonitor: scrapes the server pods; their series carry the server's own `model`
+    label, and namespace/pod, as the metrics source selects them. `extra_labels` (--monitor-label) are what a
+    Prometheus selects monitors by; `interval_seconds` (--scrape-interval) overrides the window's own pick."""
     names = child_names(service.name)
-    interval = scrape_interval_seconds(service.spec.metrics.window_seconds)
+    window = service.spec.metrics.window_seconds
+    interval = int(interval_seconds) if interval_seconds else scrape_interval_seconds(window)
+    metadata = _metadata(service, names.pod_monitor)
+    metadata["labels"] = {**dict(extra_labels or {}), **metadata["labels"]}
     endpoint = {
         "port": "http",
         "path": "/metrics",
@@ -325,7 +331,7 @@ def pod_monitor(service: InferenceService) -> dict[str, Any]:
     return {
         "apiVersion": PODMONITOR_API_VERSION,
         "kind": "PodMonitor",
-        "metadata": _metadata(service, names.pod_monitor),
+        "metadata": metadata,
         "spec": {"selector": {"matchLabels": selector_labels(service.name)}, "podMetricsEndpoints": [endpoint]},
     }
 

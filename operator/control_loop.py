@@ -18,6 +18,7 @@ from typing import Any
 
 from metronome.operator import autotune, reconcile
 from metronome.operator.k8s import Kube
+from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSettings
 from metronome.operator.spec import InferenceService
 from metronome.operator.status import Observed, rollout_of
 
@@ -32,14 +33,13 @@ class Tick:
 
 
 def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observed: Observed,
-         memory: autotune.TunerMemory, default_prometheus_url: str | None) -> Tick:
+         memory: autotune.TunerMemory, prometheus: PrometheusSettings) -> Tick:
     """Read the metrics and act on them when due; otherwise status gets the last reading."""
     replicas = last_decision = None
     with memory.lock:
         now = time.time()
         if memory.due(now, service.generation):
-            url = service.spec.metrics.prometheus_url or default_prometheus_url
-            observation, unavailable = reconcile.read_metrics(url, service, now) if url else (None, None)
+            observation, unavailable = _read(prometheus, service, now)
             ready = rollout_of(observed.deployment, service.spec.replicas).ready if observed.deployment else 0
             result = autotune.step(service, observed.served_config, body.get("status") or {}, observation,
                                    unavailable, now, memory.last_change_time, ready_pods=ready)
@@ -54,6 +54,15 @@ def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observe
     return Tick(observed, replicas, last_decision)
 
 
+def _read(prometheus: PrometheusSettings, service: InferenceService, now: float):
+    """(observation, why not): nothing to read without a URL; a URL the allow-list refuses is never contacted."""
+    try:
+        url = prometheus.resolve_url(service.spec.metrics.prometheus_url)
+    except MetricsUnavailable as refused:
+        return None, refused
+    return reconcile.read_metrics(prometheus, url, service, now) if url else (None, None)
+
+
 def _actuate(kube: Kube, service: InferenceService, body: Mapping[str, Any], observed: Observed,
              result: autotune.TuneResult) -> Observed:
     if result.decision is not None and result.current is not None and (result.applied_change or result.last_decision):
@@ -66,7 +75,7 @@ def _actuate(kube: Kube, service: InferenceService, body: Mapping[str, Any], obs
     if result.replicas is not None:
         # kopf counts the handler's own spec patch as handled (no update handler follows): scale the Deployment now.
         scaled = dataclasses.replace(service, spec=dataclasses.replace(service.spec, replicas=result.replicas))
-        reconcile.sync_children(kube, scaled, body)
+        reconcile.sync_children(kube, scaled, body, monitor=None)
     for event in result.events:
         kube.emit_event(body, event.type, event.reason, event.message)
     return observed

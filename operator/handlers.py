@@ -5,25 +5,33 @@
   every object and creates nothing twice.
 - field spec.server: serve the new scheduler settings as a new server.yaml generation (ConfigMap only; the pods
   reload it, nothing rolls).
-- timer (one per InferenceService, every --status-interval): observe the children (re-creating a deleted one)
-  and refresh status. The same tick runs the control loop (control_loop.tick: every
-  spec.autotune.intervalSeconds it reads Prometheus, decides and acts); the handler patches what it returns
-  (spec.replicas, status.lastDecision). Its per-object state (autotune.TunerMemory) lives in kopf's memo.
-- delete: nothing to clean up by hand; every child has an owner reference and is garbage-collected.
+- children (event handlers on the Deployments and ConfigMaps the operator labels as its own): any change —
+  a rollout step, a pod becoming ready, a deletion, the watch re-listing after the API server was away —
+  refreshes the owner's status from what the children say now, and puts a deleted child back.
+- the control loop (one thread for the whole operator, `ControlLoop`): every --status-interval it refreshes the
+  services whose Prometheus reading is due (spec.autotune.intervalSeconds; control_loop.tick reads, decides and
+  acts). No kopf timer: kopf puts a finalizer on every object a timer serves, which leaves objects stuck when
+  the operator is gone (`helm uninstall` with resources left); without one, nothing blocks a deletion and the
+  garbage collector removes the children through their owner references.
+- delete: nothing to clean up by hand.
 
-Handlers are registered onto a given registry by `register` (no import-time side effects), and write status
-through kopf's `patch` (never return values: kopf would store them under status.<handler>, which the structural
-schema prunes).
+Handlers are registered onto a given registry by `register` (no import-time side effects), and write the CR's
+status through kopf's `patch` in the CR's own handlers, through a merge patch of the status subresource
+elsewhere (never return values: kopf would store them under status.<handler>, which the structural schema
+prunes).
 """
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
-from metronome.operator import autotune, control_loop, reconcile
+from metronome.operator import autotune, builders, control_loop, reconcile
 from metronome.operator import status as status_mod
 from metronome.operator.changes import describe_transitions
 from metronome.operator.k8s import Kube
@@ -32,9 +40,53 @@ from metronome.operator.spec import GROUP, PLURAL, VERSION, InferenceService, Sp
 
 ANNOTATION_PREFIX = "metronome.dev"
 RESOURCE = (GROUP, VERSION, PLURAL)
-TUNER_MEMO_KEY = "tuner"  # per-object memo: autotune.TunerMemory
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+# The children whose changes refresh their owner (the same labels builders.labels puts on every child).
+CHILD_LABELS = {builders.LABEL_MANAGED_BY: builders.MANAGED_BY, builders.LABEL_SERVICE: kopf.PRESENT}
+CHILD_KINDS = (("apps", "v1", "deployments"), ("", "v1", "configmaps"))
 
 log = logging.getLogger(__name__)
+
+
+# --- per-service state, operator-wide ------------------------------------------------------------------------
+
+
+@dataclass
+class ServiceState:
+    uid: str
+    tuner: autotune.TunerMemory = field(default_factory=autotune.TunerMemory)
+    # One refresh at a time per service: the CR's handlers, its children's events and the loop run in threads.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+class Services:
+    """Every InferenceService this operator has reconciled: its tuner memory (when to read Prometheus next, the
+    last reading) and refresh lock. Lost on restart, which only means an early first reading."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[tuple[str, str], ServiceState] = {}
+
+    def state(self, namespace: str, name: str, uid: str) -> ServiceState:
+        with self._lock:
+            state = self._states.get((namespace, name))
+            if state is None or state.uid != uid:  # a re-created object starts afresh
+                state = self._states[(namespace, name)] = ServiceState(uid)
+            return state
+
+    def due(self, now: float) -> list[tuple[str, str]]:
+        """The services whose Prometheus reading is due now."""
+        with self._lock:
+            items = list(self._states.items())
+        return [key for key, state in items if state.tuner.due(now, state.tuner.spec_generation or 0)]
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._states.pop((namespace, name), None)
+
+
+# --- kopf settings -------------------------------------------------------------------------------------------
 
 
 def configure_settings(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -43,6 +95,8 @@ def configure_settings(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
+    # No handler needs a finalizer (no timers, the delete handler is optional); kopf removes this one from
+    # objects an earlier version of the operator marked.
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
     # We post our own Events for every change; kopf's only for warnings and errors.
     settings.posting.level = logging.WARNING
@@ -55,6 +109,15 @@ def login(**kwargs: Any) -> Any:
     return kopf.login_via_client(**kwargs)
 
 
+# --- the refresh: observe, maybe read Prometheus and act, status ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Refresh:
+    status: dict[str, Any]  # merge patch of the CR's status
+    replicas: int | None = None  # patch spec.replicas to this (the autotuner scaled)
+
+
 def _service(body: Mapping[str, Any], kube: Kube) -> InferenceService:
     try:
         return parse_service(body)
@@ -63,23 +126,70 @@ def _service(body: Mapping[str, Any], kube: Kube) -> InferenceService:
         raise kopf.PermanentError(str(exc)) from exc
 
 
-def _write_status(
-    kube: Kube, service: InferenceService, body: Mapping[str, Any], observed: status_mod.Observed, patch: kopf.Patch
-) -> None:
-    current = body.get("status") or {}
-    previous = current.get("conditions") or []
-    desired = status_mod.compute_status(service, observed, now=reconcile.utc_now(), previous_conditions=previous)
-    patch.status.update(status_mod.status_patch(current, desired))
-    for event in describe_transitions(previous, desired["conditions"]):
-        kube.emit_event(body, event.type, event.reason, event.message)
+def _state(memo: kopf.Memo, body: Mapping[str, Any]) -> ServiceState:
+    meta = body["metadata"]
+    return memo.services.state(meta["namespace"], meta["name"], meta.get("uid") or "")
+
+
+def refresh(memo: kopf.Memo, service: InferenceService, body: Mapping[str, Any], *, repair: bool) -> Refresh:
+    """Status from the children as they are now (`repair`: put a deleted child back first), with the control
+    loop's tick (a Prometheus reading when one is due)."""
+    kube, options = memo.kube, memo.options
+    state = _state(memo, body)
+    with state.lock:
+        observed = reconcile.observe(kube, service)
+        missing = observed.deployment is None or (observed.served_config is None and observed.config_error is None)
+        if repair and missing:
+            reconcile.sync_children(kube, service, body, options.monitor)
+            observed = reconcile.observe(kube, service)
+        result = control_loop.tick(kube, service, body, observed, state.tuner, options.prometheus)
+        current = body.get("status") or {}
+        previous = current.get("conditions") or []
+        desired = status_mod.compute_status(service, result.observed, now=reconcile.utc_now(),
+                                            previous_conditions=previous)
+        patch = status_mod.status_patch(current, desired)
+        if result.last_decision is not None:
+            patch["lastDecision"] = result.last_decision
+        for event in describe_transitions(previous, desired["conditions"]):
+            kube.emit_event(body, event.type, event.reason, event.message)
+    return Refresh(patch, result.replicas)
+
+
+def _apply_to_kopf_patch(result: Refresh, patch: kopf.Patch) -> None:
+    patch.status.update(result.status)
+    if result.replicas is not None:
+        patch.spec["replicas"] = result.replicas
+
+
+def refresh_owner(memo: kopf.Memo, namespace: str, name: str) -> None:
+    """Refresh one InferenceService outside its own handlers (a child changed, a reading is due): read it fresh
+    and write what changed by merge patches."""
+    kube: Kube = memo.kube
+    owner = kube.get(API_VERSION, KIND, namespace, name)
+    if owner is None:
+        memo.services.forget(namespace, name)
+        return
+    if owner["metadata"].get("deletionTimestamp"):
+        return
+    try:
+        service = parse_service(owner)
+    except SpecError:
+        return  # its own handler reported it (InvalidSpec) and will again on the next spec change
+    result = refresh(memo, service, owner, repair=True)
+    if result.replicas is not None:
+        kube.patch(API_VERSION, KIND, namespace, name, {"spec": {"replicas": result.replicas}})
+    if result.status:
+        kube.patch(API_VERSION, KIND, namespace, name, {"status": result.status}, subresource="status")
+
+
+# --- the handlers --------------------------------------------------------------------------------------------
 
 
 def reconcile_service(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     service = _service(body, memo.kube)
-    reconcile.sync_children(memo.kube, service, body)
+    reconcile.sync_children(memo.kube, service, body, memo.options.monitor)
     # A spec change (or a restart) reads the metrics at once: status keeps its measurements, autotune reacts.
-    observed = _autotune(memo, service, body, reconcile.observe(memo.kube, service), patch)
-    _write_status(memo.kube, service, body, observed, patch)
+    _apply_to_kopf_patch(refresh(memo, service, body, repair=False), patch)
 
 
 def serve_spec_server(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
@@ -89,46 +199,71 @@ def serve_spec_server(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: 
     patch.status.update(status_mod.served_config_fields(config))
 
 
-def refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    service = _service(body, memo.kube)
-    observed = reconcile.observe(memo.kube, service)
-    if observed.deployment is None or (observed.served_config is None and observed.config_error is None):
-        # Someone deleted a child: put it back (no watch on children; this tick is the repair loop).
-        reconcile.sync_children(memo.kube, service, body)
-        observed = reconcile.observe(memo.kube, service)
-    observed = _autotune(memo, service, body, observed, patch)
-    _write_status(memo.kube, service, body, observed, patch)
+def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """An owned Deployment or ConfigMap changed (or went): refresh its InferenceService."""
+    meta = body.get("metadata") or {}
+    name = (meta.get("labels") or {}).get(builders.LABEL_SERVICE)
+    if name and meta.get("namespace"):
+        refresh_owner(memo, meta["namespace"], name)
 
 
-def _autotune(
-    memo: kopf.Memo, service: InferenceService, body: kopf.Body, observed: status_mod.Observed, patch: kopf.Patch
-) -> status_mod.Observed:
-    """control_loop.tick, and its changes to the CR through kopf's patch."""
-    tuner: autotune.TunerMemory = memo.setdefault(TUNER_MEMO_KEY, autotune.TunerMemory())
-    result = control_loop.tick(memo.kube, service, body, observed, tuner, memo.options.prometheus_url)
-    if result.replicas is not None:
-        patch.spec["replicas"] = result.replicas
-    if result.last_decision is not None:
-        patch.status["lastDecision"] = result.last_decision
-    return result.observed
-
-
-def forget(name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
+def forget(name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    memo.services.forget(namespace, name)
     logger.info("InferenceService %s/%s deleted; its children are garbage-collected", namespace, name)
+
+
+# --- the control loop ----------------------------------------------------------------------------------------
+
+
+class ControlLoop:
+    """One thread for the operator: every `interval_s` it refreshes the services whose reading is due. A
+    failure costs that service one pass, never the loop."""
+
+    def __init__(self, memo: kopf.Memo, interval_s: float):
+        self.memo, self.interval_s = memo, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="control-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for namespace, name in self.memo.services.due(time.time()):
+                if self._stop.is_set():
+                    return
+                try:
+                    refresh_owner(self.memo, namespace, name)
+                except Exception as exc:  # noqa: BLE001 - an API hiccup costs one pass
+                    log.warning("control loop: %s/%s: %s", namespace, name, exc)
+
+
+def start_control_loop(memo: kopf.Memo, **_: Any) -> None:
+    memo.control_loop = ControlLoop(memo, memo.options.status_interval_seconds)
+    memo.control_loop.start()
+
+
+def stop_control_loop(memo: kopf.Memo, **_: Any) -> None:
+    loop = getattr(memo, "control_loop", None)
+    if loop is not None:
+        loop.stop()
 
 
 def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
     on = kopf.on
     on.startup(registry=registry)(configure_settings)
+    on.startup(registry=registry)(start_control_loop)
+    on.cleanup(registry=registry)(stop_control_loop)
     on.login(registry=registry)(login)
     on.resume(*RESOURCE, registry=registry)(reconcile_service)
     on.create(*RESOURCE, registry=registry)(reconcile_service)
     on.update(*RESOURCE, registry=registry)(reconcile_service)
     on.field(*RESOURCE, field="spec.server", registry=registry)(serve_spec_server)
     on.delete(*RESOURCE, registry=registry, optional=True)(forget)
-    kopf.timer(
-        *RESOURCE,
-        registry=registry,
-        interval=options.status_interval_seconds,
-        initial_delay=options.status_interval_seconds,
-    )(refresh_status)
+    for group, version, plural in CHILD_KINDS:
+        on.event(group=group, version=version, plural=plural, labels=CHILD_LABELS, registry=registry,
+                 id=f"child_changed/{plural}")(child_changed)

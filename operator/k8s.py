@@ -140,6 +140,14 @@ class Kube:
             action = Action.UNCHANGED
         return Applied(action, before, after)
 
+    def patch(self, api_version: str, kind: str, namespace: str | None, name: str, body: Mapping[str, Any],
+              subresource: str | None = None) -> dict[str, Any]:
+        """A JSON merge patch (None deletes a key), of the object or of a subresource such as `status`."""
+        path = resource_path(api_version, kind, namespace, name)
+        if subresource:
+            path += f"/{subresource}"
+        return self._call("PATCH", path, body=dict(body), content_type="application/merge-patch+json")
+
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         """Delete one object; False when it was not there (a child the spec no longer asks for)."""
         try:

@@ -2,15 +2,35 @@
 
 configure() is argparse only; kopf and the Kubernetes client are imported in run(), so `metronome --help` stays
 instant and the operator image needs no torch.
+
+With --leader-elect the process first waits for the Lease (operator/leader.py) and runs kopf only while it
+holds it; losing it stops kopf and exits with status 1, so the pod restarts as a candidate (as the
+kube-controller-manager does). kopf itself always runs standalone: kopf peering is not used (see
+docs/operator.md, "Operator replicas").
 """
 from __future__ import annotations
 
 import argparse
 import os
+import socket
+import uuid
+from pathlib import Path
 
-from metronome.operator.options import DEFAULT_HEALTH_PORT, DEFAULT_STATUS_INTERVAL_SECONDS, OperatorOptions
+from metronome.operator import monitoring
+from metronome.operator.leader import LeaseTimes
+from metronome.operator.metrics_source import PrometheusSettings
+from metronome.operator.monitoring import MonitorSettings
+from metronome.operator.options import (
+    DEFAULT_HEALTH_PORT,
+    DEFAULT_LEASE_NAME,
+    DEFAULT_STATUS_INTERVAL_SECONDS,
+    LeaderElection,
+    OperatorOptions,
+)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+LOST_LEADERSHIP_EXIT = 1
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -20,62 +40,136 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="watch this namespace (repeat for several); default: all namespaces",
     )
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
-    parser.add_argument(
-        "--prometheus-url", default=os.environ.get("METRONOME_PROMETHEUS_URL"),
-        help="Prometheus base URL for services without spec.metrics.prometheusUrl "
-        "(default: $METRONOME_PROMETHEUS_URL)",
-    )
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     parser.add_argument(
         "--health-port", type=int, default=DEFAULT_HEALTH_PORT,
         help="port of the liveness endpoint GET /healthz (0 = none; default %(default)s)",
     )
     parser.add_argument("--health-host", default="0.0.0.0", help="address the liveness endpoint binds to")
-    peering = parser.add_mutually_exclusive_group()
-    peering.add_argument(
-        "--standalone", action="store_true", default=True,
-        help="run without kopf peering (one operator replica; the default)",
-    )
-    peering.add_argument(
-        "--peering", metavar="NAME", default=None,
-        help="coordinate with other operator replicas through kopf's ClusterKopfPeering NAME "
-        "(needs kopf's peering CRDs)",
-    )
     parser.add_argument(
         "--status-interval", type=float, default=DEFAULT_STATUS_INTERVAL_SECONDS, metavar="SECONDS",
-        help="how often each InferenceService's status is refreshed (default %(default)s)",
+        help="how often the control loop looks for services whose Prometheus reading is due; children's "
+        "changes refresh status at once (default %(default)s)",
     )
+    _prometheus_flags(parser.add_argument_group("Prometheus"))
+    _monitor_flags(parser.add_argument_group("monitors"))
+    _leader_flags(parser.add_argument_group("replicas (leader election)"))
+
+
+def _prometheus_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--prometheus-url", default=os.environ.get("METRONOME_PROMETHEUS_URL"),
+        help="Prometheus base URL for services without spec.metrics.prometheusUrl "
+        "(default: $METRONOME_PROMETHEUS_URL)",
+    )
+    group.add_argument(
+        "--allow-prometheus-url", action="append", default=[], metavar="URL",
+        help="a URL spec.metrics.prometheusUrl may name (repeat for several); default: none but --prometheus-url",
+    )
+    group.add_argument("--prometheus-bearer-token-file", metavar="FILE",
+                       help="send 'Authorization: Bearer <file content>' (re-read at every reading)")
+    group.add_argument("--prometheus-ca-file", metavar="FILE", help="CA bundle that verifies Prometheus' TLS")
+    group.add_argument("--prometheus-insecure-skip-verify", action="store_true",
+                       help="do not verify Prometheus' TLS certificate (opt-in; never the default)")
+    group.add_argument(
+        "--scrape-interval", type=float, default=None, metavar="SECONDS",
+        help="how often Prometheus scrapes the servers: every PromQL range spans at least 4 of it, and the "
+        "PodMonitors the operator writes use it (default: picked per service from spec.metrics.windowSeconds)",
+    )
+
+
+def _monitor_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--monitor-kind", choices=monitoring.KINDS, default=monitoring.POD_MONITOR,
+        help="PodMonitor: one per service where the cluster serves that API; none: no monitor (a "
+        "ServiceMonitor of the chart or pod annotations are what Prometheus scrapes by; existing "
+        "PodMonitors are deleted). Default %(default)s",
+    )
+    group.add_argument("--monitor-label", action="append", default=[], metavar="KEY=VALUE",
+                       help="label of each PodMonitor (repeat; e.g. release=kube-prometheus-stack)")
+
+
+def _leader_flags(group: argparse._ArgumentGroup) -> None:
+    mode = group.add_mutually_exclusive_group()
+    mode.add_argument("--standalone", action="store_true",
+                      help="act alone, without leader election (the default; run one replica)")
+    mode.add_argument("--leader-elect", action="store_true",
+                      help="act only while holding a coordination.k8s.io Lease (run two or more replicas)")
+    group.add_argument("--lease-name", default=DEFAULT_LEASE_NAME, help="the Lease's name (default %(default)s)")
+    group.add_argument("--lease-namespace", default=None,
+                       help="the Lease's namespace (default: $POD_NAMESPACE, else the service account's)")
+    times = LeaseTimes()
+    group.add_argument("--lease-duration", type=float, default=times.duration_s, metavar="SECONDS",
+                       help="a silent leader is replaced after this long (default %(default)s)")
+    group.add_argument("--lease-renew-deadline", type=float, default=times.renew_deadline_s, metavar="SECONDS",
+                       help="a leader that could not renew for this long stops (default %(default)s)")
+    group.add_argument("--lease-retry-period", type=float, default=times.retry_period_s, metavar="SECONDS",
+                       help="between attempts to take or renew the Lease (default %(default)s)")
+
+
+def _fail(message: str) -> SystemExit:
+    return SystemExit(f"metronome operator: {message}")
 
 
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
     if args.health_port < 0 or args.health_port > 65535:
-        raise SystemExit(f"metronome operator: --health-port must be 0..65535, got {args.health_port}")
+        raise _fail(f"--health-port must be 0..65535, got {args.health_port}")
     if args.status_interval <= 0:
-        raise SystemExit(f"metronome operator: --status-interval must be > 0, got {args.status_interval}")
+        raise _fail(f"--status-interval must be > 0, got {args.status_interval}")
+    try:
+        prometheus = PrometheusSettings(
+            url=args.prometheus_url or None,
+            allowed_urls=tuple(args.allow_prometheus_url),
+            bearer_token_file=args.prometheus_bearer_token_file,
+            ca_file=args.prometheus_ca_file,
+            insecure_skip_verify=args.prometheus_insecure_skip_verify,
+            scrape_interval_seconds=args.scrape_interval,
+        )
+        monitor = MonitorSettings(kind=args.monitor_kind,
+                                  labels=tuple(monitoring.parse_label(label) for label in args.monitor_label),
+                                  interval_seconds=args.scrape_interval)
+        leader = _leader_election(args) if args.leader_elect else None
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
     return OperatorOptions(
         namespaces=tuple(dict.fromkeys(args.namespace)),
-        prometheus_url=args.prometheus_url,
+        prometheus=prometheus,
+        monitor=monitor,
         log_level=args.log_level,
         health_host=args.health_host,
         health_port=args.health_port,
-        peering=args.peering,
+        leader_election=leader,
         status_interval_seconds=args.status_interval,
     )
 
 
+def _leader_election(args: argparse.Namespace) -> LeaderElection:
+    namespace = args.lease_namespace or os.environ.get("POD_NAMESPACE")
+    if not namespace and SERVICE_ACCOUNT_NAMESPACE.is_file():
+        namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    if not namespace:
+        raise ValueError("--leader-elect needs --lease-namespace (or $POD_NAMESPACE, or to run in a pod)")
+    times = LeaseTimes(args.lease_duration, args.lease_renew_deadline, args.lease_retry_period)
+    # A restarted process is a new candidate: it must not "renew" the Lease its predecessor held.
+    identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    return LeaderElection(namespace=namespace, name=args.lease_name, identity=identity, times=times)
+
+
 def _quiet_status_refresh(record) -> bool:
-    """kopf logs every timer run at INFO; a status refresh every few seconds per service would flood the log."""
-    return not record.getMessage().startswith("Timer 'refresh_status' succeeded")
+    """kopf logs every child event handled at INFO; one line per Deployment status change would flood the log."""
+    message = record.getMessage()
+    return not (message.startswith("Handler 'child_changed") and message.endswith("succeeded."))
 
 
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
 
     import logging
+    import threading
 
     import kopf
 
-    from metronome.operator import handlers, k8s
+    from metronome.operator import handlers, k8s, leader
 
     kopf.configure(debug=options.log_level == "DEBUG")
     logging.getLogger().setLevel(options.log_level)
@@ -83,15 +177,40 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("kopf.objects").addFilter(_quiet_status_refresh)
     k8s.load_config()
 
+    stop = threading.Event()
+    lost = threading.Event()
+    elector = None
+    if options.leader_election is not None:
+        election = options.leader_election
+        elector = leader.LeaderElector(election.namespace, election.name, election.identity, election.times)
+        standby = leader.StandbyHealth(options.health_host, options.health_port) if options.health_port else None
+        try:
+            if not elector.acquire(stop):
+                return 0
+        finally:
+            if standby is not None:
+                standby.close()
+
+        def on_lost() -> None:
+            lost.set()
+            stop.set()
+
+        elector.keep(stop, on_lost)
+
     registry = kopf.OperatorRegistry()
     handlers.register(registry, options)
-    kopf.run(
-        registry=registry,
-        standalone=options.peering is None,
-        peering_name=options.peering,
-        clusterwide=options.clusterwide,
-        namespaces=list(options.namespaces),
-        liveness_endpoint=options.liveness_endpoint,
-        memo=kopf.Memo(kube=k8s.Kube(), options=options),
-    )
-    return 0
+    try:
+        kopf.run(
+            registry=registry,
+            standalone=True,
+            clusterwide=options.clusterwide,
+            namespaces=list(options.namespaces),
+            liveness_endpoint=options.liveness_endpoint,
+            memo=kopf.Memo(kube=k8s.Kube(), options=options, services=handlers.Services()),
+            stop_flag=stop,
+        )
+    finally:
+        stop.set()
+        if elector is not None and not lost.is_set():
+            elector.release()
+    return LOST_LEADERSHIP_EXIT if lost.is_set() else 0

@@ -6,11 +6,20 @@ Three layers, so that everything but the HTTP call is testable without Prometheu
 - `PrometheusMetricsSource.observe(...)` — the I/O, through `prometheus-api-client`, every failure turned into
   `MetricsUnavailable` with a condition-ready reason.
 
-Label contract (what the operator's scrape config / PodMonitor must produce): every server series carries
-`namespace` (the InferenceService's namespace) and `service` (its name, from the pod label
-`app.kubernetes.io/instance`), plus `pod` (or at least `instance`) to tell pods apart. `POD_RELABELING` states
-it as relabeling rules (rendered for the PodMonitor below; hack/standin writes the same labels). The label names
-are fields of `ServiceSelector`, so another relabeling only needs another selector.
+Label contract: a service's series are matched by `model` (the server sets it itself on every series: its
+`--served-model-name`, which the operator makes the InferenceService's name) and `namespace` (which every stock
+discovery attaches: prometheus-operator's PodMonitor and ServiceMonitor, and the usual `kubernetes_sd_configs`
+pod job), plus `pod` (or at least `instance`) to tell pods apart. So annotation-based discovery, a PodMonitor
+and a ServiceMonitor all work without relabelling of ours. `POD_RELABELING` states the namespace/pod labels as
+relabeling rules from Kubernetes service discovery (rendered for the PodMonitor below; hack/standin writes the
+same labels, with `service` as an extra for people reading the series). The label names are fields of
+`ServiceSelector`, so another scrape setup only needs another selector.
+
+Client (`PrometheusSettings`): the operator's own URL, an allow-list for per-resource URLs
+(`spec.metrics.prometheusUrl`), a bearer token file (re-read at every reading: projected tokens rotate), a CA
+file or an opt-in to skip TLS verification, and the scrape interval the rate windows must cover. A remote
+error is summarised (status code and reason), never echoed: a condition message is readable by anyone who may
+read the resource.
 
 Long-prompt share is a proxy: the server exports prompt-token and finished-request counters, not a prompt
 length histogram, so the share is read off the mean prompt length with a two-point mixture (short prompts
@@ -18,8 +27,10 @@ average `short_mean_tokens`, long ones `long_mean_tokens`): share = (mean - shor
 """
 from __future__ import annotations
 
+import http
 import math
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,10 +55,11 @@ QUERY_KEYS = (TBT_P99, TBT_COUNT, TTFT_P99, OUTPUT_TOKENS_RATE, PROMPT_TOKENS_RA
               RUNNING_PER_POD, STEP_TOKENS_RATE, STEP_SECONDS_RATE, STEP_COUNT_RATE, GENERATION_BY_POD)
 
 
-# The label contract, as relabeling rules from Kubernetes service discovery (role: pod) to series labels.
+# The scrape-side half of the label contract, as relabeling rules from Kubernetes service discovery (role: pod)
+# to series labels: what prometheus-operator and the usual pod jobs attach anyway. `model` needs none: the
+# server sets it.
 POD_RELABELING = (
     ("__meta_kubernetes_namespace", "namespace"),
-    ("__meta_kubernetes_pod_label_app_kubernetes_io_instance", "service"),
     ("__meta_kubernetes_pod_name", "pod"),
 )
 
@@ -65,6 +77,10 @@ class MetricsUnavailable(MetronomeError):
     QUERY_FAILED = "QueryFailed"
     BAD_RESPONSE = "BadResponse"
     NO_SERIES = "NoSeries"
+    URL_NOT_ALLOWED = "PrometheusURLNotAllowed"
+    UNAUTHORIZED = "PrometheusUnauthorized"
+    CREDENTIALS = "PrometheusCredentials"
+    TLS = "PrometheusTLS"
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -79,7 +95,7 @@ class ServiceSelector:
     namespace: str
     service: str
     namespace_label: str = "namespace"
-    service_label: str = "service"
+    service_label: str = names.MODEL_LABEL  # the server's own label: --served-model-name = the service's name
     pod_label: str = "pod"
     instance_label: str = "instance"
 
@@ -94,6 +110,9 @@ class ServiceSelector:
     def matchers(self) -> str:
         return (f'{{{self.namespace_label}="{_escape(self.namespace)}",'
                 f'{self.service_label}="{_escape(self.service)}"}}')
+
+
+MIN_SCRAPES_PER_RANGE = 4  # every rate() range spans at least this many scrape intervals
 
 
 @dataclass(frozen=True)
@@ -113,12 +132,14 @@ class QueryWindow:
     def for_window(cls, window_seconds: float, sub_window_seconds: float | None = None,
                    scrape_interval_seconds: float | None = None) -> QueryWindow:
         """A window (e.g. spec.metrics.windowSeconds) with its sub-window: by default a quarter of the window
-        (a 60 s window gives the step fit 4 points per pod), at least 5 s and at least 4 scrape intervals
-        (a rate() needs two samples in its range). With a 15 s scrape interval, use a window of 4 min or more."""
+        (a 60 s window gives the step fit 4 points per pod), at least 5 s. With a known scrape interval every
+        range — the window and the sub-window — spans at least 4 scrape intervals (a rate() needs two samples
+        in its range, and a late scrape must not empty it): a 30 s scrape interval widens a 60 s window to 2 min."""
         window = parse_duration(window_seconds, "spec.metrics.windowSeconds")
+        scrape = parse_duration(scrape_interval_seconds, "scrape interval") if scrape_interval_seconds else 0.0
+        window = max(window, MIN_SCRAPES_PER_RANGE * scrape)
         if sub_window_seconds is None:
-            scrape = parse_duration(scrape_interval_seconds, "scrape interval") if scrape_interval_seconds else 0.0
-            sub_window_seconds = max(5.0, window / 4, 4 * scrape)
+            sub_window_seconds = max(5.0, window / 4, MIN_SCRAPES_PER_RANGE * scrape)
         return cls(window, min(parse_duration(sub_window_seconds, "sub-window"), window))
 
 
@@ -310,27 +331,134 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+# --- the client's settings (pure) ---------------------------------------------------------------------------
+
+def normalize_url(url: str, where: str = "Prometheus URL") -> str:
+    """Scheme and host lower-cased, the default port and a trailing slash dropped: the form the allow-list
+    compares. Raises ValueError for anything but http(s)://host[:port][/path] without credentials or query."""
+    parsed = urllib.parse.urlsplit(str(url).strip())
+    if parsed.scheme.lower() not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"{where} must be http(s)://host[:port][/path], got {url!r}")
+    if parsed.username or parsed.password or parsed.query or parsed.fragment:
+        raise ValueError(f"{where} must carry no credentials, query or fragment, got {url!r}")
+    scheme = parsed.scheme.lower()
+    try:
+        port = parsed.port
+    except ValueError as exc:
+        raise ValueError(f"{where} has a bad port: {url!r}") from exc
+    host = parsed.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host if port in (None, {"http": 80, "https": 443}[scheme]) else f"{host}:{port}"
+    return urllib.parse.urlunsplit((scheme, netloc, parsed.path.rstrip("/"), "", ""))
+
+
+@dataclass(frozen=True)
+class PrometheusSettings:
+    """How the operator reaches Prometheus (from its flags; see docs/operator.md)."""
+
+    url: str | None = None  # --prometheus-url: for every service without spec.metrics.prometheusUrl
+    allowed_urls: tuple[str, ...] = ()  # --allow-prometheus-url: what spec.metrics.prometheusUrl may name
+    bearer_token_file: str | None = None
+    ca_file: str | None = None
+    insecure_skip_verify: bool = False
+    scrape_interval_seconds: float | None = None  # None: unknown (the operator's PodMonitors pick their own)
+    timeout_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.url is not None:
+            normalize_url(self.url, "--prometheus-url")
+        for url in self.allowed_urls:
+            normalize_url(url, "--allow-prometheus-url")
+        if self.ca_file and self.insecure_skip_verify:
+            raise ValueError("--prometheus-ca-file and --prometheus-insecure-skip-verify exclude each other")
+        if self.scrape_interval_seconds is not None:
+            parse_duration(self.scrape_interval_seconds, "--scrape-interval")
+
+    def resolve_url(self, spec_url: str | None) -> str | None:
+        """The URL to read one service from: its own spec.metrics.prometheusUrl when the allow-list (or the
+        operator's own URL) admits it, else the operator's URL (None: none configured). Raises
+        MetricsUnavailable(URL_NOT_ALLOWED) for a URL the operator was not told to trust: a namespace user
+        must not make the operator send requests to, say, an internal service."""
+        if not spec_url:
+            return self.url
+        try:
+            wanted = normalize_url(spec_url, "spec.metrics.prometheusUrl")
+        except ValueError as exc:
+            raise MetricsUnavailable(MetricsUnavailable.URL_NOT_ALLOWED, str(exc)) from exc
+        admitted = {normalize_url(url) for url in (*self.allowed_urls, *([self.url] if self.url else []))}
+        if wanted not in admitted:
+            raise MetricsUnavailable(
+                MetricsUnavailable.URL_NOT_ALLOWED,
+                f"spec.metrics.prometheusUrl {wanted} is not on the operator's allow-list "
+                f"(metronome operator --allow-prometheus-url; chart value prometheus.allowedUrls)")
+        return wanted
+
+    def window(self, window_seconds: float) -> QueryWindow:
+        return QueryWindow.for_window(window_seconds, scrape_interval_seconds=self.scrape_interval_seconds)
+
+    def headers(self) -> dict[str, str]:
+        """The Authorization header from the token file, read now (a projected token is rotated in place)."""
+        if not self.bearer_token_file:
+            return {}
+        try:
+            with open(self.bearer_token_file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except OSError as exc:
+            raise MetricsUnavailable(MetricsUnavailable.CREDENTIALS,
+                                     f"cannot read the Prometheus bearer token file "
+                                     f"{self.bearer_token_file}: {exc.strerror}") from exc
+        if not token:
+            raise MetricsUnavailable(MetricsUnavailable.CREDENTIALS,
+                                     f"the Prometheus bearer token file {self.bearer_token_file} is empty")
+        return {"Authorization": f"Bearer {token}"}
+
+    def verify(self) -> bool | str:
+        """requests' `verify`: the CA bundle, False when told to skip verification, else the system's CAs."""
+        if self.insecure_skip_verify:
+            return False
+        return self.ca_file or True
+
+    def source_for(self, url: str) -> PrometheusMetricsSource:
+        return PrometheusMetricsSource(url, timeout_seconds=self.timeout_seconds, headers=self.headers(),
+                                       verify=self.verify())
+
+
+def summarize_http_error(status_code: int) -> str:
+    """'HTTP 403 Forbidden': what a condition may say about a refused request (the body stays out)."""
+    try:
+        phrase = http.HTTPStatus(status_code).phrase
+    except ValueError:
+        phrase = "unknown status"
+    return f"HTTP {status_code} {phrase}"
+
+
+_STATUS_CODE = re.compile(r"HTTP Status Code (\d{3})")
+
+
 # --- I/O -----------------------------------------------------------------------------------------------------
 
 class PrometheusMetricsSource:
     """MetricsSource over Prometheus' HTTP API (prometheus-api-client). All queries of one observation are
-    evaluated at the same instant (`now`, or Prometheus' own clock when None)."""
+    evaluated at the same instant (`now`, or Prometheus' own clock when None). `verify` is requests' own: True
+    (system CAs), a CA bundle path, or False."""
 
     def __init__(self, url: str, timeout_seconds: float = 5.0, retries: int = 1,
-                 headers: Mapping[str, str] | None = None, disable_ssl: bool = False,
+                 headers: Mapping[str, str] | None = None, verify: bool | str = True,
                  proxy: LongPromptProxy = LongPromptProxy()):
+        import requests
         from prometheus_api_client import PrometheusConnect
         from urllib3.util.retry import Retry
 
-        if not url or not re.match(r"^https?://", url):
-            raise ValueError(f"Prometheus URL must start with http:// or https://, got {url!r}")
+        self.url = normalize_url(url)
         # Fail fast: a control loop would rather skip one interval than block on a sick Prometheus.
         retry = Retry(total=retries, connect=retries, read=False, status=retries, backoff_factor=0.2,
                       status_forcelist=(502, 503, 504), raise_on_status=False)
-        self.url = url.rstrip("/")
         self.proxy = proxy
+        session = requests.Session()
+        session.verify = verify
         self._client = PrometheusConnect(url=self.url, headers=dict(headers) if headers else None,
-                                         disable_ssl=disable_ssl, retry=retry, timeout=timeout_seconds)
+                                         session=session, retry=retry, timeout=timeout_seconds)
 
     def observe(self, selector: ServiceSelector, window: QueryWindow, now: float | None = None) -> Observation:
         params = {"time": f"{now:.3f}"} if now is not None else {}
@@ -341,6 +469,8 @@ class PrometheusMetricsSource:
         self._client.close()
 
     def _query(self, query: str, params: dict[str, str]) -> Any:
+        """One instant query; every failure becomes MetricsUnavailable with a message that names Prometheus and
+        what went wrong in our words (exception class, status code and reason), never the answer's body."""
         import requests
         from prometheus_api_client import PrometheusApiClientException
 
@@ -348,15 +478,23 @@ class PrometheusMetricsSource:
             return self._client.custom_query(query, params=params)
         except requests.exceptions.JSONDecodeError as exc:  # before RequestException: it is one too
             raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE,
-                                     f"Prometheus at {self.url} sent an unreadable answer: {exc!r}"[:400]) from exc
+                                     f"Prometheus at {self.url} sent an answer that is not JSON") from exc
+        except requests.exceptions.SSLError as exc:
+            raise MetricsUnavailable(MetricsUnavailable.TLS,
+                                     f"Prometheus at {self.url}: TLS verification failed (set the CA with "
+                                     f"--prometheus-ca-file)") from exc
         except requests.exceptions.Timeout as exc:
-            raise MetricsUnavailable(MetricsUnavailable.TIMEOUT, f"Prometheus at {self.url} timed out: {exc}") from exc
+            raise MetricsUnavailable(MetricsUnavailable.TIMEOUT, f"Prometheus at {self.url} timed out") from exc
         except requests.exceptions.RequestException as exc:
             raise MetricsUnavailable(MetricsUnavailable.UNREACHABLE,
-                                     f"Prometheus at {self.url} is unreachable: {exc}") from exc
+                                     f"Prometheus at {self.url} is unreachable: {exc}"[:400]) from exc
         except PrometheusApiClientException as exc:
-            raise MetricsUnavailable(MetricsUnavailable.QUERY_FAILED,
-                                     f"Prometheus at {self.url} refused {query!r}: {str(exc)[:300]}") from exc
-        except (ValueError, KeyError, TypeError) as exc:  # not JSON, or JSON without data.result
+            match = _STATUS_CODE.search(str(exc))
+            status = summarize_http_error(int(match.group(1))) if match else "an error"
+            reason = (MetricsUnavailable.UNAUTHORIZED if match and match.group(1) in ("401", "403")
+                      else MetricsUnavailable.QUERY_FAILED)
+            raise MetricsUnavailable(reason, f"Prometheus at {self.url} answered {status}") from exc
+        except (ValueError, KeyError, TypeError) as exc:  # JSON without data.result
             raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE,
-                                     f"Prometheus at {self.url} sent an unreadable answer: {exc!r}"[:400]) from exc
+                                     f"Prometheus at {self.url} sent an unreadable answer "
+                                     f"({type(exc).__name__})") from exc

@@ -13,13 +13,8 @@ from metronome.contract.config import SchedulerConfig, ServerConfigFile
 from metronome.operator import builders, changes, configmap
 from metronome.operator.autotune import BAD_METRICS_SETTINGS
 from metronome.operator.k8s import Kube
-from metronome.operator.metrics_source import (
-    MetricsUnavailable,
-    PrometheusMetricsSource,
-    QueryWindow,
-    ServiceSelector,
-    try_observe,
-)
+from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSettings, ServiceSelector, try_observe
+from metronome.operator.monitoring import MonitorSettings
 from metronome.operator.observation import Observation
 from metronome.operator.spec import InferenceService
 from metronome.operator.status import Observed
@@ -69,22 +64,39 @@ def serve_scheduler(
     return config
 
 
-def sync_children(kube: Kube, service: InferenceService, owner: Mapping[str, Any]) -> ServerConfigFile:
+def sync_children(kube: Kube, service: InferenceService, owner: Mapping[str, Any],
+                  monitor: MonitorSettings | None = MonitorSettings()) -> ServerConfigFile:
     """Create or repair every child. The ConfigMap keeps the config it serves (it may have been retuned); it is
-    written from spec.server only when missing or invalid."""
+    written from spec.server only when missing or invalid. `monitor` None leaves the PodMonitor as it is (a
+    scale touches the Deployment only)."""
     _, current, _ = _read_config(kube, service)
     if current is None:
         config = serve_scheduler(kube, service, owner, service.spec.server, why="from spec.server")
     else:
         config = current
         kube.apply(builders.config_map(service, config))  # repairs labels/owner; same content → no change
-    monitoring = kube.crd_exists(builders.PODMONITOR_CRD)
-    for child in builders.workload_children(service, monitoring_available=monitoring):
+    for child in builders.workload_children(service, monitoring_available=False):
         applied = kube.apply(child)
         _emit(kube, owner, changes.describe_child(applied.action.value, applied.before, applied.after))
     if not service.spec.disruption.enabled:
         remove_disruption_budget(kube, service, owner)
+    if monitor is not None:
+        sync_pod_monitor(kube, service, owner, monitor)
     return config
+
+
+def sync_pod_monitor(kube: Kube, service: InferenceService, owner: Mapping[str, Any], monitor: MonitorSettings) -> None:
+    """The PodMonitor child per --monitor-kind, where the cluster serves that API: written with the monitor
+    labels, or deleted when the kind is none (the chart's ServiceMonitor or annotations scrape the pods then, and
+    a PodMonitor left behind would scrape every pod a second time)."""
+    if not kube.crd_exists(builders.PODMONITOR_CRD):
+        return
+    if not monitor.pod_monitors:
+        kube.delete(builders.PODMONITOR_API_VERSION, "PodMonitor", service.namespace,
+                    builders.child_names(service.name).pod_monitor)
+        return
+    applied = kube.apply(builders.pod_monitor(service, dict(monitor.labels), monitor.interval_seconds))
+    _emit(kube, owner, changes.describe_child(applied.action.value, applied.before, applied.after))
 
 
 def remove_disruption_budget(kube: Kube, service: InferenceService, owner: Mapping[str, Any]) -> None:
@@ -107,15 +119,18 @@ def observe(kube: Kube, service: InferenceService) -> Observed:
 
 
 def read_metrics(
-    prometheus_url: str, service: InferenceService, now: float
+    prometheus: PrometheusSettings, url: str, service: InferenceService, now: float
 ) -> tuple[Observation | None, MetricsUnavailable | None]:
-    """One observation of the service over its spec.metrics window, or why there is none (never raises for
-    Prometheus' sake: a sick Prometheus costs one interval, not the status refresh)."""
+    """One observation of the service from Prometheus at `url` (PrometheusSettings.resolve_url) over its
+    spec.metrics window, or why there is none (never raises for Prometheus' sake: a sick Prometheus costs one
+    interval, not the status refresh)."""
     try:
-        window = QueryWindow.for_window(service.spec.metrics.window_seconds)
-        source = PrometheusMetricsSource(prometheus_url)
+        window = prometheus.window(service.spec.metrics.window_seconds)
+        source = prometheus.source_for(url)
     except ValueError as exc:  # a URL that is not http(s)://, a window shorter than its sub-window
         return None, MetricsUnavailable(BAD_METRICS_SETTINGS, str(exc))
+    except MetricsUnavailable as exc:  # an unreadable token file
+        return None, exc
     try:
         return try_observe(source, ServiceSelector(service.namespace, service.name), window, now)
     finally:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from metronome.operator.metrics_source import POD_RELABELING
 
-# The series labels the contract asks for, in POD_RELABELING's order: namespace, service, pod.
-NAMESPACE_LABEL, SERVICE_LABEL, POD_LABEL = (target for _, target in POD_RELABELING)
+# The series labels the contract asks for, in POD_RELABELING's order: namespace, pod; `service` is extra
+# (the operator matches the server's own `model` label; this one is for people reading the series).
+NAMESPACE_LABEL, POD_LABEL = (target for _, target in POD_RELABELING)
+SERVICE_LABEL = "service"
 SCRAPE_JOB = "metronome-servers"
 
 

@@ -56,13 +56,17 @@ def test_rbac_is_least_privilege(cluster):
     rules = _rules(role)
     assert rules[("metronome.dev", "inferenceservices")] == {"get", "list", "watch", "patch"}
     assert rules[("metronome.dev", "inferenceservices/status")] == {"patch"}
-    assert rules[("apps", "deployments")] == {"get", "create", "patch"}
-    assert rules[("", "configmaps")] == {"get", "create", "patch"}
+    # Deployments and ConfigMaps are watched: their changes refresh the owner's status.
+    assert rules[("apps", "deployments")] == {"get", "list", "watch", "create", "patch"}
+    assert rules[("", "configmaps")] == {"get", "list", "watch", "create", "patch"}
     assert rules[("", "pods")] == {"list"}
     assert rules[("", "events")] == {"create"}
     assert rules[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
     every_verb = set().union(*rules.values())
-    assert "*" not in every_verb and "delete" not in every_verb
+    assert "*" not in every_verb
+    # Deletes only for children a spec change or --monitor-kind none retires; the rest is garbage-collected.
+    assert {resource for (_, resource), verbs in rules.items() if "delete" in verbs} <= {
+        "poddisruptionbudgets", "podmonitors"}
     assert not any(resource == "secrets" or "*" in (group, resource) for group, resource in rules)
 
 
@@ -73,9 +77,10 @@ def test_namespaced_mode_grants_writes_per_namespace_only(cluster):
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
         ("", "namespaces"): {"list", "watch"},  # kopf follows the namespaces it serves
     }
-    roles = _by_kind(docs, "Role")
+    roles = [r for r in _by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-leader-election")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    assert sorted(b["metadata"]["namespace"] for b in _by_kind(docs, "RoleBinding")) == ["team-a", "team-b"]
+    bindings = [b for b in _by_kind(docs, "RoleBinding") if not b["metadata"]["name"].endswith("-leader-election")]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     (deployment,) = _by_kind(docs, "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
@@ -86,7 +91,7 @@ def test_operator_deployment_is_restricted_and_probed(cluster):
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["metronome"] and container["args"][0] == "operator"
-    assert "--prometheus-url=http://prometheus:9090" in container["args"] and "--standalone" in container["args"]
+    assert "--prometheus-url=http://prometheus:9090" in container["args"] and "--leader-elect" in container["args"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
@@ -94,7 +99,7 @@ def test_operator_deployment_is_restricted_and_probed(cluster):
 
 
 def test_monitoring_objects_only_where_the_api_exists(cluster):
-    flags = ["--set", "serviceMonitor.enabled=true", "--set", "prometheusRule.enabled=true"]
+    flags = ["--set", "monitor.kind=ServiceMonitor", "--set", "prometheusRule.enabled=true"]
     without = _template(cluster, *flags)
     assert not _by_kind(without, "ServiceMonitor") and not _by_kind(without, "PrometheusRule")
     api_flags = [arg for api in MONITORING_APIS for arg in ("--api-versions", api)]
@@ -107,6 +112,54 @@ def test_monitoring_objects_only_where_the_api_exists(cluster):
     assert "metronome_kv_blocks_leaked" in alerts["MetronomeKVBlocksLeaked"]["expr"]
     assert alerts["MetronomeTBTSLOViolated"]["for"] == "10m"
     assert "metronome_config_reload_errors_total" in alerts["MetronomeConfigReloadErrors"]["expr"]
+
+
+def _args(docs: list[dict]) -> list[str]:
+    (deployment,) = _by_kind(docs, "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_one_monitor_kind_with_the_selector_labels_never_both(cluster):
+    api_flags = [arg for api in MONITORING_APIS for arg in ("--api-versions", api)]
+    release = ("--set", "monitor.labels.release=kube-prometheus-stack")
+    pod = _template(cluster, *api_flags, *release)  # the default kind: PodMonitor, written by the operator
+    assert not _by_kind(pod, "ServiceMonitor")
+    assert {"--monitor-kind=PodMonitor", "--monitor-label=release=kube-prometheus-stack"} <= set(_args(pod))
+    service = _template(cluster, *api_flags, *release, "--set", "monitor.kind=ServiceMonitor")
+    (monitor,) = _by_kind(service, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
+    assert "--monitor-kind=none" in _args(service) and "--scrape-interval=15" in _args(service)
+    assert not any(a.startswith("--monitor-label") for a in _args(service))
+    neither = _template(cluster, *api_flags, "--set", "monitor.kind=none", "--set", "monitor.intervalSeconds=30")
+    assert not _by_kind(neither, "ServiceMonitor")
+    assert "--monitor-kind=none" in _args(neither) and "--scrape-interval=30" in _args(neither)
+    bad = cluster.helm("template", "m", str(CHART), "--set", "monitor.kind=Both", check=False)
+    assert bad.returncode != 0 and "monitor/kind" in bad.stderr
+
+
+def test_prometheus_client_values_become_flags_and_mounts(cluster):
+    docs = _template(cluster, "--set", "prometheus.allowedUrls={http://team-prom.ml:9090}",
+                     "--set", "prometheus.bearerTokenSecret.name=prom-token",
+                     "--set", "prometheus.caSecret.name=prom-ca")
+    args = _args(docs)
+    assert "--allow-prometheus-url=http://team-prom.ml:9090" in args
+    assert "--prometheus-bearer-token-file=/etc/metronome/prometheus-token/token" in args
+    assert "--prometheus-ca-file=/etc/metronome/prometheus-ca/ca.crt" in args
+    assert "--prometheus-insecure-skip-verify" not in args
+    (deployment,) = _by_kind(docs, "Deployment")
+    secrets = {v["secret"]["secretName"] for v in deployment["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+    assert secrets == {"prom-token", "prom-ca"}
+
+
+def test_replicas_elect_a_leader_through_a_lease(cluster):
+    docs = _template(cluster, "--set", "replicas=2")
+    (deployment,) = _by_kind(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert {"--leader-elect", "--lease-namespace=metronome-system", "--lease-duration=15"} <= set(_args(docs))
+    (role,) = [r for r in _by_kind(docs, "Role") if r["metadata"]["name"].endswith("-leader-election")]
+    assert role["metadata"]["namespace"] == "metronome-system"
+    assert _rules(role) == {("coordination.k8s.io", "leases"): {"get", "create", "update"}}
 
 
 def test_helm_install_succeeds_and_the_operator_pod_runs(cluster):

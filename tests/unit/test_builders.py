@@ -221,14 +221,18 @@ def test_pod_monitor_labels_series_as_the_metrics_source_selects_them():
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", "/metrics", "3s")
     targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
-    assert targets == {
-        "namespace": ["__meta_kubernetes_namespace"],
-        "service": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"],
-        "pod": ["__meta_kubernetes_pod_name"],
-    }
-    # The `service` label comes from the pod label the builders set to the InferenceService's name.
-    pod_labels = builders.deployment(service_of())["spec"]["template"]["metadata"]["labels"]
-    assert pod_labels[builders.LABEL_INSTANCE] == "chat"
+    assert targets == {"namespace": ["__meta_kubernetes_namespace"], "pod": ["__meta_kubernetes_pod_name"]}
+    # The service's series are told apart by the server's own `model` label: its --served-model-name.
+    args = builders.server_args(service_of())
+    assert args[args.index("--served-model-name") + 1] == "chat"
+
+
+def test_pod_monitor_carries_the_monitor_labels_and_interval():
+    monitor = builders.pod_monitor(service_of(), {"release": "kube-prometheus-stack"}, interval_seconds=30)
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["metadata"]["labels"][builders.LABEL_SERVICE] == "chat"  # ours are kept
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["interval"], endpoint["scrapeTimeout"]) == ("30s", "30s")
 
 
 @pytest.mark.parametrize("window, interval", [(10, 1), (20, 1), (60, 3), (120, 7), (600, 15)])

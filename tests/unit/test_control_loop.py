@@ -8,8 +8,11 @@ import yaml
 from test_reconcile import MemoryKube, body
 
 from metronome.operator import autotune, control_loop, reconcile
+from metronome.operator.metrics_source import PrometheusSettings
 from metronome.operator.observation import Observation
 from metronome.operator.spec import parse_service
+
+LOCAL = PrometheusSettings(url="http://127.0.0.1:1")
 
 
 def reading(tbt_ms: float) -> Observation:
@@ -22,7 +25,7 @@ def prometheus(monkeypatch):
     """reconcile.read_metrics answering with `state["observation"]`; counts the readings."""
     state = {"observation": reading(60.0), "reads": 0}
 
-    def read_metrics(url, service, now):
+    def read_metrics(settings, url, service, now):
         state["reads"] += 1
         return state["observation"], None
 
@@ -45,14 +48,14 @@ def test_a_due_reading_is_served_as_a_new_generation_and_recorded(prometheus):
     service = parse_service(owner)
     reconcile.sync_children(kube, service, owner)
     memory = autotune.TunerMemory()
-    result = control_loop.tick(kube, service, owner, reconcile.observe(kube, service), memory, "http://127.0.0.1:1")
+    result = control_loop.tick(kube, service, owner, reconcile.observe(kube, service), memory, LOCAL)
     assert served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 922  # 1024 x 0.9
     assert result.observed.served_config.generation == 2 and result.observed.metrics.available
     assert result.last_decision["applied"] is True and result.last_decision["to"]["chunkSize"] == 922
     assert result.replicas is None
     assert "ConfigUpdated" in [reason for _, reason, _ in kube.events]
 
-    again = control_loop.tick(kube, service, owner, result.observed, memory, "http://127.0.0.1:1")
+    again = control_loop.tick(kube, service, owner, result.observed, memory, LOCAL)
     assert prometheus["reads"] == 1  # not due: status gets the last reading, nothing is decided
     assert again.last_decision is None and again.observed.metrics.tbt_p99_ms == pytest.approx(60.0)
     assert served(kube)["generation"] == 2
@@ -63,7 +66,7 @@ def test_a_chunk_at_its_floor_scales_and_hands_back_the_replica_patch(prometheus
     service = parse_service(owner)
     reconcile.sync_children(kube, service, owner)
     result = control_loop.tick(kube, service, owner, reconcile.observe(kube, service), autotune.TunerMemory(),
-                               "http://127.0.0.1:1")
+                               LOCAL)
     assert result.replicas == 3
     assert kube.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == 3
     assert "AutotuneScaled" in [reason for _, reason, _ in kube.events]
@@ -75,9 +78,9 @@ def test_a_blocked_loop_is_announced_once(prometheus):
     reconcile.sync_children(kube, service, owner)
     memory = autotune.TunerMemory()
     observed = reconcile.observe(kube, service)
-    first = control_loop.tick(kube, service, owner, observed, memory, default_prometheus_url=None)
+    first = control_loop.tick(kube, service, owner, observed, memory, PrometheusSettings())
     assert not first.observed.metrics.available and prometheus["reads"] == 0
     memory.next_reading = 0.0  # due again
-    control_loop.tick(kube, service, owner, observed, memory, default_prometheus_url=None)
+    control_loop.tick(kube, service, owner, observed, memory, PrometheusSettings())
     blocked = [message for _, reason, message in kube.events if reason == "AutotuneBlocked"]
     assert len(blocked) == 1 and "--prometheus-url" in blocked[0]

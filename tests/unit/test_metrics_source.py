@@ -67,7 +67,7 @@ def test_queries_use_the_shared_metric_names_and_select_one_service():
     assert set(queries) == set(ms.QUERY_KEYS)
     assert queries[ms.TBT_P99] == (
         f'histogram_quantile(0.99, sum by (le) (rate({names.TIME_BETWEEN_TOKENS}_bucket'
-        f'{{namespace="demo",service="tiny"}}[60s])))')
+        f'{{namespace="demo",model="tiny"}}[60s])))')
     assert f"{names.TIME_TO_FIRST_TOKEN}_bucket" in queries[ms.TTFT_P99]
     assert f"rate({names.GENERATION_TOKENS}{{" in queries[ms.OUTPUT_TOKENS_RATE]
     assert names.PROMPT_TOKENS in queries[ms.PROMPT_TOKENS_RATE]
@@ -84,7 +84,7 @@ def test_queries_use_the_shared_metric_names_and_select_one_service():
             if token.startswith(names.PREFIX):
                 base = token.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
                 assert token in names.ALL_NAMES or base in names.ALL_NAMES, token
-        assert '{namespace="demo",service="tiny"}' in query
+        assert '{namespace="demo",model="tiny"}' in query
     assert used == {names.TIME_BETWEEN_TOKENS, names.TIME_TO_FIRST_TOKEN, names.GENERATION_TOKENS, names.PROMPT_TOKENS,
                     names.REQUEST_E2E, names.REQUESTS_RUNNING, names.STEP_TOKENS, names.STEP_DURATION,
                     names.CONFIG_GENERATION}  # each feeds the Observation
@@ -114,7 +114,8 @@ def test_window_from_spec_and_durations():
     assert QueryWindow.for_window(12) == QueryWindow(12.0, 5.0)
     assert QueryWindow.for_window("2m", "20s") == QueryWindow(120.0, 20.0)
     assert QueryWindow.for_window(240, scrape_interval_seconds=15) == QueryWindow(240.0, 60.0)
-    assert QueryWindow.for_window(60, scrape_interval_seconds=30) == QueryWindow(60.0, 60.0)  # capped at the window
+    # Every range spans at least 4 scrape intervals: a 30 s scrape interval widens a 60 s window to 2 min.
+    assert QueryWindow.for_window(60, scrape_interval_seconds=30) == QueryWindow(120.0, 120.0)
     assert parse_duration("500ms") == 0.5 and parse_duration("1h") == 3600
     assert ms.format_duration(2.5) == "2500ms" and ms.format_duration(60) == "60s"
     for bad in ("soon", "-5s", 0, "5d"):
@@ -297,7 +298,8 @@ def test_bad_url_is_rejected():
 def test_relabeling_rules_produce_the_selector_labels():
     selector = ServiceSelector("ns", "svc")
     targets = {rule["targetLabel"] for rule in ms.podmonitor_relabelings()}
-    assert targets == {selector.namespace_label, selector.service_label, selector.pod_label}
+    assert targets == {selector.namespace_label, selector.pod_label}
+    # The service is matched by the label the server sets itself, so no relabeling of ours creates it.
+    assert selector.service_label == names.MODEL_LABEL
     assert {tuple(rule["sourceLabels"]) for rule in ms.podmonitor_relabelings()} == {
-        ("__meta_kubernetes_namespace",), ("__meta_kubernetes_pod_label_app_kubernetes_io_instance",),
-        ("__meta_kubernetes_pod_name",)}
+        ("__meta_kubernetes_namespace",), ("__meta_kubernetes_pod_name",)}

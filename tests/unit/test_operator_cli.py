@@ -19,31 +19,59 @@ def parse(*argv: str):
 def test_defaults_watch_every_namespace_standalone_with_health_endpoint():
     options = parse()
     assert options.clusterwide and options.namespaces == ()
-    assert options.peering is None
+    assert options.leader_election is None
+    assert options.monitor.kind == "PodMonitor" and options.monitor.labels == ()
+    assert options.prometheus.allowed_urls == () and options.prometheus.verify() is True
     assert options.liveness_endpoint == "http://0.0.0.0:8080/healthz"
     assert options.log_level == "INFO"
 
 
-def test_namespaces_prometheus_log_level_health_and_peering():
+def test_namespaces_prometheus_log_level_health_and_leader_election():
     options = parse("--namespace", "a", "-n", "b", "-n", "a", "--prometheus-url", "http://127.0.0.1:9090",
-                    "--log-level", "debug", "--health-port", "0", "--peering", "metronome")
+                    "--log-level", "debug", "--health-port", "0", "--leader-elect", "--lease-namespace", "ops",
+                    "--lease-duration", "8", "--lease-renew-deadline", "5", "--lease-retry-period", "1")
     assert options.namespaces == ("a", "b") and not options.clusterwide
     assert options.prometheus_url == "http://127.0.0.1:9090"
     assert options.log_level == "DEBUG"
     assert options.liveness_endpoint is None
-    assert options.peering == "metronome"
+    election = options.leader_election
+    assert (election.namespace, election.name) == ("ops", "metronome-operator")
+    assert (election.times.duration_s, election.times.renew_deadline_s, election.times.retry_period_s) == (8, 5, 1)
+    assert election.identity and election.identity != parse("--leader-elect", "--lease-namespace", "ops"
+                                                            ).leader_election.identity  # a new candidate each start
+
+
+def test_prometheus_client_and_monitor_flags():
+    options = parse("--prometheus-url", "https://prom.monitoring:9090/", "--allow-prometheus-url",
+                    "http://team-prom.ml:9090", "--prometheus-bearer-token-file", "/var/run/token",
+                    "--prometheus-ca-file", "/etc/ca.pem", "--scrape-interval", "30",
+                    "--monitor-label", "release=kube-prometheus-stack", "--monitor-kind", "PodMonitor")
+    prometheus = options.prometheus
+    assert prometheus.allowed_urls == ("http://team-prom.ml:9090",) and prometheus.verify() == "/etc/ca.pem"
+    assert prometheus.bearer_token_file == "/var/run/token" and prometheus.scrape_interval_seconds == 30
+    assert options.monitor.labels == (("release", "kube-prometheus-stack"),) and options.monitor.interval_seconds == 30
+    assert parse("--monitor-kind", "none").monitor.pod_monitors is False
+    assert parse("--prometheus-insecure-skip-verify").prometheus.verify() is False
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--namespace", "a", "--all-namespaces"], ["--standalone", "--peering", "x"], ["--log-level", "LOUD"]],
+    [["--namespace", "a", "--all-namespaces"], ["--standalone", "--leader-elect"], ["--log-level", "LOUD"],
+     ["--monitor-kind", "ServiceMonitor"]],
 )
 def test_conflicting_or_bad_flags_exit_with_usage(argv):
     with pytest.raises(SystemExit):
         parse(*argv)
 
 
-@pytest.mark.parametrize("argv", [["--health-port", "70000"], ["--status-interval", "0"]])
+@pytest.mark.parametrize("argv", [
+    ["--health-port", "70000"], ["--status-interval", "0"], ["--monitor-label", "release"],
+    ["--monitor-label", "bad key=x"], ["--prometheus-url", "prometheus:9090"],
+    ["--allow-prometheus-url", "http://user:pw@prom:9090"], ["--scrape-interval", "0"],
+    ["--prometheus-ca-file", "/ca.pem", "--prometheus-insecure-skip-verify"],
+    ["--leader-elect", "--lease-namespace", "ops", "--lease-duration", "5", "--lease-renew-deadline", "5"],
+    ["--leader-elect", "--lease-namespace", "ops", "--lease-renew-deadline", "2", "--lease-retry-period", "2"],
+])
 def test_out_of_range_values_exit_with_a_message(argv):
     with pytest.raises(SystemExit, match="metronome operator"):
         parse(*argv)

@@ -56,9 +56,12 @@ What the operator does inside the namespaces it manages — every verb is used:
   verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
-  resources: [services, configmaps]
+  resources: [configmaps]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [services]
   verbs: [get, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
@@ -71,12 +74,7 @@ What the operator does inside the namespaces it manages — every verb is used:
   verbs: [create]
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
-  verbs: [get, create, patch]
-{{- if and .Values.peering.enabled .Values.watchNamespaces }}
-- apiGroups: [kopf.dev]
-  resources: [kopfpeerings]
-  verbs: [get, list, watch, patch]
-{{- end }}
+  verbs: [get, create, patch, delete]
 {{- end -}}
 
 {{/*
@@ -92,9 +90,13 @@ explicit namespaces kopf also observes Namespace objects (to follow namespaces t
   resources: [namespaces]
   verbs: [list, watch]
 {{- end }}
-{{- if and .Values.peering.enabled (not .Values.watchNamespaces) }}
-- apiGroups: [kopf.dev]
-  resources: [clusterkopfpeerings]
-  verbs: [get, list, watch, patch]
-{{- end }}
+{{- end -}}
+
+{{/*
+The servers' scrape interval in seconds ("0" = unknown: the operator's PodMonitors pick their own per service).
+A ServiceMonitor needs one: 15 unless monitor.intervalSeconds says otherwise.
+*/}}
+{{- define "metronome.scrapeIntervalSeconds" -}}
+{{- $seconds := int .Values.monitor.intervalSeconds -}}
+{{- if and (eq $seconds 0) (eq .Values.monitor.kind "ServiceMonitor") }}15{{ else }}{{ $seconds }}{{ end -}}
 {{- end -}}
