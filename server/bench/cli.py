@@ -5,6 +5,7 @@
     metronome bench sweep  --model random:tiny --chunk-sizes 256,512 --policies fcfs,split --rates 1,2,4
     metronome bench sweep  --url http://127.0.0.1:8000 --config-file /etc/metronome/server.yaml ...
     metronome bench engine --model random:llama-3-8b --device cuda --out h200.json
+    metronome bench loop   --model random:tiny --device cpu --static 512,split --out loop.json --plot loop.png
 
 `metronome bench` without a sub-command is `bench run`. Flags are documented in docs/bench.md.
 """
@@ -199,9 +200,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _configure_engine(sub.add_parser("engine", help="in-process engine benchmark vs the hardware floor",
                                      description="Device peak, decode/prefill efficiency, long-short capacity "
                                                  "per chunk size, and transformers' continuous batching."))
+    _configure_loop(sub)
+
+
+def _configure_loop(sub) -> None:
+    """The closed-loop benchmark (issue 12); its flags live in loop_cli.py."""
+    from metronome.server.bench import loop_cli
+
+    loop_cli.configure(sub.add_parser(
+        "loop", help="the operator's control loop against real servers, vs static configs",
+        description="A phased workload on `metronome serve` processes retuned by the operator's decide(), and the "
+                    "same workload on static configs (docs/bench.md)."))
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench_command == "loop":
+        from metronome.server.bench.loop_cli import main as loop_main
+
+        return loop_main(args)
     from metronome.server.bench.commands import main
 
     return main(args)

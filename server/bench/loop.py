@@ -1,0 +1,280 @@
+"""`metronome bench loop`: the operator's control loop against real servers, minus Kubernetes and Prometheus.
+
+One command runs the same phased workload (loop_phases.py) several times, each time on fresh `metronome serve`
+processes (loop_servers.py) started from the same initial config:
+- once per tuning policy (`--tuning-policies model,multiplicative`): every `--interval` seconds the servers'
+  /metrics scrapes of the last `--window` seconds become an Observation through the operator's own queries and
+  parser (loop_scrape.py), the operator's `decide()` runs on it, and a changed decision is carried out as the
+  operator does it (configmap.scheduler_for, next_server_config), written to every server's config folder by the
+  `..data` swap;
+- once per `--static CHUNK,POLICY`, with the config held: the oracle is the best of these per phase.
+Per interval it records the config, what the controller saw, the clients' TBT/TTFT p99, throughput and goodput, and
+the decision with its reason; loop_report.py turns that into the targets, loop_plot.py into a timeline.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metronome.contract.config import QueuePolicy, SchedulerConfig, ServerConfigFile, validate_scheduler
+from metronome.operator import configmap
+from metronome.operator import metrics_source as ms
+from metronome.operator.controller import decide
+from metronome.operator.decision import CurrentConfig, Decision, prefill_budget
+from metronome.operator.spec import AutotuneMode, AutotuneSpec
+from metronome.server.bench import loop_report
+from metronome.server.bench.clients import HttpClient
+from metronome.server.bench.loop_phases import Phase, Scheduled, phase_bounds
+from metronome.server.bench.loop_scrape import Scrape, observe, parse_scrape
+from metronome.server.bench.loop_servers import LoopServer, start_servers, stop_servers
+from metronome.server.bench.records import RequestRecord
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    label: str  # "loop model", "static 512/split"
+    autotune: AutotuneSpec | None  # None: a static run
+    initial: SchedulerConfig
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    phases: list[Phase]
+    requests: list[Scheduled]
+    servers: int
+    serve_args: tuple[str, ...]
+    work_dir: Path
+    interval_s: float
+    window: ms.QueryWindow
+    scrape_interval_s: float
+    slo_tbt_s: float
+    slo_ttft_s: float | None
+    request_timeout_s: float = 600.0
+    drain_timeout_s: float = 60.0
+    server_timeout_s: float = 600.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def initial_scheduler(base: SchedulerConfig, chunk: int, policy: str) -> SchedulerConfig:
+    """The base scheduler with a prefill budget of `chunk` under `policy`, laid out as the operator would."""
+    decision = Decision(chunk_size=chunk, queue_policy=QueuePolicy(policy).value, replicas=1, reason="initial",
+                        changed=True)
+    return configmap.scheduler_for(decision, validate_scheduler(base.snake_dict()))
+
+
+# --- one run -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Loop:
+    """The mutable state of one run's control loop."""
+
+    plan: RunPlan
+    config: ServerConfigFile
+    current: CurrentConfig
+    scrapes: dict[str, list[Scrape]]
+    intervals: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def run_plan(plan: RunPlan, settings: LoopSettings, progress=print) -> dict[str, Any]:
+    """Start the servers, drive the workload, run the loop; returns the run's JSON (with `records` for the report)."""
+    config = ServerConfigFile(generation=1, scheduler=plan.initial)
+    folder = settings.work_dir / plan.label.replace(" ", "-").replace("/", "-")
+    started = time.monotonic()
+    servers = await asyncio.to_thread(start_servers, settings.servers, folder, config, settings.serve_args,
+                                      settings.env, settings.server_timeout_s)
+    progress(f"[{plan.label}] {len(servers)} server(s) ready in {time.monotonic() - started:.0f} s; "
+             f"{len(settings.requests)} requests over {sum(p.duration_s for p in settings.phases):g} s")
+    clients = [HttpClient(s.base_url, timeout_s=settings.request_timeout_s) for s in servers]
+    try:
+        await clients[0].discover()
+        for client in clients[1:]:
+            client.model = clients[0].model
+        state = _Loop(plan, config, CurrentConfig.from_scheduler(plan.initial, len(servers), config.generation),
+                      {s.name: [] for s in servers})
+        records = await _drive(settings, servers, clients, state, progress)
+    finally:
+        for client in clients:
+            await client.close()
+        await asyncio.to_thread(stop_servers, servers)
+    return {"label": plan.label, "static": plan.autotune is None,
+            "tuning_policy": plan.autotune.policy.value if plan.autotune else None,
+            "initial": {"chunk_size": prefill_budget(plan.initial), "queue_policy": plan.initial.queue_policy},
+            "intervals": state.intervals, "records": records}
+
+
+async def _drive(settings: LoopSettings, servers: Sequence[LoopServer], clients: Sequence[HttpClient],
+                 state: _Loop, progress) -> list[RequestRecord]:
+    import httpx
+
+    records: list[RequestRecord] = []
+    t0 = time.monotonic()
+    load = asyncio.create_task(_send_all(settings, clients, records, t0))
+    end = sum(p.duration_s for p in settings.phases)
+    next_decision = settings.interval_s
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while True:
+            now = time.monotonic() - t0
+            await _scrape(http, servers, state, t0, keep_s=settings.window.window_seconds + settings.interval_s)
+            if now >= next_decision:
+                _control(state, settings, servers, next_decision, now)
+                interval = state.intervals[-1]
+                progress(f"[{state.plan.label}] t={now:5.0f} s chunk {interval['chunk_size']:>5} "
+                         f"{interval['queue_policy']:<5} {interval['decision']['summary']}")
+                next_decision += settings.interval_s
+            if now >= end:
+                break
+            await asyncio.sleep(max(0.0, settings.scrape_interval_s - (time.monotonic() - t0 - now)))
+    await load
+    return records
+
+
+async def _scrape(http, servers: Sequence[LoopServer], state: _Loop, t0: float, keep_s: float) -> None:
+    async def one(server: LoopServer) -> None:
+        with contextlib.suppress(Exception):  # a missed scrape is a gap in the window, as with Prometheus
+            response = await http.get(server.base_url + "/metrics")
+            scrape = parse_scrape(response.text, server.name, time.monotonic() - t0)
+            history = state.scrapes[server.name]
+            history.append(scrape)
+            while history and history[0].time < scrape.time - keep_s:
+                history.pop(0)
+
+    await asyncio.gather(*(one(s) for s in servers))
+
+
+def _control(state: _Loop, settings: LoopSettings, servers: Sequence[LoopServer], due: float, now: float) -> None:
+    """One control interval: observe, decide (unless static), carry the decision out, record it."""
+    try:
+        observation = observe(state.scrapes, settings.window, now)
+    except ms.MetricsUnavailable:
+        observation = None
+    before = state.current
+    if state.plan.autotune is None:
+        summary = reason = "static config"
+        changed, actions, to = False, ["static"], (before.chunk_size, before.queue_policy)
+    else:
+        decision = decide(observation, before, state.plan.autotune, now)
+        changed, actions, reason = decision.changed, [a.value for a in decision.actions], decision.reason
+        to = (decision.chunk_size, decision.queue_policy)
+        summary = decision.describe_change(before) if changed else actions[0]
+        if changed:
+            scheduler = configmap.scheduler_for(decision, state.config.scheduler)
+            state.config = configmap.next_server_config(state.config, scheduler)
+            for server in servers:
+                server.write_config(state.config)
+            state.current = CurrentConfig.from_scheduler(scheduler, before.replicas, state.config.generation,
+                                                         last_change_time=now)
+    generations = observation.pod_generations if observation else {}
+    state.intervals.append({
+        "t_start": round(due - settings.interval_s, 3), "t_end": round(due, 3),
+        "chunk_size": before.chunk_size, "queue_policy": before.queue_policy, "generation": before.generation,
+        "pods_on_generation": sum(1 for g in generations.values() if g >= before.generation),
+        "observed": _observed(observation),
+        "decision": {"changed": changed, "actions": actions, "summary": summary, "reason": reason,
+                     "to": {"chunk_size": to[0], "queue_policy": to[1]}},
+    })
+
+
+def _observed(observation) -> dict[str, Any] | None:
+    if observation is None:
+        return None
+
+    def ms_of(seconds):
+        return round(seconds * 1000, 2) if seconds is not None else None
+
+    return {"tbt_p99_ms": ms_of(observation.tbt_p99_s), "ttft_p99_ms": ms_of(observation.ttft_p99_s),
+            "short_tbt_p99_ms": ms_of(observation.short_tbt_p99_s), "samples": observation.sample_count,
+            "output_tok_s": round(observation.output_tokens_per_s, 2),
+            "long_prompt_share": observation.long_prompt_share}
+
+
+async def _send_all(settings: LoopSettings, clients: Sequence[HttpClient], records: list[RequestRecord],
+                    t0: float) -> None:
+    tasks = []
+    for number, item in enumerate(settings.requests):
+        delay = t0 + item.offset_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        request = item.request
+        record = RequestRecord(index=request.index, kind=request.kind, max_tokens=request.max_tokens,
+                               prompt_tokens=request.prompt_len, scheduled_s=item.offset_s)
+        records.append(record)
+        tasks.append(asyncio.create_task(_send(clients[number % len(clients)], request, record, t0,
+                                               settings.request_timeout_s)))
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=settings.drain_timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _send(client: HttpClient, request, record: RequestRecord, t0: float, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(client.send(request, record, t0), timeout_s)
+    except asyncio.TimeoutError:
+        record.error, record.end_s = f"timeout: no completion within {timeout_s:g} s", None
+    except asyncio.CancelledError:
+        record.error, record.end_s = "cancelled: unfinished when the drain ended", None
+        raise
+    except Exception as exc:  # noqa: BLE001 - one broken request must not end the run
+        record.error, record.end_s = f"{type(exc).__name__}: {exc}", None
+
+
+# --- the whole command ---------------------------------------------------------------------------------------------
+
+def report(runs: list[dict[str, Any]], settings: LoopSettings, command: str) -> dict[str, Any]:
+    """Client-side interval and phase stats per run, the oracle, and the targets; records are dropped."""
+    bounds = phase_bounds(settings.phases)
+    durations = [end - start for start, end in bounds]
+    static_phases: dict[str, list[dict[str, Any]]] = {}
+    target_ms = settings.slo_tbt_s * 1000
+    ttft_ms = settings.slo_ttft_s * 1000 if settings.slo_ttft_s is not None else None
+    for run in runs:
+        records = run.pop("records")
+        good = loop_report.good_requests(records, settings.slo_tbt_s, settings.slo_ttft_s)
+        run["phases"] = [dict(label=p.label, **s.to_dict()) for p, s in
+                         zip(settings.phases, loop_report.phase_stats(records, good, bounds), strict=True)]
+        run["goodput_tok_s"] = round(loop_report.run_goodput(run["phases"], durations), 3)
+        run["requests"] = {"sent": sum(1 for r in records if r.sent_s is not None),
+                           "completed": sum(1 for r in records if r.ok), "good": len(good),
+                           "errors": sorted({(r.error or "")[:80] for r in records if r.error})[:5]}
+        for interval in run["intervals"]:
+            interval["client"] = loop_report.window_stats(records, good, interval["t_start"],
+                                                          interval["t_end"]).to_dict()
+        phase_of = [_phase_at(bounds, interval["t_end"] - 1e-6) for interval in run["intervals"]]
+        if run["static"]:
+            static_phases[run["label"]] = run["phases"]
+        else:
+            run["targets"] = loop_report.loop_targets(run["intervals"], phase_of, target_ms, ttft_ms)
+    best = loop_report.oracle(static_phases, durations)
+    for run in runs:
+        if not run["static"] and best:
+            run["targets"]["goodput_vs_oracle"] = round(run["goodput_tok_s"] / best["goodput_tok_s"], 4) \
+                if best["goodput_tok_s"] > 0 else None
+    return {
+        "command": command,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version()},
+        "slo": {"tbt_p99_ms": target_ms, "ttft_p99_ms": ttft_ms},
+        "interval_s": settings.interval_s, "window_s": settings.window.window_seconds,
+        "phases": [{"label": p.label, "workload": p.workload, "rate": p.rate, "duration_s": p.duration_s,
+                    "long_fraction": p.long_fraction} for p in settings.phases],
+        "runs": runs,
+        "oracle": best,
+    }
+
+
+def _phase_at(bounds: Sequence[tuple[float, float]], t: float) -> int:
+    return next((i for i, (start, end) in enumerate(bounds) if start <= t < end), len(bounds) - 1)
+
+
+def autotune_for(base: AutotuneSpec, policy) -> AutotuneSpec:
+    from dataclasses import replace
+
+    return replace(base, mode=AutotuneMode.APPLY, policy=policy, scale_replicas=False)

@@ -1,0 +1,125 @@
+"""What one `metronome bench loop` command measured, from the clients' own token timestamps. Pure.
+
+- A request is *good* when it completed, its TTFT met the TTFT limit (when one is set) and the p99 of its own
+  token gaps met the TBT target (stats.is_good). Goodput = output tokens per second of good requests, counted
+  when each token was emitted, so an interval's or a phase's goodput is what reached users on time then.
+- The oracle is the best static config per phase in hindsight: for each phase, the highest goodput any `--static`
+  run had in it. The loop is judged against the sum over phases, and each static config by its worst phase.
+- Targets (issue 12): intervals from the violating start until an interval's client-side TBT p99 is within target;
+  config changes per 10 intervals once a phase has settled (after its first `settle_intervals`); intervals where
+  TTFT p99 exceeded its limit while the last change before it had shrunk the budget.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from metronome.server.bench.records import RequestRecord
+from metronome.server.bench.stats import gaps, is_good, percentile, ttft
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    tbt_p99_ms: float | None
+    ttft_p99_ms: float | None
+    throughput_tok_s: float
+    goodput_tok_s: float
+    tokens: int
+    requests_started: int  # first token inside the window
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def good_requests(records: Iterable[RequestRecord], slo_tbt_s: float, slo_ttft_s: float | None) -> set[int]:
+    return {r.index for r in records if is_good(r, slo_tbt_s, slo_ttft_s)}
+
+
+def window_stats(records: Sequence[RequestRecord], good: set[int], start: float, end: float) -> WindowStats:
+    """Tokens, gaps and first tokens whose time falls in [start, end)."""
+    span = max(end - start, 1e-9)
+    tokens = good_tokens = started = 0
+    window_gaps: list[float] = []
+    first_tokens: list[float] = []
+    for record in records:
+        times = record.token_times_s
+        inside = [t for t in times if start <= t < end]
+        if not inside:
+            continue
+        tokens += len(inside)
+        if record.index in good:
+            good_tokens += len(inside)
+        window_gaps += [gap for t, gap in zip(times[1:], gaps(times), strict=True) if start <= t < end]
+        if start <= times[0] < end:
+            started += 1
+            first = ttft(record)
+            if first is not None:
+                first_tokens.append(first)
+    return WindowStats(tbt_p99_ms=_ms(percentile(window_gaps, 99)), ttft_p99_ms=_ms(percentile(first_tokens, 99)),
+                       throughput_tok_s=tokens / span, goodput_tok_s=good_tokens / span, tokens=tokens,
+                       requests_started=started)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return round(seconds * 1000, 2) if seconds is not None else None
+
+
+def phase_stats(records: Sequence[RequestRecord], good: set[int],
+                bounds: Sequence[tuple[float, float]]) -> list[WindowStats]:
+    return [window_stats(records, good, start, end) for start, end in bounds]
+
+
+# --- across runs ---------------------------------------------------------------------------------------------------
+
+def oracle(static_runs: Mapping[str, Sequence[Mapping[str, Any]]], durations: Sequence[float]) -> dict[str, Any]:
+    """Per phase, the static config with the highest goodput; the oracle's goodput over the whole run; and each
+    static config's worst loss against the per-phase best."""
+    if not static_runs:
+        return {}
+    best = []
+    for number in range(len(durations)):
+        label, stats = max(((label, phases[number]) for label, phases in static_runs.items()),
+                           key=lambda item: item[1]["goodput_tok_s"])
+        best.append({"phase": number, "config": label, "goodput_tok_s": stats["goodput_tok_s"]})
+    total = sum(b["goodput_tok_s"] * d for b, d in zip(best, durations, strict=True)) / sum(durations)
+    losses = {}
+    for label, phases in static_runs.items():
+        per_phase = [1.0 - p["goodput_tok_s"] / b["goodput_tok_s"] if b["goodput_tok_s"] > 0 else 0.0
+                     for p, b in zip(phases, best, strict=True)]
+        losses[label] = {"worst_phase": max(range(len(per_phase)), key=per_phase.__getitem__),
+                         "worst_loss": round(max(per_phase), 4), "loss_by_phase": [round(x, 4) for x in per_phase]}
+    return {"best_by_phase": best, "goodput_tok_s": total, "static_losses": losses}
+
+
+def run_goodput(phases: Sequence[Mapping[str, Any]], durations: Sequence[float]) -> float:
+    return sum(p["goodput_tok_s"] * d for p, d in zip(phases, durations, strict=True)) / sum(durations)
+
+
+def loop_targets(intervals: Sequence[Mapping[str, Any]], phases_of_intervals: Sequence[int], target_ms: float,
+                 ttft_limit_ms: float | None, settle_intervals: int = 3) -> dict[str, Any]:
+    """Convergence, steadiness and the TTFT guard of one loop run (see the module docstring)."""
+    to_slo = next((i + 1 for i, interval in enumerate(intervals)
+                   if (interval["client"]["tbt_p99_ms"] or float("inf")) <= target_ms), None)
+    steady: list[Mapping[str, Any]] = []
+    seen: dict[int, int] = {}
+    for interval, phase in zip(intervals, phases_of_intervals, strict=True):
+        seen[phase] = seen.get(phase, 0) + 1
+        if seen[phase] > settle_intervals:
+            steady.append(interval)
+    changes = sum(1 for interval in steady if interval["decision"]["changed"])
+    ttft_hurt = []
+    last_change = None
+    for number, interval in enumerate(intervals):
+        ttft_ms = interval["client"]["ttft_p99_ms"]
+        if ttft_limit_ms is not None and ttft_ms is not None and ttft_ms > ttft_limit_ms and last_change == "down":
+            ttft_hurt.append(number + 1)
+        if interval["decision"]["changed"]:
+            last_change = "down" if interval["decision"]["to"]["chunk_size"] < interval["chunk_size"] else "up"
+    return {
+        "intervals_to_slo": to_slo,
+        "steady_intervals": len(steady),
+        "steady_changes": changes,
+        "changes_per_10_intervals": round(10 * changes / len(steady), 2) if steady else None,
+        "ttft_over_limit_after_shrink": ttft_hurt,
+    }
