@@ -33,7 +33,7 @@ def set_mode(core, mode: str, pieces) -> None:
 def profile_step(core, torch) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
         _, stats = core.step()
         torch.cuda.synchronize()
     launches: dict[str, int] = {}
@@ -116,13 +116,18 @@ def main() -> int:
     decode_params = SamplingParams(max_tokens=10_000 if not args.smoke else 200, temperature=0.0, ignore_eos=True)
     max_tokens = min(core.max_model_len - args.context - 1, decode_params.max_tokens)
     decode_params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for _ in range(args.decodes):
-        core.add_request([rng.randrange(3, vocab) for _ in range(args.context)], decode_params)
-    while any(s.is_prefilling for s in core.live_sequences()):
-        core.step()
+    decoding = {core.add_request([rng.randrange(3, vocab) for _ in range(args.context)], decode_params)
+                for _ in range(args.decodes)}
+    started: set[str] = set()
+    while started != decoding:  # every decode has its first token: the whole batch is past its prefill
+        events, _ = core.step()
+        started.update(e.request_id for e in events if e.token_id >= 0)
     core.reconfigure(SchedulerConfig(chunk_size=args.chunk, max_num_seqs=args.decodes + 1, queue_policy="fcfs"))
     for _ in range(3):
-        core.step()
+        _, stats = core.step()
+    if stats.num_decode_tokens != args.decodes or stats.num_prefill_tokens:
+        raise SystemExit(f"expected {args.decodes} running decodes, got a step of {stats.num_decode_tokens} decodes "
+                         f"and {stats.num_prefill_tokens} prefill tokens")
 
     steps = []
     chunks_per_request = 4
@@ -137,12 +142,14 @@ def main() -> int:
                 wall = time.perf_counter() - t0
                 steps.append({"mode": mode, "rep": rep, "chunk_start": i * args.chunk, "wall_ms": wall * 1e3,
                               "host_ms": stats.scheduler_overhead_s * 1e3, "num_tokens": stats.num_tokens,
-                              "prefill_tokens": stats.num_prefill_tokens, "forward": stats.forward})
+                              "decodes": stats.num_decode_tokens, "prefill_tokens": stats.num_prefill_tokens,
+                              "forward": stats.forward})
     result["steps"] = steps
     dtype_bytes = torch.empty((), dtype=core.runner.kv_caches[0][0].dtype).element_size()
     summary = {}
     for mode in MODES:
-        mine = [s for s in steps if s["mode"] == mode and s["prefill_tokens"] == args.chunk]
+        mine = [s for s in steps if s["mode"] == mode and s["prefill_tokens"] == args.chunk
+                and s["decodes"] == args.decodes]
         wall = statistics.median(s["wall_ms"] for s in mine)
         floors = [mixed_floor(core.loaded.config, args.decodes, args.context, args.chunk, s["chunk_start"],
                               result["device"], dtype_bytes)["floor_ms"] for s in mine]
@@ -166,13 +173,16 @@ def main() -> int:
             core.add_request([rng.randrange(3, vocab) for _ in range(args.chunk * 2)],
                              SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             core.step()  # the first chunk, unprofiled (warm)
-            profiles[mode] = profile_step(core, torch)
+            profiles[mode] = profile_step(core, torch)  # the second chunk
         set_mode(core, "piecewise", pieces)
-        core.step()  # decode-only: the decode graph
+        while core.step()[1].num_prefill_tokens:  # the last chunk; then decode-only steps (the decode graph)
+            pass
         profiles["decode_graph"] = profile_step(core, torch)
         result["profiles"] = profiles
     set_mode(core, "piecewise", pieces)
+    from metronome.kernels import compile_watch
     result["kernel_compiles_after_ready"] = core.stats().kernel_compiles_after_ready
+    result["kernel_compiles_total"] = compile_watch.count()  # 0 on a GPU would mean the hook is not installed
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{'mode':<14} {'step ms':>8} {'host ms':>8} {'floor ms':>8} {'x floor':>7} {'x piecewise':>11}")
