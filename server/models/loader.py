@@ -12,7 +12,10 @@ so an 8B random model on a GPU never allocates its weights on the CPU or in floa
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
@@ -138,12 +141,31 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def build_empty_model(config: ModelConfig, attention, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """The module with uninitialised weights of the right dtype, allocated once, on the target device."""
-    with torch.device("meta"):
+    """The module with uninitialised weights of the right dtype, allocated once, on the target device.
+
+    Built on the meta device with torch.nn.init switched off: the modules' own random init is overwritten by
+    loading anyway, and on meta tensors it runs through Python decompositions (2 s of a cold start for one
+    embedding). Materialised with torch.empty per tensor rather than to_empty, whose empty_like on meta
+    tensors pays the same first-call cost."""
+    with _no_init(), torch.device("meta"):
         model = LlamaForCausalLM(config, attention)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.requires_grad_(False)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _no_init():
+    """torch.nn.init's in-place initialisers as no-ops (as transformers' no_init_weights does)."""
+    names = [name for name in dir(torch.nn.init) if name.endswith("_") and not name.startswith("_")]
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 def attention_backend_for(requested: str, device: torch.device, block_size: int, head_dim: int):
@@ -172,8 +194,14 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
     source = parse_model_spec(spec)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    started = time.perf_counter()
     reader = _SOURCE_READERS[source.kind](source)
     config = reader.config()
+    # The tokenizer (transformers' import, the vocabulary) builds on a second thread while the weights load: both
+    # are on a cold start's critical path and the weights' torch ops release the GIL.
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="metronome-load-tokenizer")
+    tokenizer_future = tokenizer_thread.submit(reader.tokenizer, config)
+    tokenizer_thread.shutdown(wait=False)
     attention = attention_backend_for(attention_backend, torch_device, block_size, config.head_dim)
     if tensor_parallel is None:
         model = build_empty_model(config, attention, torch_device, torch_dtype)
@@ -192,7 +220,10 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
             if isinstance(error, ModelNotFoundError):
                 raise
             raise ModelNotFoundError(f"the weights of {source.target} do not fit its config: {error}") from None
-    tokenizer = reader.tokenizer(config)
+    weights_done = time.perf_counter()
+    tokenizer = tokenizer_future.result()
+    log.info("model %s: weights in %.2fs, tokenizer ready %.2fs later", source.name, weights_done - started,
+             time.perf_counter() - weights_done)
     for note in config.notes:
         log.warning("model %s: %s", source.name, note)
     return LoadedModel(source.name, config, model, tokenizer, torch_dtype, torch_device)
