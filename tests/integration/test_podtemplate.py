@@ -17,6 +17,7 @@ from operator_harness import (
     chart_release,
     condition,
     ensure_crd,
+    events_for,
     get_json,
     service_account_kubeconfig,
     wait_for,
@@ -227,3 +228,19 @@ def test_replica_failure_reaches_the_ready_condition(cluster, operator, ns):
     cluster.kubectl("delete", "quota", "no-pods", "-n", ns)
     wait_for(lambda: (condition(_service(cluster, ns), "Ready") or {}).get("status") == "True",
              "Ready again once the quota is gone", timeout=180)
+
+
+def test_what_only_the_operator_can_check_is_refused_in_an_event(cluster, operator, ns):
+    """The schema cannot check label keys; the operator does, and says which field in an InvalidSpec Event."""
+    bad = _with("metadata.name", "bad-labels")
+    bad["spec"]["podTemplate"]["metadata"]["labels"] = {"not a key!": "x"}
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(bad))
+
+    def refusal():
+        events = events_for(cluster, ns, "bad-labels")
+        return next((e for e in events if e["reason"] == "InvalidSpec"), None)
+
+    event = wait_for(refusal, "an InvalidSpec Event for bad-labels")
+    assert event["type"] == "Warning"
+    assert event["message"].startswith("spec.podTemplate.metadata.labels: 'not a key!' is not a valid key")
+    assert get_json(cluster, "deployment", "bad-labels", "-n", ns) is None
