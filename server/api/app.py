@@ -6,32 +6,42 @@ config watcher, marks the server ready, and shuts both down on exit.
 What one client sends must not slow the others' streams: request bodies are size-limited while they stream in
 (body_limit.py), and prompts are tokenized and chat templates rendered on worker threads after a size check
 (tokenization.py), so the event loop only ever does work proportional to the body it accepted.
+
+Fields the API does not know are logged once each and ignored, unless `strict_openai` (then a 400 names them).
+The model answers to its served name, its aliases and the name it was loaded as (e.g. the Hugging Face id).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from metronome import __version__
+from metronome.server.api.auth import ApiKeyAuth
 from metronome.server.api.body_limit import BodyLimit
-from metronome.server.api.generation import run_request
+from metronome.server.api.generation import Job, run_request
 from metronome.server.api.http_errors import error_response, install_error_handlers
 from metronome.server.api.metrics import CONTENT_TYPE
 from metronome.server.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
     now_unix,
 )
 from metronome.server.api.responses import ChatShaper, CompletionShaper
 from metronome.server.api.state import ServerState
 from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_TOKENIZER_WORKERS
 from metronome.server.api.tokenization import TokenizerPool
-from metronome.server.engine.sampling import SamplingParams
+from metronome.server.api.tools import forced_call_schema
+from metronome.server.engine.sampling import Grammar, SamplingParams
 from metronome.contract.errors import (
     EngineDrainingError,
     EngineOverloadedError,
@@ -46,24 +56,40 @@ log = logging.getLogger("metronome.api")
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
-def sampling_params(body, max_tokens: int) -> SamplingParams:
+def sampling_params(body, max_tokens: int, logprobs: int | None = None, grammar: Grammar | None = None,
+                    choice: int = 0) -> SamplingParams:
+    """Choice `choice` of n: a seeded request's choices draw with seeds seed, seed + 1, ... (distinct, and each
+    reproducible)."""
     temperature = 1.0 if body.temperature is None else body.temperature
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
-        seed=body.seed,
+        min_p=body.min_p or 0.0,
+        seed=None if body.seed is None else (body.seed + choice) % (1 << 63),
         stop=body.stop_strings(),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=body.logit_bias_items(),
+        logprobs=logprobs,
+        grammar=grammar,
     )
 
 
 def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS) -> FastAPI:
+               tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS, *, strict_openai: bool = False,
+               api_keys: tuple[str, ...] = (), aliases: tuple[str, ...] = (),
+               tool_call_parser: str = "auto") -> FastAPI:
+    """`aliases`: more names the model answers to; `api_keys`: when any, every route but the probes, /metrics
+    and /version needs one (auth.py); `tool_call_parser`: "auto", "qwen2" or "llama3" (tools.py)."""
     metrics = state.metrics
     lifecycle = state.lifecycle
+    model_names = list(dict.fromkeys([state.served_model_name, *aliases, engine.model_name]))
+    unknown_logged: set[str] = set()
     tokenizer_pool = TokenizerPool(engine.tokenizer, engine.max_model_len, workers=tokenizer_workers,
                                    max_pending=engine.core.config.max_waiting)
 
@@ -83,19 +109,42 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
             await engine.shutdown()
             tokenizer_pool.shutdown()
 
-    app = FastAPI(title="Metronome", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="Metronome", version=__version__, lifespan=lifespan)
     install_error_handlers(app, on_reject=metrics.on_rejected)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, on_reject=metrics.on_rejected)
+    if api_keys:
+        app.add_middleware(ApiKeyAuth, keys=api_keys)  # added last: runs first, before a body is read
 
-    def admit(body) -> None:
+    @functools.lru_cache(maxsize=65536)
+    def token_text(token: int) -> str:
+        return engine.tokenizer.decode([token], skip_special_tokens=False)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in model_names:
+            raise ModelNotFoundError(
+                f"model {name!r} is not served here; this server serves {', '.join(map(repr, model_names))}")
+
+    def check_unknown(body, route: str) -> None:
+        fields = body.unknown_fields()
+        if not fields:
+            return
+        if strict_openai:
+            raise InvalidRequestError(f"unknown field {fields[0]!r} (this server runs with --strict-openai)",
+                                      param=fields[0])
+        new = [f for f in fields if (route, f) not in unknown_logged]
+        if new:
+            unknown_logged.update((route, f) for f in new)
+            log.warning("%s: ignoring unknown field(s) %s (logged once per field; --strict-openai refuses them)",
+                        route, ", ".join(new))
+
+    def admit(body, route: str) -> None:
         """Checks before the engine sees the request; counted here because the engine never will."""
         if not lifecycle.accepting:
             raise EngineDrainingError("the server is shutting down and takes no new requests"
                                       if lifecycle.draining else "the server is not ready yet")
-        if body.model is not None and body.model != state.served_model_name:
-            raise ModelNotFoundError(
-                f"model {body.model!r} is not served here; this server serves {state.served_model_name!r}")
+        check_model(body.model)
         try:
+            check_unknown(body, route)
             body.check_supported()
         except InvalidRequestError:
             metrics.on_rejected("invalid")
@@ -114,31 +163,77 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        admit(body)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            prompt = await tokenized(tokenizer_pool.encode(prompt))
-        params = sampling_params(body, max_tokens=body.max_tokens if body.max_tokens is not None else 16)
-        shaper = CompletionShaper(state.served_model_name)
-        return await run_request(engine, lifecycle, request, prompt, params, shaper, body.stream,
-                                 body.include_usage_in_stream())
+        admit(body, "/v1/completions")
+        prompts = [await tokenized(tokenizer_pool.encode(p)) if isinstance(p, str) else p for p in body.prompts()]
+        grammar = body.grammar()
+        jobs = [Job(ids, sampling_params(body, max_tokens=body.max_tokens if body.max_tokens is not None else 16,
+                                         logprobs=body.logprobs, grammar=grammar, choice=choice), index)
+                for index, ids in enumerate(prompts) for choice in range(body.n)]
+        echo = None
+        if body.echo:
+            texts = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in body.prompts()]
+            echo = [texts[job.prompt_index] for job in jobs]
+        shaper = CompletionShaper(state.served_model_name, token_text, echo=echo)
+        return await run_request(engine, lifecycle, request, jobs, shaper, body.stream,
+                                 body.include_usage_in_stream(), body.continuous_usage())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        admit(body)
-        prompt = await tokenized(tokenizer_pool.render_chat(body.template_messages(), body.add_generation_prompt))
+        admit(body, "/v1/chat/completions")
+        tools = body.active_tools()
+        prompt = await tokenized(tokenizer_pool.render_chat(body.template_messages(), body.add_generation_prompt,
+                                                            tools or None))
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # OpenAI's default: as much as the context allows
             max_tokens = max(engine.max_model_len - len(prompt), 1)
-        params = sampling_params(body, max_tokens=max_tokens)
-        shaper = ChatShaper(state.served_model_name)
-        return await run_request(engine, lifecycle, request, prompt, params, shaper, body.stream,
-                                 body.include_usage_in_stream())
+        forced = body.forced_tool()
+        grammar = body.grammar()
+        if forced is not None:
+            schema = forced_call_schema(tools, None if forced == "*" else forced)
+            grammar = Grammar("json_schema", json.dumps(schema))
+        jobs = [Job(prompt, sampling_params(body, max_tokens=max_tokens, logprobs=body.top_logprobs_count(),
+                                            grammar=grammar, choice=choice)) for choice in range(body.n)]
+        shaper = ChatShaper(state.served_model_name, token_text, tools=tools, tool_format=tool_call_parser,
+                            forced=forced is not None, parallel_tool_calls=body.parallel_tool_calls is not False)
+        return await run_request(engine, lifecycle, request, jobs, shaper, body.stream,
+                                 body.include_usage_in_stream(), body.continuous_usage())
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=state.served_model_name, created=now_unix(), max_model_len=engine.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        created = now_unix()
+        cards = [ModelCard(id=name, created=created, max_model_len=engine.max_model_len, root=engine.model_name)
+                 for name in model_names]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        check_unknown(body, "/tokenize")
+        body.check_text()
+        if body.messages is not None:
+            messages = [m.template_dict() for m in body.messages]
+            tools = [t.as_dict() for t in body.tools or []] or None
+            tokens = await tokenized(tokenizer_pool.render_chat(messages, body.add_generation_prompt, tools))
+        else:
+            tokens = await tokenized(tokenizer_pool.encode(body.prompt or ""))
+        reply = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            reply["token_strs"] = [token_text(t) for t in tokens]
+        return reply
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        check_unknown(body, "/detokenize")
+        bad = [t for t in body.tokens if t >= engine.core.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary of {engine.core.vocab_size}",
+                                      param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     def engine_dead() -> bool:
         """Started, yet the step thread is gone: only a restart helps (liveness fails)."""

@@ -5,12 +5,16 @@ handlers, so they become 400/429 before any byte of a stream is sent. The engine
 the response ends for any reason — finished, client gone, server cancelled — which aborts the request in the
 engine and frees its KV blocks. A client that leaves while its request still waits for a first token, or
 during a non-streamed generation, is noticed by watching the ASGI channel for `http.disconnect`.
+
+A request with several choices (n > 1, batched prompts) is one engine request per choice; their events are
+merged as they come, and every one of them is closed with the response.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable
 
 import anyio
@@ -19,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from metronome.server.api.lifecycle import Lifecycle
-from metronome.server.api.responses import DONE, Tally, sse
+from metronome.server.api.responses import DONE, Tally, sse, total_usage
 
 log = logging.getLogger("metronome.api")
 
@@ -41,28 +45,72 @@ class SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
-async def run_request(engine, lifecycle: Lifecycle, request: Request, prompt, params, shaper, stream: bool,
-                      include_usage: bool):
-    request_id = shaper.id
-    lifecycle.begin(request_id)
-    events = engine.generate(prompt, params, request_id=request_id)
+@dataclass(frozen=True)
+class Job:
+    """One choice of a response: a prompt (token ids) and its sampling params."""
+
+    prompt: list[int]
+    params: object
+    prompt_index: int = 0
+
+
+async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list[Job], shaper, stream: bool,
+                      include_usage: bool, continuous_usage: bool = False):
+    ids = [shaper.id] if len(jobs) == 1 else [f"{shaper.id}-{i}" for i in range(len(jobs))]
+    for request_id in ids:
+        lifecycle.begin(request_id)
+    streams = [engine.generate(job.prompt, job.params, request_id=rid) for job, rid in zip(jobs, ids)]
     try:
-        first = await unless_disconnected(request, events.__anext__())
+        # Each stream's first event: validation and overload errors surface here, before any byte is sent.
+        firsts = await unless_disconnected(request, asyncio.gather(*(s.__anext__() for s in streams),
+                                                                   return_exceptions=True))
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            raise failed
     except BaseException as exc:
-        await _close(events, lifecycle, request_id)
+        await _close_all(streams, lifecycle, ids)
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)  # nobody is listening; the status only shows in access logs
         raise
+    tallies = [Tally(prompt_index=job.prompt_index) for job in jobs]
+    events = _merged(streams, firsts)
     if stream:
-        body = _stream(events, first, shaper, include_usage, lifecycle, request_id)
+        body = _stream(events, tallies, shaper, include_usage, continuous_usage, lifecycle, streams, ids)
         return SSEResponse(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        tally = await unless_disconnected(request, _collect(events, first))
+        await unless_disconnected(request, _collect(events, tallies))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
-        await _close(events, lifecycle, request_id)
-    return JSONResponse(shaper.whole(tally))
+        await _close_all(streams, lifecycle, ids)
+    return JSONResponse(shaper.whole(tallies))
+
+
+async def _merged(streams, firsts) -> AsyncIterator[tuple[int, object]]:
+    """(choice index, event) from every stream, each stream's events in order, until all have finished."""
+    pending: dict[asyncio.Future, int] = {}
+    for index, first in enumerate(firsts):
+        yield index, first
+        if not first.finished:
+            pending[asyncio.ensure_future(streams[index].__anext__())] = index
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                index = pending.pop(task)
+                try:
+                    event = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, event
+                if not event.finished:
+                    pending[asyncio.ensure_future(streams[index].__anext__())] = index
+    finally:
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(BaseException):
+                await task
 
 
 class ClientDisconnected(Exception):
@@ -97,56 +145,44 @@ async def _until_disconnected(request: Request) -> None:
             return
 
 
-async def _collect(events, first) -> Tally:
-    tally = Tally()
-    event = first
-    while event is not None:
-        tally.add(event)
-        if event.finished:
-            break
-        event = await _next_or_none(events)
-    return tally
+async def _collect(events, tallies: list[Tally]) -> None:
+    async for index, event in events:
+        tallies[index].add(event)
 
 
-async def _stream(events, first, shaper, include_usage: bool, lifecycle: Lifecycle,
-                  request_id: str) -> AsyncIterator[str]:
-    tally = Tally()
+async def _stream(events, tallies: list[Tally], shaper, include_usage: bool, continuous_usage: bool,
+                  lifecycle: Lifecycle, streams, ids: list[str]) -> AsyncIterator[str]:
     try:
-        for chunk in shaper.opening_chunks():
+        for chunk in shaper.opening_chunks(list(range(len(tallies)))):
             yield chunk
-        event = first
-        while event is not None:
+        async for index, event in events:
+            tally = tallies[index]
             tally.add(event)
             # One chunk per token, even while a multi-byte character is incomplete (empty text): clients and
             # `metronome bench` time every token from its own chunk.
             if event.text or not event.finished:
-                yield shaper.text_chunk(event.text)
+                for chunk in shaper.event_chunks(index, event, tally, tally.usage() if continuous_usage else None):
+                    yield chunk
             if event.finished:
-                break
-            event = await _next_or_none(events)
-        yield shaper.final_chunk(tally.finish_reason)
+                for chunk in shaper.final_chunks(index, tally):
+                    yield chunk
         if include_usage:
-            yield shaper.usage_chunk(tally.usage())
+            yield shaper.usage_chunk(total_usage(tallies))
         yield DONE
     except Exception as exc:  # the engine failed mid-stream: tell the client in-band, the status is already sent
-        log.exception("stream %s failed", request_id)
+        log.exception("stream %s failed", shaper.id)
         yield sse({"error": {"message": f"generation failed: {type(exc).__name__}: {exc}", "type": "server_error",
                              "param": None, "code": None}})
         yield DONE
     finally:
         with anyio.CancelScope(shield=True):
-            await _close(events, lifecycle, request_id)
+            await events.aclose()
+            await _close_all(streams, lifecycle, ids)
 
 
-async def _next_or_none(events):
-    try:
-        return await events.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def _close(events, lifecycle: Lifecycle, request_id: str) -> None:
-    try:
-        await events.aclose()
-    finally:
-        lifecycle.end(request_id)
+async def _close_all(streams, lifecycle: Lifecycle, ids: list[str]) -> None:
+    for events, request_id in zip(streams, ids):
+        try:
+            await events.aclose()
+        finally:
+            lifecycle.end(request_id)

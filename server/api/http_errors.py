@@ -16,13 +16,18 @@ from metronome.contract.errors import EngineDrainingError, EngineOverloadedError
 
 log = logging.getLogger("metronome.api")
 
+# OpenAI's error `type`s (its error-codes guide): a request the client must change is "invalid_request_error"
+# whatever the status (an unknown model is 404 with code "model_not_found", a bad key 401 with code
+# "invalid_api_key"); "rate_limit_error" for 429, "service_unavailable_error" for 503, else "server_error".
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
-    404: "not_found_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
-    503: "service_unavailable",
+    503: "service_unavailable_error",
 }
 
 

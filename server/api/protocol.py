@@ -2,13 +2,14 @@
 
 Requests are validated here (shape, ranges, unsupported options) so that a bad body becomes a 400 naming the
 field; the engine then validates what depends on the model (prompt length, token ids). Unknown fields are
-rejected rather than silently ignored: a client that asks for `logit_bias` should learn it had no effect.
-Options that OpenAI clients commonly send with their no-op default (`n=1`, `echo=false`, zero penalties) pass.
+kept aside (`unknown_fields`): the app logs each once and ignores it, as vLLM does, because LiteLLM, LangChain
+and agent SDKs send fields of newer API versions; `metronome serve --strict-openai` refuses them with a 400.
 Numbers must be finite (Python's JSON reader accepts NaN and Infinity), token ids must be integers (not
 booleans) below 2**31, and every string must be encodable as UTF-8 (JSON may carry lone surrogate escapes).
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -16,13 +17,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from metronome.contract.errors import InvalidRequestError
+from metronome.server.engine.sampling import MAX_TOP_LOGPROBS, Grammar
 
 TOKEN_ID_LIMIT = 1 << 31  # no vocabulary is this large; beyond it ids would overflow int32 tensors
+MAX_CHOICES = 128  # n, or prompts x n for a batch of completions (OpenAI's bound for n)
 
 
 class _Request(BaseModel):
     # allow_inf_nan=False: NaN/Infinity get "Input should be a finite number", not a confusing range error.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def unknown_fields(self) -> list[str]:
+        """Dotted paths of the fields this server does not know, in this body and the objects it holds."""
+        return list(_unknown(self, ""))
 
     def check_text(self) -> None:
         """Every string in the request must be encodable as UTF-8; raise InvalidRequestError naming the field."""
@@ -51,6 +58,19 @@ def unencodable_text(value: Any, path: str = "body") -> tuple[str, int, str] | N
     return None
 
 
+def _unknown(value: Any, path: str):
+    if isinstance(value, BaseModel):
+        prefix = f"{path}." if path else ""
+        for name in value.model_extra or {}:
+            yield prefix + name
+        for name in type(value).model_fields:
+            yield from _unknown(getattr(value, name), prefix + name)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if isinstance(item, BaseModel):
+                yield from _unknown(item, f"{path}[{index}]")
+
+
 def _children(value: Any, path: str):
     """(path, value) of what a request value holds; a dict's key comes before its value, so that a path is
     only built from keys already found encodable."""
@@ -58,6 +78,9 @@ def _children(value: Any, path: str):
     if isinstance(value, BaseModel):
         for name in type(value).model_fields:
             yield prefix + name, getattr(value, name)
+        for name, item in (value.model_extra or {}).items():  # unknown fields: their names and text too
+            yield f"{prefix}<key>", name
+            yield prefix + name, item
     elif isinstance(value, dict):
         for key, item in value.items():
             yield f"{prefix}<key>", key
@@ -91,6 +114,29 @@ def _json_name(value: Any) -> str:
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="Extension (vLLM): usage in every chunk.")
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> Grammar | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Grammar("json_object")
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidRequestError("response_format of type json_schema needs json_schema.schema",
+                                      param="response_format.json_schema")
+        return Grammar("json_schema", json.dumps(self.json_schema.schema_))
 
 
 class _SamplingRequest(_Request):
@@ -100,16 +146,19 @@ class _SamplingRequest(_Request):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="Extension: 0 or -1 = off.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="Extension.")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, description="Extension.")
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=1024, description="Extension.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past the end-of-sequence token.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, description="Only 1 is supported.")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    response_format: ResponseFormat | None = None
     user: str | None = None  # accepted and ignored
 
     @field_validator("stop")
@@ -133,16 +182,22 @@ class _SamplingRequest(_Request):
         """Reject options this server does not implement, and text UTF-8 cannot carry. A method, not a pydantic
         validator, so that the error keeps its typed `param` instead of becoming a generic validation error."""
         self.check_text()
-        if self.n != 1:
-            raise InvalidRequestError("only n=1 is supported", param="n")
-        if self.presence_penalty != 0.0:
-            raise InvalidRequestError("presence_penalty is not supported (only 0)", param="presence_penalty")
-        if self.frequency_penalty != 0.0:
-            raise InvalidRequestError("frequency_penalty is not supported (only 0)", param="frequency_penalty")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
-        if self.stream_options is not None and not self.stream:
-            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        self.logit_bias_items()
+
+    def logit_bias_items(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias); keys are token ids written as strings (OpenAI's form)."""
+        items = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 10:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}",
+                                          param="logit_bias")
+            items.append((int(key), float(bias)))
+        return tuple(items)
+
+    def grammar(self) -> Grammar | None:
+        return self.response_format.grammar() if self.response_format is not None else None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -150,15 +205,18 @@ class _SamplingRequest(_Request):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def include_usage_in_stream(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    best_of: int | None = None
-    logprobs: int | None = None
+    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")
@@ -182,37 +240,32 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError("only best_of=1 is supported", param="best_of")
-        if self.logprobs not in (None, 0):
-            raise InvalidRequestError("logprobs are not supported", param="logprobs")
+        if self.best_of not in (None, self.n):
+            raise InvalidRequestError(f"best_of must equal n ({self.n}): choosing the best of several candidates "
+                                      "is not supported", param="best_of")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
-        self.single_prompt()  # reject batches and empty lists up front
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo with logprobs is not supported (prompt logprobs are not computed)",
+                                      param="echo")
+        prompts = self.prompts()  # reject empty lists up front
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise InvalidRequestError(f"{len(prompts)} prompts x n={self.n} is more than {MAX_CHOICES} choices",
+                                      param="prompt")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt to run: a string or a list of token ids. Batches of prompts are rejected."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts to run, each a string or a list of token ids (a batch is a list of either)."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
+            return [prompt]
         if len(prompt) == 0:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         if all(isinstance(item, int) for item in prompt):  # ids checked by _check_prompt_shape
-            return list(prompt)  # type: ignore[arg-type]
-        if len(prompt) > 1:
-            raise InvalidRequestError(
-                "batched prompts are not supported: send one prompt (a string or a list of token ids) per request",
-                param="prompt",
-            )
-        return self._unwrap_single(prompt[0])
-
-    @staticmethod
-    def _unwrap_single(item: Any) -> str | list[int]:
-        if isinstance(item, list) and not item:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        return item
+            return [list(prompt)]  # type: ignore[list-item]
+        for index, item in enumerate(prompt):
+            if len(item) == 0:
+                raise InvalidRequestError(f"prompt[{index}] must not be empty", param="prompt")
+        return list(prompt)  # type: ignore[arg-type]
 
 
 class TextContentPart(_Request):
@@ -220,11 +273,25 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str = Field(..., max_length=256)
+    arguments: str = ""  # JSON text
+
+
+class ToolCallIn(_Request):
+    """A tool call of an earlier assistant message, sent back by the client."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -233,26 +300,132 @@ class ChatMessage(_Request):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_dict(self) -> dict:
+        """The message as chat templates read it (Hugging Face's convention: tool call arguments as objects)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls]
+        return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def as_dict(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = Field(True, description="Extension: end the prompt with the assistant header.")
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise InvalidRequestError("logprobs are not supported", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.n > MAX_CHOICES:
+            raise InvalidRequestError(f"n must be at most {MAX_CHOICES}", param="n")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names():
+            raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                                      param="tool_choice")
+        if self.forced_tool() is not None and self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError("a forced tool call and response_format cannot both constrain the output",
+                                      param="response_format")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict]:
         """Messages as plain dicts for tokenizer.apply_chat_template (content parts joined into text)."""
-        return [{"role": message.role, "content": message.text()} for message in self.messages]
+        return [message.template_dict() for message in self.messages]
+
+    def tool_names(self) -> set[str]:
+        return {tool.function.name for tool in self.tools or []}
+
+    def active_tools(self) -> list[dict]:
+        """The tools the model is shown and whose calls are parsed back (none with tool_choice "none")."""
+        return [] if self.tool_choice == "none" else [tool.as_dict() for tool in self.tools or []]
+
+    def forced_tool(self) -> str | None:
+        """"*" when tool_choice is "required", the function's name when it names one, else None."""
+        if not self.tools:
+            return None
+        if self.tool_choice == "required":
+            return "*"
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Request):
+    """/tokenize (vLLM's shape): a prompt as /v1/completions tokenizes it, or messages as chat renders them."""
+
+    model: str | None = Field(None, max_length=512)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @field_validator("messages")
+    @classmethod
+    def _one_input(cls, value, info):
+        if value is not None and info.data.get("prompt") is not None:
+            raise ValueError("send either prompt or messages, not both")
+        return value
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = Field(None, max_length=512)
+    tokens: list[int] = Field(..., max_length=1 << 20)
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _check_tokens(cls, value: Any) -> Any:
+        if isinstance(value, list) and value:
+            check_token_ids(value, "tokens")
+        return value
 
 
 # ---------------------------------------------------------------------------------------------------- responses
@@ -269,10 +442,19 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions form: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -285,15 +467,30 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -309,12 +506,13 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -332,6 +530,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "metronome"
+    root: str | None = None  # the model as loaded (its Hugging Face id, file or preset)
     max_model_len: int | None = None
 
 

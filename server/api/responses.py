@@ -1,11 +1,14 @@
 """Turning token events into OpenAI bodies: whole responses and SSE chunks, for completions and chat.
 
-Pure functions of (request id, model, events so far); the route glue lives in generation.py.
+A response has one or more choices (n, batched prompts); each choice is one engine request with its own
+`Tally`. The shapers are pure functions of (request id, model, events so far); the route glue lives in
+generation.py.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Callable
 
 from metronome.server.api.protocol import (
     AssistantMessage,
@@ -13,15 +16,22 @@ from metronome.server.api.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     new_id,
     now_unix,
 )
+from metronome.server.api.tools import ToolCall, ToolStream, new_call_id, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
+
+TokenText = Callable[[int], str]  # a token id's own text (for logprobs)
 
 
 def sse(payload: dict) -> str:
@@ -30,12 +40,14 @@ def sse(payload: dict) -> str:
 
 @dataclass
 class Tally:
-    """Accumulates the events of one request."""
+    """Accumulates the events of one choice."""
 
+    prompt_index: int = 0  # which prompt of the request this choice answers (usage counts each prompt once)
     texts: list[str] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)  # (token id, TokenLogprobs) per token, when asked for
 
     def add(self, event) -> None:
         if event.text:
@@ -43,6 +55,8 @@ class Tally:
         self.prompt_tokens = event.prompt_tokens
         # An abort event carries no token; never let it lower the count.
         self.completion_tokens = max(self.completion_tokens, event.completion_tokens)
+        if event.logprobs is not None:
+            self.logprobs.append((event.token_id, event.logprobs))
         if event.finished:
             self.finish_reason = event.finish_reason
 
@@ -54,66 +68,171 @@ class Tally:
         return Usage.of(self.prompt_tokens, self.completion_tokens)
 
 
-class CompletionShaper:
-    """`text_completion` objects."""
+def total_usage(tallies: list[Tally]) -> Usage:
+    prompts = {t.prompt_index: t.prompt_tokens for t in tallies}
+    return Usage.of(sum(prompts.values()), sum(t.completion_tokens for t in tallies))
 
-    id_prefix = "cmpl"
 
-    def __init__(self, model: str):
+class _Shaper:
+    id_prefix = "x"
+
+    def __init__(self, model: str, token_text: TokenText | None = None):
         self.id = new_id(self.id_prefix)
         self.model = model
         self.created = now_unix()
+        self.token_text = token_text or str
 
-    def opening_chunks(self) -> list[str]:
+    def opening_chunks(self, indices: list[int]) -> list[str]:
         return []
-
-    def text_chunk(self, text: str) -> str:
-        return sse(self._chunk([CompletionChoice(text=text, finish_reason=None)]))
-
-    def final_chunk(self, finish_reason: str | None) -> str:
-        return sse(self._chunk([CompletionChoice(text="", finish_reason=finish_reason)]))
 
     def usage_chunk(self, usage: Usage) -> str:
         return sse(self._chunk([], usage))
 
-    def whole(self, tally: Tally) -> dict:
-        return CompletionResponse(id=self.id, created=self.created, model=self.model,
-                                  choices=[CompletionChoice(text=tally.text, finish_reason=tally.finish_reason)],
-                                  usage=tally.usage()).model_dump()
+    def _chunk(self, choices: list, usage: Usage | None = None) -> dict:
+        raise NotImplementedError
+
+
+class CompletionShaper(_Shaper):
+    """`text_completion` objects. `echo[i]`: the prompt text that choice i starts with (echo=true)."""
+
+    id_prefix = "cmpl"
+
+    def __init__(self, model: str, token_text: TokenText | None = None, echo: list[str] | None = None):
+        super().__init__(model, token_text)
+        self.echo = echo
+        self._offsets: dict[int, int] = {}
+
+    def opening_chunks(self, indices: list[int]) -> list[str]:
+        if not self.echo:
+            return []
+        return [sse(self._chunk([CompletionChoice(index=i, text=self.echo[i], finish_reason=None)]))
+                for i in indices]
+
+    def event_chunks(self, index: int, event, tally: Tally, usage: Usage | None = None) -> list[str]:
+        logprobs = None
+        if event.logprobs is not None:
+            logprobs = self._logprobs([(event.token_id, event.logprobs)], self._offsets.get(index, 0))
+            self._offsets[index] = self._offsets.get(index, 0) + len(logprobs.tokens[0])
+        return [sse(self._chunk([CompletionChoice(index=index, text=event.text, logprobs=logprobs,
+                                                  finish_reason=None)], usage))]
+
+    def final_chunks(self, index: int, tally: Tally) -> list[str]:
+        return [sse(self._chunk([CompletionChoice(index=index, text="", finish_reason=tally.finish_reason)]))]
+
+    def whole(self, tallies: list[Tally]) -> dict:
+        choices = []
+        for index, tally in enumerate(tallies):
+            prefix = self.echo[index] if self.echo else ""
+            logprobs = self._logprobs(tally.logprobs, len(prefix)) if tally.logprobs else None
+            choices.append(CompletionChoice(index=index, text=prefix + tally.text, logprobs=logprobs,
+                                            finish_reason=tally.finish_reason))
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                  usage=total_usage(tallies)).model_dump()
+
+    def _logprobs(self, entries, offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for token, lp in entries:
+            text = self.token_text(token)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self.token_text(t): v for t, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> dict:
         body = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
         return body.model_dump(exclude_none=False)
 
 
-class ChatShaper:
-    """`chat.completion` and `chat.completion.chunk` objects."""
+class ChatShaper(_Shaper):
+    """`chat.completion` and `chat.completion.chunk` objects. With `tools`, tool calls in the text are parsed
+    into `tool_calls` (format `tool_format`, see tools.py); `forced`: the output is one bare JSON call (tool_choice
+    "required" or a named function, constrained by a grammar)."""
 
     id_prefix = "chatcmpl"
 
-    def __init__(self, model: str):
-        self.id = new_id(self.id_prefix)
-        self.model = model
-        self.created = now_unix()
+    def __init__(self, model: str, token_text: TokenText | None = None, tools: list[dict] | None = None,
+                 tool_format: str = "auto", forced: bool = False, parallel_tool_calls: bool = True):
+        super().__init__(model, token_text)
+        self.tools = tools or []
+        self.tool_format = tool_format
+        self.forced = forced
+        self.parallel = parallel_tool_calls
+        self._streams: dict[int, ToolStream] = {}
 
-    def opening_chunks(self) -> list[str]:
-        return [sse(self._chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))]))]
+    def opening_chunks(self, indices: list[int]) -> list[str]:
+        return [sse(self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
+                for i in indices]
 
-    def text_chunk(self, text: str) -> str:
-        return sse(self._chunk([ChatChunkChoice(delta=DeltaMessage(content=text))]))
+    def event_chunks(self, index: int, event, tally: Tally, usage: Usage | None = None) -> list[str]:
+        text = event.text
+        if self.forced:
+            text = ""  # the whole output is the call, sent when it is complete
+        elif self.tools:
+            text = self._streams.setdefault(index, ToolStream(self.tools, self.tool_format)).push(text)
+        logprobs = self._logprobs([(event.token_id, event.logprobs)]) if event.logprobs is not None else None
+        return [sse(self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=text),
+                                                 logprobs=logprobs)], usage))]
 
-    def final_chunk(self, finish_reason: str | None) -> str:
-        return sse(self._chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=finish_reason)]))
+    def final_chunks(self, index: int, tally: Tally) -> list[str]:
+        chunks = []
+        if self.forced or self.tools:
+            if self.forced:
+                rest, calls = self._message(tally.text)
+                rest = rest or ""
+            else:
+                rest, calls = self._streams.setdefault(index, ToolStream(self.tools, self.tool_format)).finish()
+                calls = calls if self.parallel else calls[:1]
+            if rest:
+                chunks.append(sse(self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=rest))])))
+            if calls:
+                delta = DeltaMessage(tool_calls=[c.as_openai(i) for i, c in enumerate(calls)])
+                chunks.append(sse(self._chunk([ChatChunkChoice(index=index, delta=delta)])))
+                chunks.append(sse(self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(),
+                                                               finish_reason=_reason(tally, calls))])))
+                return chunks
+        chunks.append(sse(self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(),
+                                                       finish_reason=tally.finish_reason)])))
+        return chunks
 
-    def usage_chunk(self, usage: Usage) -> str:
-        return sse(self._chunk([], usage))
+    def whole(self, tallies: list[Tally]) -> dict:
+        choices = []
+        for index, tally in enumerate(tallies):
+            content, calls = self._message(tally.text)
+            message = AssistantMessage(content=content,
+                                       tool_calls=[c.as_openai() for c in calls] if calls else None)
+            logprobs = self._logprobs(tally.logprobs) if tally.logprobs else None
+            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
+                                      finish_reason=_reason(tally, calls)))
+        body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=total_usage(tallies)).model_dump()
+        for choice in body["choices"]:  # OpenAI leaves tool_calls out of a plain message
+            if choice["message"]["tool_calls"] is None:
+                del choice["message"]["tool_calls"]
+        return body
 
-    def whole(self, tally: Tally) -> dict:
-        return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model,
-            choices=[ChatChoice(message=AssistantMessage(content=tally.text), finish_reason=tally.finish_reason)],
-            usage=tally.usage(),
-        ).model_dump()
+    def _message(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.forced:
+            try:
+                value = json.loads(text)
+            except ValueError:  # cut off by max_tokens: hand back what was generated
+                return text, []
+            arguments = value.get("arguments", {}) if isinstance(value, dict) else {}
+            return None, [ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), new_call_id())]
+        if not self.tools:
+            return text, []
+        content, calls = parse_tool_calls(text, self.tools, self.tool_format)
+        return content, calls if self.parallel else calls[:1]
+
+    def _logprobs(self, entries) -> ChatLogprobs:
+        content = []
+        for token, lp in entries:
+            text = self.token_text(token)
+            top = [TopLogprob(token=self.token_text(t), logprob=v, bytes=list(self.token_text(t).encode()))
+                   for t, v in lp.top]
+            content.append(TokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+        return ChatLogprobs(content=content)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> dict:
         body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
@@ -121,3 +240,7 @@ class ChatShaper:
         for choice in data["choices"]:  # OpenAI omits unset delta fields
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
         return data
+
+
+def _reason(tally: Tally, calls: list[ToolCall]) -> str | None:
+    return "tool_calls" if calls and tally.finish_reason == "stop" else tally.finish_reason

@@ -6,14 +6,31 @@ at start and on every reload. argparse only at module level: torch and friends a
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+
+log = logging.getLogger("metronome.serve")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     from metronome.server.engine.flags import add_engine_flags, add_scheduler_flags
 
     server = parser.add_argument_group("server")
-    server.add_argument("--served-model-name", default=None, help="name clients use in `model` (default: --model)")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="names clients use in `model`: the first is the one responses and metrics carry, the "
+                             "others are aliases; the name the model was loaded as always answers too "
+                             "(default: that name)")
+    server.add_argument("--strict-openai", action="store_true",
+                        help="refuse request fields this server does not know with a 400 (default: log each once "
+                             "and ignore it, as vLLM does)")
+    server.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="require `Authorization: Bearer KEY` on every route but /health, /ready, /metrics and "
+                             "/version (repeatable; also METRONOME_API_KEY and --api-key-file)")
+    server.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="file with API keys, one per line (a mounted Secret)")
+    server.add_argument("--tool-call-parser", default="auto", choices=["auto", "qwen2", "llama3"],
+                        help="how tool calls are read from the model's text: qwen2 (<tool_call> tags, also Hermes), "
+                             "llama3 (a JSON message), auto (either; default)")
     server.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     server.add_argument("--config", default=None, metavar="FILE",
@@ -57,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         base = scheduler_from_args(args)  # the base that the --config file overrides
         initial = load_config(args.config, base)[3] if args.config else base  # fail before loading the model
         engine_config = engine_config_from_args(args)
+        from metronome.server.api.auth import resolve_keys
+
+        args.api_keys = resolve_keys(args.api_key, args.api_key_file)
     except (MetronomeError, ValueError) as exc:
         print(f"metronome serve: {exc}", file=sys.stderr)
         return 2
@@ -65,6 +85,24 @@ def run(args: argparse.Namespace) -> int:
     except (MetronomeError, ValueError) as exc:
         print(f"metronome serve: {exc}", file=sys.stderr)
         return 2
+
+
+def _load_engine(engine_class, engine_config, initial):
+    """Build the engine with a live status line on a terminal (rich), then log what start-up decided."""
+    import time
+
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    if console.is_terminal:
+        with console.status(f"loading {engine_config.model or 'the default model'} "
+                            f"({engine_config.dtype}, {engine_config.device}) ..."):
+            core = engine_class.from_config(engine_config, initial)
+    else:
+        core = engine_class.from_config(engine_config, initial)
+    log.info("engine ready in %.1fs", time.perf_counter() - started)
+    return core
 
 
 def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
@@ -79,14 +117,19 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
     from metronome.server.engine.engine import EngineCore
 
     disable_created_metrics()  # `_created` series only add noise to every scrape
-    core = EngineCore.from_config(engine_config, initial)
-    served_name = args.served_model_name or core.model_name
+    core = _load_engine(EngineCore, engine_config, initial)
+    names = args.served_model_name or [core.model_name]
+    served_name = names[0]
     metrics = ServerMetrics(served_name)
     engine = AsyncEngine(core, observers=[metrics])
     state = build_state(engine, metrics, served_name, base, config_file=args.config,
                         poll_interval_s=args.config_poll_seconds)
     app = create_app(engine, state, max_body_bytes=args.max_request_body_bytes,
-                     tokenizer_workers=args.tokenizer_workers)
+                     tokenizer_workers=args.tokenizer_workers, strict_openai=args.strict_openai,
+                     api_keys=args.api_keys, aliases=tuple(names[1:]), tool_call_parser=args.tool_call_parser)
+    log.info("serving %s on http://%s:%d (API key %s%s)", ", ".join(dict.fromkeys([*names, core.model_name])),
+             args.host, args.port, "required" if args.api_keys else "not required",
+             ", strict OpenAI fields" if args.strict_openai else "")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                             timeout_graceful_shutdown=max(args.drain_seconds, 1.0))
     server = make_draining_server(config, state.lifecycle, args.drain_seconds, engine.abort)

@@ -52,9 +52,10 @@ class TokenizerPool:
         self.check_size(len(text), "prompt")
         return await self._run(self.tokenizer.encode, text)
 
-    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          tools: list[dict] | None = None) -> list[int]:
         self.check_size(sum(len(message["content"]) for message in messages), "messages")
-        return await self._run(render_chat_prompt, self.tokenizer, messages, add_generation_prompt)
+        return await self._run(render_chat_prompt, self.tokenizer, messages, add_generation_prompt, tools)
 
     async def _run(self, fn, *args):
         if self._pending >= self.max_pending:

@@ -3,6 +3,7 @@ AsyncEngine runs it on a background thread."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Sequence as Seq
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from metronome.server.engine.tp_launch import WorkerPool
 
 ABORT_TOKEN_ID = -1
+log = logging.getLogger("metronome.engine")
 
 
 class EngineCore:
@@ -96,9 +98,23 @@ class EngineCore:
             from metronome.server.engine.tp_launch import start_tensor_parallel
 
             return start_tensor_parallel(cls, config, scheduler_config or SchedulerConfig())
+        started = time.perf_counter()
         loaded = load_model(config.model, dtype=config.dtype, device=config.device,
                             attention_backend=config.attention_backend, seed=config.seed, block_size=config.block_size)
-        return cls(loaded, config, scheduler_config or SchedulerConfig())
+        loaded_at = time.perf_counter()
+        log.info("model %s loaded in %.1fs: %s on %s", loaded.name, loaded_at - started,
+                 str(loaded.dtype).removeprefix("torch."), loaded.device)
+        core = cls(loaded, config, scheduler_config or SchedulerConfig())
+        log.info("engine set up in %.1fs: %s", time.perf_counter() - loaded_at, core.startup_summary())
+        return core
+
+    def startup_summary(self) -> str:
+        """KV cache size, the concurrency it allows at full context, and how steps run (graphs or eager)."""
+        bm = self.block_manager
+        tokens = bm.num_blocks * bm.block_size
+        return (f"KV cache {bm.num_blocks} blocks x {bm.block_size} tokens = {tokens} tokens; max concurrency "
+                f"{tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens (max_model_len); "
+                f"execution {self.execution_mode}")
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step afterwards)."""

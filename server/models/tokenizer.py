@@ -104,17 +104,24 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         raise NotImplementedError
+
+    def chat_template_source(self) -> str | None:
+        """The Jinja source of the model's chat template (None when rendering is built in)."""
+        return None
 
     def max_chars_per_token(self) -> int:
         """An upper bound on the characters of text one token stands for (the API's cheap size check)."""
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render with the model's own chat template and tokenize (the template writes its own special tokens)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Render with the model's own chat template and tokenize (the template writes its own special tokens).
+        `tools`: OpenAI-style function definitions, handed to a template that reads them."""
         _check_messages(messages)
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(lambda ids: self.decode(ids, skip_special_tokens=skip_special_tokens))
@@ -169,11 +176,17 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens,
                                 clean_up_tokenization_spaces=False)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         if not getattr(self._tok, "chat_template", None):
             raise InvalidRequestError(f"model {self.name!r} ships no chat template; send a plain prompt instead",
                                       param="messages")
-        return self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **({"tools": tools} if tools else {}))
+
+    def chat_template_source(self) -> str | None:
+        template = getattr(self._tok, "chat_template", None)
+        return template if isinstance(template, str) else None
 
 
 def load_hf_tokenizer(folder: Path, name: str, eos_token_ids: tuple[int, ...], bos_token_id: int | None,
@@ -263,6 +276,7 @@ class ByteTokenizer(Tokenizer):
         pieces.append(pending.decode("utf-8", errors="replace"))
         return "".join(pieces)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")

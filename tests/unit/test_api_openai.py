@@ -106,9 +106,9 @@ def test_models_lists_the_served_model(client):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(n=2), "n"),
-    (dict(logprobs=3), "logprobs"),
-    (dict(prompt=["one", "two"]), "prompt"),
+    (dict(n=0), "n"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(prompt=["one", ""]), "prompt"),
     (dict(prompt=[]), "prompt"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-1), "temperature"),
@@ -116,7 +116,6 @@ def test_models_lists_the_served_model(client):
     (dict(max_tokens=100_000), None),  # longer than the context: the engine's check
     (dict(prompt=[10**7]), None),  # token id outside the vocabulary
     (dict(extra_body={"best_of": 3}), "best_of"),
-    (dict(extra_body={"frobnicate": True}), "frobnicate"),
 ])
 def test_bad_requests_are_400_with_a_message(client, kwargs, param):
     request = dict(model=TINY, prompt="hello", max_tokens=4)
@@ -134,11 +133,6 @@ def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     assert "no-such-model" in caught.value.body["message"]
-
-
-def test_chat_logprobs_rejected(client):
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "x"}], logprobs=True)
 
 
 def test_health_ready_and_config(server):
