@@ -58,7 +58,8 @@ def build_local_base(podman: Podman, log=print) -> float:
         result = subprocess.run(mmdebstrap_argv(tarball), capture_output=True, text=True)
         if result.returncode != 0:
             raise PodmanError(f"mmdebstrap failed ({result.returncode}):\n{result.stderr[-3000:]}")
-        podman.run("import", "--change", f"ENV PATH={IMAGE_PATH}", "--change", 'CMD ["/bin/bash"]', str(tarball), LOCAL_BASE)
+        changes = ["--change", f"ENV PATH={IMAGE_PATH}", "--change", 'CMD ["/bin/bash"]']
+        podman.run("import", *changes, str(tarball), LOCAL_BASE)
     seconds = time.monotonic() - start
     log(f"images: {LOCAL_BASE} built in {seconds:.0f} s")
     return seconds

@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import wheels
 from .base import resolve_base
 from .context import ROOT, Context, stage
-from . import wheels
 from .pins import image_pins
 from .podman import Podman, PodmanError, ensure_tools
 

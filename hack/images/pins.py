@@ -9,9 +9,9 @@ package: its dependencies are an unrelated llama.cpp stack); they are pinned apa
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Callable, Iterable
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name

