@@ -5,7 +5,6 @@ import argparse
 import sys
 
 from .build import IMAGES, build_images
-from .podman import PodmanError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         built = build_images(args.images or list(IMAGES), args.base_image, echo=not args.quiet)
-    except (PodmanError, ValueError) as error:
+    except (RuntimeError, ValueError) as error:  # PodmanError, PinError, a failed download: say it, no traceback
         print(f"images: {error}", file=sys.stderr)
         return 1
     for image in built:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 _BUILT: dict = {}
+_FAILED: list[Exception] = []
 
 
 def _build(echo: bool) -> dict:
@@ -27,10 +28,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     capture = session.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
-        _build(echo=True)
+        try:
+            _build(echo=True)
+        except Exception as error:  # noqa: BLE001 - the tests that need the images fail with it; the others run
+            _FAILED.append(error)
 
 
 @pytest.fixture(scope="session")
 def container_images():
     """name -> images.build.BuiltImage for "server" and "operator"."""
+    if _FAILED:
+        pytest.fail(f"building the images failed: {_FAILED[0]}", pytrace=False)
     return _build(echo=False)
