@@ -1,4 +1,4 @@
-"""`metronome bench [run|sweep|engine]`: argparse only here; the work is imported when a command runs.
+"""`metronome bench [run|sweep|engine|isolation|fuzz]`: argparse only here; the work is imported when a command runs.
 
     metronome bench run    --model random:tiny --rate 2 --num-requests 50 --out r.json --plot r.png
     metronome bench run    --url http://127.0.0.1:8000 --concurrency 8 --duration 60
@@ -192,7 +192,7 @@ def _configure_engine(p: argparse.ArgumentParser) -> None:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(bench_command="run")
     _configure_run(parser)  # `metronome bench ...` with no sub-command is `bench run ...`
-    sub = parser.add_subparsers(dest="bench_command", metavar="{run,sweep,engine}")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{run,sweep,engine,isolation,fuzz}")
     _configure_run(sub.add_parser("run", help="one workload at one or more loads (default)",
                                   description="Run a workload against a server or an in-process engine."))
     _configure_sweep(sub.add_parser("sweep", help="chunk sizes x policies x rates; recommend a configuration",
@@ -201,6 +201,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                      description="Device peak, decode/prefill efficiency, long-short capacity "
                                                  "per chunk size, and transformers' continuous batching."))
     _configure_loop(sub)
+
+
+    _configure_issue16(sub)
+
+
+def _configure_issue16(sub) -> None:
+    """The robustness benchmarks (issue 16); their flags live in robustness_cli.py."""
+    from metronome.server.bench import robustness_cli
+
+    robustness_cli.configure_isolation(sub.add_parser(
+        "isolation", help="steady streams with hostile requests injected: TBT p99 and max gap with and without",
+        description="Can one client's requests disturb the others' token streams? (docs/bench.md)"))
+    robustness_cli.configure_fuzz(sub.add_parser(
+        "fuzz", help="many fuzzed requests against a server: no 5xx, OpenAI-style errors, no leaked KV blocks",
+        description="A soak of fuzzed request bodies over every route (docs/bench.md)."))
 
 
 def _configure_loop(sub) -> None:
@@ -218,6 +233,10 @@ def run(args: argparse.Namespace) -> int:
         from metronome.server.bench.loop_cli import main as loop_main
 
         return loop_main(args)
+    if args.bench_command in ("isolation", "fuzz"):
+        from metronome.server.bench import robustness_cli
+
+        return (robustness_cli.run_isolation if args.bench_command == "isolation" else robustness_cli.run_fuzz)(args)
     from metronome.server.bench.commands import main
 
     return main(args)

@@ -1,4 +1,5 @@
-"""Property-based fuzz of request bodies: whatever arrives, no 5xx, and every rejection carries a message."""
+"""Property-based fuzz of request bodies and routes: whatever arrives, no 5xx, and every rejection carries an
+OpenAI-style error. Small and fast; the long soak is `metronome bench fuzz` (docs/perf/isolation.md)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,11 @@ json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=
                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 
 
+# Text JSON can carry but UTF-8 cannot encode: lone surrogate escapes ("\ud800").
+surrogate_text = st.builds(lambda a, s, b: a + s + b, st.text(max_size=4),
+                           st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"]), st.text(max_size=4))
+
+
 def mostly(valid, *edges):
     """Usually a valid value, sometimes an edge case, sometimes any JSON at all."""
     # one_of() drops duplicate branches, so weight by drawing the branch index ourselves.
@@ -27,7 +33,7 @@ token_ids = st.lists(st.integers(3, 500), min_size=1, max_size=6)
 message = st.fixed_dictionaries(
     {"role": mostly(st.sampled_from(["user", "system", "assistant", "developer"]),
                     st.sampled_from(["tool", "robot", ""])),
-     "content": mostly(st.text(max_size=20), st.none(),
+     "content": mostly(st.text(max_size=20), st.none(), surrogate_text,
                        st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
                                                        "text": st.text(max_size=10)}), max_size=2))})
 
@@ -40,14 +46,16 @@ common_fields = {
     "top_k": mostly(st.integers(0, 50), st.integers(-3, -1)),
     "seed": mostly(st.integers(0, 2**32), st.integers(-5, -1), st.integers(2**63, 2**64)),
     "stop": mostly(st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
-                   st.just(""), st.lists(st.text(max_size=1), min_size=17, max_size=20)),
-    "stop_token_ids": mostly(token_ids, st.lists(st.integers(-2, 10**6), max_size=3)),
+                   st.just(""), st.lists(st.text(max_size=1), min_size=17, max_size=20), surrogate_text,
+                   st.lists(surrogate_text, min_size=1, max_size=2)),
+    "stop_token_ids": mostly(token_ids, st.lists(st.integers(-2, 10**6), max_size=3),
+                             st.lists(st.booleans(), min_size=1, max_size=2)),
     "ignore_eos": mostly(st.booleans()),
     "stream": mostly(st.booleans()),
     "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()}), st.none()),
     "n": mostly(st.just(1), st.integers(-1, 3)),
     "logprobs": mostly(st.none(), st.booleans(), st.integers(-3, 5)),
-    "user": mostly(st.text(max_size=5)),
+    "user": mostly(st.text(max_size=5), surrogate_text),
     "presence_penalty": mostly(st.just(0.0), st.floats(-2, 2)),
 }
 completion_fields = {"echo": mostly(st.just(False), st.just(True)), "best_of": mostly(st.just(1), st.integers(-3, 5)),
@@ -55,7 +63,9 @@ completion_fields = {"echo": mostly(st.just(False), st.just(True)), "best_of": m
 chat_fields = {"max_completion_tokens": mostly(st.integers(1, 12), st.integers(-3, 0))}
 prompt = mostly(st.text(min_size=1, max_size=30) | token_ids, st.just(""), st.just([]),
                 st.lists(token_ids, max_size=2), st.lists(st.text(max_size=5), max_size=2),
-                st.lists(st.integers(-2, 10**7), max_size=4))
+                st.lists(st.integers(-2, 10**7), max_size=4), surrogate_text, st.lists(surrogate_text, max_size=2),
+                st.lists(st.booleans(), min_size=1, max_size=3), st.lists(st.floats(), min_size=1, max_size=3),
+                st.lists(st.integers(2**31, 2**70), min_size=1, max_size=2))
 
 
 def body_strategy(required: dict, optional: dict) -> st.SearchStrategy[dict]:
@@ -112,3 +122,19 @@ def test_chat_bodies(client, body):
 def test_arbitrary_payloads(client, raw):
     for path in ("/v1/completions", "/v1/chat/completions"):
         check_reply(client.post(path, content=raw, headers={"content-type": "application/json"}))
+
+
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics", "/v1/config",
+          "/docs", "/openapi.json", "/nope", "/v1/completions/extra", "/%ff"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
+       path=st.sampled_from(ROUTES), raw=st.none() | st.binary(max_size=20) | json_values.map(lambda v: json.dumps(v).encode()))
+def test_every_route_and_method(client, method, path, raw):
+    response = client.request(method, path, content=raw, headers={"content-type": "application/json"})
+    event(f"{method} {path} {response.status_code}")
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400 and method != "HEAD":
+        error = response.json()["error"]
+        assert isinstance(error["message"], str) and error["message"].strip() and error["type"], response.text

@@ -1,0 +1,62 @@
+"""`metronome serve` as a child process on 127.0.0.1, for benchmarks that need a real server to push against."""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator
+
+import httpx
+
+from metronome.contract.errors import MetronomeError
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_server(serve_args: list[str], ready_timeout_s: float = 300.0) -> Iterator[str]:
+    """Start `metronome serve <serve_args> --host 127.0.0.1 --port <free>`; yield its URL once /ready says 200;
+    stop it (SIGTERM, then SIGKILL) on exit. Its log goes to a temporary file, quoted if it fails to start."""
+    port = free_port()
+    command = [sys.executable, "-m", "metronome.cli", "serve", *serve_args, "--host", "127.0.0.1",
+               "--port", str(port), "--log-level", "warning"]
+    log = tempfile.NamedTemporaryFile("w+", prefix="metronome-serve-", suffix=".log", delete=False)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if process.poll() is not None:
+                raise MetronomeError(f"metronome serve exited with {process.returncode}: {_tail(log.name)}")
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise MetronomeError(f"metronome serve not ready after {ready_timeout_s:.0f}s: {_tail(log.name)}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()
+        os.unlink(log.name)
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    with open(path, errors="replace") as handle:
+        return "".join(handle.readlines()[-lines:])
