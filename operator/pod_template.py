@@ -65,6 +65,8 @@ SIDECAR_FIELDS: dict[str, type] = {
     "ports": list,
     "resources": Mapping,
 }
+POD_INSTEAD = {"nodeSelector": "spec.resources.nodeSelector", "tolerations": "spec.resources.tolerations",
+               "terminationGracePeriodSeconds": "spec.shutdown"}
 SERVER_INSTEAD = {"image": "spec.image", "imagePullPolicy": "spec.imagePullPolicy", "args": "spec.engine.extraArgs",
                   "command": "spec.engine.extraArgs", "resources": "spec.resources", "ports": "nothing (port 8000)"}
 VOLUME_SOURCES = ("configMap", "secret", "emptyDir", "persistentVolumeClaim", "csi", "nfs")
@@ -111,12 +113,12 @@ def _typed(value: Any, kind: type, where: str) -> Any:
     return value
 
 
-def _only(data: Mapping[str, Any], allowed: Mapping[str, type], where: str, hint: str = "") -> None:
+def _only(data: Mapping[str, Any], allowed: Mapping[str, type], where: str) -> None:
     """Every key of `data` is allowed and of its type."""
     for key, value in data.items():
         if key not in allowed:
             names = ", ".join(allowed)
-            raise PodTemplateError(f"{where}.{key}: not a field the overlay may set (allowed: {names}){hint}")
+            raise PodTemplateError(f"{where}.{key}: not a field the overlay may set (allowed: {names})")
         if value is not None:
             _typed(value, allowed[key], f"{where}.{key}")
 
@@ -236,6 +238,9 @@ def parse_overlay(data: Mapping[str, Any] | None, where: str = WHERE) -> PodOver
     annotations = _check_metadata_map(metadata.get("annotations") or {}, f"{where}.metadata.annotations", None)
     spec = data.get("spec") or {}
     spec_where = f"{where}.spec"
+    for key in spec:
+        if key in POD_INSTEAD:
+            raise PodTemplateError(f"{spec_where}.{key}: set {POD_INSTEAD[key]} instead (one place for it)")
     _only(spec, POD_FIELDS, spec_where)
     for key in ("serviceAccountName", "priorityClassName", "runtimeClassName"):
         if key in spec and not _DNS_SUBDOMAIN.match(spec[key]):

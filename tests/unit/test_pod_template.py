@@ -160,6 +160,9 @@ def test_merge_refuses_what_the_built_pod_already_has():
     [
         ({"spec": {"hostNetwork": True}}, "spec.podTemplate.spec.hostNetwork"),
         ({"kind": "Pod"}, "spec.podTemplate.kind"),
+        ({"spec": {"tolerations": []}}, "spec.podTemplate.spec.tolerations: set spec.resources.tolerations instead"),
+        ({"spec": {"nodeSelector": {}}}, "spec.podTemplate.spec.nodeSelector: set spec.resources.nodeSelector"),
+        ({"spec": {"terminationGracePeriodSeconds": 5}}, "spec.podTemplate.spec.terminationGracePeriodSeconds: set"),
         ({"metadata": {"name": "x"}}, "spec.podTemplate.metadata.name"),
         ({"spec": {"serviceAccountName": 3}}, "spec.podTemplate.spec.serviceAccountName"),
         ({"spec": {"serviceAccountName": "Bad_Name"}}, "spec.podTemplate.spec.serviceAccountName"),
