@@ -7,8 +7,8 @@ generation.py.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from metronome.server.api.protocol import (
     AssistantMessage,

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from api_helpers import TINY, ServerThread, build_engine, free_port, wait_until
 
 KEY = "sk-test-metronome"
@@ -194,7 +193,8 @@ def test_response_format_json_schema(client):
     for seed in range(3):
         reply = client.chat.completions.create(
             model=NAMES[0], messages=CHAT, max_tokens=120, seed=seed,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
         value = json.loads(reply.choices[0].message.content)
         assert reply.choices[0].finish_reason == "stop" and set(value) == {"name", "age", "tags"}
         assert len(value["name"]) <= 10 and 0 <= value["age"] <= 120 and set(value["tags"]) <= {"a", "b"}
@@ -283,10 +283,10 @@ def test_langchain_style_structured_output(client):
 
 
 def test_strict_mode_keeps_the_400s():
+    from metronome.contract.config import SchedulerConfig
     from metronome.server.api.app import create_app
     from metronome.server.api.metrics import ServerMetrics
     from metronome.server.api.state import build_state
-    from metronome.contract.config import SchedulerConfig
 
     metrics = ServerMetrics(TINY)
     engine = build_engine(observers=[metrics])
