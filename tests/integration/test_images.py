@@ -43,6 +43,12 @@ class Container:
         state = PODMAN.run("container", "inspect", "--format", "{{.State.Running}}", self.name, check=False)
         return state.stdout.strip() == "true"
 
+    def remove(self) -> None:
+        for _ in range(3):  # a busy storage lock can make one attempt fail
+            if PODMAN.run("rm", "--force", "--time", "5", self.name, check=False).returncode == 0:
+                return
+        PODMAN.run("rm", "--force", "--time", "5", self.name)  # raises with podman's reason
+
     def assert_running(self) -> None:
         if not self.running():
             raise AssertionError(f"container {self.name} exited:\n{self.logs()[-4000:]}")
@@ -63,7 +69,7 @@ def container(image: str, *args: str, options: tuple[str, ...] = ()):
         print(f"--- logs of {name} ---\n{box.logs()[-6000:]}")
         raise
     finally:
-        PODMAN.run("rm", "--force", "--time", "5", name, check=False)
+        box.remove()
 
 
 def run_python(image: str, code: str) -> str:
