@@ -42,24 +42,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # Isolation between clients (issue 16): see docs/server.md "Limits".
     from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_TOKENIZER_WORKERS
+    from metronome.server.cli_types import positive_int
 
-    server.add_argument("--max-request-body-bytes", type=_at_least_one, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+    server.add_argument("--max-request-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                         help="larger request bodies get 413 before they are read (default: %(default)s = 2 MiB)")
-    server.add_argument("--tokenizer-workers", type=_at_least_one, default=DEFAULT_TOKENIZER_WORKERS, metavar="N",
+    server.add_argument("--tokenizer-workers", type=positive_int, default=DEFAULT_TOKENIZER_WORKERS, metavar="N",
                         help="threads that tokenize prompts and render chat templates off the event loop "
                              "(default: %(default)s)")
     add_engine_flags(parser.add_argument_group("engine (fixed for the process)"))
     add_scheduler_flags(parser.add_argument_group("scheduler (initial values; the --config file overrides them)"))
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
