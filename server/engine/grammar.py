@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # JSON without free whitespace: a small model can otherwise pad forever between tokens.
 JSON_OPTIONS = {"whitespace_flexible": False}
 CACHE_SIZE = 128
+SERIAL_ROWS = 4  # up to this many constrained rows, filling one by one beats the executor's thread hand-off
 
 
 def grammar_text(grammar: Grammar) -> str:
@@ -154,9 +155,10 @@ class Grammars:
         if self._buffer is None or self._buffer.shape[0] < count:
             pin = self.device.type == "cuda"
             self._buffer = torch.empty((max(count, 8), self.words), dtype=torch.int32, pin_memory=pin)
-        bits = self._buffer[:count]
-        if count == 1:
-            lltorch.fill_next_token_bitmask(matchers[0], bits, 0)
+        bits = self._buffer[:count]  # reused: the previous step's copy has completed (its tokens were read back)
+        if count <= SERIAL_ROWS:
+            for index, matcher in enumerate(matchers):
+                lltorch.fill_next_token_bitmask(matcher, bits, index)
         else:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()

@@ -68,3 +68,14 @@ def test_the_mask_allows_exactly_what_the_matcher_allows(core):
     a = core.tokenizer.encode("a", add_special_tokens=False)[0]
     assert allowed[0, a] and allowed[0].sum() == (allowed[0] & (torch.arange(core.vocab_size) % 256 ==
                                                                  a % 256)).sum()
+
+
+def test_many_rows_fill_in_parallel_like_one_by_one(core):
+    """Above SERIAL_ROWS the executor fills the rows; each row equals its own single-row mask."""
+    from metronome.server.engine.grammar import SERIAL_ROWS
+
+    grammars = [Grammar("regex", r"[0-9]+"), Grammar("regex", r"(yes|no)"), Grammar("json_object")]
+    matchers = [core.grammars.matcher(grammars[i % 3]) for i in range(SERIAL_ROWS + 3)]
+    rows, allowed = core.grammars.mask(list(range(len(matchers))), matchers)
+    for i, matcher in enumerate(matchers):
+        assert torch.equal(allowed[i], core.grammars.mask([0], [matcher])[1][0])
