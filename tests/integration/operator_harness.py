@@ -29,7 +29,8 @@ RELEASE = "metronome"
 
 def ensure_crd(cluster) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    # Polled, not `kubectl wait`: that fails at once on a CRD the API server has not given a status yet.
+    wait_for(lambda: _crd_established(cluster), "the CRD to be established", timeout=60)
 
 
 # --- the chart, installed once per session ----------------------------------------------------------------------
@@ -64,7 +65,8 @@ def chart_release(cluster) -> ChartRelease:
 
 def _crd_established(cluster) -> bool:
     crd = cluster.kubectl_json("get", "crd", CRD_NAME)
-    return any(c["type"] == "Established" and c["status"] == "True" for c in crd["status"].get("conditions", []))
+    conditions = crd.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
 
 def service_account_kubeconfig(cluster, namespace: str, service_account: str, path: Path) -> Path:
@@ -104,6 +106,7 @@ class OperatorProcess:
     log_dir: Path
     scope_args: tuple[str, ...] = ("--all-namespaces",)
     extra_args: tuple[str, ...] = ()
+    lifecycle_args: tuple[str, ...] = ("--standalone",)  # or --leader-elect and its Lease flags
     process: subprocess.Popen | None = None
     health_port: int = 0
     starts: int = 0
@@ -117,7 +120,7 @@ class OperatorProcess:
         self.logs.append(log_path)
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1")
         argv = [
-            str(Path(sys.executable).parent / "metronome"), "operator", *self.scope_args, "--standalone",
+            str(Path(sys.executable).parent / "metronome"), "operator", *self.scope_args, *self.lifecycle_args,
             "--health-host", "127.0.0.1", "--health-port", str(self.health_port),
             "--status-interval", "1", *self.extra_args,
         ]
