@@ -17,7 +17,7 @@
 #   eager   decode with --enforce-eager, for the graphs-vs-eager ratio
 #   hf      the same 200-request batch through our engine and transformers (only with > 90 s left)
 #   then:   h200-engine.json (a + b + hf merged, targets), h200-tbt-vs-throughput.png, gpu_run.log, bench.log
-# Knobs (environment): PARTS, TEST_LIMIT, TESTS, RATES, DURATION, CHUNKS, HF_REQUESTS, HF_TIMEOUT, and SMOKE=1
+# Knobs (environment): PARTS, BUDGET, TEST_LIMIT, TESTS, RATES, DURATION, CHUNKS, HF_REQUESTS, HF_TIMEOUT, and SMOKE=1
 # (tiny model on the CPU: checks this script's plumbing, not the GPU).
 # (no `set -u`: empty option arrays would trip it on older bash)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -38,7 +38,8 @@ START=$SECONDS
 LOG=$OUT/gpu_run.log
 stamp() { echo "[gpu_run +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
-left() { echo $((570 - (SECONDS - START))); }  # the run tool stops a command at 600 s
+BUDGET=${BUDGET:-570}  # seconds this script may take in all (the run tool stops a command at 600 s)
+left() { echo $((BUDGET - (SECONDS - START))); }
 limit() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; echo "$want"; }
 
 # --- imports. Python runs with -P (no cwd / script folder on sys.path): from the repo root, its `operator/` folder
