@@ -161,11 +161,17 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
             metrics.on_rejected("overloaded")
             raise
 
+    async def compiled(grammar: Grammar | None) -> Grammar | None:
+        """Compile on a worker thread (into the engine's cache), not on the event loop."""
+        if grammar is not None:
+            await tokenized(tokenizer_pool.call(engine.core.check_grammar, grammar))
+        return grammar
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         admit(body, "/v1/completions")
         prompts = [await tokenized(tokenizer_pool.encode(p)) if isinstance(p, str) else p for p in body.prompts()]
-        grammar = body.grammar()
+        grammar = await compiled(body.grammar())
         jobs = [Job(ids, sampling_params(body, max_tokens=body.max_tokens if body.max_tokens is not None else 16,
                                          logprobs=body.logprobs, grammar=grammar, choice=choice), index)
                 for index, ids in enumerate(prompts) for choice in range(body.n)]
@@ -191,6 +197,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
         if forced is not None:
             schema = forced_call_schema(tools, None if forced == "*" else forced)
             grammar = Grammar("json_schema", json.dumps(schema))
+        grammar = await compiled(grammar)
         jobs = [Job(prompt, sampling_params(body, max_tokens=max_tokens, logprobs=body.top_logprobs_count(),
                                             grammar=grammar, choice=choice)) for choice in range(body.n)]
         shaper = ChatShaper(state.served_model_name, token_text, tools=tools, tool_format=tool_call_parser,

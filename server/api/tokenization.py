@@ -57,6 +57,10 @@ class TokenizerPool:
         self.check_size(sum(len(message["content"]) for message in messages), "messages")
         return await self._run(render_chat_prompt, self.tokenizer, messages, add_generation_prompt, tools)
 
+    async def call(self, fn, *args):
+        """Other request preparation that may take a while (compiling a response_format grammar)."""
+        return await self._run(fn, *args)
+
     async def _run(self, fn, *args):
         if self._pending >= self.max_pending:
             raise EngineOverloadedError(f"{self._pending} prompts are waiting to be tokenized; retry later")

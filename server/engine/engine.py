@@ -167,10 +167,15 @@ class EngineCore:
             raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary of {self.vocab_size}",
                                       param="logit_bias")
         if params.grammar is not None:
-            if self.grammars is None:
-                raise InvalidRequestError("constrained decoding needs the llguidance package (the server extra)",
-                                          param="response_format")
-            self.grammars.check(params.grammar)
+            self.check_grammar(params.grammar)
+
+    def check_grammar(self, grammar) -> None:
+        """Compile a grammar into the cache (safe from any thread; the API calls it on a worker thread first, so
+        that compiling never holds the event loop); InvalidRequestError when it does not compile."""
+        if self.grammars is None:
+            raise InvalidRequestError("constrained decoding needs the llguidance package (the server extra)",
+                                      param="response_format")
+        self.grammars.check(grammar)
 
     def check_capacity(self) -> None:
         if self.scheduler.num_waiting >= self.config.max_waiting:
