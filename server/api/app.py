@@ -161,10 +161,15 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
             metrics.on_rejected("overloaded")
             raise
 
-    async def compiled(grammar: Grammar | None) -> Grammar | None:
+    async def compiled(grammar: Grammar | None, param: str = "response_format") -> Grammar | None:
         """Compile on a worker thread (into the engine's cache), not on the event loop."""
-        if grammar is not None:
-            await tokenized(tokenizer_pool.call(engine.core.check_grammar, grammar))
+        try:
+            if grammar is not None:
+                await tokenized(tokenizer_pool.call(engine.core.check_grammar, grammar))
+        except InvalidRequestError as exc:
+            if param == exc.param:
+                raise
+            raise InvalidRequestError(str(exc), param=param) from None
         return grammar
 
     @app.post("/v1/completions")
@@ -197,7 +202,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
         if forced is not None:
             schema = forced_call_schema(tools, None if forced == "*" else forced)
             grammar = Grammar("json_schema", json.dumps(schema))
-        grammar = await compiled(grammar)
+        grammar = await compiled(grammar, "tools" if forced is not None else "response_format")
         jobs = [Job(prompt, sampling_params(body, max_tokens=max_tokens, logprobs=body.top_logprobs_count(),
                                             grammar=grammar, choice=choice)) for choice in range(body.n)]
         shaper = ChatShaper(state.served_model_name, token_text, tools=tools, tool_format=tool_call_parser,
