@@ -22,6 +22,7 @@ prunes).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -89,6 +90,17 @@ class Services:
 # --- kopf settings -------------------------------------------------------------------------------------------
 
 
+class RetryForever:
+    """kopf's error_backoffs that never run out: 1, 1, 2, 3, 5, 8, 13 s, then every 15 s. Iterable afresh for
+    each request (kopf iterates it once per request)."""
+
+    FIRST = (1, 1, 2, 3, 5, 8, 13)
+    THEN = 15
+
+    def __iter__(self):
+        return itertools.chain(self.FIRST, itertools.repeat(self.THEN))
+
+
 def configure_settings(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Progress and the last-handled spec live in annotations under our own prefix, not in status.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
@@ -103,6 +115,10 @@ def configure_settings(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Re-establish watches now and then, so a silently dropped connection cannot stall the operator.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # Retry API errors (5xx, 429, connection refused) for as long as the API server is away: kopf's default
+    # gives up after about a minute, and a watcher that gives up ends the operator. Once the API server is back,
+    # the watches re-list and every child's event refreshes its owner from the state it is in now.
+    settings.networking.error_backoffs = RetryForever()
 
 
 def login(**kwargs: Any) -> Any:

@@ -199,6 +199,12 @@ def run(args: argparse.Namespace) -> int:
 
     registry = kopf.OperatorRegistry()
     handlers.register(registry, options)
+    # kopf waits on a threading.Event stop flag in an executor thread: set it however kopf stops (a signal too),
+    # or interpreter shutdown would wait for that thread forever.
+    def release_stop_flag(**_: object) -> None:
+        stop.set()
+
+    kopf.on.cleanup(registry=registry)(release_stop_flag)
     try:
         kopf.run(
             registry=registry,

@@ -89,6 +89,15 @@ class Rollout:
     # The Deployment's ReplicaFailure condition ("FailedCreate: pods ... forbidden: exceeded quota"): pods that
     # could not even be created (quota, admission webhooks, pod security), so there are none to explain it.
     replica_failure: str | None = None
+    # The Deployment controller's own verdict (its Progressing condition, reason NewReplicaSetAvailable): the
+    # latest rollout finished. Pods that become unavailable afterwards (a node lost, the API server away and
+    # the node controller marking pods not ready) start no rollout: that is Ready's business, not Progressing's.
+    complete: bool = False
+
+    @property
+    def on_current_template(self) -> bool:
+        """Every pod the Deployment runs is of its latest template, and there are as many as desired."""
+        return self.current and self.updated >= self.desired and self.replicas == self.desired
 
     @property
     def settled(self) -> bool:
@@ -115,6 +124,10 @@ def rollout_of(deployment: Mapping[str, Any], desired: int) -> Rollout:
             (f"{c.get('reason') or 'ReplicaFailure'}: {c.get('message') or ''}".rstrip(": ")
              for c in conditions if c.get("type") == "ReplicaFailure" and c.get("status") == "True"),
             None,
+        ),
+        complete=any(
+            c.get("type") == "Progressing" and c.get("status") == "True" and c.get("reason") == "NewReplicaSetAvailable"
+            for c in conditions
         ),
     )
 
@@ -160,6 +173,11 @@ def progressing_condition(rollout: Rollout | None) -> tuple[str, str, str]:
         return FALSE, "ProgressDeadlineExceeded", "the rollout made no progress within its deadline"
     if rollout.settled:
         return FALSE, "Stable", f"{rollout.updated} pods on the current template"
+    if rollout.on_current_template and rollout.complete:
+        return FALSE, "RolloutComplete", (
+            f"{rollout.updated} pods on the current template, {rollout.available} available; no rollout under way "
+            f"(Ready says why pods are unavailable)"
+        )
     return TRUE, "RollingOut", (
         f"{rollout.updated}/{rollout.desired} pods on the current template, {rollout.available} available"
     )
