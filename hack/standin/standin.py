@@ -8,7 +8,8 @@ API server, and for each Running one it
   $METRONOME_STANDIN_CONFIG_DELAY to change it),
 - starts `metronome serve` with the pod's own args on its own loopback address 127.0.0.x and a free port
   (podspec.py maps host/port/device and mount paths), restarting it with back-off if it dies,
-- lists it in a Prometheus file_sd targets file with the labels namespace/service/pod (targets.py),
+- lists it in a Prometheus file_sd targets file with the labels namespace/service/pod (targets.py), and writes
+  its address on the Pod (annotation `metronome.dev/standin-address`) for Kubernetes service discovery,
 and stops the process (SIGTERM, grace, SIGKILL) when the pod is deleted. It only ever talks to the API server and
 to 127.0.0.0/8; pod IPs are never read.
 
@@ -36,6 +37,10 @@ from .server_process import ServerProcess, http_ready
 from .targets import Target, write_file_sd
 
 log = logging.getLogger("standin")
+
+# host:port of the server the stand-in runs for a Pod, written on the Pod: Prometheus' kubernetes_sd_configs
+# relabels `__address__` from it (tests/e2e/test_kubernetes_sd.py); pods without it are dropped.
+ADDRESS_ANNOTATION = "metronome.dev/standin-address"
 
 # One core per server: two servers and the control plane share a small machine.
 DEFAULT_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -253,6 +258,7 @@ class KubeletStandIn:
         """One level-triggered pass: pods → processes, ConfigMaps → folders, processes → targets file."""
         pods = self._list_pods()
         wanted: dict[str, ServerPod] = {}
+        annotations: dict[str, dict[str, str]] = {}
         problems: dict[str, str] = {}
         for raw in pods:
             if not is_running(raw):
@@ -264,6 +270,7 @@ class KubeletStandIn:
                 problems[f"{meta.get('namespace')}/{meta.get('name')}/{meta.get('uid')}"] = str(exc)
                 continue
             wanted[pod.key] = pod
+            annotations[pod.key] = (raw.get("metadata") or {}).get("annotations") or {}
         with self._lock:
             gone = [key for key in self._state.running if key not in wanted]
             stopping = [(key, self._state.running.pop(key)) for key in gone]
@@ -279,7 +286,24 @@ class KubeletStandIn:
             self._state.problems = problems
             targets = [Target(e.server.target, e.pod.namespace, e.pod.service, e.pod.name)
                        for e in self._state.running.values()]
+            unannounced = [(e.pod, e.server.target) for key, e in self._state.running.items()
+                           if annotations.get(key, {}).get(ADDRESS_ANNOTATION) != e.server.target]
         write_file_sd(self.options.targets_path, targets)
+        for pod, target in unannounced:
+            self._announce(pod, target)
+
+    def _announce(self, pod: ServerPod, target: str) -> None:
+        """Write the server's loopback address on its Pod (ADDRESS_ANNOTATION), where a Prometheus with
+        Kubernetes service discovery reads it instead of the pod IP (which must never be contacted)."""
+        import kubernetes
+
+        core = kubernetes.client.CoreV1Api(self._api)
+        try:
+            core.patch_namespaced_pod(pod.name, pod.namespace,
+                                      {"metadata": {"annotations": {ADDRESS_ANNOTATION: target}}}, _request_timeout=10)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:  # a pod deleted meanwhile has nothing to announce
+                raise
 
     # --- one pod ---------------------------------------------------------------------------------------------
 

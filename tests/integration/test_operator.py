@@ -26,11 +26,13 @@ LABEL = f"metronome.dev/inferenceservice={NAME}"
 
 
 @pytest.fixture(scope="module")
-def operator(cluster, tmp_path_factory):
+def operator(cluster, tmp_path_factory, canned_prometheus):
     release = chart_release(cluster)
     work = tmp_path_factory.mktemp("operator")
     kubeconfig = service_account_kubeconfig(cluster, release.namespace, release.service_account, work / "kubeconfig")
-    process = OperatorProcess(kubeconfig=kubeconfig, log_dir=work)
+    # The autotune tests name the canned Prometheus in spec.metrics.prometheusUrl: the allow-list must admit it.
+    process = OperatorProcess(kubeconfig=kubeconfig, log_dir=work,
+                              extra_args=("--allow-prometheus-url", canned_prometheus.url))
     process.start()
     yield process
     process.stop()
