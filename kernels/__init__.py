@@ -5,7 +5,12 @@ size, GQA, split-K for long decodes), `flash_attn` (only where the package impor
 
     backend = get_backend(select_backend(device, block_size, head_dim, requested="auto"))
     backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = backend.attention(q, k_cache, v_cache, meta, scale)
+    out = backend.attention(q, k_cache, v_cache, meta, scale)          # out=... writes into a given buffer
+    backend.decode_variant(num_seqs, kv_heads, max_seqlen_k, device)   # launch variants, for CUDA graphs
+    backend.warm_up(q_shape, k_cache, v_cache, max_model_len)          # compile every variant before serving
+
+Also here: `triton_fused` (the fused element-wise kernels of a Llama layer: add + RMSNorm, rope + K/V write,
+SiLU * up) and `compile_watch` (counts Triton compiles, so a server can show none happens after it is ready).
 """
 from .backend import AttentionBackend, available_backends, get_backend, select_backend
 from .metadata import AttentionMetadata
