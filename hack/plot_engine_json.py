@@ -2,7 +2,9 @@
 
     .venv/bin/python -P hack/plot_engine_json.py docs/perf/h200-engine.json docs/perf/h200-tbt-vs-throughput.png
 
-The GPU run returns at most 8 files, so the figure is drawn here from the JSON it brought back.
+hack/gpu_run.sh brings the benchmark's own figure back (drawn from the runs in memory, with the TBT CDF); this
+redraws the TBT p99 panel from a JSON when that figure is missing (the JSON keeps no per-token records, so the CDF
+panel stays empty unless the run kept them).
 """
 from __future__ import annotations
 
