@@ -234,10 +234,11 @@ class ModelRunner:
         self.pieces = pieces
 
     def piecewise_runner(self, buckets: list[int], capture=capture_cuda, pool=None) -> PiecewiseRunner:
+        """Piecewise graphs of this runner's model (one with `piece`/`attend`, e.g. LlamaForCausalLM)."""
         k_cache = self.kv_caches[0][0]
-        heads = getattr(self.model.config, "num_attention_heads", None)
+        heads = self.model.config.num_attention_heads  # this rank's heads under tensor parallelism
         return PiecewiseRunner(self.model, self.kv_caches, buckets, (heads, k_cache.shape[3]), k_cache.dtype,
-                               self.scratch_block, self.mirror.cols, self.device, capture, pool)
+                               self.scratch_block, self.device, capture, pool)
 
     def setup_cuda_graphs(self, max_batch: int, max_model_len: int, max_tokens: int = 4096) -> str:
         """Capture decode-step graphs for batches up to max_batch, and piecewise graphs for other steps of up to

@@ -127,8 +127,8 @@ class PiecewiseReport:
 
 class PiecewiseRunner:
     def __init__(self, model: PiecewiseModel, kv_caches: list, buckets: list[int], q_shape: tuple[int, int],
-                 dtype: torch.dtype, scratch_block: int, block_cols: int, device: torch.device,
-                 capture: Capture = capture_cuda, pool: Any = None):
+                 dtype: torch.dtype, scratch_block: int, device: torch.device, capture: Capture = capture_cuda,
+                 pool: Any = None):
         """q_shape: (heads, head_dim) of this rank's attention."""
         if not buckets:
             raise ValueError("no token buckets to capture")
@@ -139,7 +139,6 @@ class PiecewiseRunner:
         self.capture_fn = capture
         self.pool = pool
         self.scratch_block = scratch_block
-        self.block_cols = block_cols
         top = self.buckets[-1]
         self.static = StaticTokens(top, device)
         self.q_buf = torch.zeros((top, *q_shape), dtype=dtype, device=device)
