@@ -14,13 +14,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from metronome.contract.errors import InvalidRequestError
 from metronome.server.engine.sampling import MAX_TOP_LOGPROBS, Grammar
 
 TOKEN_ID_LIMIT = 1 << 31  # no vocabulary is this large; beyond it ids would overflow int32 tensors
 MAX_CHOICES = 128  # n, or prompts x n for a batch of completions (OpenAI's bound for n)
+NULL_MEANS_DEFAULT = frozenset({"n", "stream", "echo", "logprobs", "ignore_eos", "add_generation_prompt"})
 
 
 class _Request(BaseModel):
@@ -160,6 +161,15 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = Field(None, max_length=1024)
     response_format: ResponseFormat | None = None
     user: str | None = None  # accepted and ignored
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """JSON null for a field with a non-null default means that default: clients (LangChain, LiteLLM, the
+        `openai` client given None) send `"n": null` or `"stream": null` for options they leave unset."""
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_MEANS_DEFAULT):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+        return data
 
     @field_validator("stop")
     @classmethod

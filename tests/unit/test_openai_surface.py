@@ -315,3 +315,13 @@ def test_api_keys_from_flags_env_and_file(tmp_path):
         resolve_keys(None, str(tmp_path / "missing"), {})
     with pytest.raises(ValueError, match="--api-key"):
         resolve_keys([" "], None, {})
+
+
+def test_nulls_mean_defaults(client):
+    """LangChain and LiteLLM send unset options as null."""
+    reply = client.chat.completions.create(model=NAMES[0], messages=CHAT, max_tokens=2, n=None, stream=None,
+                                           temperature=None, top_p=None, presence_penalty=None, logprobs=None,
+                                           frequency_penalty=None, logit_bias=None, seed=None, stop=None)
+    assert len(reply.choices) == 1 and reply.choices[0].logprobs is None
+    plain = client.completions.create(model=NAMES[0], prompt="x", max_tokens=2, echo=None, n=None, logprobs=None)
+    assert len(plain.choices) == 1
