@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from functools import lru_cache
+from functools import cache
 from typing import Protocol
 
 import torch
@@ -40,7 +40,7 @@ class AttentionBackend(Protocol):
         returns how many launches it made."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def _importable(module: str) -> bool:
     """Installed and importable. flash_attn is really imported: a wheel built for another CUDA/torch is installed
     but fails to load, and auto-selection must not pick it then."""

@@ -140,7 +140,7 @@ def run(args) -> list[dict]:
                 configs += [(None, s) for s in (1, 2, 4, 8, 16)]
         best = None
         for cfg, splits in configs:
-            def call(cfg=cfg, splits=splits):
+            def call(cfg=cfg, splits=splits, q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, scale=scale):
                 return paged_attention(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits)
             try:
                 timing = time_call(call, full=cfg is None and splits is None)
@@ -168,7 +168,8 @@ def run(args) -> list[dict]:
                                                 device)
         key = torch.randn(num_tokens, n_kv, head_dim, dtype=dtype, device=device)
         value = torch.randn_like(key)
-        timing = time_call(lambda: write_kv_triton(key, value, k_cache, v_cache, meta.slot_mapping))
+        timing = time_call(lambda key=key, value=value, k_cache=k_cache, v_cache=v_cache, meta=meta:
+                           write_kv_triton(key, value, k_cache, v_cache, meta.slot_mapping))
         moved = 4 * key.numel() * elem
         ms = timing["gpu_ms"]
         rows.append(dict(case=f"write_kv_{num_tokens}", **timing, gb_per_s=moved / ms / 1e6))

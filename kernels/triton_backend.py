@@ -5,8 +5,15 @@ import torch
 
 from .checks import check_attention_inputs, check_write_kv_inputs
 from .metadata import AttentionMetadata, scratch_metadata
-from .triton_attention import (MAX_SPLITS, MIN_SPLIT_KEYS, TileConfig, choose_config, choose_num_splits,
-                               paged_attention, sm_count)
+from .triton_attention import (
+    MAX_SPLITS,
+    MIN_SPLIT_KEYS,
+    TileConfig,
+    choose_config,
+    choose_num_splits,
+    paged_attention,
+    sm_count,
+)
 from .triton_kv_write import write_kv_triton
 
 

@@ -123,7 +123,8 @@ def _rope_write_kv(qkv_ptr, positions_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr
         v_row = k_row + N_KV_HEADS * 2 * HALF
         offs_d = tl.arange(0, 2 * HALF)
         v = tl.load(v_row + kv_heads[:, None] * (2 * HALF) + offs_d[None, :], mask=kmask, other=0.0)
-        v_dst = v_cache_ptr + block * stride_vcb + in_page * stride_vct + kv_heads[:, None] * stride_vch + offs_d[None, :]
+        v_dst = (v_cache_ptr + block * stride_vcb + in_page * stride_vct + kv_heads[:, None] * stride_vch
+                 + offs_d[None, :])
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kmask)
 
 

@@ -19,10 +19,16 @@ import numpy as np
 import torch
 
 from metronome.kernels.metadata import AttentionMetadata, scratch_metadata
-from metronome.server.engine.cuda_graphs import (GraphRunner, GraphStep, backend_split_classes, capture_cuda,
-                                                 capture_sizes, cuda_graph_pool)
-from metronome.server.engine.piecewise_graphs import PiecewiseRunner, PieceStep, token_buckets
+from metronome.server.engine.cuda_graphs import (
+    GraphRunner,
+    GraphStep,
+    backend_split_classes,
+    capture_cuda,
+    capture_sizes,
+    cuda_graph_pool,
+)
 from metronome.server.engine.kv_cache import allocate_kv_cache
+from metronome.server.engine.piecewise_graphs import PieceStep, PiecewiseRunner, token_buckets
 from metronome.server.engine.sampler import Sampler
 from metronome.server.engine.scheduler import ScheduledBatch
 from metronome.server.engine.sequence import Sequence

@@ -13,7 +13,8 @@ transformers uses.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blo
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attention: "AttentionBackend"):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -76,7 +77,7 @@ class LlamaDecoderLayer(nn.Module):
     captured piece: `begin` (residual add, norm, qkv, rope, K/V write) and `finish` (o_proj, residual add, norm,
     MLP). The order of operations is transformers' (add, then norm), so the torch path stays exact."""
 
-    def __init__(self, config: ModelConfig, attention: "AttentionBackend"):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, attention)
@@ -99,7 +100,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attention: "AttentionBackend"):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention) for _ in range(config.num_hidden_layers))
@@ -118,7 +119,7 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, attention: "AttentionBackend"):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend):
         super().__init__()
         self.config = config
         self.attention_backend = attention
@@ -128,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                         bias=False)
 
-    def set_attention_backend(self, attention: "AttentionBackend") -> None:
+    def set_attention_backend(self, attention: AttentionBackend) -> None:
         """Swap the attention kernels (e.g. once the engine knows its block size)."""
         self.attention_backend = attention
         for layer in self.model.layers:

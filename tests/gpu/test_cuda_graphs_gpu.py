@@ -121,7 +121,8 @@ def test_piecewise_mixed_steps_match_eager_greedy_and_compile_nothing_after_read
     assert graphed.execution_mode == "cuda_graphs", graphed.execution_mode
     outputs, forwards = _run_forwards(graphed, prompts, max_tokens)
     mixed = [f for f, kind in forwards if kind == "mixed"]
-    print(f"\n{len(mixed)} mixed steps, {mixed.count('piecewise')} piecewise; capture {graphed.runner.graph_capture_s:.1f} s")
+    print(f"\n{len(mixed)} mixed steps, {mixed.count('piecewise')} piecewise; "
+          f"capture {graphed.runner.graph_capture_s:.1f} s")
     assert mixed and set(mixed) == {"piecewise"}
     assert {f for f, kind in forwards if kind == "decode"} == {"graph"}
     same = sum(a == b for a, b in zip(outputs, expected))

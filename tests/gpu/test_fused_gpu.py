@@ -61,7 +61,8 @@ def test_fused_kernels_round_like_torch_at_llama3_shapes(tokens):
     k_cache = torch.full((blocks, page, kv, d), float("nan"), dtype=dt, device="cuda")
     v_cache = k_cache.clone()
     q = rope_write_kv(qkv, positions, slots, cos, sin, k_cache, v_cache, heads, kv)
-    q_ref, k_ref = rotary(positions, *[t.reshape(tokens, -1, d) for t in qkv.split([heads * d, kv * d, kv * d], -1)[:2]])
+    q_part, k_part, _ = qkv.split([heads * d, kv * d, kv * d], -1)
+    q_ref, k_ref = rotary(positions, q_part.reshape(tokens, heads, d), k_part.reshape(tokens, kv, d))
     keep = slots >= 0
     exact["q"] = _mismatch(q, q_ref)  # rope: every rounding as torch's, bit for bit
     exact["k"] = _mismatch(k_cache.view(-1, kv, d)[slots[keep]], k_ref[keep])
@@ -89,7 +90,7 @@ def test_fused_forward_matches_the_torch_path(dtype):
     q_lens = [1, 37, 1, 90]
     meta = scratch_metadata(q_lens, 64, "cuda")
     # real slots and contexts: every sequence's tokens go to its own blocks
-    slots, tables, start = [], [], 0
+    slots, tables = [], []
     for b, n in enumerate(q_lens):
         tables.append([b * 8 + i for i in range(8)])
         slots += [(b * 8) * 16 + i for i in range(n)]

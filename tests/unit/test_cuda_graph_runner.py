@@ -16,15 +16,21 @@ import sys
 import numpy as np
 import pytest
 import torch
+from engine_fakes import expected_greedy, fake_engine
 
 from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.config import EngineConfig
-from metronome.server.engine.cuda_graphs import (CAPTURE_SIZES, GraphRunner, SplitClasses, StaticBatch,
-                                                 capture_recorded, capture_sizes, single_class)
+from metronome.server.engine.cuda_graphs import (
+    CAPTURE_SIZES,
+    GraphRunner,
+    SplitClasses,
+    StaticBatch,
+    capture_recorded,
+    capture_sizes,
+    single_class,
+)
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.sampling import SamplingParams
-
-from engine_fakes import expected_greedy, fake_engine
 
 
 def attach_recorded_graphs(engine: EngineCore, sizes: list[int]) -> GraphRunner:

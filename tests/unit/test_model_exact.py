@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metronome.kernels import get_backend
 from metronome.kernels.metadata import AttentionMetadata
 from metronome.server.models import load_model
 from metronome.server.models.default_model import default_model_path
