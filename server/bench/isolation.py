@@ -239,7 +239,7 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
             task.cancel()
         leaked = await _kv_leaked(steady, cfg.url)
     injector.join(timeout=30)
-    gaps = _gaps_by_phase(arrivals, phases)
+    gaps = _gaps_by_phase(arrivals, phases)  # also fills each phase's "stats"
     quiet_stats = _stats(gaps.get("quiet", []))
     hostile_stats = _stats([g for kind, values in gaps.items() if kind != "quiet" for g in values])
     by_kind = {}
@@ -266,13 +266,18 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
 
 
 def _gaps_by_phase(arrivals, phases) -> dict[str, list[float]]:
-    """{phase kind: the gaps that ended in a phase of that kind}."""
+    """{phase kind: the gaps that ended in a phase of that kind}; each phase also gets its own stats, so the
+    spread between phases of one kind shows how noisy the machine was."""
     gaps: dict[str, list[float]] = {}
+    own: list[list[float]] = [[] for _ in phases]
     for at, gap in arrivals:
-        for phase in phases:
+        for index, phase in enumerate(phases):
             if phase["_start"] <= at < phase["_end"]:
                 gaps.setdefault(phase["kind"], []).append(gap)
+                own[index].append(gap)
                 break
+    for phase, values in zip(phases, own):
+        phase["stats"] = asdict(_stats(values))
     return gaps
 
 
@@ -361,6 +366,9 @@ def format_report(result: IsolationResult) -> str:
     rows.append(f"p99 ratio {_fmt(result.p99_ratio)} (target <= {P99_TARGET}: {'met' if t['p99_met'] else 'MISSED'}); "
                 f"max-gap ratio {_fmt(result.max_gap_ratio)} (target <= {MAX_GAP_TARGET}: "
                 f"{'met' if t['max_gap_met'] else 'MISSED'})")
+    quiet_p99 = [p["stats"]["tbt_p99_ms"] for p in result.phases if p["kind"] == "quiet" and p["stats"]["gaps"]]
+    if quiet_p99:
+        rows.append(f"noise: the quiet phases' own TBT p99 ranged {_fmt(min(quiet_p99))}..{_fmt(max(quiet_p99))} ms")
     rows.append(f"5xx responses: {result.server_errors}; KV blocks leaked: {result.kv_blocks_leaked}")
     for kind, counts in result.hostile_statuses.items():
         rows.append(f"  {kind:<17} " + ", ".join(f"{status}: {n}" for status, n in sorted(counts.items())))
