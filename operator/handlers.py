@@ -80,7 +80,8 @@ class Services:
         """The services whose Prometheus reading is due now."""
         with self._lock:
             items = list(self._states.items())
-        return [key for key, state in items if state.tuner.due(now, state.tuner.spec_generation or 0)]
+        # The spec's own changes are read at once by the CR's handlers; here only the interval counts.
+        return [key for key, state in items if state.tuner.due(now, state.tuner.spec_generation)]
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:

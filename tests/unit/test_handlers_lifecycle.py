@@ -1,0 +1,50 @@
+"""What the operator registers with kopf: no timer or daemon (kopf would force a finalizer onto every object),
+children watched by the operator's own labels, API errors retried for as long as the API server is away, and
+the per-service memory the handlers share."""
+from __future__ import annotations
+
+import itertools
+
+import kopf
+
+from metronome.operator import builders, handlers
+from metronome.operator.options import OperatorOptions
+
+
+def registry() -> kopf.OperatorRegistry:
+    reg = kopf.OperatorRegistry()
+    handlers.register(reg, OperatorOptions())
+    return reg
+
+
+def test_no_handler_needs_a_finalizer_and_nothing_is_polled_per_object():
+    reg = registry()
+    assert reg._spawning.get_all_handlers() == []  # timers and daemons: each would force a finalizer
+    assert not any(h.requires_finalizer for h in reg._changing.get_all_handlers())
+
+
+def test_owned_deployments_and_configmaps_are_watched_by_the_operators_labels():
+    watched = {(h.selector.group, h.selector.plural): h.labels for h in registry()._watching.get_all_handlers()}
+    assert set(watched) == {("apps", "deployments"), ("", "configmaps")}
+    for labels in watched.values():
+        assert labels[builders.LABEL_MANAGED_BY] == builders.MANAGED_BY
+        assert labels[builders.LABEL_SERVICE] is kopf.PRESENT
+
+
+def test_api_errors_are_retried_without_end_and_afresh_for_each_request():
+    backoffs = handlers.RetryForever()
+    first = list(itertools.islice(backoffs, 10))
+    assert first == [1, 1, 2, 3, 5, 8, 13, 15, 15, 15]
+    assert list(itertools.islice(backoffs, 3)) == [1, 1, 2]  # a new request starts from the beginning
+
+
+def test_services_keep_memory_per_object_and_forget_a_recreated_one():
+    services = handlers.Services()
+    state = services.state("ml", "chat", "uid-1")
+    assert services.state("ml", "chat", "uid-1") is state
+    assert services.due(now=0.0) == [("ml", "chat")]  # never read: due at once
+    state.tuner.next_reading, state.tuner.metrics = 100.0, object()
+    assert services.due(now=50.0) == [] and services.due(now=100.0) == [("ml", "chat")]
+    assert services.state("ml", "chat", "uid-2") is not state  # same name, new object: a fresh start
+    services.forget("ml", "chat")
+    assert services.due(now=0.0) == []
