@@ -78,6 +78,7 @@ class EngineCore:
         self.grammars = Grammars(self.tokenizer, self.vocab_size, list(self.eos_token_ids), device) \
             if Grammars.available() else None
         self._matchers: dict[str, Any] = {}  # request id -> its grammar matcher
+        self._special: set[str] = set()  # live requests that edit logits or want logprobs (else: the plain path)
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self._abort_events: list[TokenEvent] = []
@@ -204,6 +205,8 @@ class EngineCore:
         seq.detokenizer = OutputText(self.tokenizer.incremental_decoder(), params.stop)
         if params.grammar is not None:
             self._matchers[request_id] = self.grammars.matcher(params.grammar)
+        if params.changes_logits or params.logprobs is not None:
+            self._special.add(request_id)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -216,6 +219,7 @@ class EngineCore:
         self.scheduler.remove(seq)
         self.runner.release(seq)
         self._matchers.pop(request_id, None)
+        self._special.discard(request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
         self._abort_events.append(TokenEvent(request_id, ABORT_TOKEN_ID, seq.detokenizer.take_delta(True),
@@ -275,6 +279,9 @@ class EngineCore:
         """The chosen ids. Runs right after the forward was launched: the grammar masks of constrained rows are
         filled on the host meanwhile (grammar.py); penalties read each row's token history."""
         params = [s.params for s in seqs]
+        generators = [s.generator for s in seqs]
+        if not self._special:  # nothing to edit or report: no per-row checks on the hot path
+            return self.runner.sampler.sample(logits, params, generators, plain=True)
         mask = None
         if self._matchers:
             rows = [i for i, s in enumerate(seqs) if s.request_id in self._matchers]
@@ -282,7 +289,7 @@ class EngineCore:
                 mask = self.grammars.mask(rows, [self._matchers[seqs[i].request_id] for i in rows])
         histories = [(s.token_ids, s.num_prompt_tokens) if s.params.uses_penalties else None for s in seqs] \
             if any(p.uses_penalties for p in params) else None
-        return self.runner.sampler.sample(logits, params, [s.generator for s in seqs], histories, mask)
+        return self.runner.sampler.sample(logits, params, generators, histories, mask)
 
     def _emit(self, seq: Sequence, token: int, now: float, stats: StepStats, short_threshold: int,
               logprobs=None) -> TokenEvent:
@@ -329,6 +336,7 @@ class EngineCore:
         self.scheduler.remove(seq)
         self.runner.release(seq)
         self._matchers.pop(seq.request_id, None)
+        self._special.discard(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._seqs.pop(seq.request_id, None)

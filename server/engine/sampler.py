@@ -37,13 +37,15 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                histories: list[tuple[list[int], int] | None] | None = None,
-               grammar_mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleResult:
+               grammar_mask: tuple[torch.Tensor, torch.Tensor] | None = None, plain: bool = False) -> SampleResult:
         """logits: float32 [N, vocab]; one params/generator per row. `histories[i]`: (prompt + output token ids,
-        number of prompt tokens) for rows with penalties. `grammar_mask`: (row indices, bool [R, vocab] allowed)."""
+        number of prompt tokens) for rows with penalties. `grammar_mask`: (row indices, bool [R, vocab] allowed).
+        `plain`: the caller knows no row edits logits or wants logprobs (skips checking each row: at 256 rows
+        those checks cost more host time than the argmax)."""
         n = len(params)
-        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        want_logprobs = [] if plain else [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits
-        if grammar_mask is not None or any(p.changes_logits for p in params):
+        if not plain and (grammar_mask is not None or any(p.changes_logits for p in params)):
             logits = process_logits(logits, params, histories or [None] * n, grammar_mask)
         greedy = [p.is_greedy for p in params]
         if all(greedy):
