@@ -363,3 +363,65 @@ def test_bad_dtype_device_and_backend_are_invalid_requests():
         load_model("random:tiny", device="tpu")
     with pytest.raises(InvalidRequestError, match="attention backend"):
         load_model("random:tiny", attention_backend="magic")
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "F16"])
+def test_torch_dequantisation_is_bit_identical_to_gguf(kind):
+    """The cold-start dequantiser (torch) computes exactly what gguf's numpy reference computes."""
+    from gguf.quants import GGMLQuantizationType, dequantize, quantize
+
+    from metronome.server.models import gguf_dequant
+
+    qtype = GGMLQuantizationType[kind]
+    weights = np.random.default_rng(3).standard_normal((6, 64)).astype(np.float32) * 3
+    raw = np.ascontiguousarray(quantize(weights, qtype)).view(np.uint8).reshape(-1)
+    expected = dequantize(raw.reshape(6, -1), qtype).astype(np.float32)
+    assert raw.size == gguf_dequant.tensor_nbytes(int(qtype), weights.size)
+    ours = gguf_dequant.dequantize(raw, int(qtype), (6, 64))
+    assert ours.dtype == torch.float32 and torch.equal(ours, torch.from_numpy(expected))
+
+
+def test_the_lazy_gguf_reader_matches_ggufs_own(tmp_path):
+    """Metadata (string arrays decoded on demand), tensor table and tensor bytes as gguf.GGUFReader reads them."""
+    import gguf
+
+    from metronome.server.models.gguf_file import GGUFFile, StringArray
+
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_token_list(["<s>", "</s>", "héllo", "wörld"])
+    writer.add_token_types([3, 3, 1, 1])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_chat_template("{{ messages }}")
+    writer.add_tensor("a.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.add_tensor("b.weight", np.ones((2, 32), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+    tokens = ours.metadata["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, StringArray) and len(tokens) == 4 and list(tokens) == ["<s>", "</s>", "héllo", "wörld"]
+    assert ours.metadata["tokenizer.ggml.token_type"] == [3, 3, 1, 1]
+    assert ours.metadata["test.nested"] == [[1, 2], [3]]
+    assert ours.metadata["llama.block_count"] == 2 and ours.metadata["tokenizer.chat_template"] == "{{ messages }}"
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors):
+        assert mine.shape == tuple(int(d) for d in reference.shape)
+        assert mine.ggml_type == int(reference.tensor_type)
+        assert bytes(ours.raw(mine, reference.n_bytes)) == bytes(np.asarray(reference.data).view(np.uint8).reshape(-1))
+
+
+def test_a_truncated_gguf_is_a_model_error(tmp_path):
+    from metronome.server.models.default_model import default_model_path
+    from metronome.server.models.gguf_loader import open_gguf
+
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(default_model_path().read_bytes()[:4096])
+    with pytest.raises(ModelNotFoundError, match="cannot read GGUF file"):
+        open_gguf(path)
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + b"\0" * 64)
+    with pytest.raises(ModelNotFoundError, match="GGUF magic"):
+        open_gguf(tmp_path / "not.gguf")
