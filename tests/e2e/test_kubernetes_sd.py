@@ -8,25 +8,30 @@ the series by the labels the server sets itself (`model`) and the ones discovery
 no relabelling of the project's own is involved.
 
 This Prometheus is the module's own (another loopback port and data folder), so the session's file_sd
-Prometheus keeps serving the other tests.
+Prometheus keeps serving the other tests. Debian's package is built without Kubernetes service discovery, so
+this one is built from Go modules with only that discoverer (hack/build-prometheus-sd.sh, cached; the first
+build takes minutes, hence this module's longer timeout).
 """
 from __future__ import annotations
 
 import ipaddress
+import subprocess
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
 from closedloop import service_account_kubeconfig
 from e2e_helpers import get_json, prom_query
 from localcluster.components import prometheus_argv
-from localcluster.local import prometheus_binary
 from localcluster.procs import free_port, start_process, stop_process
 from polling import wait_for
 from standin.standin import ADDRESS_ANNOTATION
 
 from metronome.operator.metrics_source import PrometheusMetricsSource, QueryWindow, ServiceSelector
+
+pytestmark = pytest.mark.timeout(2400)  # a cold build of the Kubernetes-SD Prometheus included
 
 NAME = "sd-tiny"
 SCRAPE_INTERVAL_S = 1
@@ -80,6 +85,14 @@ def manifest() -> str:
     })
 
 
+def build_prometheus_sd() -> Path:
+    """The Kubernetes-SD Prometheus, built when missing (its progress goes to the terminal's stderr)."""
+    script = Path(__file__).resolve().parents[2] / "hack" / "build-prometheus-sd.sh"
+    result = subprocess.run(["bash", str(script)], stdout=subprocess.PIPE, text=True, check=False)
+    assert result.returncode == 0, f"{script} failed (exit {result.returncode}); its output is above"
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
 def _ready(url: str) -> bool:
     with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as response:
         return response.status == 200
@@ -100,8 +113,7 @@ def sd_prometheus(cluster, ns, tmp_path_factory):
     kubeconfig = service_account_kubeconfig(cluster, ns, "prometheus-sd", work / "kubeconfig", duration="3h")
     config = work / "prometheus.yml"
     config.write_text(scrape_config(str(kubeconfig)))
-    binary = prometheus_binary()
-    assert binary is not None, "prometheus is not installed (hack/install-prometheus.sh)"
+    binary = build_prometheus_sd()
     port = free_port()
     record = start_process("prometheus-sd", prometheus_argv(binary, config, work / "data", port), work / "log")
     url = f"http://127.0.0.1:{port}"
