@@ -148,7 +148,7 @@ class _SamplingRequest(_Request):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="Extension: 0 or -1 = off.")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="Extension.")
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, description="Extension.")
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0, description="Extension.")
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=1024, description="Extension.")

@@ -8,6 +8,7 @@ from metronome.contract.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound for a logit_bias value (either sign)
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0  # [-2, 2], subtracted once from every token already generated
     frequency_penalty: float = 0.0  # [-2, 2], subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # > 0, divides positive (multiplies negative) logits of prompt+output tokens
+    repetition_penalty: float = 1.0  # [0.01, 100]: divides positive (multiplies negative) logits of prompt+output
+    # tokens; the bounds keep scaled logits finite (1e-55 would turn them into inf)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
     grammar: Grammar | None = None
@@ -84,8 +86,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}", param=name)
-        if not _is_real(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 100.0):
-            raise InvalidRequestError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}",
+        if not _is_real(self.repetition_penalty) or not (MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0):
+            raise InvalidRequestError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}",
                                       param="repetition_penalty")
         for token, bias in self.logit_bias:
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
