@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from api_helpers import TINY, build_server_parts
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from api_helpers import TINY, build_server_parts
 
 scalars = st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(-3, 3) | st.text(max_size=8)
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
