@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from metronome.server.api.lifecycle import Lifecycle
 from metronome.server.api.responses import DONE, Tally, sse, total_usage
+from metronome.server.engine.sampling import SamplingParams
 
 log = logging.getLogger("metronome.api")
 
@@ -50,8 +51,8 @@ class Job:
     """One choice of a response: a prompt (token ids) and its sampling params."""
 
     prompt: list[int]
-    params: object
-    prompt_index: int = 0
+    params: SamplingParams
+    prompt_index: int = 0  # which of the request's prompts (usage counts each once)
 
 
 async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list[Job], shaper, stream: bool,
