@@ -217,6 +217,12 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
                  for name in model_names]
         return ModelList(data=cards).model_dump()
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        check_model(model_id)
+        return ModelCard(id=model_id, created=now_unix(), max_model_len=engine.max_model_len,
+                         root=engine.model_name).model_dump()
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)

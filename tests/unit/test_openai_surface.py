@@ -74,6 +74,9 @@ def test_start_up_logs_say_what_was_loaded(served):
 
 def test_every_name_answers_and_responses_carry_the_first(client):
     assert [m.id for m in client.models.list().data] == [*NAMES, TINY]
+    assert client.models.retrieve(NAMES[1]).id == NAMES[1] and client.models.retrieve(TINY).id == TINY
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
     for name in [*NAMES, TINY]:
         reply = client.completions.create(model=name, prompt="hi", max_tokens=2)
         assert reply.model == NAMES[0]
