@@ -58,7 +58,9 @@ class ServiceState:
     uid: str
     tuner: autotune.TunerMemory = field(default_factory=autotune.TunerMemory)
     # One refresh at a time per service: the CR's handlers, its children's events and the loop run in threads.
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Reentrant: refresh_owner holds it from reading the owner to writing its status (so two refreshes never
+    # announce the same transition), and refresh takes it again.
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
 
 class Services:
@@ -186,17 +188,19 @@ def refresh_owner(memo: kopf.Memo, namespace: str, name: str) -> None:
     if owner is None:
         memo.services.forget(namespace, name)
         return
-    if owner["metadata"].get("deletionTimestamp"):
-        return
-    try:
-        service = parse_service(owner)
-    except SpecError:
-        return  # its own handler reported it (InvalidSpec) and will again on the next spec change
-    result = refresh(memo, service, owner, repair=True)
-    if result.replicas is not None:
-        kube.patch(API_VERSION, KIND, namespace, name, {"spec": {"replicas": result.replicas}})
-    if result.status:
-        kube.patch(API_VERSION, KIND, namespace, name, {"status": result.status}, subresource="status")
+    with _state(memo, owner).lock:
+        owner = kube.get(API_VERSION, KIND, namespace, name)  # as it is now, after any refresh we waited for
+        if owner is None or owner["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            service = parse_service(owner)
+        except SpecError:
+            return  # its own handler reported it (InvalidSpec) and will again on the next spec change
+        result = refresh(memo, service, owner, repair=True)
+        if result.replicas is not None:
+            kube.patch(API_VERSION, KIND, namespace, name, {"spec": {"replicas": result.replicas}})
+        if result.status:
+            kube.patch(API_VERSION, KIND, namespace, name, {"status": result.status}, subresource="status")
 
 
 # --- the handlers --------------------------------------------------------------------------------------------
