@@ -92,9 +92,10 @@ def _monitor_flags(group: argparse._ArgumentGroup) -> None:
 def _leader_flags(group: argparse._ArgumentGroup) -> None:
     mode = group.add_mutually_exclusive_group()
     mode.add_argument("--standalone", action="store_true",
-                      help="act alone, without leader election (the default; run one replica)")
+                      help="act alone, without leader election (the default outside a pod; run one replica)")
     mode.add_argument("--leader-elect", action="store_true",
-                      help="act only while holding a coordination.k8s.io Lease (run two or more replicas)")
+                      help="act only while holding a coordination.k8s.io Lease (the default in a pod, where "
+                      "$POD_NAMESPACE or the service account's namespace names the Lease's namespace)")
     group.add_argument("--lease-name", default=DEFAULT_LEASE_NAME, help="the Lease's name (default %(default)s)")
     group.add_argument("--lease-namespace", default=None,
                        help="the Lease's namespace (default: $POD_NAMESPACE, else the service account's)")
@@ -128,7 +129,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         monitor = MonitorSettings(kind=args.monitor_kind,
                                   labels=tuple(monitoring.parse_label(label) for label in args.monitor_label),
                                   interval_seconds=args.scrape_interval)
-        leader = _leader_election(args) if args.leader_elect else None
+        leader = _leader_election(args) if _elects(args) else None
     except ValueError as exc:
         raise _fail(str(exc)) from exc
     return OperatorOptions(
@@ -141,6 +142,14 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         leader_election=leader,
         status_interval_seconds=args.status_interval,
     )
+
+
+def _elects(args: argparse.Namespace) -> bool:
+    """--leader-elect or --standalone as given; by default, leader election wherever the process runs in a pod
+    (a second replica must never act alongside the first), standalone on a workstation."""
+    if args.leader_elect or args.standalone:
+        return args.leader_elect
+    return bool(os.environ.get("POD_NAMESPACE")) or SERVICE_ACCOUNT_NAMESPACE.is_file()
 
 
 def _leader_election(args: argparse.Namespace) -> LeaderElection:

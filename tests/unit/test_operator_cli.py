@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from metronome.operator import main
 from metronome.operator.main import configure, options_from_args
 
 
@@ -14,6 +15,13 @@ def parse(*argv: str):
     parser = argparse.ArgumentParser()
     configure(parser)
     return options_from_args(parser.parse_args(list(argv)))
+
+
+@pytest.fixture(autouse=True)
+def not_in_a_pod(monkeypatch, tmp_path):
+    """The defaults as on a workstation, wherever the tests run (a CI pod has a service account namespace)."""
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    monkeypatch.setattr(main, "SERVICE_ACCOUNT_NAMESPACE", tmp_path / "no-service-account" / "namespace")
 
 
 def test_defaults_watch_every_namespace_standalone_with_health_endpoint():
@@ -39,6 +47,18 @@ def test_namespaces_prometheus_log_level_health_and_leader_election():
     assert (election.times.duration_s, election.times.renew_deadline_s, election.times.retry_period_s) == (8, 5, 1)
     assert election.identity and election.identity != parse("--leader-elect", "--lease-namespace", "ops"
                                                             ).leader_election.identity  # a new candidate each start
+
+
+def test_leader_election_is_the_default_in_a_pod_only(monkeypatch, tmp_path):
+    assert parse().leader_election is None  # a workstation: no pod namespace
+    monkeypatch.setenv("POD_NAMESPACE", "metronome-system")
+    assert parse().leader_election.namespace == "metronome-system"
+    assert parse("--standalone").leader_election is None
+    monkeypatch.delenv("POD_NAMESPACE")
+    account = tmp_path / "namespace"
+    account.write_text("ops\n")
+    monkeypatch.setattr(main, "SERVICE_ACCOUNT_NAMESPACE", account)
+    assert parse().leader_election.namespace == "ops"
 
 
 def test_prometheus_client_and_monitor_flags():
