@@ -240,10 +240,14 @@ class ControlLoop:
     """One thread for the operator: every `interval_s` it refreshes the services whose reading is due. A
     failure costs that service one pass, never the loop."""
 
+    MAX_BACKOFF_S = 60.0
+
     def __init__(self, memo: kopf.Memo, interval_s: float):
         self.memo, self.interval_s = memo, interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="control-loop", daemon=True)
+        # A service whose refresh failed (the API server away) is retried after a doubling pause, not every pass.
+        self._failures: dict[tuple[str, str], tuple[int, float]] = {}
 
     def start(self) -> None:
         self._thread.start()
@@ -254,13 +258,23 @@ class ControlLoop:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            for namespace, name in self.memo.services.due(time.time()):
-                if self._stop.is_set():
-                    return
-                try:
-                    refresh_owner(self.memo, namespace, name)
-                except Exception as exc:  # noqa: BLE001 - an API hiccup costs one pass
-                    log.warning("control loop: %s/%s: %s", namespace, name, exc)
+            self.run_once(time.monotonic())
+
+    def run_once(self, now: float) -> None:
+        """One pass: refresh every due service that is not pausing after a failure."""
+        for key in self.memo.services.due(time.time()):
+            if self._stop.is_set():
+                return
+            failures, retry_at = self._failures.get(key, (0, 0.0))
+            if now < retry_at:
+                continue
+            try:
+                refresh_owner(self.memo, *key)
+                self._failures.pop(key, None)
+            except Exception as exc:  # noqa: BLE001 - an API hiccup costs this service a pause, not the loop
+                pause = min(self.interval_s * 2 ** failures, self.MAX_BACKOFF_S)
+                self._failures[key] = (failures + 1, now + pause)
+                log.warning("control loop: %s/%s: %s (next try in %.0f s)", *key, exc, pause)
 
 
 def start_control_loop(memo: kopf.Memo, **_: Any) -> None:

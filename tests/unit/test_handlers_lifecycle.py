@@ -48,3 +48,21 @@ def test_services_keep_memory_per_object_and_forget_a_recreated_one():
     assert services.state("ml", "chat", "uid-2") is not state  # same name, new object: a fresh start
     services.forget("ml", "chat")
     assert services.due(now=0.0) == []
+
+
+def test_the_control_loop_pauses_a_failing_service_with_a_doubling_back_off(monkeypatch):
+    calls = []
+
+    def refresh_owner(memo, namespace, name):
+        calls.append((namespace, name))
+        if len(calls) <= 2:
+            raise ConnectionError("API server away")
+
+    monkeypatch.setattr(handlers, "refresh_owner", refresh_owner)
+    memo = kopf.Memo(services=handlers.Services())
+    memo.services.state("ml", "chat", "uid")  # never read: due
+    loop = handlers.ControlLoop(memo, interval_s=1.0)
+    for now in (0.0, 0.5, 1.0, 1.5, 2.9, 3.0, 3.5):
+        loop.run_once(now)
+    # Fails at 0 (pause 1 s) and at 1 (pause 2 s); tried again at 3 and succeeds; then every pass while due.
+    assert len(calls) == 4 and loop._failures == {}
