@@ -2,6 +2,9 @@
 many blocks fit the memory budget."""
 from __future__ import annotations
 
+import mmap
+import math
+
 import torch
 
 from metronome.server.engine.config import EngineConfig
@@ -40,5 +43,14 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
                       dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Zeroed, not empty: kernels may load padding slots under a mask, and NaN garbage * 0 is still NaN.
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    zeros = _lazy_zeros if device.type == "cpu" else torch.zeros
+    return [(zeros(shape, dtype=dtype, device=device), zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)]
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor in anonymous memory: the kernel hands out zeroed pages on first touch, so a 1 GiB CPU cache
+    costs nothing at start-up (torch.zeros writes every page: ~2 s of a cold start) and only what is used later."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(math.prod(shape) * itemsize, 1))
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
