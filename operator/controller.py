@@ -2,20 +2,28 @@
 
 Order of the rules, first match wins:
 1. autotune off → hold (status still gets SLO fields); no observation or too few TBT samples → hold, no data.
-2. settling → hold: within `cooldown_seconds` of the last change, while the observation window still holds
-   samples from before it, or while pods still report an older config generation (for at most
-   `settle_timeout_seconds`).
-3. queue policy switching (if enabled): to `split` when long prompts are a large share (≥ long_share_on) and
-   short requests' TBT p99 (the overall p99 when the server does not split it out) is over target; back to the
-   resource's own policy when the share falls to ≤ long_share_off. The gap between the two is the hysteresis.
-   No switch to split while the budget is under the short-prompt threshold (split would raise it).
+2. settling → hold: within `cooldown_seconds` of the last change, while pods still report an older config
+   generation (for at most `settle_timeout_seconds`), or while the observation window still holds samples from
+   before the last pod *applied* the change (each pod's config_applied time; the write time when unknown): a
+   real kubelet projects a ConfigMap 30-90 s after it is written.
+3. queue policy switching (if enabled): to `split` when long prompts are a large share (≥ long_share_on, from the
+   server's per-lane prompt counts) and short requests' TBT p99 (the TBT histogram's short lane; the overall p99
+   when the server does not split it out) is over target; back to the resource's own policy when the share falls
+   to ≤ long_share_off. The gap between the two is the hysteresis. No switch to split while the budget is under
+   the short-prompt threshold (split would raise it).
+3b. prefill guard: when prefill is the bottleneck — TTFT p99 over its limit while requests wait for prefill, or
+   the waiting queue grew by `queue_growth_limit` or more over the window — the budget is never shrunk: it grows
+   (the model's largest chunk within the TBT budget, or ×multiplicative_up) when TBT is under target, else it
+   holds (replicas + 1 if `scale_replicas`, else `slo_unreachable` while an SLO is broken).
 4. deadband → hold while deadband_low ≤ p99 / target ≤ upper, where upper is deadband_high (0.95) for
    `model`, which aims at target·margin (0.9) inside the band, and 1.0 for `multiplicative`.
 5. chunk size, by policy:
-   - `model`: fit step ≈ a + b·tokens, calibrate p99 = k·(a + b·(D + C)) on the current observation, take the
-     largest multiple of `chunk_granularity` with predicted p99 ≤ target·margin. Never moves against what was
-     observed (shrinks only above the band, grows only below it). Falls back to `multiplicative` when the fit
-     is poor (too few points, r² low, slope ≤ 0, no spread in tokens per step).
+   - `model`: fit step ≈ a + b·tokens (+ m for mixed steps, decode and mixed points told apart by the step
+     metrics' kind), calibrate p99 = k·(a + m + b·(D + C)) on the current observation, take the largest multiple
+     of `chunk_granularity` with predicted p99 ≤ target·margin, but never below the chunk whose prefill
+     throughput C / step(D + C) covers `prefill_headroom` × the prompt tokens per second per pod. Never moves
+     against what was observed (shrinks only above the band, grows only below it). Falls back to
+     `multiplicative` when the fit is poor (too few points, r² low, slope ≤ 0, no spread in tokens per step).
    - `multiplicative`: the background report's rule: ×0.9 when p99 TBT is over target and throughput above its
      floor, else ×1.1.
    Every proposal is capped (at most ×max_step_up, ÷max_step_down per decision) and clamped to the bounds;
@@ -41,6 +49,7 @@ from metronome.operator.step_model import (
     fit_step_time,
     largest_chunk_within,
     predict_tbt_p99,
+    smallest_chunk_for_prefill,
 )
 
 METRICS_UNAVAILABLE = "metrics unavailable"
@@ -80,7 +89,8 @@ def decide(observation: Observation | None, current: CurrentConfig, spec: Autotu
     waiting = _settling_reason(observation, current, spec, now)
     if waiting is not None:
         return _hold(current, waiting, **observed)
-    proposal = _policy_switch(observation, current, spec) or _tune_chunk(observation, current, spec, ratio)
+    proposal = (_policy_switch(observation, current, spec) or _prefill_guard(observation, current, spec, ratio)
+                or _tune_chunk(observation, current, spec, ratio))
     return _finish(proposal, current, spec, observed)
 
 
@@ -99,6 +109,11 @@ def _settling_reason(obs: Observation, current: CurrentConfig, spec: AutotuneSpe
     if lagging and since < spec.settle_timeout_seconds:
         return (f"settling: {len(lagging)}/{len(obs.pod_generations)} pods not yet on config generation "
                 f"{current.generation} ({', '.join(lagging[:3])})")
+    applied = [obs.config_applied_at[pod] for pod, generation in obs.pod_generations.items()
+               if generation >= current.generation and pod in obs.config_applied_at]
+    if applied and not lagging and now - max(applied) < obs.window_seconds:
+        return (f"settling: the {obs.window_seconds:.0f} s window still holds samples from before the last pod "
+                f"applied generation {current.generation} ({now - max(applied):.0f} s ago)")
     return None
 
 
@@ -127,6 +142,77 @@ def _policy_switch(obs: Observation, current: CurrentConfig, spec: AutotuneSpec)
             f"long prompts down to {share:.0%} of requests (≤ {spec.long_share_off:.0%}): back to "
             f"{spec.base_queue_policy}", (ActionKind.POLICY_SWITCH,), policy_used="policy-switch")
     return None
+
+
+# --- rule 3b: never starve prefill -------------------------------------------------------------------------------
+
+def _prefill_bottleneck(obs: Observation, spec: AutotuneSpec) -> str | None:
+    """Why prefill cannot keep up (TTFT over its limit, a growing queue), or None."""
+    why = []
+    limit, waiting = spec.ttft_p99_target_s, obs.waiting_requests or 0.0
+    # Slow first tokens with nobody waiting come from long steps (which a smaller chunk helps), not from prefill.
+    if limit is not None and obs.ttft_p99_s is not None and obs.ttft_p99_s > limit and waiting > 0:
+        why.append(f"TTFT p99 {obs.ttft_p99_s * 1e3:.0f} ms > limit {limit * 1e3:.0f} ms with {waiting:.1f} "
+                   "requests waiting on average")
+    growth = obs.waiting_growth
+    if growth is not None and growth >= spec.queue_growth_limit:
+        why.append(f"the queue grew by {growth:.0f} waiting requests in {obs.window_seconds:.0f} s")
+    return " and ".join(why) or None
+
+
+def _prefill_guard(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, ratio: float) -> _Proposal | None:
+    why = _prefill_bottleneck(obs, spec)
+    if why is None or not spec.min_chunk <= current.chunk_size <= spec.max_chunk:
+        return None
+    tbt = obs.tbt_p99_s
+    assert tbt is not None  # checked by decide()
+    basis = f"prefill is the bottleneck ({why}); {_tbt_text(tbt, spec)}"
+    wanted, how, fit = None, "", None
+    if ratio < 1.0:
+        if spec.policy is TuningPolicy.MODEL:
+            fit = _usable_fit(obs, spec)
+        if fit is not None:
+            decode_batch = obs.decode_batch_size if obs.decode_batch_size is not None else fit.token_min
+            factor = calibrate_p99_factor(fit, tbt, decode_batch, current.chunk_size)
+            best = largest_chunk_within(fit, decode_batch, factor, spec.tbt_p99_target_s * spec.margin,
+                                        spec.chunk_granularity)
+            wanted, how = best, f"model fit {fit.describe()}: largest chunk within the TBT budget {best}"
+        else:
+            wanted = max(current.chunk_size + 1, int(round(current.chunk_size * spec.multiplicative_up)))
+            how = f"×{spec.multiplicative_up:g}"
+    if wanted is not None and wanted > current.chunk_size:
+        granularity = spec.chunk_granularity if fit is not None else 1
+        chunk = _bounded(wanted, current.chunk_size, spec, granularity, _floor(spec, current))
+        if chunk > current.chunk_size:
+            return _Proposal(chunk, current.queue_policy, current.replicas,
+                             f"{basis}: TBT has room, growing the budget ({how}){_cap_note(wanted, chunk, spec, 0)}",
+                             (ActionKind.CHUNK_UP,), policy_used="prefill-guard",
+                             fit_r_squared=fit.r_squared if fit is not None else None)
+    room = "no room left under the TBT target" if ratio < 1.0 else "TBT is over target too"
+    basis = f"{basis}: {room}, not shrinking the budget"
+    if spec.scale_replicas and current.replicas < spec.max_replicas:
+        return _Proposal(current.chunk_size, current.queue_policy, current.replicas + 1,
+                         f"{basis}; replicas {current.replicas}→{current.replicas + 1}", (ActionKind.SCALE_UP,),
+                         policy_used="scale")
+    return _Proposal(current.chunk_size, current.queue_policy, current.replicas,
+                     f"{basis}{'' if spec.scale_replicas else ' (scaleReplicas is off)'}",
+                     (ActionKind.SLO_UNREACHABLE,), policy_used="prefill-guard", slo_unreachable=True)
+
+
+def _usable_fit(obs: Observation, spec: AutotuneSpec) -> StepFit | None:
+    try:
+        fit = _fit(obs)
+    except FitError:
+        return None
+    return fit if fit_problem(fit, spec.min_fit_points, spec.min_fit_r2, spec.min_fit_token_spread) is None else None
+
+
+def _fit(obs: Observation) -> StepFit:
+    """The step-time fit of the observation's points; decode and mixed steps apart when the server tells them."""
+    samples = obs.step_samples
+    kinds = [s.mixed for s in samples] if any(s.kind for s in samples) else None
+    return fit_step_time([s.tokens_per_step for s in samples], [s.step_seconds for s in samples],
+                         [s.steps for s in samples], kinds)
 
 
 # --- rules 4-6: chunk size ---------------------------------------------------------------------------------------
@@ -159,10 +245,8 @@ def _tune_chunk(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, ra
 
 def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
                 ratio: float) -> tuple[_Proposal | None, str]:
-    samples = obs.step_samples
     try:
-        fit = fit_step_time([s.tokens_per_step for s in samples], [s.step_seconds for s in samples],
-                            [s.steps for s in samples])
+        fit = _fit(obs)
     except FitError as exc:
         return None, str(exc)
     problem = fit_problem(fit, spec.min_fit_points, spec.min_fit_r2, spec.min_fit_token_spread)
@@ -193,9 +277,19 @@ def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
         if floor is not None and obs.output_tokens_per_s < floor:
             return blocked(f"{basis}; throughput {obs.output_tokens_per_s:.0f} tokens/s is "
                                             f"below its floor {floor:.0f}: a smaller chunk would cut it further"), ""
+        pods = max(1, len(obs.pod_generations) or current.replicas)
+        demand = (obs.prompt_tokens_per_s or 0.0) / pods * spec.prefill_headroom
+        prefill_floor = smallest_chunk_for_prefill(fit, decode_batch, demand, spec.chunk_granularity, spec.max_chunk)
+        # None: the fit says no chunk keeps up, which the observation (no TTFT or queue alarm, rule 3b) denies;
+        # the observed guard then protects prefill on its own.
+        prefill_floor = prefill_floor if prefill_floor is not None else spec.chunk_granularity
+        if prefill_floor >= current.chunk_size:
+            return blocked(f"{basis}; prefill of {demand:.0f} prompt tokens/s per pod (×{spec.prefill_headroom:g} "
+                           f"headroom) needs chunk ≥ {prefill_floor}: not shrinking"), ""
         if best is not None and best < current.chunk_size:
             wanted = best
-            why = (f"predicted p99 TBT {predicted(best) * 1e3:.1f} ms ≤ {budget * 1e3:.1f} ms at chunk {best}")
+            why = (f"predicted p99 TBT {predicted(best) * 1e3:.1f} ms ≤ {budget * 1e3:.1f} ms at chunk {best}"
+                   + (f"; prefill needs chunk ≥ {prefill_floor}" if prefill_floor > best else ""))
         elif best is None:
             wanted = _floor(spec, current)
             why = (f"no chunk is predicted under {budget * 1e3:.1f} ms (even {spec.chunk_granularity} gives "
@@ -206,6 +300,7 @@ def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
             wanted = int(current.chunk_size * spec.multiplicative_down)
             why = (f"model predicts {predicted(current.chunk_size) * 1e3:.1f} ms at the current chunk but "
                    f"{tbt * 1e3:.1f} ms was observed: stepping down ×{spec.multiplicative_down:g}")
+        wanted = max(wanted, prefill_floor)
         chunk = min(_bounded(wanted, current.chunk_size, spec, spec.chunk_granularity, _floor(spec, current)),
                     current.chunk_size)
         if chunk >= current.chunk_size:

@@ -21,9 +21,12 @@ file or an opt-in to skip TLS verification, and the scrape interval the rate win
 error is summarised (status code and reason), never echoed: a condition message is readable by anyone who may
 read the resource.
 
-Long-prompt share is a proxy: the server exports prompt-token and finished-request counters, not a prompt
-length histogram, so the share is read off the mean prompt length with a two-point mixture (short prompts
-average `short_mean_tokens`, long ones `long_mean_tokens`): share = (mean - short) / (long - short), in [0, 1].
+What policy switching reads comes from the server's prompt lanes (a prompt is short when it has at most the
+scheduler's short_prompt_threshold tokens): the long-prompt share is long / all of `metronome_prompts_total{lane}`
+over the window, and short requests' p99 TBT is the TBT histogram's `lane="short"` series. The step-time fit gets
+one point per pod, step kind (decode / mixed) and sub-window. The settling window reads each pod's
+`metronome_config_applied_timestamp_seconds`; the prefill guard reads the waiting queue (its mean over the window)
+and its growth.
 """
 from __future__ import annotations
 
@@ -51,8 +54,14 @@ STEP_TOKENS_RATE = "step_tokens_rate"
 STEP_SECONDS_RATE = "step_seconds_rate"
 STEP_COUNT_RATE = "step_count_rate"
 GENERATION_BY_POD = "generation_by_pod"
+TBT_P99_BY_LANE = "tbt_p99_by_lane"
+PROMPTS_BY_LANE = "prompts_by_lane"
+APPLIED_BY_POD = "applied_by_pod"
+WAITING = "waiting"
+WAITING_GROWTH = "waiting_growth"
 QUERY_KEYS = (TBT_P99, TBT_COUNT, TTFT_P99, OUTPUT_TOKENS_RATE, PROMPT_TOKENS_RATE, REQUESTS_RATE,
-              RUNNING_PER_POD, STEP_TOKENS_RATE, STEP_SECONDS_RATE, STEP_COUNT_RATE, GENERATION_BY_POD)
+              RUNNING_PER_POD, STEP_TOKENS_RATE, STEP_SECONDS_RATE, STEP_COUNT_RATE, GENERATION_BY_POD,
+              TBT_P99_BY_LANE, PROMPTS_BY_LANE, APPLIED_BY_POD, WAITING, WAITING_GROWTH)
 
 
 # The scrape-side half of the label contract, as relabeling rules from Kubernetes service discovery (role: pod)
@@ -143,16 +152,6 @@ class QueryWindow:
         return cls(window, min(parse_duration(sub_window_seconds, "sub-window"), window))
 
 
-@dataclass(frozen=True)
-class LongPromptProxy:
-    short_mean_tokens: float = 128.0
-    long_mean_tokens: float = 2048.0
-
-    def share(self, mean_prompt_tokens: float) -> float:
-        span = self.long_mean_tokens - self.short_mean_tokens
-        return min(1.0, max(0.0, (mean_prompt_tokens - self.short_mean_tokens) / span))
-
-
 class MetricsSource(Protocol):
     def observe(self, selector: ServiceSelector, window: QueryWindow, now: float | None = None) -> Observation:
         """One observation of one service; raises MetricsUnavailable when Prometheus cannot give one."""
@@ -178,8 +177,8 @@ def build_queries(selector: ServiceSelector, window: QueryWindow) -> dict[str, s
     tbt, ttft = names.TIME_BETWEEN_TOKENS, names.TIME_TO_FIRST_TOKEN
 
     def slices(series: str) -> str:
-        # One point per pod per sub-window: a subquery of per-sub-window rates across the window.
-        return f"(sum by ({per_pod}) (rate({series}{m}[{s}])))[{w}:{s}]"
+        # One point per pod and step kind per sub-window: a subquery of per-sub-window rates across the window.
+        return f"(sum by ({per_pod}, {names.STEP_KIND_LABEL}) (rate({series}{m}[{s}])))[{w}:{s}]"
 
     return {
         TBT_P99: f"histogram_quantile(0.99, sum by (le) (rate({tbt}_bucket{m}[{w}])))",
@@ -193,14 +192,18 @@ def build_queries(selector: ServiceSelector, window: QueryWindow) -> dict[str, s
         STEP_SECONDS_RATE: slices(f"{names.STEP_DURATION}_sum"),
         STEP_COUNT_RATE: slices(f"{names.STEP_DURATION}_count"),
         GENERATION_BY_POD: f"max by ({per_pod}) ({names.CONFIG_GENERATION}{m})",
+        TBT_P99_BY_LANE: f"histogram_quantile(0.99, sum by (le, {names.LANE_LABEL}) (rate({tbt}_bucket{m}[{w}])))",
+        PROMPTS_BY_LANE: f"sum by ({names.LANE_LABEL}) (increase({names.PROMPTS}{m}[{w}]))",
+        APPLIED_BY_POD: f"max by ({per_pod}) ({names.CONFIG_APPLIED_TIME}{m})",
+        WAITING: f"sum(avg_over_time({names.REQUESTS_WAITING}{m}[{w}]))",
+        WAITING_GROWTH: f"sum(delta({names.REQUESTS_WAITING}{m}[{w}]))",
     }
 
 
 # --- pure: results → Observation -----------------------------------------------------------------------------
 
 def observation_from_results(results: Mapping[str, Any], window: QueryWindow,
-                             selector: ServiceSelector | None = None,
-                             proxy: LongPromptProxy = LongPromptProxy()) -> Observation:
+                             selector: ServiceSelector | None = None) -> Observation:
     """Turn the `data.result` list of each query into an Observation. Raises MetricsUnavailable(NO_SERIES)
     when Prometheus has no series of this service at all, BAD_RESPONSE when a result is malformed.
     A service with series but no tokens in the window gives an Observation with sample_count 0."""
@@ -222,11 +225,8 @@ def observation_from_results(results: Mapping[str, Any], window: QueryWindow,
     prompt_rate = _scalar(results, PROMPT_TOKENS_RATE)
     requests_rate = _scalar(results, REQUESTS_RATE)
     mean_prompt = prompt_rate / requests_rate if prompt_rate is not None and requests_rate else None
-    generations = {}
-    for series in _as_list(results[GENERATION_BY_POD], GENERATION_BY_POD):
-        value = _value(series, GENERATION_BY_POD)
-        if value is not None:
-            generations[pod_of(series.get("metric", {}))] = int(value)
+    generations = {pod: int(value) for pod, value in _by_pod(results, GENERATION_BY_POD, pod_of).items()}
+    applied = {pod: value for pod, value in _by_pod(results, APPLIED_BY_POD, pod_of).items() if value > 0}
     return Observation(
         window_seconds=window.window_seconds,
         sample_count=int(round(sample_count or 0.0)),
@@ -236,25 +236,56 @@ def observation_from_results(results: Mapping[str, Any], window: QueryWindow,
         prompt_tokens_per_s=prompt_rate,
         requests_per_s=requests_rate,
         mean_prompt_tokens=mean_prompt,
-        long_prompt_share=proxy.share(mean_prompt) if mean_prompt is not None else None,
+        long_prompt_share=_long_share(results),
+        short_tbt_p99_s=_positive(_by_lane(results, TBT_P99_BY_LANE).get(names.LANES[0])),
         decode_batch_size=_scalar(results, RUNNING_PER_POD),
         step_samples=_step_samples(results, window, pod_of),
         pod_generations=generations,
+        config_applied_at=applied,
+        waiting_requests=_scalar(results, WAITING),
+        waiting_growth=_scalar(results, WAITING_GROWTH),
     )
 
 
+def _by_pod(results: Mapping[str, Any], key: str, pod_of) -> dict[str, float]:
+    out = {}
+    for series in _as_list(results[key], key):
+        value = _value(series, key)
+        if value is not None:
+            out[pod_of(series.get("metric", {}))] = value
+    return out
+
+
+def _by_lane(results: Mapping[str, Any], key: str) -> dict[str, float]:
+    by_lane: dict[str, float] = {}
+    for series in _as_list(results[key], key):
+        value = _value(series, key)
+        if value is not None:
+            lane = series.get("metric", {}).get(names.LANE_LABEL, "")
+            by_lane[lane] = by_lane.get(lane, 0.0) + value
+    return by_lane
+
+
+def _long_share(results: Mapping[str, Any]) -> float | None:
+    """Long-lane prompts over all prompts in the window; None when no prompt arrived."""
+    by_lane = _by_lane(results, PROMPTS_BY_LANE)
+    total = sum(by_lane.values())
+    return by_lane.get(names.LANES[1], 0.0) / total if total > 0 else None
+
+
 def _step_samples(results: Mapping[str, Any], window: QueryWindow, pod_of) -> tuple[StepSample, ...]:
-    def by_pod_and_time(key: str) -> dict[tuple[str, float], float]:
+    def by_pod_and_time(key: str) -> dict[tuple[str, str, float], float]:
         points = {}
         for series in _as_list(results[key], key):
-            pod = pod_of(series.get("metric", {}))
+            metric = series.get("metric", {})
+            pod, kind = pod_of(metric), metric.get(names.STEP_KIND_LABEL, "")
             values = series.get("values")
             if not isinstance(values, list):
                 raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE, f"{key}: expected a range vector")
             for point in values:
                 timestamp, value = _point(point, key)
                 if value is not None:
-                    points[(pod, timestamp)] = value
+                    points[(pod, kind, timestamp)] = value
         return points
 
     tokens, seconds, counts = (by_pod_and_time(k) for k in (STEP_TOKENS_RATE, STEP_SECONDS_RATE, STEP_COUNT_RATE))
@@ -264,7 +295,7 @@ def _step_samples(results: Mapping[str, Any], window: QueryWindow, pod_of) -> tu
         if steps_per_s > 0 and key in tokens and key in seconds:
             samples.append(StepSample(tokens_per_step=tokens[key] / steps_per_s,
                                       step_seconds=seconds[key] / steps_per_s,
-                                      steps=steps_per_s * window.sub_window_seconds, pod=key[0]))
+                                      steps=steps_per_s * window.sub_window_seconds, pod=key[0], kind=key[1]))
     return tuple(samples)
 
 
@@ -444,8 +475,7 @@ class PrometheusMetricsSource:
     (system CAs), a CA bundle path, or False."""
 
     def __init__(self, url: str, timeout_seconds: float = 5.0, retries: int = 1,
-                 headers: Mapping[str, str] | None = None, verify: bool | str = True,
-                 proxy: LongPromptProxy = LongPromptProxy()):
+                 headers: Mapping[str, str] | None = None, verify: bool | str = True):
         import requests
         from prometheus_api_client import PrometheusConnect
         from urllib3.util.retry import Retry
@@ -454,7 +484,6 @@ class PrometheusMetricsSource:
         # Fail fast: a control loop would rather skip one interval than block on a sick Prometheus.
         retry = Retry(total=retries, connect=retries, read=False, status=retries, backoff_factor=0.2,
                       status_forcelist=(502, 503, 504), raise_on_status=False)
-        self.proxy = proxy
         session = requests.Session()
         session.verify = verify
         self._client = PrometheusConnect(url=self.url, headers=dict(headers) if headers else None,
@@ -463,7 +492,7 @@ class PrometheusMetricsSource:
     def observe(self, selector: ServiceSelector, window: QueryWindow, now: float | None = None) -> Observation:
         params = {"time": f"{now:.3f}"} if now is not None else {}
         results = {key: self._query(query, params) for key, query in build_queries(selector, window).items()}
-        return observation_from_results(results, window, selector, self.proxy)
+        return observation_from_results(results, window, selector)
 
     def close(self) -> None:
         self._client.close()

@@ -8,12 +8,18 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StepSample:
-    """Mean tokens per step and mean step time of one pod over one sub-window (weight = steps in it)."""
+    """Mean tokens per step and mean step time of one pod's steps of one kind over one sub-window (weight = steps
+    in it). `kind` is "decode" (no prefill tokens) or "mixed" (metric_names.STEP_KINDS); "" when not told apart."""
 
     tokens_per_step: float
     step_seconds: float
     steps: float = 1.0
     pod: str = ""
+    kind: str = ""
+
+    @property
+    def mixed(self) -> bool:
+        return self.kind == "mixed"
 
 
 @dataclass(frozen=True)
@@ -28,8 +34,11 @@ class Observation:
     prompt_tokens_per_s: float | None = None
     requests_per_s: float | None = None  # finished requests per second (request_e2e count rate)
     mean_prompt_tokens: float | None = None
-    long_prompt_share: float | None = None  # share of requests with long prompts (see metrics_source for the proxy)
-    short_tbt_p99_s: float | None = None  # p99 TBT of short-prompt requests, when the server splits it out
+    long_prompt_share: float | None = None  # share of prompts in the long lane (metronome_prompts_total{lane})
+    short_tbt_p99_s: float | None = None  # p99 TBT of short-prompt requests (the TBT histogram's lane="short")
     decode_batch_size: float | None = None  # mean running sequences per pod
     step_samples: tuple[StepSample, ...] = ()
     pod_generations: Mapping[str, int] = field(default_factory=dict)  # pod → its metronome_config_generation
+    config_applied_at: Mapping[str, float] = field(default_factory=dict)  # pod → Unix time it applied its config
+    waiting_requests: float | None = None  # mean requests waiting over the window, all pods
+    waiting_growth: float | None = None  # waiting requests at the window's end minus at its start (> 0: growing)

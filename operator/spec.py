@@ -58,10 +58,38 @@ def parse_source(text: Any) -> ModelSource:
 
 
 @dataclass(frozen=True)
+class SecretKey:
+    """One key of a Secret in the service's namespace; the kubelet resolves it, the operator never reads it."""
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class ModelCacheSpec:
+    """spec.model.cache: where an hf:// or s3:// source is downloaded."""
+    claim_name: str | None = None  # a ReadWriteMany claim shared by the replicas; None = an emptyDir per pod
+    size_limit: str | None = None  # that emptyDir's sizeLimit
+
+
+@dataclass(frozen=True)
+class S3Spec:
+    """spec.model.s3: how an s3:// source is reached."""
+    endpoint: str | None = None  # an S3-compatible server (MinIO, Ceph, R2, ...); None = AWS
+    region: str | None = None
+    credentials_secret: str | None = None  # None = the pod's own identity (web identity, instance role) or anonymous
+    access_key_id_key: str = "AWS_ACCESS_KEY_ID"
+    secret_access_key_key: str = "AWS_SECRET_ACCESS_KEY"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     source: ModelSource
     dtype: str = "auto"
     max_model_len: int | None = None
+    cache: ModelCacheSpec = field(default_factory=ModelCacheSpec)
+    token_secret: SecretKey | None = None  # hf:// : the Hub token (HF_TOKEN)
+    hf_endpoint: str | None = None  # hf:// : a mirror (HF_ENDPOINT)
+    s3: S3Spec = field(default_factory=S3Spec)
 
 
 @dataclass(frozen=True)
@@ -227,6 +255,8 @@ class AutotuneSpec:
     long_share_on: float = 0.2  # switch to split above this share of long prompts (with TBT over target)
     long_share_off: float = 0.05  # and back below this one: the gap is the hysteresis
     settle_timeout_seconds: float = 300.0  # stop waiting for lagging pods after this long
+    queue_growth_limit: float = 5.0  # requests added to the queue over one window that mean prefill lags
+    prefill_headroom: float = 1.2  # the model keeps prefill throughput ≥ this × the prompt tokens per second
 
     def __post_init__(self) -> None:
         problems = []
@@ -359,11 +389,57 @@ def parse_model(data: Mapping[str, Any]) -> ModelSpec:
     if "source" not in data:
         raise SpecError(f"{where}.source: required")
     defaults = _defaults(ModelSpec)
+    source = parse_source(data["source"])
+    for key, kinds in (("cache", ("hf", "s3")), ("tokenSecret", ("hf",)), ("hfEndpoint", ("hf",)), ("s3", ("s3",))):
+        if data.get(key) is not None and source.kind not in kinds:
+            raise SpecError(f"{where}.{key}: only for {' and '.join(k + '://' for k in kinds)} sources")
     return ModelSpec(
-        source=parse_source(data["source"]),
+        source=source,
         dtype=_value(data, "dtype", str, defaults["dtype"], where),
         max_model_len=_value(data, "maxModelLen", int, defaults["max_model_len"], where),
+        cache=_parse_cache(_value(data, "cache", Mapping, {}, where), f"{where}.cache"),
+        token_secret=_parse_secret_key(data.get("tokenSecret"), f"{where}.tokenSecret", "HF_TOKEN"),
+        hf_endpoint=_url(data, "hfEndpoint", where),
+        s3=_parse_s3(_value(data, "s3", Mapping, {}, where), f"{where}.s3"),
     )
+
+
+def _parse_cache(data: Mapping[str, Any], where: str) -> ModelCacheSpec:
+    cache = ModelCacheSpec(claim_name=_value(data, "claimName", str, None, where),
+                           size_limit=_value(data, "sizeLimit", str, None, where))
+    if cache.claim_name and cache.size_limit:
+        raise SpecError(f"{where}.sizeLimit: only for the emptyDir cache, not with claimName")
+    return cache
+
+
+def _parse_secret_key(data: Any, where: str, default_key: str) -> SecretKey | None:
+    if data is None:
+        return None
+    if not isinstance(data, Mapping) or not data.get("name"):
+        raise SpecError(f"{where}.name: required")
+    return SecretKey(_value(data, "name", str, None, where), _value(data, "key", str, default_key, where))
+
+
+def _parse_s3(data: Mapping[str, Any], where: str) -> S3Spec:
+    defaults = _defaults(S3Spec)
+    secret = _value(data, "credentialsSecret", Mapping, None, where)
+    keys = {}
+    if secret is not None:
+        if not secret.get("name"):
+            raise SpecError(f"{where}.credentialsSecret.name: required")
+        keys = {"credentials_secret": _value(secret, "name", str, None, f"{where}.credentialsSecret"),
+                "access_key_id_key": _value(secret, "accessKeyIdKey", str, defaults["access_key_id_key"],
+                                            f"{where}.credentialsSecret"),
+                "secret_access_key_key": _value(secret, "secretAccessKeyKey", str,
+                                                defaults["secret_access_key_key"], f"{where}.credentialsSecret")}
+    return S3Spec(endpoint=_url(data, "endpoint", where), region=_value(data, "region", str, None, where), **keys)
+
+
+def _url(data: Mapping[str, Any], key: str, where: str) -> str | None:
+    value = _value(data, key, str, None, where)
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise SpecError(f"{where}.{key}: expected an http:// or https:// URL, got {value!r}")
+    return value
 
 
 def parse_resources(data: Mapping[str, Any]) -> ResourcesSpec:

@@ -1,5 +1,12 @@
-"""A step-time model for one service: step_seconds ≈ a + b · tokens_per_step, fitted by weighted least squares
-from the servers' own (mean tokens, mean seconds) points, and what it predicts for p99 TBT at a chunk size.
+"""A step-time model for one service: step_seconds ≈ a + b · tokens_per_step (+ m for a mixed step), fitted by
+weighted least squares from the servers' own (mean tokens, mean seconds) points, and what it predicts for p99 TBT
+and for prefill throughput at a chunk size.
+
+Why decode and mixed steps apart (the step metrics' `kind` label): on a GPU a step that carries prefill tokens
+costs more than its tokens alone say (more kernels, attention over fresh chunks, launches): 64 decodes take
+11.5 ms, with 128 prompt tokens more 14.5 ms, so one line through both kinds sees a cheap per-step cost and
+too steep a slope. Given both kinds, the fit has a third term m, the fixed extra of a mixed step. That fixed cost
+is also why a small chunk starves prefill: prefill tokens per second = C / (a + m + b · (D + C)) falls with C.
 
 Why p99 TBT follows a full-chunk step: every running decode gets one token per step, so a decode's gap
 between tokens is the length of the step that produced it. While long prompts are in flight, a step carries
@@ -30,9 +37,11 @@ class StepFit:
     token_min: float
     token_max: float
     token_mean: float
+    mixed_extra_s: float = 0.0  # m: the fixed extra of a step that carries prefill (0 without both kinds)
+    kinds: str = "all"  # "decode+mixed" when m was fitted, else the one kind fitted ("mixed", "decode", "all")
 
-    def step_seconds(self, tokens: float) -> float:
-        return self.intercept_s + self.slope_s_per_token * tokens
+    def step_seconds(self, tokens: float, mixed: bool = True) -> float:
+        return self.intercept_s + (self.mixed_extra_s if mixed else 0.0) + self.slope_s_per_token * tokens
 
     @property
     def token_spread(self) -> float:
@@ -40,19 +49,33 @@ class StepFit:
         return (self.token_max - self.token_min) / self.token_mean if self.token_mean > 0 else 0.0
 
     def describe(self) -> str:
-        return (f"a={self.intercept_s * 1e3:.2f} ms, b={self.slope_s_per_token * 1e6:.2f} µs/token, "
-                f"r²={self.r_squared:.2f}, {self.points} points")
+        extra = f", mixed +{self.mixed_extra_s * 1e3:.2f} ms" if self.kinds == "decode+mixed" else ""
+        return (f"a={self.intercept_s * 1e3:.2f} ms, b={self.slope_s_per_token * 1e6:.2f} µs/token{extra}, "
+                f"r²={self.r_squared:.2f}, {self.points} points ({self.kinds})")
 
 
 def fit_step_time(tokens: Sequence[float], seconds: Sequence[float],
-                  weights: Sequence[float] | None = None) -> StepFit:
-    """Weighted least squares of seconds on tokens. Raises FitError when the line is undefined."""
+                  weights: Sequence[float] | None = None, mixed: Sequence[bool] | None = None,
+                  min_kind_spread: float = 0.05) -> StepFit:
+    """Weighted least squares of seconds on tokens. With `mixed` (which points are mixed steps) and points of both
+    kinds, seconds on tokens and a mixed-step indicator (see the module docstring) — provided there are 5 points
+    or more and the tokens per step of one kind spread by `min_kind_spread` of their mean at least: otherwise the
+    three terms would rest on too little, and one line through all points is the steadier reading. Raises
+    FitError when the line is undefined."""
     if weights is None:
         weights = [1.0] * len(tokens)
-    if not (len(tokens) == len(seconds) == len(weights)):
-        raise FitError(f"tokens, seconds and weights differ in length ({len(tokens)}, {len(seconds)}, {len(weights)})")
-    rows = [(float(x), float(y), float(w)) for x, y, w in zip(tokens, seconds, weights)
+    told = mixed is not None
+    if mixed is None:
+        mixed = [True] * len(tokens)
+    if not (len(tokens) == len(seconds) == len(weights) == len(mixed)):
+        raise FitError(f"tokens, seconds, weights and kinds differ in length ({len(tokens)}, {len(seconds)}, "
+                       f"{len(weights)}, {len(mixed)})")
+    both = [(float(x), float(y), float(w), bool(k)) for x, y, w, k in zip(tokens, seconds, weights, mixed)
             if math.isfinite(x) and math.isfinite(y) and math.isfinite(w) and w > 0]
+    if len({k for *_, k in both}) == 2 and len(both) >= 5 and max(
+            _spread([x for x, *_, k in both if k]), _spread([x for x, *_, k in both if not k])) >= min_kind_spread:
+        return _fit_with_mixed_extra(both)
+    rows = [(x, y, w) for x, y, w, _ in both]
     if len(rows) < 2:
         raise FitError(f"need at least 2 usable points, got {len(rows)}")
     total_w = sum(w for _, _, w in rows)
@@ -68,8 +91,55 @@ def fit_step_time(tokens: Sequence[float], seconds: Sequence[float],
     residual = sum(w * (y - intercept - slope * x) ** 2 for x, y, w in rows)
     r_squared = 1.0 - residual / syy if syy > 0 else 1.0
     xs = [x for x, _, _ in rows]
+    present = {k for *_, k in both}
+    kinds = ("mixed" if present == {True} else "decode") if told and len(present) == 1 else "all"
     return StepFit(intercept_s=intercept, slope_s_per_token=slope, r_squared=r_squared, points=len(rows),
-                   token_min=min(xs), token_max=max(xs), token_mean=sum(xs) / len(xs))
+                   token_min=min(xs), token_max=max(xs), token_mean=sum(xs) / len(xs), kinds=kinds)
+
+
+def _spread(xs: list[float]) -> float:
+    mean = sum(xs) / len(xs) if xs else 0.0
+    return (max(xs) - min(xs)) / mean if mean > 0 else 0.0
+
+
+def _fit_with_mixed_extra(rows: list[tuple[float, float, float, bool]]) -> StepFit:
+    """seconds ≈ a + m · [mixed] + b · tokens by weighted least squares (normal equations, 3 × 3)."""
+    if len(rows) < 3:
+        raise FitError(f"need at least 3 usable points to fit decode and mixed steps, got {len(rows)}")
+    features = [(1.0, 1.0 if k else 0.0, x) for x, _, _, k in rows]
+    normal = [[sum(w * f[i] * f[j] for f, (_, _, w, _) in zip(features, rows)) for j in range(3)] for i in range(3)]
+    rhs = [sum(w * f[i] * y for f, (_, y, w, _) in zip(features, rows)) for i in range(3)]
+    try:
+        a, m, b = _solve3(normal, rhs)
+    except ZeroDivisionError:
+        raise FitError("the points cannot separate a mixed-step cost from a per-token cost (no spread in tokens "
+                       "within a kind)") from None
+    total_w = sum(w for *_, w, _ in rows)
+    mean_y = sum(w * y for _, y, w, _ in rows) / total_w
+    syy = sum(w * (y - mean_y) ** 2 for _, y, w, _ in rows)
+    residual = sum(w * (y - a - m * f[1] - b * x) ** 2 for f, (x, y, w, _) in zip(features, rows))
+    xs = [x for x, *_ in rows]
+    return StepFit(intercept_s=a, slope_s_per_token=b, r_squared=1.0 - residual / syy if syy > 0 else 1.0,
+                   points=len(rows), token_min=min(xs), token_max=max(xs), token_mean=sum(xs) / len(xs),
+                   mixed_extra_s=m, kinds="decode+mixed")
+
+
+def _solve3(matrix: list[list[float]], rhs: list[float]) -> tuple[float, float, float]:
+    """Gaussian elimination with partial pivoting; ZeroDivisionError when (nearly) singular."""
+    rows = [list(row) + [value] for row, value in zip(matrix, rhs)]
+    scale = max(abs(v) for row in matrix for v in row) or 1.0
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) <= 1e-12 * scale:
+            raise ZeroDivisionError
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, 3):
+            factor = rows[r][col] / rows[col][col]
+            rows[r] = [v - factor * p for v, p in zip(rows[r], rows[col])]
+    out = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        out[r] = (rows[r][3] - sum(rows[r][c] * out[c] for c in range(r + 1, 3))) / rows[r][r]
+    return out[0], out[1], out[2]
 
 
 def fit_problem(fit: StepFit, min_points: int, min_r2: float, min_token_spread: float) -> str | None:
@@ -78,6 +148,8 @@ def fit_problem(fit: StepFit, min_points: int, min_r2: float, min_token_spread: 
         return f"only {fit.points} step points (need {min_points})"
     if fit.slope_s_per_token <= 0:
         return f"non-positive slope ({fit.slope_s_per_token * 1e6:.3f} µs/token)"
+    if fit.step_seconds(fit.token_min, mixed=True) <= 0:
+        return f"a mixed step of {fit.token_min:.0f} tokens would take no time ({fit.describe()})"
     if fit.r_squared < min_r2:
         return f"r²={fit.r_squared:.2f} below {min_r2:.2f}"
     if fit.token_spread < min_token_spread:
@@ -104,6 +176,22 @@ def calibrate_p99_factor(fit: StepFit, observed_p99_s: float, decode_batch: floa
 
 def predict_tbt_p99(fit: StepFit, decode_batch: float, chunk: float, factor: float) -> float:
     return factor * full_chunk_step_seconds(fit, decode_batch, chunk)
+
+
+def smallest_chunk_for_prefill(fit: StepFit, decode_batch: float, demand_tokens_per_s: float, granularity: int,
+                               ceiling: int) -> int | None:
+    """The smallest multiple of `granularity` whose prefill throughput C / step(D + C) covers the demand (closed
+    form: C ≥ λ · (a + m + b · D) / (1 - b · λ)); None when even `ceiling` would not (then prefill cannot keep
+    up at any chunk: more replicas are the answer)."""
+    if demand_tokens_per_s <= 0:
+        return granularity
+    per_step = fit.step_seconds(decode_batch, mixed=True)
+    room = 1.0 - fit.slope_s_per_token * demand_tokens_per_s
+    if room <= 0 or per_step <= 0:
+        return None
+    chunk = int(math.ceil(demand_tokens_per_s * per_step / room / granularity - 1e-9)) * granularity
+    chunk = max(chunk, granularity)
+    return chunk if chunk <= ceiling else None
 
 
 def largest_chunk_within(fit: StepFit, decode_batch: float, factor: float, budget_s: float,

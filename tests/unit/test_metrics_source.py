@@ -15,7 +15,6 @@ import pytest
 from metronome.contract import metric_names as names
 from metronome.operator import metrics_source as ms
 from metronome.operator.metrics_source import (
-    LongPromptProxy,
     MetricsUnavailable,
     PrometheusMetricsSource,
     QueryWindow,
@@ -57,6 +56,12 @@ def canned_results() -> dict:
                              _range([60, "NaN"], pod="tiny-b", instance="10.0.0.2:8000")],
         ms.GENERATION_BY_POD: [_instant(3, pod="tiny-a", instance="10.0.0.1:8000"),
                                _instant(2, pod="tiny-b", instance="10.0.0.2:8000")],
+        ms.TBT_P99_BY_LANE: [_instant(0.031, lane="short"), _instant(0.0455, lane="long")],
+        ms.PROMPTS_BY_LANE: [_instant(180.0, lane="short"), _instant(60.0, lane="long")],
+        ms.APPLIED_BY_POD: [_instant(1.7e9, pod="tiny-a", instance="10.0.0.1:8000"),
+                            _instant(1.7e9 + 40, pod="tiny-b", instance="10.0.0.2:8000")],
+        ms.WAITING: [_instant(3.0)],
+        ms.WAITING_GROWTH: [_instant(-1.0)],
     }
 
 
@@ -87,7 +92,8 @@ def test_queries_use_the_shared_metric_names_and_select_one_service():
         assert '{namespace="demo",model="tiny"}' in query
     assert used == {names.TIME_BETWEEN_TOKENS, names.TIME_TO_FIRST_TOKEN, names.GENERATION_TOKENS, names.PROMPT_TOKENS,
                     names.REQUEST_E2E, names.REQUESTS_RUNNING, names.STEP_TOKENS, names.STEP_DURATION,
-                    names.CONFIG_GENERATION}  # each feeds the Observation
+                    names.CONFIG_GENERATION, names.PROMPTS, names.CONFIG_APPLIED_TIME,
+                    names.REQUESTS_WAITING}  # each feeds the Observation
 
 
 def test_selector_label_names_are_parameters_and_values_are_escaped():
@@ -135,7 +141,7 @@ def test_canned_results_become_an_observation():
     assert obs.ttft_p99_s == pytest.approx(0.35)
     assert obs.output_tokens_per_s == pytest.approx(850.5)
     assert obs.mean_prompt_tokens == pytest.approx(1000.0)
-    assert obs.long_prompt_share == pytest.approx((1000 - 128) / (2048 - 128))
+    assert obs.long_prompt_share == pytest.approx(60 / 240)  # the long lane's share of prompts
     assert obs.decode_batch_size == 24.0
     assert obs.pod_generations == {"tiny-a": 3, "tiny-b": 2}
     # Three sub-windows had steps (tiny-b's last one is NaN: no steps, dropped): mean tokens and seconds per step.
@@ -185,11 +191,6 @@ def test_malformed_results_are_bad_responses(corrupt):
     with pytest.raises(MetricsUnavailable) as caught:
         observation_from_results(results, WINDOW, SELECTOR)
     assert caught.value.reason == MetricsUnavailable.BAD_RESPONSE
-
-
-def test_long_prompt_proxy_is_clamped():
-    proxy = LongPromptProxy(short_mean_tokens=100, long_mean_tokens=1100)
-    assert proxy.share(50) == 0.0 and proxy.share(600) == 0.5 and proxy.share(5000) == 1.0
 
 
 # --- the real client against a fake Prometheus -------------------------------------------------------------

@@ -1,0 +1,232 @@
+"""The controller keeps prefill fed (issue 12): TTFT p99 and queue growth are constraints, the step model sees a
+mixed step's fixed cost, and a change is judged only after the last pod applied it.
+
+The simulated plant is a GPU-like chunked-prefill engine: a step costs a + b·tokens, plus a fixed m when it
+carries prefill tokens (more kernels and launches), so a small chunk spends most of its time on fixed costs and
+prefill throughput C / (a + m + b·(D + C)) falls with C. It reports what the operator's PromQL would: p99 TBT and
+TTFT interpolated from the shared buckets, the waiting queue at the window's start and end, prompt tokens per
+second, and one (tokens, seconds) point per step kind and sub-window.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from metronome.contract.histogram import histogram_quantile
+from metronome.contract.metric_names import TBT_BUCKETS, TTFT_BUCKETS
+from metronome.operator.controller import decide
+from metronome.operator.decision import ActionKind, CurrentConfig
+from metronome.operator.observation import Observation, StepSample
+from metronome.operator.spec import AutotuneMode, AutotuneSpec, TuningPolicy
+from metronome.operator.step_model import fit_step_time, smallest_chunk_for_prefill
+
+TARGET_S, TTFT_LIMIT_S = 0.050, 2.0
+INTERVAL_S, SUB_WINDOW_S = 20.0, 5.0
+A, B, M = 0.010, 25e-6, 0.012  # decode step a + b·tokens; a mixed step costs m more
+
+
+@dataclass
+class _Request:
+    arrival: float
+    prompt_left: int
+    output: int
+
+
+@dataclass
+class _Window:
+    tbt: dict = field(default_factory=dict)  # bucket bound → count
+    ttft: dict = field(default_factory=dict)
+    prompt_tokens: int = 0
+    decode_time: float = 0.0
+    waiting_start: int = 0
+    points: dict = field(default_factory=dict)  # (sub-window, kind) → [tokens, seconds, steps]
+
+
+def _count(histogram: dict, bounds: tuple[float, ...], value: float) -> None:
+    for bound in (*bounds, math.inf):
+        histogram[bound] = histogram.get(bound, 0) + (value <= bound)
+
+
+class Plant:
+    def __init__(self, rate: float, long_fraction: float, seed: int):
+        self.rate, self.long_fraction = rate, long_fraction
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.steps = 0
+        self.next_arrival = self.rng.expovariate(rate)
+        self.waiting: deque[_Request] = deque()
+        self.decode_ends: list[int] = []
+
+    def run(self, chunk: int, seconds: float) -> _Window:
+        window = _Window(waiting_start=len(self.waiting))
+        start, end = self.now, self.now + seconds
+        while self.now < end:
+            while self.next_arrival <= self.now:
+                long = self.rng.random() < self.long_fraction
+                prompt = self.rng.randint(1500, 2500) if long else self.rng.randint(20, 80)
+                self.waiting.append(_Request(self.next_arrival, prompt, self.rng.randint(100, 200)))
+                self.next_arrival += self.rng.expovariate(self.rate)
+            decodes, budget, prefilled, first = len(self.decode_ends), chunk, 0, []
+            while self.waiting and budget > 0:
+                head = self.waiting[0]
+                take = min(head.prompt_left, budget)
+                head.prompt_left, budget, prefilled = head.prompt_left - take, budget - take, prefilled + take
+                if head.prompt_left:
+                    break
+                first.append(self.waiting.popleft())
+            tokens = decodes + prefilled
+            if tokens == 0:
+                self.now = min(self.next_arrival, end)
+                continue
+            duration = (A + B * tokens + (M if prefilled else 0.0)) * max(0.5, self.rng.gauss(1.0, 0.03))
+            self.now += duration
+            self.steps += 1
+            for _ in range(decodes):
+                _count(window.tbt, TBT_BUCKETS, duration)
+            for request in first:
+                _count(window.ttft, TTFT_BUCKETS, self.now - request.arrival)
+                heapq.heappush(self.decode_ends, self.steps + request.output - 1)
+            window.prompt_tokens += prefilled
+            window.decode_time += decodes * duration
+            point = window.points.setdefault((int((self.now - start) // SUB_WINDOW_S),
+                                              "mixed" if prefilled else "decode"), [0.0, 0.0, 0])
+            point[0], point[1], point[2] = point[0] + tokens, point[1] + duration, point[2] + 1
+            while self.decode_ends and self.decode_ends[0] <= self.steps:
+                heapq.heappop(self.decode_ends)
+        return window
+
+    def observe(self, window: _Window, generation: int) -> Observation:
+        def p99(histogram: dict) -> float | None:
+            value = histogram_quantile(0.99, histogram.items())
+            return None if math.isnan(value) else value
+
+        return Observation(
+            window_seconds=INTERVAL_S, sample_count=int(window.tbt.get(math.inf, 0)), tbt_p99_s=p99(window.tbt),
+            ttft_p99_s=p99(window.ttft), output_tokens_per_s=window.tbt.get(math.inf, 0) / INTERVAL_S,
+            prompt_tokens_per_s=window.prompt_tokens / INTERVAL_S, decode_batch_size=window.decode_time / INTERVAL_S,
+            step_samples=tuple(StepSample(t / n, s / n, n, "pod-0", kind) for (_, kind), (t, s, n)
+                               in sorted(window.points.items())),
+            pod_generations={"pod-0": generation}, waiting_requests=len(self.waiting),
+            waiting_growth=len(self.waiting) - window.waiting_start)
+
+
+def spec(**fields) -> AutotuneSpec:
+    return AutotuneSpec(**{"tbt_p99_target_s": TARGET_S, "ttft_p99_target_s": TTFT_LIMIT_S,
+                           "mode": AutotuneMode.APPLY, "policy": TuningPolicy.MODEL, "interval_seconds": INTERVAL_S,
+                           "cooldown_seconds": INTERVAL_S, "min_chunk": 64, "max_chunk": 8192,
+                           "policy_switching": False, "max_replicas": 1, **fields})
+
+
+def run_loop(start_chunk: int, intervals: int, rate: float, seed: int, autotune: AutotuneSpec):
+    plant = Plant(rate, long_fraction=0.2, seed=seed)
+    plant.run(start_chunk, 10.0)
+    current = CurrentConfig(start_chunk, "fcfs", 1, generation=1)
+    trace = []
+    for _ in range(intervals):
+        observation = plant.observe(plant.run(current.chunk_size, INTERVAL_S), current.generation)
+        decision = decide(observation, current, autotune, now=plant.now)
+        trace.append((current.chunk_size, observation, decision))
+        if decision.changed:
+            current = CurrentConfig(decision.chunk_size, "fcfs", 1, current.generation + 1, plant.now)
+    return trace
+
+
+def prefill_lags(observation: Observation) -> bool:
+    return ((observation.ttft_p99_s or 0) > TTFT_LIMIT_S
+            or (observation.waiting_growth or 0) >= spec().queue_growth_limit)
+
+
+@pytest.mark.parametrize("policy", [TuningPolicy.MODEL, TuningPolicy.MULTIPLICATIVE])
+def test_a_starved_prefill_makes_the_budget_grow_and_never_shrink(policy):
+    # Chunk 64 at 6 req/s: each mixed step is mostly fixed cost, prefill falls behind, TTFT and the queue grow.
+    trace = run_loop(64, 12, rate=6.0, seed=3, autotune=spec(policy=policy))
+    assert prefill_lags(trace[0][1]), "the plant should start prefill-bound"
+    for chunk, observation, decision in trace:
+        if prefill_lags(observation):
+            assert decision.chunk_size >= chunk, decision.reason
+    grown = [d for _, _, d in trace if ActionKind.CHUNK_UP in d.actions]
+    assert grown and "prefill is the bottleneck" in grown[0].reason
+    final_chunk, final, _ = trace[-1]
+    assert final_chunk > 64 and final.ttft_p99_s < TTFT_LIMIT_S and final.tbt_p99_s <= TARGET_S
+
+
+def test_from_a_violating_start_the_loop_shrinks_only_as_far_as_prefill_allows():
+    trace = run_loop(4096, 14, rate=6.0, seed=5, autotune=spec())
+    assert trace[0][1].tbt_p99_s > TARGET_S
+    shrinks = [(chunk, obs, d) for chunk, obs, d in trace if d.changed and d.chunk_size < chunk]
+    assert shrinks and all(not prefill_lags(obs) for _, obs, _ in shrinks)
+    steady = trace[-5:]
+    assert all(obs.tbt_p99_s <= TARGET_S and obs.ttft_p99_s <= TTFT_LIMIT_S for _, obs, _ in steady)
+    assert sum(d.changed for _, _, d in steady) <= 1
+
+
+def test_the_fit_separates_the_fixed_cost_of_a_mixed_step():
+    decode = [(40.0, A + B * 40), (60.0, A + B * 60)]
+    mixed = [(40.0 + c, A + M + B * (40 + c)) for c in (128, 256, 512)]
+    points = decode + mixed
+    fit = fit_step_time([t for t, _ in points], [s for _, s in points], mixed=[False, False, True, True, True])
+    assert fit.kinds == "decode+mixed" and fit.r_squared == pytest.approx(1.0)
+    assert (fit.intercept_s, fit.mixed_extra_s, fit.slope_s_per_token) == (
+        pytest.approx(A), pytest.approx(M), pytest.approx(B))
+    one_line = fit_step_time([t for t, _ in points], [s for _, s in points])
+    assert one_line.slope_s_per_token > 1.5 * B  # one line through both kinds overstates the per-token cost
+    # Prefill demand of 20 000 tokens/s at 40 decodes needs C / (a + m + b(40 + C)) >= 20 000.
+    floor = smallest_chunk_for_prefill(fit, 40, 20_000, 64, 8192)
+    assert floor / fit.step_seconds(40 + floor) >= 20_000 > (floor - 64) / fit.step_seconds(40 + floor - 64)
+    assert smallest_chunk_for_prefill(fit, 40, 1 / B, 64, 8192) is None  # b·λ >= 1: no chunk keeps up
+
+
+def test_without_spread_inside_a_kind_the_fit_is_one_line():
+    # Every decode step at 40 tokens, every mixed step at 552: the gap between kinds cannot be split into a fixed
+    # cost and a per-token cost, so the fit falls back to one line through all points.
+    tokens = [40.0, 40.0, 552.0, 552.0]
+    fit = fit_step_time(tokens, [A + B * 40, A + B * 40, A + M + B * 552, A + M + B * 552],
+                        mixed=[False, False, True, True])
+    assert fit.kinds == "all" and fit.mixed_extra_s == 0.0
+    assert fit.step_seconds(552) == pytest.approx(A + M + B * 552)
+
+
+def applied_observation(tbt_ms: float, applied: dict[str, float]) -> Observation:
+    return Observation(window_seconds=60, sample_count=5000, tbt_p99_s=tbt_ms / 1000, output_tokens_per_s=900.0,
+                       pod_generations={"a": 4, "b": 4}, config_applied_at=applied)
+
+
+def test_a_change_is_judged_only_a_full_window_after_the_last_pod_applied_it():
+    now = 10_000.0
+    current = CurrentConfig(4096, "fcfs", 2, generation=4, last_change_time=now - 120)
+    autotune = spec(cooldown_seconds=30, policy=TuningPolicy.MULTIPLICATIVE)
+    # Written 120 s ago; pod b's kubelet projected it 75 s later, so only 45 s of the 60 s window follow it.
+    held = decide(applied_observation(90, {"a": now - 110, "b": now - 45}), current, autotune, now)
+    assert not held.changed and "last pod applied generation 4 (45 s ago)" in held.reason
+    acted = decide(applied_observation(90, {"a": now - 110, "b": now - 61}), current, autotune, now)
+    assert acted.changed and acted.chunk_size < 4096
+    # Servers that do not export the applied time: the write time counts, as before.
+    assert decide(applied_observation(90, {}), current, autotune, now).changed
+
+
+def test_prefill_guard_with_no_tbt_room_holds_or_scales():
+    observation = Observation(window_seconds=60, sample_count=5000, tbt_p99_s=0.080, ttft_p99_s=5.0,
+                              output_tokens_per_s=900.0, pod_generations={"a": 3}, waiting_requests=40,
+                              waiting_growth=25)
+    current = CurrentConfig(512, "fcfs", 1, generation=3)
+    held = decide(observation, current, spec(), 10_000.0)
+    assert (held.chunk_size, held.replicas, held.changed) == (512, 1, False)
+    assert held.slo_unreachable and "TBT is over target too, not shrinking" in held.reason
+    assert "40.0 requests waiting on average" in held.reason
+    scaled = decide(observation, current, spec(scale_replicas=True, max_replicas=3), 10_000.0)
+    assert (scaled.chunk_size, scaled.replicas, scaled.actions) == (512, 2, (ActionKind.SCALE_UP,))
+
+
+def test_slow_first_tokens_with_nobody_waiting_do_not_block_a_shrink():
+    # Long steps make every token late, the first one too; with no queue, prefill is not what is short.
+    observation = Observation(window_seconds=60, sample_count=5000, tbt_p99_s=0.120, ttft_p99_s=3.0,
+                              output_tokens_per_s=900.0, pod_generations={"a": 3}, waiting_requests=0.0,
+                              waiting_growth=0.0)
+    decision = decide(observation, CurrentConfig(4096, "fcfs", 1, generation=3),
+                      spec(policy=TuningPolicy.MULTIPLICATIVE), 10_000.0)
+    assert decision.changed and decision.chunk_size < 4096 and "prefill" not in decision.reason
