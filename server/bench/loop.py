@@ -33,7 +33,7 @@ from metronome.server.bench import loop_report
 from metronome.server.bench.clients import HttpClient
 from metronome.server.bench.loop_phases import Phase, Scheduled, phase_bounds
 from metronome.server.bench.loop_scrape import Scrape, observe, parse_scrape
-from metronome.server.bench.loop_servers import LoopServer, start_servers, stop_servers
+from metronome.server.bench.loop_servers import LoopServer, LoopServerError, start_servers, stop_servers
 from metronome.server.bench.records import RequestRecord
 
 
@@ -59,6 +59,7 @@ class LoopSettings:
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 60.0
     server_timeout_s: float = 600.0
+    reuse_servers: bool = False  # one set of servers for every run (start-up is minutes on a GPU)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -82,15 +83,73 @@ class _Loop:
     intervals: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def run_plan(plan: RunPlan, settings: LoopSettings, progress=print) -> dict[str, Any]:
-    """Start the servers, drive the workload, run the loop; returns the run's JSON (with `records` for the report)."""
-    config = ServerConfigFile(generation=1, scheduler=plan.initial)
-    folder = settings.work_dir / plan.label.replace(" ", "-").replace("/", "-")
+async def run_plans(plans: Sequence[RunPlan], settings: LoopSettings, progress=print) -> list[dict[str, Any]]:
+    """Every plan in turn, each on fresh servers, or all on one set with `settings.reuse_servers` (each run then
+    starts from its own initial config as a new generation, once the servers are idle)."""
+    if not settings.reuse_servers:
+        runs = []
+        for plan in plans:
+            folder = settings.work_dir / plan.label.replace(" ", "-").replace("/", "-")
+            config = ServerConfigFile(generation=1, scheduler=plan.initial)
+            servers = await _start(folder, config, settings, plan.label, progress)
+            try:
+                runs.append(await _run_on(plan, servers, config, settings, progress))
+            finally:
+                await asyncio.to_thread(stop_servers, servers)
+        return runs
+    config = ServerConfigFile(generation=1, scheduler=plans[0].initial)
+    servers = await _start(settings.work_dir / "servers", config, settings, "all runs", progress)
+    runs = []
+    try:
+        for plan in plans:
+            if runs:  # a new generation even when the initial config repeats: the server applies it anew
+                config = ServerConfigFile(generation=runs[-1]["last_generation"] + 1, scheduler=plan.initial)
+            for server in servers:
+                server.write_config(config)
+            await _wait_idle_on(servers, config.generation, timeout_s=settings.drain_timeout_s + 60)
+            runs.append(await _run_on(plan, servers, config, settings, progress))
+    finally:
+        await asyncio.to_thread(stop_servers, servers)
+    return runs
+
+
+async def _start(folder: Path, config: ServerConfigFile, settings: LoopSettings, label: str,
+                 progress) -> list[LoopServer]:
     started = time.monotonic()
     servers = await asyncio.to_thread(start_servers, settings.servers, folder, config, settings.serve_args,
                                       settings.env, settings.server_timeout_s)
-    progress(f"[{plan.label}] {len(servers)} server(s) ready in {time.monotonic() - started:.0f} s; "
-             f"{len(settings.requests)} requests over {sum(p.duration_s for p in settings.phases):g} s")
+    progress(f"[{label}] {len(servers)} server(s) ready in {time.monotonic() - started:.0f} s")
+    return servers
+
+
+async def _wait_idle_on(servers: Sequence[LoopServer], generation: int, timeout_s: float) -> None:
+    """Until every server reports `generation` in /v1/config and has nothing running or waiting."""
+    import httpx
+
+    from metronome.contract import metric_names as names
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while True:
+            ready = 0
+            for server in servers:
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                    applied = (await http.get(server.base_url + "/v1/config")).json()["generation"]
+                    scrape = parse_scrape((await http.get(server.base_url + "/metrics")).text, server.name, 0.0)
+                    busy = (scrape.total(names.REQUESTS_RUNNING) or 0) + (scrape.total(names.REQUESTS_WAITING) or 0)
+                    ready += applied >= generation and busy == 0
+            if ready == len(servers):
+                return
+            if time.monotonic() > deadline:
+                raise LoopServerError(f"servers not idle on config generation {generation} after {timeout_s:.0f} s")
+            await asyncio.sleep(0.5)
+
+
+async def _run_on(plan: RunPlan, servers: Sequence[LoopServer], config: ServerConfigFile, settings: LoopSettings,
+                  progress) -> dict[str, Any]:
+    """Drive the workload on running servers serving `config`, with the loop unless the plan is static; returns the
+    run's JSON (with `records` for the report)."""
+    progress(f"[{plan.label}] {len(settings.requests)} requests over {sum(p.duration_s for p in settings.phases):g} s")
     clients = [HttpClient(s.base_url, timeout_s=settings.request_timeout_s) for s in servers]
     try:
         await clients[0].discover()
@@ -102,11 +161,10 @@ async def run_plan(plan: RunPlan, settings: LoopSettings, progress=print) -> dic
     finally:
         for client in clients:
             await client.close()
-        await asyncio.to_thread(stop_servers, servers)
     return {"label": plan.label, "static": plan.autotune is None,
             "tuning_policy": plan.autotune.policy.value if plan.autotune else None,
             "initial": {"chunk_size": prefill_budget(plan.initial), "queue_policy": plan.initial.queue_policy},
-            "intervals": state.intervals, "records": records}
+            "last_generation": state.config.generation, "intervals": state.intervals, "records": records}
 
 
 async def _drive(settings: LoopSettings, servers: Sequence[LoopServer], clients: Sequence[HttpClient],
@@ -159,7 +217,8 @@ def _control(state: _Loop, settings: LoopSettings, servers: Sequence[LoopServer]
         summary = reason = "static config"
         changed, actions, to = False, ["static"], (before.chunk_size, before.queue_policy)
     else:
-        decision = decide(observation, before, state.plan.autotune, now)
+        wall = time.time()  # the servers stamp config_applied in Unix time
+        decision = decide(observation, before, state.plan.autotune, wall)
         changed, actions, reason = decision.changed, [a.value for a in decision.actions], decision.reason
         to = (decision.chunk_size, decision.queue_policy)
         summary = decision.describe_change(before) if changed else actions[0]
@@ -169,7 +228,7 @@ def _control(state: _Loop, settings: LoopSettings, servers: Sequence[LoopServer]
             for server in servers:
                 server.write_config(state.config)
             state.current = CurrentConfig.from_scheduler(scheduler, before.replicas, state.config.generation,
-                                                         last_change_time=now)
+                                                         last_change_time=wall)
     generations = observation.pod_generations if observation else {}
     state.intervals.append({
         "t_start": round(due - settings.interval_s, 3), "t_end": round(due, 3),
@@ -191,7 +250,8 @@ def _observed(observation) -> dict[str, Any] | None:
     return {"tbt_p99_ms": ms_of(observation.tbt_p99_s), "ttft_p99_ms": ms_of(observation.ttft_p99_s),
             "short_tbt_p99_ms": ms_of(observation.short_tbt_p99_s), "samples": observation.sample_count,
             "output_tok_s": round(observation.output_tokens_per_s, 2),
-            "long_prompt_share": observation.long_prompt_share}
+            "long_prompt_share": observation.long_prompt_share, "waiting": observation.waiting_requests,
+            "waiting_growth": observation.waiting_growth}
 
 
 async def _send_all(settings: LoopSettings, clients: Sequence[HttpClient], records: list[RequestRecord],

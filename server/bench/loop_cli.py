@@ -54,6 +54,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--server-timeout", type=positive_float, default=600.0,
                    help="seconds for a server to become ready (600)")
     g.add_argument("--work-dir", type=Path, default=None, help="servers' config folders and logs (a temp folder)")
+    g.add_argument("--reuse-servers", action="store_true",
+                   help="one set of servers for every run, each run starting from its own config once they are idle "
+                        "(start-up takes minutes on a GPU; pair with --serve-arg=--no-prefix-caching so a later run "
+                        "does not hit the cache an earlier run filled)")
 
     g = p.add_argument_group("workload")
     g.add_argument("--phases", default=DEFAULT_PHASES,
@@ -151,13 +155,12 @@ def _main(args: argparse.Namespace) -> int:
         window=ms.QueryWindow.for_window(args.window, scrape_interval_seconds=args.scrape_interval),
         slo_tbt_s=args.slo_tbt_ms / 1000, slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
         request_timeout_s=args.request_timeout, drain_timeout_s=args.drain_timeout,
-        server_timeout_s=args.server_timeout)
+        server_timeout_s=args.server_timeout, reuse_servers=args.reuse_servers)
     plans = [loop.RunPlan(f"loop {p}", loop.autotune_for(autotune, TuningPolicy(p)), initial) for p in policies]
     plans += [loop.RunPlan(f"static {c}/{p}", None, loop.initial_scheduler(base, c, p)) for c, p in args.static]
     print(f"metronome bench loop: {len(plans)} run(s) of {len(requests)} requests; servers' logs in {work_dir}",
           file=sys.stderr)
-    runs = [asyncio.run(loop.run_plan(plan, settings, progress=lambda m: print(m, file=sys.stderr, flush=True)))
-            for plan in plans]
+    runs = asyncio.run(loop.run_plans(plans, settings, progress=lambda m: print(m, file=sys.stderr, flush=True)))
     command = "metronome bench loop " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
         if sys.argv[1:3] == ["bench", "loop"] else " ".join(shlex.quote(a) for a in sys.argv)
     result = loop.report(runs, settings, command)

@@ -5,7 +5,9 @@
   when each token was emitted, so an interval's or a phase's goodput is what reached users on time then.
 - The oracle is the best static config per phase in hindsight: for each phase, the highest goodput any `--static`
   run had in it. The loop is judged against the sum over phases, and each static config by its worst phase.
-- Targets (issue 12): intervals from the violating start until an interval's client-side TBT p99 is within target;
+- Targets (issue 12): control intervals from the first decision (made at the end of interval 1, on the violating
+  start) until an interval's client-side TBT p99 is within target (0: the start was not violating), and the same
+  from each phase's first interval (a change of workload is a new violating start);
   config changes per 10 intervals once a phase has settled (after its first `settle_intervals`); intervals where
   TTFT p99 exceeded its limit while the last change before it had shrunk the budget.
 """
@@ -99,7 +101,7 @@ def run_goodput(phases: Sequence[Mapping[str, Any]], durations: Sequence[float])
 def loop_targets(intervals: Sequence[Mapping[str, Any]], phases_of_intervals: Sequence[int], target_ms: float,
                  ttft_limit_ms: float | None, settle_intervals: int = 3) -> dict[str, Any]:
     """Convergence, steadiness and the TTFT guard of one loop run (see the module docstring)."""
-    to_slo = next((i + 1 for i, interval in enumerate(intervals)
+    to_slo = next((i for i, interval in enumerate(intervals)
                    if (interval["client"]["tbt_p99_ms"] or float("inf")) <= target_ms), None)
     steady: list[Mapping[str, Any]] = []
     seen: dict[int, int] = {}
@@ -108,6 +110,13 @@ def loop_targets(intervals: Sequence[Mapping[str, Any]], phases_of_intervals: Se
         if seen[phase] > settle_intervals:
             steady.append(interval)
     changes = sum(1 for interval in steady if interval["decision"]["changed"])
+    by_phase: dict[int, int | None] = {}
+    for number, (interval, phase) in enumerate(zip(intervals, phases_of_intervals, strict=True)):
+        if phase not in by_phase:
+            by_phase[phase] = None
+            first = number
+        if by_phase[phase] is None and (interval["client"]["tbt_p99_ms"] or float("inf")) <= target_ms:
+            by_phase[phase] = number - first
     ttft_hurt = []
     last_change = None
     for number, interval in enumerate(intervals):
@@ -118,6 +127,7 @@ def loop_targets(intervals: Sequence[Mapping[str, Any]], phases_of_intervals: Se
             last_change = "down" if interval["decision"]["to"]["chunk_size"] < interval["chunk_size"] else "up"
     return {
         "intervals_to_slo": to_slo,
+        "intervals_to_slo_by_phase": [by_phase[p] for p in sorted(by_phase)],
         "steady_intervals": len(steady),
         "steady_changes": changes,
         "changes_per_10_intervals": round(10 * changes / len(steady), 2) if steady else None,

@@ -132,6 +132,15 @@ def _quantile(pods: Pods, histogram: str, q: float = 0.99, **labels: str) -> lis
     return _instant(histogram_quantile(q, merged), pods.end)
 
 
+def _quantile_by_lane(pods: Pods, histogram: str) -> list[dict[str, Any]]:
+    """histogram_quantile(0.99, sum by (le, lane) (...)): one series per lane."""
+    out = []
+    for lane in names.LANES:
+        for series in _quantile(pods, histogram, **{names.LANE_LABEL: lane}):
+            out.append({**series, "metric": {names.LANE_LABEL: lane}})
+    return out
+
+
 def _total_increase(pods: Pods, name: str, **labels: str) -> list[dict[str, Any]]:
     return _instant(_sum([_increase(pair, name, **labels) for pair in pods.pairs().values()]), pods.end)
 
@@ -140,41 +149,67 @@ def _total_rate(pods: Pods, name: str, **labels: str) -> list[dict[str, Any]]:
     return _instant(_sum([_rate(pair, name, **labels) for pair in pods.pairs().values()]), pods.end)
 
 
-def _gauge_average(pods: Pods, name: str) -> list[dict[str, Any]]:
-    """avg(avg_over_time(gauge[window])): each pod's mean over its scrapes in the window, then the mean."""
+def _gauge_average(pods: Pods, name: str, per_pod_sum: bool = False) -> list[dict[str, Any]]:
+    """avg(avg_over_time(gauge[window])): each pod's mean over its scrapes in the window, then the mean across
+    pods (or their sum: sum(avg_over_time(...)))."""
     means = []
     for scrapes in pods.scrapes.values():
         values = [v for s in scrapes if pods.end - pods.window_s <= s.time <= pods.end + 1e-9
                   for v in [s.total(name)] if v is not None]
         if values:
             means.append(sum(values) / len(values))
-    return _instant(sum(means) / len(means) if means else None, pods.end)
+    if not means:
+        return []
+    return _instant(sum(means) if per_pod_sum else sum(means) / len(means), pods.end)
 
 
 def _sub_window_rates(pods: Pods, name: str) -> list[dict[str, Any]]:
-    """(sum by (pod) (rate(x[s])))[w:s]: per pod, the rate over each sub-window ending at end, end - s, ..."""
+    """(sum by (pod, kind) (rate(x[s])))[w:s]: per pod and step kind, the rate over each sub-window ending at
+    end, end - s, ..."""
     out = []
     steps = max(1, int(round(pods.window_s / pods.sub_window_s)))
     for pod, scrapes in pods.scrapes.items():
-        values = []
-        for k in reversed(range(steps)):
-            point = pods.end - k * pods.sub_window_s
-            pair = _window(scrapes, point - pods.sub_window_s, point)
-            rate = _rate(pair, name) if pair is not None and pair[0].time >= point - pods.sub_window_s - 1.0 else None
-            if rate is not None:
-                values.append([point, _text(rate)])
-        if values:
-            out.append({"metric": {"pod": pod}, "values": values})
+        for kind in names.STEP_KINDS:
+            values = []
+            for k in reversed(range(steps)):
+                point = pods.end - k * pods.sub_window_s
+                pair = _window(scrapes, point - pods.sub_window_s, point)
+                full = pair is not None and pair[0].time >= point - pods.sub_window_s - 1.0
+                rate = _rate(pair, name, **{names.STEP_KIND_LABEL: kind}) if full else None
+                if rate is not None:
+                    values.append([point, _text(rate)])
+            if values:
+                out.append({"metric": {"pod": pod, names.STEP_KIND_LABEL: kind}, "values": values})
     return out
 
 
-def _generations(pods: Pods) -> list[dict[str, Any]]:
+def _latest_by_pod(pods: Pods, name: str) -> list[dict[str, Any]]:
+    """max by (pod) (gauge): each pod's value at its last scrape."""
     out = []
     for pod, scrapes in pods.scrapes.items():
         latest = [s for s in scrapes if s.time <= pods.end + 1e-9]
-        value = latest[-1].total(names.CONFIG_GENERATION) if latest else None
+        value = latest[-1].total(name) if latest else None
         if value is not None:
             out.append({"metric": {"pod": pod}, "value": [pods.end, _text(value)]})
+    return out
+
+
+def _gauge_delta(pods: Pods, name: str) -> list[dict[str, Any]]:
+    """sum(delta(gauge[window])): each pod's last value minus its value at the window's start, added up."""
+    changes = []
+    for first, last in pods.pairs().values():
+        before, after = first.total(name), last.total(name)
+        changes.append(after - before if before is not None and after is not None else None)
+    return _instant(_sum(changes), pods.end)
+
+
+def _increase_by_lane(pods: Pods, name: str) -> list[dict[str, Any]]:
+    """sum by (lane) (increase(counter[window]))."""
+    out = []
+    for lane in names.LANES:
+        value = _sum([_increase(pair, name, **{names.LANE_LABEL: lane}) for pair in pods.pairs().values()])
+        if value is not None:
+            out.append({"metric": {names.LANE_LABEL: lane}, "value": [pods.end, _text(value)]})
     return out
 
 
@@ -189,7 +224,12 @@ EVALUATORS: dict[str, Callable[[Pods], list[dict[str, Any]]]] = {
     ms.STEP_TOKENS_RATE: lambda p: _sub_window_rates(p, names.STEP_TOKENS + "_sum"),
     ms.STEP_SECONDS_RATE: lambda p: _sub_window_rates(p, names.STEP_DURATION + "_sum"),
     ms.STEP_COUNT_RATE: lambda p: _sub_window_rates(p, names.STEP_DURATION + "_count"),
-    ms.GENERATION_BY_POD: _generations,
+    ms.GENERATION_BY_POD: lambda p: _latest_by_pod(p, names.CONFIG_GENERATION),
+    ms.TBT_P99_BY_LANE: lambda p: _quantile_by_lane(p, names.TIME_BETWEEN_TOKENS),
+    ms.PROMPTS_BY_LANE: lambda p: _increase_by_lane(p, names.PROMPTS),
+    ms.APPLIED_BY_POD: lambda p: _latest_by_pod(p, names.CONFIG_APPLIED_TIME),
+    ms.WAITING: lambda p: _gauge_average(p, names.REQUESTS_WAITING, per_pod_sum=True),
+    ms.WAITING_GROWTH: lambda p: _gauge_delta(p, names.REQUESTS_WAITING),
 }
 
 

@@ -59,8 +59,10 @@ class LoopServer:
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
+            # cwd = its own folder: run from a checkout, the repo's `operator/` would shadow the standard library's.
             self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **self.env}, start_new_session=True, close_fds=True)
+                                            env={**os.environ, **self.env}, cwd=self.folder, start_new_session=True,
+                                            close_fds=True)
 
     def ready(self) -> bool:
         try:

@@ -67,6 +67,12 @@ def test_the_operator_queries_are_answered_from_scrapes_like_prometheus():
         sorted((pod, 10.0 + t) for pod in "ab" for t in (5, 10, 15, 20))
     for sample in observation.step_samples:
         assert sample.step_seconds == pytest.approx(0.01 + 0.001 * (sample.tokens_per_step - 10))
+    assert {s.kind for s in observation.step_samples} == {"mixed"}  # every step carried prefill tokens
+    # The lanes: every gap came from a short prompt, every first token from a long one.
+    assert observation.short_tbt_p99_s == pytest.approx(observation.tbt_p99_s)
+    assert observation.long_prompt_share == 1.0
+    assert (observation.waiting_requests, observation.waiting_growth) == (0, 0)
+    assert set(observation.config_applied_at) == {"a", "b"} and min(observation.config_applied_at.values()) > 0
 
 
 def test_one_scrape_gives_series_but_no_samples_and_none_gives_no_series():
@@ -133,6 +139,7 @@ def test_loop_targets_convergence_steadiness_and_the_ttft_guard():
     intervals = [interval(4096, 90, to=1024), interval(1024, 45, to=512), interval(512, 25),
                  interval(512, 26, ttft_ms=900), interval(512, 24, to=1024), interval(1024, 28, ttft_ms=900)]
     targets = loop_targets(intervals, [0, 0, 0, 0, 1, 1], target_ms=30, ttft_limit_ms=500, settle_intervals=2)
-    assert targets["intervals_to_slo"] == 3
+    assert targets["intervals_to_slo"] == 2  # decided after intervals 1 and 2; interval 3 is within target
+    assert targets["intervals_to_slo_by_phase"] == [2, 0]
     assert targets["steady_intervals"] == 2 and targets["steady_changes"] == 0
     assert targets["ttft_over_limit_after_shrink"] == [4]  # interval 6 follows a growth, not a shrink
