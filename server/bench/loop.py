@@ -216,6 +216,10 @@ def _control(state: _Loop, settings: LoopSettings, servers: Sequence[LoopServer]
     if state.plan.autotune is None:
         summary = reason = "static config"
         changed, actions, to = False, ["static"], (before.chunk_size, before.queue_policy)
+    elif due < settings.window.window_seconds:
+        # A running service's window is always full; the load here started at 0, so the first decision waits.
+        summary, changed, actions, to = "warm-up", False, ["warm_up"], (before.chunk_size, before.queue_policy)
+        reason = f"warm-up: the {settings.window.window_seconds:g} s window is not full yet"
     else:
         wall = time.time()  # the servers stamp config_applied in Unix time
         decision = decide(observation, before, state.plan.autotune, wall)

@@ -5,9 +5,9 @@
   when each token was emitted, so an interval's or a phase's goodput is what reached users on time then.
 - The oracle is the best static config per phase in hindsight: for each phase, the highest goodput any `--static`
   run had in it. The loop is judged against the sum over phases, and each static config by its worst phase.
-- Targets (issue 12): control intervals from the first decision (made at the end of interval 1, on the violating
-  start) until an interval's client-side TBT p99 is within target (0: the start was not violating), and the same
-  from each phase's first interval (a change of workload is a new violating start);
+- Targets (issue 12): control intervals from the first decision (made once the first window is full, on the
+  violating start) until an interval's client-side TBT p99 is within target (0: the start was not violating),
+  and the same from each phase's first interval (a change of workload is a new violating start);
   config changes per 10 intervals once a phase has settled (after its first `settle_intervals`); intervals where
   TTFT p99 exceeded its limit while the last change before it had shrunk the budget.
 """
@@ -101,8 +101,9 @@ def run_goodput(phases: Sequence[Mapping[str, Any]], durations: Sequence[float])
 def loop_targets(intervals: Sequence[Mapping[str, Any]], phases_of_intervals: Sequence[int], target_ms: float,
                  ttft_limit_ms: float | None, settle_intervals: int = 3) -> dict[str, Any]:
     """Convergence, steadiness and the TTFT guard of one loop run (see the module docstring)."""
-    to_slo = next((i for i, interval in enumerate(intervals)
-                   if (interval["client"]["tbt_p99_ms"] or float("inf")) <= target_ms), None)
+    decided = next((i for i, interval in enumerate(intervals) if "warm_up" not in interval["decision"]["actions"]), 0)
+    to_slo = next((i - decided for i, interval in enumerate(intervals)
+                   if i >= decided and (interval["client"]["tbt_p99_ms"] or float("inf")) <= target_ms), None)
     steady: list[Mapping[str, Any]] = []
     seen: dict[int, int] = {}
     for interval, phase in zip(intervals, phases_of_intervals, strict=True):

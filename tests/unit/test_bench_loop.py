@@ -132,7 +132,8 @@ def test_the_oracle_is_the_best_static_config_per_phase():
 
 def interval(chunk, tbt_ms, ttft_ms=100.0, to=None):
     return {"chunk_size": chunk, "client": {"tbt_p99_ms": tbt_ms, "ttft_p99_ms": ttft_ms},
-            "decision": {"changed": to is not None, "to": {"chunk_size": to if to is not None else chunk}}}
+            "decision": {"changed": to is not None, "actions": ["chunk_down" if to is not None else "hold"],
+                         "to": {"chunk_size": to if to is not None else chunk}}}
 
 
 def test_loop_targets_convergence_steadiness_and_the_ttft_guard():
@@ -141,5 +142,8 @@ def test_loop_targets_convergence_steadiness_and_the_ttft_guard():
     targets = loop_targets(intervals, [0, 0, 0, 0, 1, 1], target_ms=30, ttft_limit_ms=500, settle_intervals=2)
     assert targets["intervals_to_slo"] == 2  # decided after intervals 1 and 2; interval 3 is within target
     assert targets["intervals_to_slo_by_phase"] == [2, 0]
+    warm = {**interval(4096, 20), "decision": {"changed": False, "actions": ["warm_up"], "to": {"chunk_size": 4096}}}
+    later = loop_targets([warm, *intervals], [0, 0, 0, 0, 0, 1, 1], target_ms=30, ttft_limit_ms=500)
+    assert later["intervals_to_slo"] == 2  # counted from the first decision, not from the warm-up interval
     assert targets["steady_intervals"] == 2 and targets["steady_changes"] == 0
     assert targets["ttft_over_limit_after_shrink"] == [4]  # interval 6 follows a growth, not a shrink
