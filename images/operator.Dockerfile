@@ -32,4 +32,5 @@ USER 1000:1000
 WORKDIR /tmp
 EXPOSE 8080
 ENTRYPOINT ["metronome"]
-CMD ["operator", "--all-namespaces", "--standalone"]
+# No --standalone: inside a pod the operator elects a leader by default, so extra replicas stand by.
+CMD ["operator", "--all-namespaces"]
