@@ -25,10 +25,12 @@ $(STAMP): pyproject.toml setup.py
 	@touch $@
 
 # kube-apiserver, etcd, controller-manager, scheduler, kwok and helm, built from Go modules (slow once, cached);
-# and versitygw, the S3 server the s3:// model tests run against.
+# versitygw, the S3 server the s3:// model tests run against; and a Prometheus with Kubernetes service discovery
+# (Debian's is built without it) for the discovery e2e test.
 tools:
 	hack/build-tools.sh
 	hack/build-s3-server.sh
+	hack/build-prometheus-sd.sh >/dev/null
 
 prometheus:
 	hack/install-prometheus.sh
