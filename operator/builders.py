@@ -126,7 +126,8 @@ def server_args(service: InferenceService) -> list[str]:
     and metrics name the model after the InferenceService."""
     spec = service.spec
     model_argument, _, _ = model_argument_and_volume(spec)
-    args = ["serve", "--model", model_argument, "--served-model-name", service.name]
+    aliases = [name for name in spec.model.served_names if name != service.name]  # spec.model.servedNames
+    args = ["serve", "--model", model_argument, "--served-model-name", service.name, *aliases]
     args += ["--config", CONFIG_PATH, "--host", "0.0.0.0", "--port", str(SERVER_PORT)]
     args += ["--device", "cuda" if spec.resources.gpus > 0 else "cpu", "--dtype", spec.model.dtype]
     if spec.model.max_model_len is not None:
@@ -194,6 +195,9 @@ def pod_template(service: InferenceService) -> dict[str, Any]:
             {"name": "HF_HOME", "value": "/tmp/.cache/huggingface"},
             {"name": "TRITON_CACHE_DIR", "value": "/tmp/.cache/triton"},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            # spec.apiKeySecret: the kubelet resolves the key; the operator never reads the Secret
+            *([{"name": "METRONOME_API_KEY", "valueFrom": {"secretKeyRef": {
+                "name": spec.api_key_secret.name, "key": spec.api_key_secret.key}}}] if spec.api_key_secret else []),
         ],
         "resources": _resources(spec),
         "volumeMounts": mounts,

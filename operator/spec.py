@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,7 @@ class ModelSpec:
     token_secret: SecretKey | None = None  # hf:// : the Hub token (HF_TOKEN)
     hf_endpoint: str | None = None  # hf:// : a mirror (HF_ENDPOINT)
     s3: S3Spec = field(default_factory=S3Spec)
+    served_names: tuple[str, ...] = ()  # more names clients may use in `model` (after the service's own)
 
 
 @dataclass(frozen=True)
@@ -316,6 +318,7 @@ class InferenceServiceSpec:
     strategy: StrategySpec = field(default_factory=StrategySpec)
     disruption: DisruptionSpec = field(default_factory=DisruptionSpec)
     shutdown: ShutdownSpec = field(default_factory=ShutdownSpec)
+    api_key_secret: SecretKey | None = None  # the server's API key (METRONOME_API_KEY); None = no key
 
 
 @dataclass(frozen=True)
@@ -401,7 +404,33 @@ def parse_model(data: Mapping[str, Any]) -> ModelSpec:
         token_secret=_parse_secret_key(data.get("tokenSecret"), f"{where}.tokenSecret", "HF_TOKEN"),
         hf_endpoint=_url(data, "hfEndpoint", where),
         s3=_parse_s3(_value(data, "s3", Mapping, {}, where), f"{where}.s3"),
+        served_names=_parse_served_names(data.get("servedNames"), f"{where}.servedNames"),
     )
+
+
+SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")  # model ids: org/name, gpt-4o, name:tag
+SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # a DNS subdomain
+SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+def _parse_served_names(data: Any, where: str) -> tuple[str, ...]:
+    if data is None:
+        return ()
+    if not isinstance(data, list):
+        raise SpecError(f"{where}: expected a list of names, got {_kind_name(type(data))}")
+    for index, name in enumerate(data):
+        if not isinstance(name, str) or not SERVED_NAME.match(name) or len(name) > 256:
+            raise SpecError(f"{where}[{index}]: a model name is letters, digits and ._:/@+- (up to 256), got {name!r}")
+    return tuple(dict.fromkeys(data))
+
+
+def _parse_api_key_secret(data: Any, where: str) -> SecretKey | None:
+    secret = _parse_secret_key(data, where, "api-key")
+    if secret is not None and not SECRET_NAME.match(secret.name):
+        raise SpecError(f"{where}.name: not a Secret name (lowercase DNS subdomain), got {secret.name!r}")
+    if secret is not None and not SECRET_KEY.match(secret.key):
+        raise SpecError(f"{where}.key: a Secret key is letters, digits and -._, got {secret.key!r}")
+    return secret
 
 
 def _parse_cache(data: Mapping[str, Any], where: str) -> ModelCacheSpec:
@@ -642,6 +671,7 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
         strategy=parse_strategy(_section(spec, "strategy", where)),
         disruption=parse_disruption(_section(spec, "disruption", where)),
         shutdown=parse_shutdown(_section(spec, "shutdown", where)),
+        api_key_secret=_parse_api_key_secret(spec.get("apiKeySecret"), f"{where}.apiKeySecret"),
     )
 
 
