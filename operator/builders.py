@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metronome.contract.config import ServerConfigFile
+from metronome.operator import model_fetch
 from metronome.operator.configmap import ANNOTATION_CONFIG_GENERATION, CONFIG_DIR, CONFIG_KEY, CONFIG_PATH
 from metronome.operator.metrics_source import QueryWindow, podmonitor_relabelings
 from metronome.operator.pod_template import merge as merge_overlay
@@ -111,6 +112,8 @@ def model_argument_and_volume(spec: InferenceServiceSpec) -> tuple[str, dict[str
         return path, volume, {**mount, "mountPath": path}
     if source.kind == "hf-dir":
         return MODEL_DIR, {"name": "model", "hostPath": {"path": source.value, "type": "Directory"}}, mount
+    if model_fetch.is_remote(spec.model):  # downloaded by the init container into the cache volume
+        return source.value, model_fetch.cache_volume(spec.model), mount
     if source.kind == "pvc":
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}}
         path = posixpath.join(MODEL_DIR, source.value) if source.value else MODEL_DIR
@@ -229,6 +232,9 @@ def pod_template(service: InferenceService) -> dict[str, Any]:
         # preStop sleep, then SIGTERM and the server's drain (--drain-seconds), then its own shutdown.
         "terminationGracePeriodSeconds": spec.shutdown.grace_period_seconds,
     }
+    if model_fetch.is_remote(spec.model):
+        container["env"].append(model_fetch.server_cache_env(MODEL_DIR))
+        pod_spec["initContainers"] = [model_fetch.fetch_init_container(spec.model, container, MODEL_DIR)]
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
     if spec.resources.tolerations:

@@ -8,8 +8,9 @@ gguf:<file.gguf>          gguf      the path                       server, opera
 hf-dir:<folder>           hf-dir    the path                       server, operator (absolute: a hostPath)
 pvc:<claim>[/<path>]      pvc       the path inside the claim      operator (it mounts the claim, the server
                                     (`claim` holds the claim)      gets a path)
-hf://<org>/<name>[/<file>][@<revision>]   hf   the normalised URI  server (downloads into its model cache)
-s3://<bucket>[/<prefix>]  s3        the normalised URI             server (same); metronome.contract.remote_source
+hf://<org>/<name>[/<file>][@<revision>]   hf   the normalised URI  server (downloads into its model cache),
+s3://<bucket>[/<prefix>]  s3        the normalised URI             operator (an init container downloads into a
+                                                                   cache volume); metronome.contract.remote_source
                                                                    parses both and names their cache folders
 anything else             path      the text itself                server (a local .gguf file or model folder)
 
@@ -82,8 +83,8 @@ SCHEMES: dict[str, Scheme] = {s.kind: s for s in (
     Scheme("gguf", "gguf:", "gguf:<file.gguf>", _needs_text("gguf", "a path")),
     Scheme("hf-dir", "hf-dir:", "hf-dir:<folder>", _needs_text("hf-dir", "a path")),
     Scheme("pvc", "pvc:", "pvc:<claim>[/<path>]", _pvc, server=False),
-    Scheme("hf", "hf://", "hf://<org>/<name>[/<file>][@<revision>]", _remote("hf://"), operator=False),
-    Scheme("s3", "s3://", "s3://<bucket>[/<prefix>]", _remote("s3://"), operator=False),
+    Scheme("hf", "hf://", "hf://<org>/<name>[/<file>][@<revision>]", _remote("hf://")),
+    Scheme("s3", "s3://", "s3://<bucket>[/<prefix>]", _remote("s3://")),
 )}
 
 

@@ -49,7 +49,7 @@ INVALID = [
     ("chunk-size-zero", _with("spec.server.chunkSize", 0), "spec.server.chunkSize"),
     ("tbt-slo-zero", _with("spec.slo.tbtP99Ms", 0), "spec.slo.tbtP99Ms"),
     ("tbt-slo-negative", _with("spec.slo.tbtP99Ms", -5), "spec.slo.tbtP99Ms"),
-    ("bad-model-source", _with("spec.model.source", "s3://bucket/llama"), "spec.model.source"),
+    ("bad-model-source", _with("spec.model.source", "gs://bucket/llama"), "spec.model.source"),
     ("model-missing", _with("spec.model", _DELETE), "spec.model"),
     ("bad-memory-quantity", _with("spec.resources.memory", "lots"), "spec.resources.memory"),
     ("bad-block-size", _with("spec.engine.blockSize", 100), "spec.engine.blockSize"),

@@ -301,7 +301,7 @@ def test_events_describe_what_changed():
 
 
 @pytest.mark.parametrize(
-    "source", ["", "gguf:relative.gguf", "hf-dir:models/x", "s3://bucket/model", "pvc:Bad_Claim/x", "random:"]
+    "source", ["", "gguf:relative.gguf", "hf-dir:models/x", "gs://bucket/model", "pvc:Bad_Claim/x", "random:"]
 )
 def test_bad_model_sources_raise_spec_errors(source):
     with pytest.raises(SpecError, match="spec.model.source"):

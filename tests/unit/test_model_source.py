@@ -45,7 +45,8 @@ def test_bad_sources_say_why(text, why):
 
 
 def test_each_side_lists_what_it_accepts():
-    assert syntax("operator") == "default, random:<preset>, gguf:<file.gguf>, hf-dir:<folder>, pvc:<claim>[/<path>]"
+    assert syntax("operator") == ("default, random:<preset>, gguf:<file.gguf>, hf-dir:<folder>, pvc:<claim>[/<path>], "
+                                  "hf://<org>/<name>[/<file>][@<revision>], s3://<bucket>[/<prefix>]")
     assert "pvc" not in syntax("server") and "a .gguf file or model folder" in syntax("server")
     assert all(scheme.kind == kind and scheme.prefix.startswith(kind) for kind, scheme in SCHEMES.items())
     with pytest.raises(ValueError):
