@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def bounded(convert: Callable[[str], Any], what: str, accept: Callable[[Any], bool], bound: str):

@@ -3,7 +3,8 @@ from any test folder: pytest puts tests/ on sys.path for tests/conftest.py."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class WaitTimeout(AssertionError):

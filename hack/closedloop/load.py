@@ -41,7 +41,7 @@ class LoadStats:
 
 def require_loopback(url: str) -> str:
     host = urllib.parse.urlparse(url).hostname or ""
-    if not ipaddress.ip_address(host) in ipaddress.ip_network("127.0.0.0/8"):
+    if ipaddress.ip_address(host) not in ipaddress.ip_network("127.0.0.0/8"):
         raise ValueError(f"load may only go to 127.0.0.0/8, not {url}")
     return url
 
@@ -58,7 +58,7 @@ class LoadDriver:
         self._started = threading.Event()
         self.error: BaseException | None = None
 
-    def start(self, timeout_s: float = 60.0) -> "LoadDriver":
+    def start(self, timeout_s: float = 60.0) -> LoadDriver:
         """Start sending; raises when the servers cannot be used (e.g. /v1/models does not answer)."""
         self._thread = threading.Thread(target=self._run, name="load", daemon=True)
         self._thread.start()

@@ -11,8 +11,8 @@ a violation would read as Met), reachable at the floor chunk with slack, and cle
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from metronome.contract.metric_names import TBT_BUCKETS
 

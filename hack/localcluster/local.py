@@ -8,16 +8,16 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from . import components as comp
 from .api import ApiClient, http_ok
 from .errors import ClusterError, ClusterStartError
 from .nodes import default_nodes, is_ready, node_manifest
 from .pki import Pki, kubeconfig_text, make_pki
-from .procs import LOOPBACK, ProcessRecord, free_port, is_running, log_tail, start_process, stop_process
+from .procs import LOOPBACK, free_port, is_running, log_tail, start_process, stop_process
 from .state import ClusterState, load_state, save_state
 from .tools import HACK_DIR, ToolSet, default_state_dir
 

@@ -35,7 +35,7 @@ class ProcessRecord:
                 "start_ticks": self.start_ticks}
 
     @classmethod
-    def from_json(cls, data: dict) -> "ProcessRecord":
+    def from_json(cls, data: dict) -> ProcessRecord:
         return cls(name=data["name"], pid=int(data["pid"]), argv=list(data["argv"]), log=data["log"],
                    start_ticks=int(data["start_ticks"]))
 

@@ -35,7 +35,7 @@ class ClusterState:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "ClusterState":
+    def from_json(cls, data: dict) -> ClusterState:
         prometheus = data.get("prometheus")
         return cls(
             api_url=data.get("api_url", ""),

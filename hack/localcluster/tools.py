@@ -53,7 +53,7 @@ class ToolSet:
     versions: dict[str, str]
 
     @classmethod
-    def default(cls) -> "ToolSet":
+    def default(cls) -> ToolSet:
         return cls(default_cache_dir(), tool_versions())
 
     def path(self, component: str) -> Path:

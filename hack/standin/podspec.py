@@ -12,11 +12,12 @@ No I/O here; `PodSpecError` names what cannot be played locally (a PVC, no serve
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from metronome.operator.builders import LABEL_INSTANCE, LABEL_NAME, LABEL_SERVICE, SERVER_CONTAINER
 from metronome.contract.errors import MetronomeError
+from metronome.operator.builders import LABEL_INSTANCE, LABEL_NAME, LABEL_SERVICE, SERVER_CONTAINER
 
 SERVER_POD_SELECTOR = f"{LABEL_NAME}=metronome-server,{LABEL_SERVICE}"
 REPLACED_FLAGS = ("--host", "--port", "--device")

@@ -14,8 +14,8 @@ import datetime as dt
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 DATA_LINK = "..data"
 

@@ -135,7 +135,7 @@ class KubeletStandIn:
 
     # --- public API ------------------------------------------------------------------------------------------
 
-    def start(self) -> "KubeletStandIn":
+    def start(self) -> KubeletStandIn:
         import kubernetes
 
         if self._threads:
@@ -172,7 +172,7 @@ class KubeletStandIn:
             self._api.close()
             self._api = None
 
-    def __enter__(self) -> "KubeletStandIn":
+    def __enter__(self) -> KubeletStandIn:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -41,7 +41,7 @@ class SchedulerConfig(_Schema):
     sjf_aging_seconds: float = Field(10.0, gt=0, description="sjf: after waiting this long a request outranks every newer one.")
 
     @model_validator(mode="after")
-    def _check_cross_fields(self) -> "SchedulerConfig":
+    def _check_cross_fields(self) -> SchedulerConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             # Every running decode needs one token per step: a smaller cap would stall decodes.
             raise ValueError(

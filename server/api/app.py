@@ -22,10 +22,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from metronome import __version__
+from metronome.contract.errors import (
+    EngineDrainingError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    ModelNotFoundError,
+)
 from metronome.server.api.auth import ApiKeyAuth
 from metronome.server.api.body_limit import BodyLimit
 from metronome.server.api.generation import Job, run_request
 from metronome.server.api.http_errors import error_response, install_error_handlers
+from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_TOKENIZER_WORKERS
 from metronome.server.api.metrics import CONTENT_TYPE
 from metronome.server.api.protocol import (
     ChatCompletionRequest,
@@ -38,16 +45,9 @@ from metronome.server.api.protocol import (
 )
 from metronome.server.api.responses import ChatShaper, CompletionShaper
 from metronome.server.api.state import ServerState
-from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_TOKENIZER_WORKERS
 from metronome.server.api.tokenization import TokenizerPool
 from metronome.server.api.tools import forced_call_schema
 from metronome.server.engine.sampling import Grammar, SamplingParams
-from metronome.contract.errors import (
-    EngineDrainingError,
-    EngineOverloadedError,
-    InvalidRequestError,
-    ModelNotFoundError,
-)
 
 log = logging.getLogger("metronome.api")
 

@@ -15,8 +15,8 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from metronome.contract.config import (
     ConfigError,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable
 
 import anyio
 from starlette.requests import Request

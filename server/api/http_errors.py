@@ -12,7 +12,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metronome.contract.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError, ModelNotFoundError
+from metronome.contract.errors import (
+    EngineDrainingError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    ModelNotFoundError,
+)
 
 log = logging.getLogger("metronome.api")
 

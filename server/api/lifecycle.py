@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 log = logging.getLogger("metronome.lifecycle")
 

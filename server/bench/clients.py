@@ -11,9 +11,9 @@ import json
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from metronome.contract.errors import MetronomeError
 from metronome.server.bench.records import RequestRecord
 from metronome.server.bench.workloads import BenchRequest
-from metronome.contract.errors import MetronomeError
 
 if TYPE_CHECKING:  # the engine (torch) stays out of module import time
     from metronome.server.engine.async_engine import AsyncEngine
@@ -145,12 +145,12 @@ def _error_message(body: str) -> str:
 class EngineClient:
     """Drives an in-process AsyncEngine; TokenEvent.time is the engine's own monotonic emission stamp."""
 
-    def __init__(self, engine: "AsyncEngine"):
+    def __init__(self, engine: AsyncEngine):
         self.engine = engine
 
     async def send(self, request: BenchRequest, record: RequestRecord, t0: float) -> None:
-        from metronome.server.engine.sampling import SamplingParams
         from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
+        from metronome.server.engine.sampling import SamplingParams
 
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         record.sent_s = time.monotonic() - t0

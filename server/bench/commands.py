@@ -4,10 +4,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
+from metronome.contract.config import ConfigError, validate_scheduler
+from metronome.contract.errors import MetronomeError
 from metronome.server.bench.clients import Client, EngineClient, HttpClient
 from metronome.server.bench.inprocess import DEFAULT_HTTP_TOKEN_RANGE, sampler_for_engine, sampler_for_range
 from metronome.server.bench.plots import plot_runs
@@ -24,8 +27,6 @@ from metronome.server.bench.workloads import (
     load_jsonl,
     validate_spec,
 )
-from metronome.contract.config import ConfigError, validate_scheduler
-from metronome.contract.errors import MetronomeError
 from metronome.server.engine.flags import engine_config_from_args, scheduler_from_args
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 def time_op(fn: Callable[[], Any], device: Any, reps: int, warmup: int = 2) -> list[float]:

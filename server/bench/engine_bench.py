@@ -16,13 +16,13 @@ import os
 import sys
 from typing import Any
 
+from metronome.contract.errors import InvalidRequestError, MetronomeError
 from metronome.server.bench import engine_sections as sections
 from metronome.server.bench.inprocess import sampler_for_engine
 from metronome.server.bench.results import RunEntry, environment, write_json
 from metronome.server.bench.run_output import args_config, plot_entries
 from metronome.server.bench.runner import StopRule
-from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, take, iter_requests
-from metronome.contract.errors import InvalidRequestError, MetronomeError
+from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, iter_requests, take
 from metronome.server.engine.flags import engine_config_from_args, scheduler_from_args
 
 SECTIONS = ("device", "decode", "prefill", "longshort", "hf")

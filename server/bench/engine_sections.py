@@ -14,14 +14,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from metronome.contract.config import QueuePolicy, SchedulerConfig
+from metronome.contract.errors import MetronomeError
 from metronome.server.bench import model_math
 from metronome.server.bench.clients import EngineClient
 from metronome.server.bench.results import RunEntry
 from metronome.server.bench.runner import LoadPattern, StopRule, run_load
 from metronome.server.bench.stats import percentile, summarize
 from metronome.server.bench.workloads import TokenSampler, WorkloadSpec, iter_requests, take
-from metronome.contract.config import QueuePolicy, SchedulerConfig
-from metronome.contract.errors import MetronomeError
 
 UNCHUNKED = 1 << 20
 

@@ -12,9 +12,9 @@ import threading
 import time
 from typing import Any
 
+from metronome.contract.errors import MetronomeError
 from metronome.server.bench.records import RequestRecord
 from metronome.server.bench.stats import summarize
-from metronome.contract.errors import MetronomeError
 
 
 class HFPeerError(MetronomeError):

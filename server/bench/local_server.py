@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 

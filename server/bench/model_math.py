@@ -7,7 +7,8 @@
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def embedding_params(config: Any) -> int:

@@ -29,5 +29,5 @@ class RequestRecord:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RequestRecord":
+    def from_dict(cls, data: dict[str, Any]) -> RequestRecord:
         return cls(**data)

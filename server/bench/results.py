@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from metronome.contract.errors import MetronomeError
 from metronome.server.bench.records import RequestRecord
 from metronome.server.bench.stats import RunSummary
-from metronome.contract.errors import MetronomeError
 
 SCHEMA = "metronome-bench/1"
 

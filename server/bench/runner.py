@@ -11,8 +11,8 @@ import asyncio
 import datetime as _dt
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from metronome.server.bench.clients import Client
 from metronome.server.bench.records import RequestRecord
@@ -86,7 +86,7 @@ class _Progress:
                                  TimeElapsedColumn(), console=Console(stderr=True), transient=False)
             self._task = self._bar.add_task(label, total=total)
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         if self._bar is not None:
             self._bar.start()
         return self

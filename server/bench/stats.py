@@ -14,8 +14,9 @@ Definitions (also in docs/bench.md):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from metronome.server.bench.records import RequestRecord
 

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
+from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig, load_server_config, validate_scheduler
+from metronome.contract.errors import MetronomeError
 from metronome.server.bench.clients import Client, HttpClient
 from metronome.server.bench.configfile import atomic_configmap_write
 from metronome.server.bench.results import RunEntry
 from metronome.server.bench.runner import LoadPattern, StopRule, run_load
 from metronome.server.bench.stats import summarize
 from metronome.server.bench.workloads import BenchRequest
-from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig, load_server_config, validate_scheduler
-from metronome.contract.errors import MetronomeError
 
 
 class SweepError(MetronomeError):

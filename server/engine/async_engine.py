@@ -13,13 +13,15 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import AsyncIterator, Callable, Protocol, Sequence as Seq
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as Seq
+from typing import Protocol
 
 from metronome.contract.config import SchedulerConfig
+from metronome.contract.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.outputs import EngineStats, StepStats, TokenEvent
 from metronome.server.engine.sampling import SamplingParams
-from metronome.contract.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 

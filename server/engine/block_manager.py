@@ -10,7 +10,7 @@ first, and blocks without a hash before any cached one.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Iterable
+from collections.abc import Iterable
 
 from metronome.server.engine.sequence import Sequence
 

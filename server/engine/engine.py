@@ -6,11 +6,13 @@ import itertools
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from metronome.contract.config import SchedulerConfig
+from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
 from metronome.kernels import compile_watch
 from metronome.server.engine.block_manager import BlockManager
 from metronome.server.engine.config import EngineConfig
@@ -22,7 +24,6 @@ from metronome.server.engine.outputs import EngineStats, GenerationResult, StepS
 from metronome.server.engine.sampling import SamplingParams
 from metronome.server.engine.scheduler import Scheduler
 from metronome.server.engine.sequence import Sequence, SequenceStatus
-from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
 
 if TYPE_CHECKING:
     from metronome.server.engine.tp_launch import WorkerPool
@@ -33,7 +34,7 @@ log = logging.getLogger("metronome.engine")
 
 class EngineCore:
     def __init__(self, loaded: Any, config: EngineConfig, scheduler_config: SchedulerConfig,
-                 workers: "WorkerPool | None" = None):
+                 workers: WorkerPool | None = None):
         """`workers`: rank 0's tensor-parallel worker processes (tp_launch.py); None at tensor_parallel_size 1."""
         config.validate()
         self.workers = workers
@@ -91,7 +92,7 @@ class EngineCore:
         compile_watch.mark_ready()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, scheduler_config: SchedulerConfig | None = None) -> "EngineCore":
+    def from_config(cls, config: EngineConfig, scheduler_config: SchedulerConfig | None = None) -> EngineCore:
         from metronome.server.models import load_model  # heavy: only when an engine is built
 
         config.validate()

@@ -2,8 +2,8 @@
 many blocks fit the memory budget."""
 from __future__ import annotations
 
-import mmap
 import math
+import mmap
 
 import torch
 

@@ -10,8 +10,8 @@ A lane is a queue plus the prefill budget its prompts may use in one step:
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from metronome.contract.config import QueuePolicy, SchedulerConfig
 from metronome.server.engine.sequence import Sequence, SequenceStatus

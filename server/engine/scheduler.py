@@ -13,8 +13,8 @@ Pure decision logic over Sequences and a BlockManager: no model, no clock unless
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.block_manager import BlockManager, KVCacheError

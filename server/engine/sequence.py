@@ -6,6 +6,7 @@ from typing import Any
 
 from metronome.server.engine.sampling import SamplingParams
 
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # in a queue, no KV blocks
     RUNNING = "running"  # admitted: owns blocks; prefilling or decoding

@@ -22,10 +22,17 @@ from typing import Any
 
 import torch
 
-from metronome.server.engine.config import EngineConfig
-from metronome.server.engine.tp_channel import (SET_NUM_BLOCKS, SHUTDOWN, ChannelClosed, StepHeader,
-                                                encode_command, encode_step, read_reply)
 from metronome.contract.errors import InvalidRequestError, MetronomeError
+from metronome.server.engine.config import EngineConfig
+from metronome.server.engine.tp_channel import (
+    SET_NUM_BLOCKS,
+    SHUTDOWN,
+    ChannelClosed,
+    StepHeader,
+    encode_command,
+    encode_step,
+    read_reply,
+)
 from metronome.server.models.device import resolve_device
 from metronome.server.models.parallel import TPContext, plan_shards
 

@@ -33,8 +33,15 @@ def main(argv: list[str]) -> int:
 
     from metronome.server.engine.config import EngineConfig
     from metronome.server.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
-    from metronome.server.engine.tp_channel import (SET_NUM_BLOCKS, SHUTDOWN, STEP, ChannelClosed, encode_reply,
-                                                    read_message, unpack_payload)
+    from metronome.server.engine.tp_channel import (
+        SET_NUM_BLOCKS,
+        SHUTDOWN,
+        STEP,
+        ChannelClosed,
+        encode_reply,
+        read_message,
+        unpack_payload,
+    )
     from metronome.server.engine.tp_launch import COLLECTIVE_TIMEOUT, HOST, check_in_key, share_cpu_threads
     from metronome.server.models import load_model
     from metronome.server.models.parallel import TPContext

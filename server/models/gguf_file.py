@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 

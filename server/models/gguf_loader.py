@@ -14,9 +14,10 @@ import functools
 import logging
 import re
 import time
+from collections.abc import Iterator
 from math import prod
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

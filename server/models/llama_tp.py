@@ -4,7 +4,8 @@ down to this rank's part. At tensor_parallel_size 1 none of this is used: the mo
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig, attention: "AttentionBackend", tp: TPContext):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, tp: TPContext):
         plan = plan_shards(config, tp.world_size)
         super().__init__(local_config(config, plan), attention)
         self.full_config = config
@@ -44,7 +45,7 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
         super().load_weights((name, shard_for(name, tensor, plan, rank)) for name, tensor in weights)
 
 
-def build_empty_tp_model(config: ModelConfig, attention: "AttentionBackend", device: torch.device,
+def build_empty_tp_model(config: ModelConfig, attention: AttentionBackend, device: torch.device,
                          dtype: torch.dtype, tp: TPContext) -> TensorParallelLlamaForCausalLM:
     """Like loader.build_empty_model: per-rank weights allocated once, on the device, uninitialised."""
     with torch.device("meta"):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import codecs
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 
@@ -71,7 +72,7 @@ class ByteIncrementalDecoder:
     """ByteTokenizer's streaming decode: each id is one byte, fed to Python's incremental UTF-8 decoder (errors
     "replace", like ByteTokenizer.decode), which holds back an unfinished character by itself. O(1) per token."""
 
-    def __init__(self, tokenizer: "ByteTokenizer", skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: ByteTokenizer, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

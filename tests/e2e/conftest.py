@@ -13,7 +13,6 @@ from __future__ import annotations
 import signal
 
 import pytest
-
 from closedloop import OperatorProcess, install_chart, service_account_kubeconfig
 from standin import DelayRange, KubeletStandIn, StandInOptions, scrape_config
 

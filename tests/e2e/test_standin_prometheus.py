@@ -12,7 +12,6 @@ import signal
 
 import pytest
 import yaml
-
 from e2e_helpers import config_map_generation, prom_query, server_config
 from polling import wait_for
 

@@ -13,8 +13,8 @@ import statistics
 import pytest
 import torch
 
-from metronome.kernels import get_backend
 from metronome.contract.config import SchedulerConfig
+from metronome.kernels import get_backend
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.sampling import SamplingParams

@@ -91,8 +91,8 @@ def test_random_llama3_8b_builds_on_device_and_runs():
 
 
 def test_hf_folder_on_cuda_matches_transformers(tmp_path):
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
     torch.backends.cuda.matmul.allow_tf32 = False
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-
 from polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,6 @@ import re
 import textwrap
 
 import pytest
-
 from localcluster.tools import ToolSet
 
 GPU = "nvidia.com/gpu"

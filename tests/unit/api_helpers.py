@@ -68,10 +68,10 @@ def build_engine(model: str = TINY, max_waiting: int = 1024, num_kv_blocks: int 
 def build_server_parts(model: str = TINY, max_waiting: int = 1024, scheduler=None, config_file: str | None = None,
                        num_kv_blocks: int = 256, poll_interval_s: float = 0.1, max_model_len: int = 1024):
     """(engine, state, app) wired as `metronome serve` wires them."""
+    from metronome.contract.config import SchedulerConfig
     from metronome.server.api.app import create_app
     from metronome.server.api.metrics import ServerMetrics
     from metronome.server.api.state import build_state
-    from metronome.contract.config import SchedulerConfig
 
     base = scheduler or SchedulerConfig()
     metrics = ServerMetrics(model)
@@ -100,7 +100,7 @@ class ServerThread:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         wait_until(lambda: _ready(self.url), timeout=120, what="server ready")
         return self

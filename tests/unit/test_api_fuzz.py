@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from api_helpers import TINY, build_server_parts
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from api_helpers import TINY, build_server_parts
 
 json_scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True)
                 | st.text(max_size=12))

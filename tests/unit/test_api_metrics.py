@@ -5,12 +5,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from api_helpers import TINY, ServerThread, build_server_parts, metric, scrape, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_helpers import TINY, ServerThread, build_server_parts, metric, scrape, wait_until
 from metronome.contract import metric_names as names
-from metronome.server.api.metrics import ServerMetrics
 from metronome.contract.config import SchedulerConfig
+from metronome.server.api.metrics import ServerMetrics
 from metronome.server.engine.outputs import EngineStats, StepStats
 
 

@@ -6,7 +6,6 @@ import json
 import httpx
 import openai
 import pytest
-
 from api_helpers import TINY, ServerThread, build_server_parts
 
 

@@ -6,8 +6,8 @@ import json
 
 import httpx
 import pytest
-
 from api_helpers import ServerThread, build_server_parts, metric, scrape, wait_until
+
 from metronome.contract import metric_names as names
 from metronome.contract.config import SchedulerConfig
 

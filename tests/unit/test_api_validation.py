@@ -7,9 +7,8 @@ import socket
 import threading
 
 import pytest
-from fastapi.testclient import TestClient
-
 from api_helpers import TINY, ServerThread, build_engine, metric, scrape
+from fastapi.testclient import TestClient
 
 
 def make_app(max_body_bytes: int = 4096, tokenizer_workers: int = 1, max_model_len: int = 256):

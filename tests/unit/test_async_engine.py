@@ -4,13 +4,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from engine_fakes import expected_greedy, fake_engine
 
 from metronome.contract.config import SchedulerConfig
+from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
 from metronome.server.engine.async_engine import AsyncEngine
 from metronome.server.engine.sampling import SamplingParams
-from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
-
-from engine_fakes import expected_greedy, fake_engine
 
 
 class RecordingObserver:

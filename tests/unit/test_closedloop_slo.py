@@ -8,8 +8,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hack"))
 
-from closedloop.slo import CalibrationError, choose_tbt_target  # noqa: E402
 from closedloop.load import require_loopback  # noqa: E402
+from closedloop.slo import CalibrationError, choose_tbt_target  # noqa: E402
 
 
 def test_an_idle_machine_gets_a_tight_bucket_bound():

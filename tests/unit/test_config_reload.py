@@ -5,12 +5,12 @@ import os
 
 import httpx
 import pytest
-
 from api_helpers import ServerThread, build_server_parts, k8s_config_dir, k8s_swap, metric, scrape, wait_until
+
+from metronome.contract import metric_names as names
+from metronome.contract.config import ConfigError, SchedulerConfig
 from metronome.server.api.config_watch import ConfigStatus, ConfigWatcher
 from metronome.server.api.metrics import ServerMetrics
-from metronome.contract.config import ConfigError, SchedulerConfig
-from metronome.contract import metric_names as names
 
 GOOD = "generation: 1\nscheduler:\n  chunk_size: 512\n  queue_policy: split\n"
 

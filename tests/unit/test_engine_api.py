@@ -5,12 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_fakes import expected_greedy, fake_engine
 
 from metronome.contract.config import SchedulerConfig
-from metronome.server.engine.sampling import SamplingParams
 from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
-
-from engine_fakes import expected_greedy, fake_engine
+from metronome.server.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from metronome.kernels.metadata import AttentionMetadata
 from metronome.contract.config import SchedulerConfig
+from metronome.kernels.metadata import AttentionMetadata
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.sampling import SamplingParams

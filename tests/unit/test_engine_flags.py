@@ -9,8 +9,13 @@ import pytest
 
 from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig
 from metronome.server.engine.config import EngineConfig
-from metronome.server.engine.flags import (ENGINE_FLAGS, SCHEDULER_FLAGS, add_engine_flags, engine_config_from_args,
-                                           scheduler_from_args)
+from metronome.server.engine.flags import (
+    ENGINE_FLAGS,
+    SCHEDULER_FLAGS,
+    add_engine_flags,
+    engine_config_from_args,
+    scheduler_from_args,
+)
 
 FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hack"))
 
 from standin.podspec import LocalMounts, PodSpecError, is_running, local_argv, server_pod  # noqa: E402
 from standin.projection import DATA_LINK, current_files, project  # noqa: E402
-from standin.targets import file_sd_groups, scrape_config, Target, write_file_sd  # noqa: E402
+from standin.targets import Target, file_sd_groups, scrape_config, write_file_sd  # noqa: E402
 
 from metronome.operator import builders  # noqa: E402
 from metronome.operator.spec import parse_service  # noqa: E402

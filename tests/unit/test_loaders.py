@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_model_exact import PagedCache
 
 from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 from metronome.server.models import ModelConfig, UnsupportedModelError, load_model
@@ -18,7 +19,6 @@ from metronome.server.models.llama import LlamaForCausalLM
 from metronome.server.models.loader import parse_model_spec
 from metronome.server.models.presets import PRESETS, preset_config, preset_names
 from metronome.server.models.rope import compute_inv_freq
-from test_model_exact import PagedCache
 
 VOCAB = 320
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from localcluster import components as comp
 from localcluster.errors import ClusterError
 from localcluster.nodes import FakeNodeSpec, default_nodes, is_ready, node_manifest

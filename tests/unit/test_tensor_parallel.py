@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_loaders import save_hf_model
 
 from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.sampling import SamplingParams
-from test_loaders import save_hf_model
 
 SPLIT_KV = dict(vocab_size=333, num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
                 tie_word_embeddings=False)

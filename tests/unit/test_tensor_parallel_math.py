@@ -9,15 +9,24 @@ from dataclasses import replace
 import pytest
 import torch
 
+from metronome.contract.errors import InvalidRequestError
 from metronome.kernels.metadata import AttentionMetadata
 from metronome.server.engine.config import EngineConfig
-from metronome.server.engine.tp_channel import (SHUTDOWN, STEP, ChannelClosed, StepHeader, encode_command,
-                                                encode_reply, encode_step, pack_payload, read_message, read_reply,
-                                                unpack_payload)
+from metronome.server.engine.tp_channel import (
+    SHUTDOWN,
+    STEP,
+    ChannelClosed,
+    StepHeader,
+    encode_command,
+    encode_reply,
+    encode_step,
+    pack_payload,
+    read_message,
+    read_reply,
+    unpack_payload,
+)
 from metronome.server.engine.tp_launch import rank_devices
-from metronome.contract.errors import InvalidRequestError
-from metronome.server.models.parallel import (kv_rows, local_config, plan_shards, q_rows, shard_for,
-                                              vocab_rows)
+from metronome.server.models.parallel import kv_rows, local_config, plan_shards, q_rows, shard_for, vocab_rows
 from metronome.server.models.presets import preset_config
 
 LLAMA3_8B = preset_config("llama-3-8b")  # 32 query heads, 8 KV heads, MLP 14336, vocab 128256
