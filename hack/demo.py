@@ -16,8 +16,8 @@
    chosen from those 20 s (hack/closedloop/slo.py; or --slo-ms), and autotune on;
 7. `kubectl get inferenceservices` every few seconds, so CHUNK, TBT-P99 and SLO visibly change as the operator
    retunes.
---duration counts from the start of the load; 0 runs until Ctrl-C. Either way everything started here is stopped by its pid at the end (servers,
-operator, Prometheus, control plane) and the exit code is 0 when the run went as planned.
+--duration counts from the start of the load; 0 runs until Ctrl-C. Either way everything started here is stopped by
+its pid at the end (servers, operator, Prometheus, control plane) and the exit code is 0 when the run went as planned.
 Only 127.0.0.0/8 is contacted.
 """
 from __future__ import annotations

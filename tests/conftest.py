@@ -9,7 +9,8 @@ The object it yields (hack/localcluster/session.py: SessionCluster) offers
   .kubeconfig .api_url .bin_dir .logs_dir .env .kubernetes_version .prometheus_url
   .kubectl(*args, input=None, check=True) -> CompletedProcess[str]    .kubectl_json(*args) -> dict
   .helm(*args, input=None, check=True) -> CompletedProcess[str]       .apply(manifest_text, namespace=None)
-  .namespace(base) -> "<base>-<random>" (created)                      .start_prometheus(cfg) -> url / .stop_prometheus()
+  .namespace(base) -> "<base>-<random>" (created)
+  .start_prometheus(cfg) -> url / .stop_prometheus()
 """
 
 from __future__ import annotations

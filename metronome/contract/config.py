@@ -31,14 +31,27 @@ class _Schema(BaseModel):
 class SchedulerConfig(_Schema):
     """The reloadable scheduler knobs. Changing any of them never needs a restart."""
 
-    chunk_size: int = Field(512, ge=1, le=1 << 20, description="Prefill tokens allowed per step, on top of one token per running decode.")
+    chunk_size: int = Field(
+        512, ge=1, le=1 << 20, description="Prefill tokens allowed per step, on top of one token per running decode."
+    )
     max_num_seqs: int = Field(256, ge=1, le=65536, description="Most sequences running at once.")
-    max_num_batched_tokens: int | None = Field(None, ge=1, le=1 << 22, description="Hard cap on tokens per step (decodes + prefill); unset = no cap beyond chunk_size.")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 22,
+        description="Hard cap on tokens per step (decodes + prefill); unset = no cap beyond chunk_size.",
+    )
     queue_policy: QueuePolicy = Field(QueuePolicy.SPLIT, description="fcfs | split | sjf")
-    short_prompt_threshold: int = Field(512, ge=1, description="split: prompts of at most this many tokens go to the short queue.")
-    short_chunk_size: int = Field(2048, ge=1, le=1 << 20, description="split: prefill budget per step for short prompts (admitted whole).")
+    short_prompt_threshold: int = Field(
+        512, ge=1, description="split: prompts of at most this many tokens go to the short queue."
+    )
+    short_chunk_size: int = Field(
+        2048, ge=1, le=1 << 20, description="split: prefill budget per step for short prompts (admitted whole)."
+    )
     long_chunk_size: int = Field(512, ge=1, le=1 << 20, description="split: prefill tokens per step for long prompts.")
-    sjf_aging_seconds: float = Field(10.0, gt=0, description="sjf: after waiting this long a request outranks every newer one.")
+    sjf_aging_seconds: float = Field(
+        10.0, gt=0, description="sjf: after waiting this long a request outranks every newer one."
+    )
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> SchedulerConfig:
@@ -59,8 +72,12 @@ class ServerConfigFile(_Schema):
     Both keys are required: a file that is empty or lacks one (half-written, or a template gone wrong) must be
     an error, not a silent reset to generation 0 and the default scheduler."""
 
-    generation: int = Field(..., ge=0, description="Bumped by the operator on every change; echoed by metronome_config_generation.")
-    scheduler: SchedulerConfig = Field(..., description="The scheduler fields to set; those left out keep the server's command-line values.")
+    generation: int = Field(
+        ..., ge=0, description="Bumped by the operator on every change; echoed by metronome_config_generation."
+    )
+    scheduler: SchedulerConfig = Field(
+        ..., description="The scheduler fields to set; those left out keep the server's command-line values."
+    )
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(

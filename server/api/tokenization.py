@@ -24,7 +24,9 @@ from metronome.server.api.limits import DEFAULT_TOKENIZER_WORKERS
 class TokenizerPool:
     """`encode` and `render_chat` run on `workers` threads; at most `max_pending` wait at once (then 429)."""
 
-    def __init__(self, tokenizer, max_model_len: int, workers: int = DEFAULT_TOKENIZER_WORKERS, max_pending: int = 1024):
+    def __init__(
+        self, tokenizer, max_model_len: int, workers: int = DEFAULT_TOKENIZER_WORKERS, max_pending: int = 1024
+    ):
         if workers < 1:
             raise ValueError(f"--tokenizer-workers must be >= 1, got {workers}")
         self.tokenizer = tokenizer

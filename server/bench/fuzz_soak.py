@@ -87,7 +87,8 @@ def valid_chat(rng: random.Random) -> dict:
 def hostile_value(rng: random.Random, name: str):
     if name == "messages" and rng.random() < 0.6:
         message = {"role": rng.choice(["user", "system", "assistant", "robot", ""]),
-                   "content": rng.choice([rng.choice(HOSTILE_VALUES), [{"type": "text", "text": rng.choice(SURROGATES)}],
+                   "content": rng.choice([rng.choice(HOSTILE_VALUES),
+                                          [{"type": "text", "text": rng.choice(SURROGATES)}],
                                           [{"type": "image_url", "text": "x"}]])}
         return [message] * rng.randrange(0, 3)
     if rng.random() < 0.1:  # nested junk
@@ -144,7 +145,8 @@ async def soak(url: str, model: str | None, requests: int, concurrency: int, see
     queue: asyncio.Queue = asyncio.Queue()
     for item in probes:
         queue.put_nowait(item)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=httpx.Limits(max_connections=concurrency)) as client:
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=limits) as client:
         started = time.monotonic()
         async def worker() -> None:
             while not queue.empty():

@@ -61,7 +61,9 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first bad field."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", param="max_tokens")
+            raise InvalidRequestError(
+                f"max_tokens must be a positive integer, got {self.max_tokens!r}", param="max_tokens"
+            )
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(
                 f"temperature must be a finite number >= 0, got {self.temperature!r}", param="temperature"
@@ -69,7 +71,9 @@ class SamplingParams:
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}", param="top_k")
+            raise InvalidRequestError(
+                f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}", param="top_k"
+            )
         if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):

@@ -59,7 +59,8 @@ def prometheus(cluster, standin, e2e_dir):
 @pytest.fixture(scope="session")
 def operator(cluster, prometheus, e2e_dir):
     service_account = install_chart(cluster, RELEASE, RELEASE_NAMESPACE)
-    kubeconfig = service_account_kubeconfig(cluster, RELEASE_NAMESPACE, service_account, e2e_dir / "operator.kubeconfig")
+    kubeconfig = service_account_kubeconfig(cluster, RELEASE_NAMESPACE, service_account,
+                                            e2e_dir / "operator.kubeconfig")
     process = OperatorProcess(kubeconfig=kubeconfig, log_path=e2e_dir / "operator.log", prometheus_url=prometheus,
                               status_interval_s=2.0)
     process.start()

@@ -24,7 +24,8 @@ LABEL = f"metronome.dev/inferenceservice={NAME}"
 def manifest(chunk_size: int) -> str:
     return yaml.safe_dump({
         "apiVersion": "metronome.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": NAME},
-        "spec": {"model": {"source": "random:tiny"}, "replicas": 2, "resources": {"gpus": 1, "cpu": "1", "memory": "1Gi"},
+        "spec": {"model": {"source": "random:tiny"}, "replicas": 2,
+                 "resources": {"gpus": 1, "cpu": "1", "memory": "1Gi"},
                  "server": {"chunkSize": chunk_size, "queuePolicy": "fcfs", "maxNumSeqs": 16}},
     })
 
@@ -85,10 +86,11 @@ def test_a_configmap_change_reaches_each_server_through_the_data_swap(cluster, s
     old_version = os.readlink(config_dir / "..data")
     cluster.kubectl("patch", "inferenceservices.metronome.dev", NAME, "-n", ns, "--type=merge",
                     "-p", '{"spec": {"server": {"chunkSize": 128}}}')
-    after = wait_for(lambda: config_map_generation(cluster, ns, NAME) > before and config_map_generation(cluster, ns, NAME),
+    after = wait_for(lambda: (config_map_generation(cluster, ns, NAME) > before
+                              and config_map_generation(cluster, ns, NAME)),
                      "the operator to write a new server.yaml generation", timeout=60)
     for server in servers:
-        wait_for(lambda: server_config(server.base_url)["generation"] == after,
+        wait_for(lambda server=server: server_config(server.base_url)["generation"] == after,
                  f"{server.pod} to apply generation {after}", timeout=30)
         assert server_config(server.base_url)["scheduler"]["chunk_size"] == 128
     # The kubelet's layout: a new timestamped version behind ..data, server.yaml a link through ..data.
@@ -115,7 +117,8 @@ def test_a_deleted_pod_stops_its_server_and_the_replacement_gets_one(cluster, st
     cluster.kubectl("delete", "pod", victim.pod, "-n", ns, "--wait=false")
     wait_for(lambda: victim.pod not in {s.pod for s in standin.servers(namespace=ns)},
              f"the stand-in to stop {victim.pod}'s server", timeout=60)
-    servers = wait_for(lambda: len(standin.servers(namespace=ns)) == 2 and standin.wait_for_servers(2, ns, timeout_s=60),
+    servers = wait_for(lambda: (len(standin.servers(namespace=ns)) == 2
+                                and standin.wait_for_servers(2, ns, timeout_s=60)),
                        "a server for the replacement pod", timeout=120)
     assert victim.pod not in {s.pod for s in servers}
     assert victim.pid is not None and not os.path.exists(f"/proc/{victim.pid}")  # stopped and reaped

@@ -129,7 +129,8 @@ ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
-       path=st.sampled_from(ROUTES), raw=st.none() | st.binary(max_size=20) | json_values.map(lambda v: json.dumps(v).encode()))
+       path=st.sampled_from(ROUTES),
+       raw=st.none() | st.binary(max_size=20) | json_values.map(lambda v: json.dumps(v).encode()))
 def test_every_route_and_method(client, method, path, raw):
     response = client.request(method, path, content=raw, headers={"content-type": "application/json"})
     event(f"{method} {path} {response.status_code}")

@@ -65,7 +65,8 @@ def test_an_unknown_field_named_with_a_surrogate_is_still_a_400(client):
 
 
 @pytest.mark.parametrize("prompt, where", [
-    ([True, False], "prompt[0]"), ([5, True], "prompt[1]"), ([5, 1.0], "prompt[1]"), ([[5, 6], [7, False]], "prompt[1][1]"),
+    ([True, False], "prompt[0]"), ([5, True], "prompt[1]"), ([5, 1.0], "prompt[1]"),
+    ([[5, 6], [7, False]], "prompt[1][1]"),
     ([5, -1], "prompt[1]"), ([5, 2**40], "prompt[1]"),
 ])
 def test_token_id_prompts_must_be_plain_integers(client, prompt, where):
@@ -141,7 +142,8 @@ def test_prompts_are_tokenized_on_a_worker_thread(parts, monkeypatch):
         return real_encode(text, add_special_tokens=add_special_tokens)
 
     monkeypatch.setattr(engine.tokenizer, "encode", recording_encode)
-    for raw in ('{"prompt": "abc", "max_tokens": 1}', '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'):
+    for raw in ('{"prompt": "abc", "max_tokens": 1}',
+                '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'):
         path = "/v1/completions" if "prompt" in raw else "/v1/chat/completions"
         assert post(client, path, raw).status_code == 200
     assert len(threads) == 2 and all(name.startswith("metronome-tokenize") for name in threads), threads

@@ -94,7 +94,8 @@ def test_engine_cpu_smoke_writes_one_json(tmp_path, capsys):
                 "--context", "48", "--decode-steps", "3", "--prefill-prompt-len", "40", "--prefill-prompts", "2",
                 "--prefill-chunk", "128", "--rates", "30", "--chunk-sizes", "16,unchunked", "--num-requests", "3",
                 "--long-prompt-len", "100", "--short-prompt-len", "10", "--output-len", "5", "--hf-requests", "3",
-                "--batch-chunk-size", "32", "--warmup-requests", "2", "--skip-hf", "--out", str(out), "--plot", str(plot)])
+                "--batch-chunk-size", "32", "--warmup-requests", "2", "--skip-hf",
+                "--out", str(out), "--plot", str(plot)])
     assert rc == 0
     assert "issue 4 targets" in capsys.readouterr().out
     doc = json.loads(out.read_text())

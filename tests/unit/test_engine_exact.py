@@ -104,7 +104,8 @@ def assert_same_greedy(loaded, prompt_ids, expected, got, label):
         top2 = full_forward_logits(loaded, prompt + want[:i]).topk(2).values
         gap = float(top2[0] - top2[1])
         assert gap < TIE, f"{label}: output diverges at token {i} ({want[i]} vs {have[i]}) with top-2 gap {gap:.3g}"
-        warnings.warn(f"{label}: accepted divergence at token {i}: top-2 logits within {gap:.2g} (< {TIE})")
+        warnings.warn(f"{label}: accepted divergence at token {i}: top-2 logits within {gap:.2g} (< {TIE})",
+                      stacklevel=2)
 
 
 def test_reference_is_sane(loaded, prompt_ids, reference):

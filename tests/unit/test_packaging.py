@@ -1,4 +1,5 @@
-"""The package layout promises of DESIGN §1: three code folders as sub-packages, a light CLI, no top-level `operator`."""
+"""The package layout promises of DESIGN §1: three code folders as sub-packages, a light CLI, no top-level
+`operator`."""
 from __future__ import annotations
 
 import subprocess
@@ -24,7 +25,8 @@ def test_help_lists_every_subcommand_without_importing_torch():
              "print(sorted(m for m in ('torch', 'kopf', 'kubernetes', 'fastapi', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"the CLI parser imported heavy modules: {out.stdout}"
-    help_text = subprocess.run([str(VENV_BIN / "metronome"), "--help"], capture_output=True, text=True, check=True).stdout
+    help_text = subprocess.run([str(VENV_BIN / "metronome"), "--help"],
+                               capture_output=True, text=True, check=True).stdout
     for name in SUBCOMMANDS:
         assert name in help_text
 

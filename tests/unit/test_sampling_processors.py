@@ -130,7 +130,8 @@ def test_penalties_count_only_output_tokens_for_frequency():
 
 
 @pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3.0),
-                                          ("repetition_penalty", 0.0), ("repetition_penalty", 1e-55), ("min_p", 1.5), ("logprobs", 21),
+                                          ("repetition_penalty", 0.0), ("repetition_penalty", 1e-55),
+                                          ("min_p", 1.5), ("logprobs", 21),
                                           ("logit_bias", ((1, 101.0),)), ("logit_bias", ((-1, 1.0),))])
 def test_out_of_range_values_name_the_field(field, value):
     from metronome.contract.errors import InvalidRequestError

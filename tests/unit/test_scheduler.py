@@ -107,7 +107,9 @@ def test_token_cap_limits_prefill_but_not_decodes():
 
 def test_fcfs_admits_in_arrival_order_and_chunks_partials_first():
     h = Harness(chunk_size=100, queue_policy="fcfs", max_new=1)
-    a, b, c = h.add("a", 150), h.add("b", 30), h.add("c", 30)
+    h.add("a", 150)
+    h.add("b", 30)
+    h.add("c", 30)
     first = h.step()
     assert [(s.request_id, n) for s, n in first.entries] == [("a", 100)]
     second = h.step()
@@ -147,9 +149,9 @@ def test_sjf_prefers_short_prompts_and_aging_prevents_starvation():
     h = Harness(queue_policy="sjf", chunk_size=64, max_num_seqs=1, sjf_aging_seconds=1.0, max_new=1)
     h.add("blocker", 10)
     h.step()
-    old_long = h.add("old-long", 60)
+    h.add("old-long", 60)
     h.clock.now += 0.5
-    young_short = h.add("young-short", 40)
+    h.add("young-short", 40)
     # old-long: 60 * (1 - 0.51/1) ~ 29 < young-short 40 * (1 - 0.0) -> aging lets the old long prompt go first
     h.run_until_idle()
     assert [s.request_id for s in h.finished][1:] == ["old-long", "young-short"]

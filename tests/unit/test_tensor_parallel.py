@@ -92,7 +92,7 @@ def test_tp2_over_gloo_matches_tp1(tmp_path, fields):
     assert len(logits) == len(expected_logits)
     for step, (got, want) in enumerate(zip(logits, expected_logits)):
         assert got.shape == want.shape == (want.shape[0], fields["vocab_size"])
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")
     assert [p.returncode for p in sharded.workers.procs] == [0]
     assert not dist.is_initialized()
     sharded.close()  # idempotent
