@@ -60,9 +60,9 @@ def run_recording_logits(core: EngineCore, prompts: list[list[int]], max_tokens:
     logits_per_step: list[torch.Tensor] = []
     sample = core.runner.sampler.sample
 
-    def recording(logits, params, generators):
+    def recording(logits, params, generators, **options):
         logits_per_step.append(logits.clone())
-        return sample(logits, params, generators)
+        return sample(logits, params, generators, **options)
 
     core.runner.sampler.sample = recording
     results = core.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
