@@ -15,10 +15,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -187,7 +188,7 @@ def read_model_config(spec: str | None) -> ModelConfig:
 
 def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                attention_backend: str = "auto", seed: int = 0, block_size: int = 16,
-               tensor_parallel: "TPContext | None" = None) -> LoadedModel:
+               tensor_parallel: TPContext | None = None) -> LoadedModel:
     """Load a model (see the module doc for `spec`). `block_size` only steers the "auto" attention backend
     choice (flash_attn needs multiples of 256); an engine may swap backends later with
     `model.set_attention_backend`. `seed` seeds random weights. With `tensor_parallel`, load only this rank's
