@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU calls: GPU tests, the mixed-step profile, and `metronome bench engine` on random:llama-3-8b (bf16) in
 # pieces, each with its own time limit, all inside one 10-minute device call. Run from the repository root on the
-# GPU machine with the git-ignored .gpuwheels/ carried along (pydantic and its needs, which the image lacks):
+# GPU machine with the git-ignored .gpuwheels/ carried along (pydantic and its needs, and llguidance for the
+# constrained-decoding GPU tests: wheels the image lacks):
 #
 #     PARTS="tests" bash hack/gpu_run.sh                  # tests/gpu alone (TEST_LIMIT 540 s: ~5 min on a fresh machine)
 #     PARTS="mixed a b eager" bash hack/gpu_run.sh        # the whole benchmark without the transformers peer (~9 min)
@@ -42,20 +43,17 @@ BUDGET=${BUDGET:-570}  # seconds this script may take in all (the run tool stops
 left() { echo $((BUDGET - (SECONDS - START))); }
 limit() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; echo "$want"; }
 
-# --- imports. Python runs with -P (no cwd / script folder on sys.path): from the repo root, its `operator/` folder
-# would shadow the standard library's `operator` and its bare `metronome/` folder the package. The package is put
-# together in /tmp instead: metronome/ (with contract/) plus the three code folders as sub-packages; wheels the
-# image lacks go to /tmp/metronome-wheels.
-PKG=/tmp/metronome-pkg
+# --- imports. The checkout is importable from its root as it is (metronome/__init__.py maps server/, kernels/ and
+# operator/ into the package when run from a source tree): everything runs as `python3 -m` from the root, which puts
+# the root on sys.path only after start-up, when the standard library's `operator` is loaded (the root on
+# PYTHONPATH would let operator/ shadow it while `site` starts). Wheels the image lacks go to /tmp/metronome-wheels.
 WH=/tmp/metronome-wheels
-mkdir -p "$PKG/metronome" "$WH"
-cp -r metronome/. "$PKG/metronome/"
-for folder in server kernels operator; do ln -sfn "$ROOT/$folder" "$PKG/metronome/$folder"; done
+mkdir -p "$WH"
 if ls .gpuwheels/*.whl >/dev/null 2>&1; then
-  python3 -P -m pip install --no-deps --no-index -q --target "$WH" .gpuwheels/*.whl >> "$LOG" 2>&1
+  python3 -m pip install --no-deps --no-index -q --target "$WH" .gpuwheels/*.whl >> "$LOG" 2>&1
 fi
-export PYTHONPATH=$PKG:$WH
-python3 -P - <<'EOF' 2>&1 | tee -a "$LOG"
+export PYTHONPATH=$WH
+python3 - <<'EOF' 2>&1 | tee -a "$LOG"
 import importlib, sys
 for mod in ("torch", "triton", "transformers", "pydantic", "rich", "pytest", "matplotlib", "metronome.server.engine.engine"):
     try:
@@ -67,8 +65,8 @@ import torch
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA", "python", sys.version.split()[0])
 EOF
 PLOT=()
-if python3 -P -c "import matplotlib" 2>/dev/null; then PLOT=(--plot "$OUT/h200-tbt-vs-throughput.png"); fi
-BENCH=(python3 -P -m metronome.cli bench engine --model random:llama-3-8b --device cuda --no-progress)
+if python3 -c "import matplotlib" 2>/dev/null; then PLOT=(--plot "$OUT/h200-tbt-vs-throughput.png"); fi
+BENCH=(python3 -m metronome.cli bench engine --model random:llama-3-8b --device cuda --no-progress)
 SMOKE_ARGS=()  # SMOKE=1: the same pieces on the CPU with a tiny model (checks this script, not the GPU)
 MIXED_ARGS=(--profile)
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -82,7 +80,7 @@ fi
 # --- tests/gpu
 if has tests; then
   stamp "GPU tests $TESTS (limit $(limit "$TEST_LIMIT")s)"
-  timeout -k 5 "$(limit "$TEST_LIMIT")" python3 -P -m pytest $TESTS -q -s -p no:cacheprovider -o addopts="" \
+  timeout -k 5 "$(limit "$TEST_LIMIT")" python3 -m pytest $TESTS -q -s -p no:cacheprovider -o addopts="" \
     > "$OUT/gpu-tests.log" 2>&1
   rc=$?
   stamp "GPU tests rc=$rc: $(tail -n 1 "$OUT/gpu-tests.log")"
@@ -91,7 +89,7 @@ fi
 # --- the mixed step: piecewise graphs vs eager, against its floor, with launch counts
 if has mixed; then
   stamp "mixed-step profile"
-  timeout -k 10 "$(limit 150)" python3 -P hack/profile_mixed.py "${MIXED_ARGS[@]}" --out "$OUT/h200-mixed.json" \
+  timeout -k 10 "$(limit 150)" python3 -m hack.profile_mixed "${MIXED_ARGS[@]}" --out "$OUT/h200-mixed.json" \
     > "$WORK/mixed.log" 2>&1
   rc=$?; stamp "mixed-step profile rc=$rc"; tail -n 12 "$WORK/mixed.log" | tee -a "$LOG"
 fi
@@ -136,7 +134,7 @@ for part in a b c; do [ -s "$WORK/h200-engine-$part.json" ] && PARTS_JSON+=("$WO
 if [ ${#PARTS_JSON[@]} -gt 0 ]; then
   EAGER=(); [ -s "$WORK/h200-decode-eager.json" ] && EAGER=(--eager "$WORK/h200-decode-eager.json")
   MIXED=(); [ -s "$OUT/h200-mixed.json" ] && MIXED=(--mixed "$OUT/h200-mixed.json")
-  python3 -P hack/merge_engine_json.py "$OUT/h200-engine.json" "${PARTS_JSON[@]}" "${EAGER[@]}" "${MIXED[@]}" \
+  python3 -m hack.merge_engine_json "$OUT/h200-engine.json" "${PARTS_JSON[@]}" "${EAGER[@]}" "${MIXED[@]}" \
     2>&1 | tee -a "$LOG"
 fi
 cat "$WORK"/bench-*.log 2>/dev/null | grep -v "━\|┃" > "$OUT/bench.log"

@@ -1,6 +1,6 @@
 """Redraw the TBT-p99-vs-throughput figure from a saved `metronome bench engine` JSON (its long-short section).
 
-    .venv/bin/python -P hack/plot_engine_json.py docs/perf/h200-engine.json docs/perf/h200-tbt-vs-throughput.png
+    .venv/bin/python hack/plot_engine_json.py docs/perf/h200-engine.json docs/perf/h200-tbt-vs-throughput.png
 
 hack/gpu_run.sh brings the benchmark's own figure back (drawn from the runs in memory, with the TBT CDF); this
 redraws the TBT p99 panel from a JSON when that figure is missing (the JSON keeps no per-token records, so the CDF

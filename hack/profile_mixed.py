@@ -2,7 +2,7 @@
 chunk, timed per forward mode in one run, the modes interleaved request by request (eager timings drift with the
 host CPU, so only ratios within a run are compared), against its floor.
 
-    python -P hack/profile_mixed.py --out mixed.json [--profile]     # on the GPU machine (hack/gpu_run.sh)
+    python3 -m hack.profile_mixed --out mixed.json [--profile]      # on the GPU machine, from the repo root
     python hack/profile_mixed.py --smoke --out /tmp/mixed.json       # the plumbing, on the CPU
 
 Modes: `piecewise` (piecewise CUDA graphs, fused kernels), `eager` (fused kernels, no graphs) and

@@ -9,3 +9,17 @@ package imports nothing heavy.
 # The one version string: pyproject.toml reads it (setuptools dynamic version), the operator's default server
 # image is tagged with it, and tests/unit/test_chart_files.py holds the chart, the CRD and the examples to it.
 __version__ = "0.1.0"
+
+# Run from a source checkout without an install (the GPU machine, a fresh clone), the working directory's
+# `metronome/` folder is found first and holds only cli.py and contract/; setup.py maps the sibling folders
+# server/, kernels/ and operator/ into the package, and this does the same for the checkout, so scripts and tests
+# run from the repository root need no `python -P` or assembled copy. An installed package has no setup.py beside it.
+def _map_checkout_folders() -> None:
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "setup.py").is_file() and (checkout / "server" / "__init__.py").is_file():
+        __path__.append(str(checkout))  # noqa: F821 (a package's __path__)
+
+
+_map_checkout_folders()

@@ -19,7 +19,6 @@ import json
 
 import pytest
 import yaml
-
 from closedloop import LoadDriver, LoadSpec
 from closedloop.slo import choose_tbt_target
 from e2e_helpers import config_map_generation, isvc, isvc_columns, prom_query, server_config

@@ -47,3 +47,17 @@ def test_operator_imports_only_the_contract_never_the_server():
              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('metronome.server')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"the operator reached into the server: {out.stdout}"
+
+
+def test_a_checkout_imports_from_its_root_without_an_install():
+    """What the GPU machine does: no install, the repository root on sys.path after start-up (as `python -m` puts it),
+    no -P. `-S` keeps site-packages (and the editable install's finder) out, so only metronome/__init__.py's mapping
+    can find the code folders; the standard library's `operator` is loaded first, as `site` does at start-up."""
+    root = Path(__file__).resolve().parents[2]
+    probe = ("import importlib.util, operator, sys; "
+             f"sys.path.insert(0, {str(root)!r}); import metronome; print(metronome.__file__); "
+             "print(*(importlib.util.find_spec(f'metronome.{m}').origin for m in ('server', 'kernels', 'operator')))")
+    out = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True, check=True, cwd="/")
+    package, folders = out.stdout.strip().splitlines()
+    assert Path(package) == root / "metronome" / "__init__.py"
+    assert [Path(f) for f in folders.split()] == [root / m / "__init__.py" for m in ("server", "kernels", "operator")]
