@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+import urllib3
 
 from metronome.operator import autotune, builders, control_loop, reconcile
 from metronome.operator import status as status_mod
 from metronome.operator.changes import describe_transitions
-from metronome.operator.k8s import Kube
+from metronome.operator.k8s import Kube, KubeError
 from metronome.operator.options import OperatorOptions
 from metronome.operator.spec import GROUP, PLURAL, VERSION, InferenceService, SpecError, parse_service
 
@@ -224,8 +225,14 @@ def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """An owned Deployment or ConfigMap changed (or went): refresh its InferenceService."""
     meta = body.get("metadata") or {}
     name = (meta.get("labels") or {}).get(builders.LABEL_SERVICE)
-    if name and meta.get("namespace"):
+    if not (name and meta.get("namespace")):
+        return
+    try:
         refresh_owner(memo, meta["namespace"], name)
+    except (KubeError, urllib3.exceptions.HTTPError) as exc:
+        # The API server went away between the event and the refresh. Its watch re-lists when it is back, and the
+        # control loop refreshes every service on its own clock: one line, not a traceback per event.
+        log.warning("refresh of %s/%s after a child change failed: %s", meta["namespace"], name, exc)
 
 
 def forget(name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
