@@ -77,6 +77,25 @@ def _deployment_says(cluster, ns) -> tuple[int, str]:
     return int(status.get("readyReplicas") or 0), reason
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A control plane of this module's own (it overrides the session's `cluster`): stopping kube-apiserver leaves
+    nodes tainted and the scheduler backing off for minutes, which the session's later tests must not inherit."""
+    from localcluster.local import LocalCluster
+    from localcluster.session import SessionCluster
+    from localcluster.tools import ToolSet
+
+    local = LocalCluster(tmp_path_factory.mktemp("outage-cluster"), tools=ToolSet.default())
+    info = local.up()
+    handle = SessionCluster(kubeconfig=info.kubeconfig, bin_dir=info.bin_dir, api_url=info.api_url,
+                            logs_dir=info.logs_dir, local=local, owns_control_plane=True,
+                            kubernetes_version=info.kubernetes_version)
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
 @pytest.fixture
 def operator(cluster, tmp_path):
     release = chart_release(cluster)
