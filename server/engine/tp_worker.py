@@ -90,4 +90,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # Leave without the interpreter's teardown: gloo's threads outlive destroy_process_group, and C++ static
+    # destructors then abort the process ("terminate called without an active exception") when the host is busy.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
