@@ -4,17 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from metronome.server.bench import cli
+from metronome.server.bench.local_server import local_server
 
-METRONOME = Path(sys.executable).with_name("metronome")  # the venv's console script
 TINY = ["--model", "random:tiny", "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
         "--max-model-len", "1024", "--no-progress"]
 SMALL = ["--long-prompt-len", "120", "--short-prompt-len", "12", "--output-len", "6", "--warmup-requests", "1"]
@@ -137,65 +133,28 @@ def k8s_config(folder: Path, text: str) -> Path:
     return folder / "server.yaml"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"metronome serve exited:\n{log.read_text()}"
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"metronome serve not ready in {timeout} s:\n{log.read_text()}")
-
-
 def test_run_and_sweep_against_metronome_serve(tmp_path):
-    assert METRONOME.exists(), f"console script missing: {METRONOME} (run `make venv`)"
     config = k8s_config(tmp_path / "cm", "generation: 1\nscheduler:\n  chunk_size: 256\n  queue_policy: fcfs\n")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    with open(log, "w") as log_file:
-        process = subprocess.Popen(
-            [str(METRONOME), "serve", "--model", "random:tiny", "--host", "127.0.0.1", "--port", str(port),
-             "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "1024",
-             "--config", str(config), "--config-poll-seconds", "0.1", "--log-level", "warning"],
-            stdout=log_file, stderr=subprocess.STDOUT, cwd=tmp_path)
-        try:
-            wait_ready(url, process, log)
-            out = tmp_path / "http.json"
-            assert bench(["run", "--url", url, *SMALL, "--rate", "inf", "--num-requests", "3", "--no-progress",
-                          "--out", str(out)]) == 0
-            run = json.loads(out.read_text())["runs"][0]
-            assert run["summary"]["num_completed"] == 3 and run["summary"]["output_tokens"] == 18
-            assert run["summary"]["token_stamps"] == sum(len(r["token_times_s"]) for r in run["records"])
-            for record in run["records"]:
-                assert record["error"] is None and record["output_tokens"] == 6 and record["finish_reason"] == "length"
-                assert 1 <= len(record["token_times_s"]) <= 6  # chunks; tokens without text ride with the next
+    serve_args = ["--model", "random:tiny", "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
+                  "--max-model-len", "1024", "--config", str(config), "--config-poll-seconds", "0.1"]
+    with local_server(serve_args, ready_timeout_s=240) as url:
+        out = tmp_path / "http.json"
+        assert bench(["run", "--url", url, *SMALL, "--rate", "inf", "--num-requests", "3", "--no-progress",
+                      "--out", str(out)]) == 0
+        run = json.loads(out.read_text())["runs"][0]
+        assert run["summary"]["num_completed"] == 3 and run["summary"]["output_tokens"] == 18
+        assert run["summary"]["token_stamps"] == sum(len(r["token_times_s"]) for r in run["records"])
+        for record in run["records"]:
+            assert record["error"] is None and record["output_tokens"] == 6 and record["finish_reason"] == "length"
+            assert 1 <= len(record["token_times_s"]) <= 6  # chunks; tokens without text ride with the next
 
-            sweep_out = tmp_path / "sweep.json"
-            assert bench(["sweep", "--url", url, "--config-file", str(config), *SMALL, "--chunk-sizes", "16,64",
-                          "--policies", "fcfs", "--rates", "50", "--num-requests", "2", "--no-progress",
-                          "--reload-timeout", "60", "--out", str(sweep_out)]) == 0
-            runs = json.loads(sweep_out.read_text())["runs"]
-            assert [(r["params"]["chunk_size"], r["params"]["generation"]) for r in runs] == [(16, 2), (64, 3)]
-            assert [r["params"]["scheduler"]["chunk_size"] for r in runs] == [16, 64]
-            assert config.is_symlink() and os.readlink(config) == "..data/server.yaml"
-            served = httpx.get(url + "/v1/config", timeout=5).json()
-            assert served["generation"] == 3 and served["scheduler"]["chunk_size"] == 64
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        sweep_out = tmp_path / "sweep.json"
+        assert bench(["sweep", "--url", url, "--config-file", str(config), *SMALL, "--chunk-sizes", "16,64",
+                      "--policies", "fcfs", "--rates", "50", "--num-requests", "2", "--no-progress",
+                      "--reload-timeout", "60", "--out", str(sweep_out)]) == 0
+        runs = json.loads(sweep_out.read_text())["runs"]
+        assert [(r["params"]["chunk_size"], r["params"]["generation"]) for r in runs] == [(16, 2), (64, 3)]
+        assert [r["params"]["scheduler"]["chunk_size"] for r in runs] == [16, 64]
+        assert config.is_symlink() and os.readlink(config) == "..data/server.yaml"
+        served = httpx.get(url + "/v1/config", timeout=5).json()
+        assert served["generation"] == 3 and served["scheduler"]["chunk_size"] == 64
