@@ -61,8 +61,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("workload")
     g.add_argument("--phases", default=DEFAULT_PHASES,
-                   help="WORKLOAD:RATE:SECONDS[:LONG_FRACTION],... with WORKLOAD chat or long-short, Poisson rate in "
-                        f"req/s (default {DEFAULT_PHASES}: short-heavy chat, the long-short mix, a burst)")
+                   help="WORKLOAD:RATE:SECONDS[:LONG_FRACTION[:OUTPUT_LEN]],... with WORKLOAD chat or long-short, "
+                        "Poisson rate in req/s, an optional long share and output length per phase "
+                        f"(default {DEFAULT_PHASES}: short-heavy chat, the long-short mix, a burst)")
     g.add_argument("--long-fraction", type=fraction, default=0.2, help="long-short: share of long prompts (0.2)")
     g.add_argument("--long-prompt-len", type=positive_int, default=2000, help="long-short: long prompt tokens (2000)")
     g.add_argument("--short-prompt-len", type=positive_int, default=50, help="long-short: short prompt tokens (50)")

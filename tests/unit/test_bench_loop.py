@@ -87,9 +87,21 @@ def test_phases_parse_and_bad_ones_name_the_flag():
     phases = parse_phases("chat:2:60, long-short:1.5:30:0.5,long-short:8:10")
     assert phases == [Phase("chat", 2, 60), Phase("long-short", 1.5, 30, 0.5), Phase("long-short", 8, 10)]
     assert phase_bounds(phases) == [(0, 60), (60, 90), (90, 100)]
-    for bad in ("", "chat:2", "burst:2:10", "chat:0:10", "chat:x:10", "chat:2:10:0.5", "long-short:2:10:1.5"):
+    for bad in ("", "chat:2", "burst:2:10", "chat:0:10", "chat:x:10", "chat:2:10:0.5", "long-short:2:10:1.5",
+                "chat:2:10::0", "chat:2:10::1.5", "long-short:2:10:1:5:6"):
         with pytest.raises(WorkloadError, match="--phases"):
             parse_phases(bad)
+
+
+def test_a_phase_output_length_applies_to_its_requests_only():
+    phases = parse_phases("long-short:50:2:1:700,chat:50:2::33,long-short:50:2")
+    assert [p.output_len for p in phases] == [700, 33, None]
+    assert [p.long_fraction for p in phases] == [1.0, None, None]
+    spec = WorkloadSpec(long_short=LongShortSpec(long_prompt_len=100, short_prompt_len=10, output_len=4))
+    requests = list(schedule(phases, spec, TokenSampler(500, low=300), seed=2))
+    by_phase = {n: {s.request.max_tokens for s in requests if s.phase == n} for n in range(3)}
+    assert by_phase == {0: {700}, 1: {33}, 2: {4}}
+    assert {len(s.request.prompt_token_ids) for s in requests if s.phase == 0} == {100}
 
 
 def test_every_run_gets_the_same_requests_inside_their_phases():
