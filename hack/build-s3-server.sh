@@ -9,18 +9,12 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# shellcheck source=hack/tool-versions.sh
-source "$HERE/tool-versions.sh"
+BUILD_NAME=build-s3-server
+# shellcheck source=hack/go-build-env.sh
+source "$HERE/go-build-env.sh"
 
-CACHE="${METRONOME_CACHE:-$HOME/.cache/metronome}"
-DEST="$CACHE/bin/versitygw-$VERSITYGW_VERSION/versitygw"
-MOD="$CACHE/gomod/versitygw-$VERSITYGW_VERSION"
-
-export GOFLAGS="-mod=mod -buildvcs=false"
-export CGO_ENABLED=0
-export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
-
-log() { printf '[build-s3-server %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+DEST="$BIN_ROOT/versitygw-$VERSITYGW_VERSION/versitygw"
+MOD="$MOD_ROOT/versitygw-$VERSITYGW_VERSION"
 
 case "${1:-}" in
     --print) echo "$DEST"; exit 0 ;;
@@ -28,20 +22,15 @@ case "${1:-}" in
     *) echo "usage: $0 [--print]" >&2; exit 2 ;;
 esac
 [[ -x "$DEST" ]] && { log "present: $DEST"; exit 0; }
-command -v go >/dev/null || { echo "build-s3-server: 'go' is not on PATH" >&2; exit 1; }
-
-mkdir -p "$CACHE"
-exec 9>"$CACHE/.build-s3-server.lock"
-flock 9  # a concurrent run finishes the build; this one then finds the binary
+require_go
+take_build_lock  # a concurrent run finishes the build; this one then finds the binary
 [[ -x "$DEST" ]] && { log "present: $DEST"; exit 0; }
 
 start=$SECONDS
 log "versitygw $VERSITYGW_VERSION: building with $(go version | cut -d' ' -f3) (a few minutes cold)"
-rm -rf "$MOD" && mkdir -p "$MOD"
-printf 'module metronome.local/s3-server\n\ngo %s\n' "$GO_LANG_VERSION" >"$MOD/go.mod"
+new_module "$MOD" metronome.local/s3-server
 (cd "$MOD" && go get "github.com/versity/versitygw@$VERSITYGW_VERSION")
 (cd "$MOD" && go build -trimpath -ldflags "-s -w -X main.Version=$VERSITYGW_VERSION" -o out/versitygw \
     github.com/versity/versitygw/cmd/versitygw)
-mkdir -p "$(dirname "$DEST")"
-mv -f "$MOD/out/versitygw" "$DEST.tmp.$$" && mv -f "$DEST.tmp.$$" "$DEST"
+install_bin "$MOD/out/versitygw" "$DEST"
 log "built $DEST in $((SECONDS - start)) s"

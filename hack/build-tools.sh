@@ -12,18 +12,9 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# shellcheck source=hack/tool-versions.sh
-source "$HERE/tool-versions.sh"
-
-CACHE="${METRONOME_CACHE:-$HOME/.cache/metronome}"
-BIN_ROOT="$CACHE/bin"
-MOD_ROOT="$CACHE/gomod"
-
-export GOFLAGS="-mod=mod -buildvcs=false"
-export CGO_ENABLED=0
-export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
-
-log() { printf '[build-tools %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+BUILD_NAME=build-tools
+# shellcheck source=hack/go-build-env.sh
+source "$HERE/go-build-env.sh"
 
 tool_path() {  # component version
     echo "$BIN_ROOT/$1-$2/$1"
@@ -57,18 +48,8 @@ with_heartbeat() {  # label cmd...
     wait "$pid"
 }
 
-# Installs a freshly built binary atomically so a half-written file is never mistaken for a build.
-install_bin() {  # src component version
-    local dest_dir="$BIN_ROOT/$2-$3"
-    mkdir -p "$dest_dir"
-    mv -f "$1" "$dest_dir/$2.tmp.$$"
-    mv -f "$dest_dir/$2.tmp.$$" "$dest_dir/$2"
-}
-
-new_module() {  # dir module-name
-    rm -rf "$1"
-    mkdir -p "$1"
-    printf 'module %s\n\ngo %s\n' "$2" "$GO_LANG_VERSION" >"$1/go.mod"
+k8s_major_minor() {  # "1 36" for v1.36.3, as the version stamps want them
+    echo "$K8S_VERSION" | sed -E 's/^v([0-9]+)\.([0-9]+)\..*/\1 \2/'
 }
 
 build_kubernetes() {
@@ -89,8 +70,7 @@ build_kubernetes() {
     for c in "${need[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
     (cd "$dir" && with_heartbeat "kubernetes go get" go get "k8s.io/kubernetes@$K8S_VERSION")
     local major minor
-    major="$(echo "$K8S_VERSION" | sed -E 's/^v([0-9]+)\..*/\1/')"
-    minor="$(echo "$K8S_VERSION" | sed -E 's/^v[0-9]+\.([0-9]+)\..*/\1/')"
+    read -r major minor < <(k8s_major_minor)
     local build_date
     build_date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
     local ld="-s -w"
@@ -101,7 +81,7 @@ build_kubernetes() {
     done
     mkdir -p "$dir/out"
     (cd "$dir" && with_heartbeat "kubernetes compile" go build -trimpath -ldflags "$ld" -o out/ "${pkgs[@]}")
-    for c in "${need[@]}"; do install_bin "$dir/out/$c" "$c" "$K8S_VERSION"; log "built $(tool_path "$c" "$K8S_VERSION")"; done
+    for c in "${need[@]}"; do install_bin "$dir/out/$c" "$(tool_path "$c" "$K8S_VERSION")"; log "built $(tool_path "$c" "$K8S_VERSION")"; done
 }
 
 build_etcd() {
@@ -111,7 +91,7 @@ build_etcd() {
     new_module "$dir" metronome.local/etcd-tool
     (cd "$dir" && with_heartbeat "etcd go get" go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION")
     (cd "$dir" && with_heartbeat "etcd compile" go build -trimpath -ldflags "-s -w" -o out/etcd go.etcd.io/etcd/server/v3)
-    install_bin "$dir/out/etcd" etcd "$ETCD_VERSION"
+    install_bin "$dir/out/etcd" "$(tool_path etcd "$ETCD_VERSION")"
     log "built $(tool_path etcd "$ETCD_VERSION")"
 }
 
@@ -122,7 +102,7 @@ build_kwok() {
     new_module "$dir" metronome.local/kwok-tool
     (cd "$dir" && with_heartbeat "kwok go get" go get "sigs.k8s.io/kwok@$KWOK_VERSION")
     (cd "$dir" && with_heartbeat "kwok compile" go build -trimpath -ldflags "-s -w" -o out/kwok sigs.k8s.io/kwok/cmd/kwok)
-    install_bin "$dir/out/kwok" kwok "$KWOK_VERSION"
+    install_bin "$dir/out/kwok" "$(tool_path kwok "$KWOK_VERSION")"
     log "built $(tool_path kwok "$KWOK_VERSION")"
 }
 
@@ -133,8 +113,7 @@ build_helm() {
     new_module "$dir" metronome.local/helm-tool
     (cd "$dir" && with_heartbeat "helm go get" go get "helm.sh/helm/v3@$HELM_VERSION")
     local major minor
-    major="$(echo "$K8S_VERSION" | sed -E 's/^v([0-9]+)\..*/\1/')"
-    minor="$(echo "$K8S_VERSION" | sed -E 's/^v[0-9]+\.([0-9]+)\..*/\1/')"
+    read -r major minor < <(k8s_major_minor)
     local ld="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
     ld+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
     local p
@@ -142,7 +121,7 @@ build_helm() {
         ld+=" -X $p.k8sVersionMajor=$major -X $p.k8sVersionMinor=$minor"
     done
     (cd "$dir" && with_heartbeat "helm compile" go build -trimpath -ldflags "$ld" -o out/helm helm.sh/helm/v3/cmd/helm)
-    install_bin "$dir/out/helm" helm "$HELM_VERSION"
+    install_bin "$dir/out/helm" "$(tool_path helm "$HELM_VERSION")"
     log "built $(tool_path helm "$HELM_VERSION")"
 }
 
@@ -162,19 +141,14 @@ main() {
         "") ;;
         *) echo "usage: $0 [--print|--check]" >&2; return 2 ;;
     esac
-    command -v go >/dev/null || { echo "build-tools: 'go' is not on PATH" >&2; return 1; }
+    require_go
     local missing
     missing="$(missing_tools | xargs)"
     if [[ -z "$missing" ]]; then
         log "all tools present in $BIN_ROOT"
         return 0
     fi
-    mkdir -p "$CACHE"
-    exec 9>"$CACHE/.build-tools.lock"
-    if ! flock -n 9; then
-        log "another build-tools.sh is running; waiting for it"
-        flock 9
-    fi
+    take_build_lock
     missing="$(missing_tools | xargs)"
     if [[ -z "$missing" ]]; then
         log "all tools present in $BIN_ROOT"
