@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# `metronome bench loop` on the GPU machine (issue 12), in one device call: installs the wheels the image lacks
+# (.gpuwheels/, carried along), runs the loop benchmark with the arguments given, and brings back its JSON, its PNG,
+# the log and a tarball of the servers' logs. Run from the repository root:
+#
+#     LIMIT=540 bash hack/gpu_loop.sh --phases ... --static 512,split ...   # writes $OUT/loop.json, $OUT/loop.png
+#
+# The model and device are fixed here (random:llama-3-8b bf16 on CUDA, prefix caching off, one reused server);
+# everything else is passed through.
+export PYTHONUNBUFFERED=1
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/out}
+LIMIT=${LIMIT:-540}
+WORK=$(mktemp -d /tmp/gpu_loop.XXXX)
+mkdir -p "$OUT"
+WH=/tmp/metronome-wheels  # imports from the root as `python3 -m` (see hack/gpu_run.sh for why not PYTHONPATH=root)
+mkdir -p "$WH"
+if ls .gpuwheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install --no-deps --no-index -q --target "$WH" .gpuwheels/*.whl > "$OUT/loop.log" 2>&1
+fi
+export PYTHONPATH=$WH
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/loop.log" 2>&1
+PLOT=()
+if python3 -c "import matplotlib" 2>/dev/null; then PLOT=(--plot "$OUT/loop.png"); fi
+timeout -k 10 "$LIMIT" python3 -m metronome.cli bench loop --model random:llama-3-8b --device cuda \
+  --reuse-servers --serve-arg=--no-prefix-caching --work-dir "$WORK" --out "$OUT/loop.json" "${PLOT[@]}" "$@" \
+  >> "$OUT/loop.log" 2>&1
+rc=$?
+echo "bench loop rc=$rc" >> "$OUT/loop.log"
+tar -czf "$OUT/loop-servers.tgz" -C "$WORK" . 2>/dev/null
+exit $rc
