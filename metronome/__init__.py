@@ -14,12 +14,21 @@ __version__ = "0.1.0"
 # `metronome/` folder is found first and holds only cli.py and contract/; setup.py maps the sibling folders
 # server/, kernels/ and operator/ into the package, and this does the same for the checkout, so scripts and tests
 # run from the repository root need no `python -P` or assembled copy. An installed package has no setup.py beside it.
-def _map_checkout_folders() -> None:
+def source_checkout() -> str | None:
+    """The checkout this package runs from, or None for an installed package. A child process started with
+    `python -m metronome.cli` from this folder imports the same code (cwd joins sys.path after start-up)."""
     from pathlib import Path
 
     checkout = Path(__file__).resolve().parent.parent
     if (checkout / "setup.py").is_file() and (checkout / "server" / "__init__.py").is_file():
-        __path__.append(str(checkout))  # noqa: F821 (a package's __path__)
+        return str(checkout)
+    return None
+
+
+def _map_checkout_folders() -> None:
+    checkout = source_checkout()
+    if checkout is not None:
+        __path__.append(checkout)  # noqa: F821 (a package's __path__)
 
 
 _map_checkout_folders()

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from metronome import source_checkout
 from metronome.contract.config import ServerConfigFile
 from metronome.contract.errors import MetronomeError
 from metronome.server.bench.configfile import atomic_configmap_write
@@ -59,9 +60,12 @@ class LoopServer:
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
-            # cwd = its own folder: run from a checkout, the repo's `operator/` would shadow the standard library's.
+            # From a checkout without an install (the GPU machine) the child finds the code through its cwd, as
+            # `python -m` from the root does; not through PYTHONPATH, where the repo's `operator/` would shadow the
+            # standard library's while the interpreter starts.
             self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **self.env}, cwd=self.folder, start_new_session=True,
+                                            env={**os.environ, **self.env}, cwd=source_checkout() or self.folder,
+                                            start_new_session=True,
                                             close_fds=True)
 
     def ready(self) -> bool:
