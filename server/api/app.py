@@ -5,7 +5,9 @@ config watcher, marks the server ready, and shuts both down on exit.
 
 What one client sends must not slow the others' streams: request bodies are size-limited while they stream in
 (body_limit.py), and prompts are tokenized and chat templates rendered on worker threads after a size check
-(tokenization.py), so the event loop only ever does work proportional to the body it accepted.
+(tokenization.py), so the event loop only ever does work proportional to the body it accepted. No client may
+take the whole waiting queue or all running slots while others are active (client_share.py): over its share a
+request gets 429 before it is tokenized.
 
 Fields the API does not know are logged once each and ignored, unless `strict_openai` (then a 400 names them).
 The model answers to its served name, its aliases and the name it was loaded as (e.g. the Hugging Face id).
@@ -30,6 +32,15 @@ from metronome.contract.errors import (
 )
 from metronome.server.api.auth import ApiKeyAuth
 from metronome.server.api.body_limit import BodyLimit
+from metronome.server.api.client_share import (
+    REJECT_REASON,
+    ClientHold,
+    ClientLedger,
+    ClientShareExceeded,
+    ShareFlags,
+    bearer_token,
+    client_identity,
+)
 from metronome.server.api.generation import Job, run_request
 from metronome.server.api.http_errors import error_response, install_error_handlers
 from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_TOKENIZER_WORKERS
@@ -80,18 +91,30 @@ def sampling_params(body, max_tokens: int, logprobs: int | None = None, grammar:
     )
 
 
+@contextlib.contextmanager
+def release_on_error(hold: ClientHold):
+    """Give the client's slots back if the request fails before run_request owns them (it releases them then)."""
+    try:
+        yield
+    except BaseException:
+        hold.release()
+        raise
+
+
 def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS, *, strict_openai: bool = False,
                api_keys: tuple[str, ...] = (), aliases: tuple[str, ...] = (),
-               tool_call_parser: str = "auto") -> FastAPI:
+               tool_call_parser: str = "auto", shares: ShareFlags = ShareFlags()) -> FastAPI:
     """`aliases`: more names the model answers to; `api_keys`: when any, every route but the probes, /metrics
-    and /version needs one (auth.py); `tool_call_parser`: "auto", "qwen2" or "llama3" (tools.py)."""
+    and /version needs one (auth.py); `tool_call_parser`: "auto", "qwen2" or "llama3" (tools.py); `shares`: the
+    per-client caps (client_share.py)."""
     metrics = state.metrics
     lifecycle = state.lifecycle
     model_names = list(dict.fromkeys([state.served_model_name, *aliases, engine.model_name]))
     unknown_logged: set[str] = set()
     tokenizer_pool = TokenizerPool(engine.tokenizer, engine.max_model_len, workers=tokenizer_workers,
                                    max_pending=engine.core.config.max_waiting)
+    ledger = ClientLedger(shares)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -110,6 +133,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
             tokenizer_pool.shutdown()
 
     app = FastAPI(title="Metronome", version=__version__, lifespan=lifespan)
+    app.state.client_ledger = ledger  # what each client holds now (tests and debugging read it)
     install_error_handlers(app, on_reject=metrics.on_rejected)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, on_reject=metrics.on_rejected)
     if api_keys:
@@ -150,6 +174,16 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
             metrics.on_rejected("invalid")
             raise
 
+    def take_share(request: Request, body, jobs: int) -> ClientHold:
+        """The client's slots for `jobs` engine requests, or 429 (counted) when they would pass its share."""
+        key = bearer_token(request.headers.get("authorization")) if api_keys else None
+        client = client_identity(key, body.user, request.client.host if request.client else None)
+        try:
+            return ledger.admit(client, jobs, engine.core.config.max_waiting, engine.stats().scheduler.max_num_seqs)
+        except ClientShareExceeded:
+            metrics.on_rejected(REJECT_REASON)
+            raise
+
     async def tokenized(work):
         """Await a TokenizerPool call; its refusals are counted here (the engine never sees them)."""
         try:
@@ -175,6 +209,11 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         admit(body, "/v1/completions")
+        hold = take_share(request, body, len(body.prompts()) * body.n)
+        with release_on_error(hold):
+            return await _completions(body, request, hold)
+
+    async def _completions(body: CompletionRequest, request: Request, hold: ClientHold):
         prompts = [await tokenized(tokenizer_pool.encode(p)) if isinstance(p, str) else p for p in body.prompts()]
         grammar = await compiled(body.grammar())
         jobs = [Job(ids, sampling_params(body, max_tokens=body.max_tokens if body.max_tokens is not None else 16,
@@ -186,11 +225,16 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
             echo = [texts[job.prompt_index] for job in jobs]
         shaper = CompletionShaper(state.served_model_name, token_text, echo=echo)
         return await run_request(engine, lifecycle, request, jobs, shaper, body.stream,
-                                 body.include_usage_in_stream(), body.continuous_usage())
+                                 body.include_usage_in_stream(), body.continuous_usage(), hold=hold)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         admit(body, "/v1/chat/completions")
+        hold = take_share(request, body, body.n)
+        with release_on_error(hold):
+            return await _chat_completions(body, request, hold)
+
+    async def _chat_completions(body: ChatCompletionRequest, request: Request, hold: ClientHold):
         tools = body.active_tools()
         prompt = await tokenized(tokenizer_pool.render_chat(body.template_messages(), body.add_generation_prompt,
                                                             tools or None))
@@ -208,7 +252,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
         shaper = ChatShaper(state.served_model_name, token_text, tools=tools, tool_format=tool_call_parser,
                             forced=forced is not None, parallel_tool_calls=body.parallel_tool_calls is not False)
         return await run_request(engine, lifecycle, request, jobs, shaper, body.stream,
-                                 body.include_usage_in_stream(), body.continuous_usage())
+                                 body.include_usage_in_stream(), body.continuous_usage(), hold=hold)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -8,13 +8,16 @@ during a non-streamed generation, is noticed by watching the ASGI channel for `h
 
 A request with several choices (n > 1, batched prompts) is one engine request per choice; their events are
 merged as they come, and every one of them is closed with the response.
+
+The client's share (client_share.py) is held from admission to the end of the response: each choice counts as
+waiting until the first events arrive, then as running, and is released wherever the engine streams are closed.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -22,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from metronome.server.api.client_share import ClientHold
 from metronome.server.api.lifecycle import Lifecycle
 from metronome.server.api.responses import DONE, Tally, sse, total_usage
 from metronome.server.engine.sampling import SamplingParams
@@ -38,12 +42,18 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, *args, on_close: Callable[[], Awaitable[None]] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[union-attr]
+                if self.on_close is not None:  # the body may never have started: its finally never ran
+                    await self.on_close()
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,8 @@ class Job:
 
 
 async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list[Job], shaper, stream: bool,
-                      include_usage: bool, continuous_usage: bool = False):
+                      include_usage: bool, continuous_usage: bool = False, hold: ClientHold | None = None):
+    """`hold`: the client's share for these jobs, released here however the request ends."""
     ids = [shaper.id] if len(jobs) == 1 else [f"{shaper.id}-{i}" for i in range(len(jobs))]
     for request_id in ids:
         lifecycle.begin(request_id)
@@ -69,21 +80,25 @@ async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list
         if failed is not None:
             raise failed
     except BaseException as exc:
-        await _close_all(streams, lifecycle, ids)
+        await _close_all(streams, lifecycle, ids, hold)
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)  # nobody is listening; the status only shows in access logs
         raise
+    if hold is not None:
+        for job in range(len(jobs)):
+            hold.first_token(job)
     tallies = [Tally(prompt_index=job.prompt_index) for job in jobs]
     events = _merged(streams, firsts)
     if stream:
-        body = _stream(events, tallies, shaper, include_usage, continuous_usage, lifecycle, streams, ids)
-        return SSEResponse(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        body = _stream(events, tallies, shaper, include_usage, continuous_usage, lifecycle, streams, ids, hold)
+        return SSEResponse(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                           on_close=lambda: _close_all(streams, lifecycle, ids, hold))
     try:
         await unless_disconnected(request, _collect(events, tallies))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
-        await _close_all(streams, lifecycle, ids)
+        await _close_all(streams, lifecycle, ids, hold)
     return JSONResponse(shaper.whole(tallies))
 
 
@@ -152,7 +167,7 @@ async def _collect(events, tallies: list[Tally]) -> None:
 
 
 async def _stream(events, tallies: list[Tally], shaper, include_usage: bool, continuous_usage: bool,
-                  lifecycle: Lifecycle, streams, ids: list[str]) -> AsyncIterator[str]:
+                  lifecycle: Lifecycle, streams, ids: list[str], hold: ClientHold | None) -> AsyncIterator[str]:
     try:
         for chunk in shaper.opening_chunks(list(range(len(tallies)))):
             yield chunk
@@ -178,12 +193,17 @@ async def _stream(events, tallies: list[Tally], shaper, include_usage: bool, con
     finally:
         with anyio.CancelScope(shield=True):
             await events.aclose()
-            await _close_all(streams, lifecycle, ids)
+            await _close_all(streams, lifecycle, ids, hold)
 
 
-async def _close_all(streams, lifecycle: Lifecycle, ids: list[str]) -> None:
-    for events, request_id in zip(streams, ids):
-        try:
-            await events.aclose()
-        finally:
-            lifecycle.end(request_id)
+async def _close_all(streams, lifecycle: Lifecycle, ids: list[str], hold: ClientHold | None = None) -> None:
+    """Close every engine stream (aborting what still runs) and release the client's share; idempotent."""
+    try:
+        for events, request_id in zip(streams, ids):
+            try:
+                await events.aclose()
+            finally:
+                lifecycle.end(request_id)
+    finally:
+        if hold is not None:
+            hold.release()

@@ -108,7 +108,7 @@ def install_error_handlers(app: FastAPI, on_reject=lambda reason: None) -> None:
 
     @app.exception_handler(EngineOverloadedError)
     async def _overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
-        return error_response(429, str(exc), code="overloaded",
+        return error_response(429, str(exc), code=getattr(exc, "code", "overloaded"),
                               headers={"Retry-After": retry_after_header(exc.retry_after_seconds)})
 
     @app.exception_handler(EngineDrainingError)

@@ -15,9 +15,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from metronome.contract import metric_names as names
 from metronome.contract.config import QueuePolicy, SchedulerConfig
+from metronome.server.api.client_share import REJECT_REASON as CLIENT_SHARE
 
 KNOWN_QUEUES = ("fcfs", "short", "long", "sjf")
-KNOWN_REJECT_REASONS = ("overloaded", "invalid", "draining")  # the engine names the first two
+# Every reason exists at 0 from the start; the engine names the first two, body_limit.py "too_large",
+# client_share.py "client_share" (a client over its share of the waiting queue or the running requests).
+KNOWN_REJECT_REASONS = ("overloaded", "invalid", "draining", "too_large", CLIENT_SHARE)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 

@@ -49,6 +49,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--tokenizer-workers", type=positive_int, default=DEFAULT_TOKENIZER_WORKERS, metavar="N",
                         help="threads that tokenize prompts and render chat templates off the event loop "
                              "(default: %(default)s)")
+    server.add_argument("--max-waiting-per-client", type=positive_int, default=None, metavar="N",
+                        help="while other clients have requests in flight, one client may have at most N requests "
+                             "waiting for their first token (default: none beyond the fair share, --max-waiting / "
+                             "active clients; a client alone may use all of --max-waiting). A client is its API key, "
+                             "else the request's `user` field, else its address")
+    server.add_argument("--max-running-per-client", type=positive_int, default=None, metavar="N",
+                        help="the same for requests running or waiting (default: none beyond the fair share, "
+                             "--max-num-seqs / active clients)")
     add_engine_flags(parser.add_argument_group("engine (fixed for the process)"))
     add_scheduler_flags(parser.add_argument_group("scheduler (initial values; the --config file overrides them)"))
 
@@ -101,6 +109,7 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
     from prometheus_client import disable_created_metrics
 
     from metronome.server.api.app import create_app
+    from metronome.server.api.client_share import ShareFlags
     from metronome.server.api.lifecycle import make_draining_server
     from metronome.server.api.metrics import ServerMetrics
     from metronome.server.api.state import build_state
@@ -117,7 +126,8 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
                         poll_interval_s=args.config_poll_seconds)
     app = create_app(engine, state, max_body_bytes=args.max_request_body_bytes,
                      tokenizer_workers=args.tokenizer_workers, strict_openai=args.strict_openai,
-                     api_keys=args.api_keys, aliases=tuple(names[1:]), tool_call_parser=args.tool_call_parser)
+                     api_keys=args.api_keys, aliases=tuple(names[1:]), tool_call_parser=args.tool_call_parser,
+                     shares=ShareFlags(args.max_waiting_per_client, args.max_running_per_client))
     log.info("serving %s on http://%s:%d (API key %s%s)", ", ".join(dict.fromkeys([*names, core.model_name])),
              args.host, args.port, "required" if args.api_keys else "not required",
              ", strict OpenAI fields" if args.strict_openai else "")
