@@ -5,20 +5,25 @@
 # constrained-decoding GPU tests: wheels the image lacks):
 #
 #     PARTS="tests" bash hack/gpu_run.sh                  # tests/gpu alone (TEST_LIMIT 540 s: ~5 min on a fresh machine)
-#     PARTS="mixed a b eager" bash hack/gpu_run.sh        # the whole benchmark without the transformers peer (~9 min)
-#     bash hack/gpu_run.sh                                # default PARTS="mixed a b eager hf": hf with the time left
+#     PARTS="mixed a sat b eager" bash hack/gpu_run.sh    # the whole benchmark without the transformers peer (~6 min)
+#     PARTS="sat hf" bash hack/gpu_run.sh                 # saturation, then the transformers comparison
+#     bash hack/gpu_run.sh                                # default PARTS="mixed a sat b eager hf": hf with the time left
 #
 # Parts (what each leaves in $OUT, at most 8 files; everything else goes into $OUT/gpu-run.tgz):
 #   tests   tests/gpu (-x -q), log in gpu-tests.log
 #   mixed   hack/profile_mixed.py --profile: 64 decodes at 2k + a 512-token chunk, piecewise graphs vs eager vs
 #           eager unfused, interleaved, against its floor, with launch counts → h200-mixed.json
 #   a       bench sections device, decode (batch 1/16/64/256 at 2k context), prefill → parts a
+#   sat     bench sections device, saturation: as many 1,000 + 1,000-token requests as the KV cache holds (~438 on
+#           the H200, at most SAT_MAX; decode graphs captured up to it) at once, output tok/s vs its floor (SAT_LIMIT s)
 #   b       bench longshort per chunk size and rate (RATES, DURATION s of arrivals each), prefix caching off; the figure (TBT p99 vs
 #           throughput, and the TBT CDF) is drawn from the runs in memory, the JSON keeps no per-token records
 #   eager   decode with --enforce-eager, for the graphs-vs-eager ratio
-#   hf      the same 200-request batch through our engine and transformers (only with > 90 s left)
-#   then:   h200-engine.json (a + b + hf merged, targets), h200-tbt-vs-throughput.png, gpu_run.log, bench.log
-# Knobs (environment): PARTS, BUDGET, TEST_LIMIT, TESTS, RATES, DURATION, CHUNKS, HF_REQUESTS, HF_TIMEOUT, and SMOKE=1
+#   hf      the same 200-request batch through our engine (chunk 2048, compared, and 512) and transformers (only
+#           with > 90 s left)
+#   then:   h200-engine.json (a + sat + b + hf merged, targets), h200-tbt-vs-throughput.png, gpu_run.log, bench.log
+# Knobs (environment): PARTS, BUDGET, TEST_LIMIT, TESTS, RATES, DURATION, CHUNKS, SAT_MAX, SAT_LIMIT, HF_REQUESTS,
+# HF_CHUNKS, HF_TIMEOUT, and SMOKE=1
 # (tiny model on the CPU: checks this script's plumbing, not the GPU).
 # (no `set -u`: empty option arrays would trip it on older bash)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,13 +32,16 @@ cd "$ROOT"
 OUT=${OUT:-$ROOT/out}
 WORK=$(mktemp -d /tmp/gpu_run.XXXX)  # logs and part files; tarred into $OUT at the end
 mkdir -p "$OUT"
-PARTS=${PARTS:-mixed a b eager hf}
+PARTS=${PARTS:-mixed a sat b eager hf}
 TEST_LIMIT=${TEST_LIMIT:-540}
 TESTS=${TESTS:-tests/gpu}
 RATES=${RATES:-5,15,30,45,60}
 DURATION=${DURATION:-3}
 CHUNKS=${CHUNKS:-256,512,1024,2048,unchunked}
 HF_REQUESTS=${HF_REQUESTS:-200}
+HF_CHUNKS=${HF_CHUNKS:-2048,512}
+SAT_MAX=${SAT_MAX:-512}
+SAT_LIMIT=${SAT_LIMIT:-150}
 HF_TIMEOUT=${HF_TIMEOUT:-60}
 START=$SECONDS
 LOG=$OUT/gpu_run.log
@@ -73,7 +81,10 @@ if [ "${SMOKE:-0}" = 1 ]; then
   SMOKE_ARGS=(--device cpu --model random:tiny --copy-mb 4 --matmul-size 64 --reps 2 --batch-sizes 1,3 --context 48
               --decode-steps 3 --prefill-prompt-len 40 --prefill-prompts 2 --prefill-chunk 128 --rates 30
               --chunk-sizes 16,unchunked --duration 1 --long-prompt-len 100 --short-prompt-len 10 --output-len 5
-              --hf-requests 3 --batch-chunk-size 32 --warmup-requests 1 --skip-hf)
+              --hf-requests 3 --warmup-requests 1 --skip-hf --saturation-prompt-len 20 --saturation-output-len 8
+              --saturation-chunk-size 64)
+  HF_CHUNKS=32,16
+  SAT_MAX=6
   MIXED_ARGS=(--smoke)
 fi
 
@@ -102,6 +113,14 @@ if has a; then
   rc=$?; stamp "bench part a rc=$rc"
 fi
 
+# --- saturation: the KV cache full of 1,000 + 1,000-token requests, output tok/s against its floor
+if has sat; then
+  stamp "bench saturation (at most $SAT_MAX requests, limit $(limit "$SAT_LIMIT")s)"
+  timeout -k 10 "$(limit "$SAT_LIMIT")" "${BENCH[@]}" --sections device,saturation --saturation-max-requests "$SAT_MAX" \
+    "${SMOKE_ARGS[@]}" --out "$WORK/h200-engine-sat.json" > "$WORK/bench-sat.log" 2>&1
+  rc=$?; stamp "bench saturation rc=$rc"; grep "^saturation" "$WORK/bench-sat.log" | tee -a "$LOG"
+fi
+
 # --- (b) long-short per chunk size at rates around saturation (runs of DURATION seconds of arrivals)
 if has b; then
   stamp "bench part b: longshort (rates $RATES, ${DURATION}s each, chunks $CHUNKS)"
@@ -125,12 +144,12 @@ fi
 if has hf && [ "${SKIP_HF:-0}" != 1 ] && [ "$(left)" -gt 90 ]; then
   stamp "bench part c: hf ($HF_REQUESTS requests, transformers limit ${HF_TIMEOUT}s, $(left)s left)"
   timeout -k 5 "$(left)" "${BENCH[@]}" --sections hf --hf-requests "$HF_REQUESTS" --hf-timeout "$HF_TIMEOUT" \
-    "${SMOKE_ARGS[@]}" --out "$WORK/h200-engine-c.json" > "$WORK/bench-c.log" 2>&1
+    --batch-chunk-size "$HF_CHUNKS" "${SMOKE_ARGS[@]}" --out "$WORK/h200-engine-c.json" > "$WORK/bench-c.log" 2>&1
   rc=$?; stamp "bench part c rc=$rc"
 fi
 
 PARTS_JSON=()
-for part in a b c; do [ -s "$WORK/h200-engine-$part.json" ] && PARTS_JSON+=("$WORK/h200-engine-$part.json"); done
+for part in a sat b c; do [ -s "$WORK/h200-engine-$part.json" ] && PARTS_JSON+=("$WORK/h200-engine-$part.json"); done
 if [ ${#PARTS_JSON[@]} -gt 0 ]; then
   EAGER=(); [ -s "$WORK/h200-decode-eager.json" ] && EAGER=(--eager "$WORK/h200-decode-eager.json")
   MIXED=(); [ -s "$OUT/h200-mixed.json" ] && MIXED=(--mixed "$OUT/h200-mixed.json")

@@ -146,7 +146,7 @@ def _configure_engine(p: argparse.ArgumentParser) -> None:
                 scheduler_defaults={"chunk_size": 2048})
     g = p.add_argument_group("engine benchmark")
     g.add_argument("--sections", type=_csv(str), default=["device", "decode", "prefill", "longshort", "hf"],
-                   help="which parts to run (device,decode,prefill,longshort,hf)")
+                   help="which parts to run (device,decode,prefill,longshort,hf; saturation only when named)")
     g.add_argument("--copy-mb", type=positive_int, default=2048, help="device copy size, MiB (2048)")
     g.add_argument("--matmul-size", type=positive_int, default=8192, help="square bf16 matmul size (8192)")
     g.add_argument("--reps", type=positive_int, default=10, help="timed repetitions per micro-benchmark (10)")
@@ -175,13 +175,22 @@ def _configure_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--short-prompt-len", type=positive_int, default=50, help="long-short short prompt tokens")
     g.add_argument("--output-len", type=positive_int, default=128, help="long-short output tokens")
     g.add_argument("--long-fraction", type=fraction, default=0.2, help="long-short share of long prompts")
-    g.add_argument("--batch-chunk-size", type=positive_chunk, default=512,
-                   help="chunk size of our engine on the same-batch comparison with transformers (512)")
+    g.add_argument("--batch-chunk-size", type=_csv(positive_chunk), default=[2048, 512],
+                   help="chunk sizes of our engine on the same batch as transformers: the first is compared (its "
+                        "throughput config), the others are recorded beside it (2048,512)")
     g.add_argument("--skip-hf", action="store_true", help="skip the transformers continuous-batching peer")
     g.add_argument("--hf-requests", type=positive_int, default=200, help="requests in the transformers batch (200)")
     g.add_argument("--hf-attn", default="paged|sdpa", help="transformers attn_implementation (paged|sdpa)")
     g.add_argument("--hf-timeout", type=positive_float, default=900.0, help="transformers batch limit, s")
     g.add_argument("--slo-tbt-ms", type=positive_float, default=30.0, help="TBT SLO for capacity, ms (30)")
+    # saturation (server/bench/saturation.py)
+    g.add_argument("--saturation-prompt-len", type=positive_int, default=1000, help="saturation prompt tokens (1000)")
+    g.add_argument("--saturation-output-len", type=positive_int, default=1000, help="saturation output tokens (1000)")
+    g.add_argument("--saturation-max-requests", type=positive_int, default=None,
+                   help="cap on the saturation requests, which are as many as the KV cache holds (default: the "
+                        "largest decode CUDA-graph size, 512); the engine starts with max_num_seqs >= this")
+    g.add_argument("--saturation-chunk-size", type=positive_chunk, default=2048,
+                   help="saturation prefill chunk (2048: with the decodes a step stays within the piecewise graphs)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", metavar="PATH", help="write the one results JSON here")
     g.add_argument("--plot", metavar="PATH", help="PNG of TBT p99 vs throughput per chunk size")

@@ -1,9 +1,10 @@
 """`metronome bench engine`: the in-process engine against the hardware floor and against transformers.
 
 One run, one JSON: device copy bandwidth and matmul peak (measured), decode step time per batch size vs the
-HBM floor, prefill tokens/s vs the matmul peak, host/scheduler share of a step, the long-short workload per chunk
-size and rate (capacity = highest rate with TBT p99 <= SLO), and transformers' continuous batching on the same
-batch of requests. `targets` compares the numbers with issue 4's goals; it reports, it does not assert.
+HBM floor, prefill tokens/s vs the matmul peak, host/scheduler share of a step, output tokens/s with the KV cache
+full vs its floor (saturation.py), the long-short workload per chunk size and rate (capacity = highest rate with
+TBT p99 <= SLO), and transformers' continuous batching on the same batch of requests. `targets` compares the
+numbers with issue 4's goals; it reports, it does not assert.
 
 Every size is a flag, so `--model random:tiny --device cpu` with tiny sizes runs in seconds (the CPU smoke test).
 """
@@ -25,7 +26,7 @@ from metronome.server.bench.runner import StopRule
 from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, iter_requests, take
 from metronome.server.engine.flags import engine_config_from_args, scheduler_from_args
 
-SECTIONS = ("device", "decode", "prefill", "longshort", "hf")
+SECTIONS = ("device", "decode", "prefill", "saturation", "longshort", "hf")
 
 # Issue 4's goals: (key, description, comparison, threshold).
 TARGETS = (
@@ -95,6 +96,10 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise EngineBenchArgsError(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
     if args.plot and "longshort" not in chosen:
         raise EngineBenchArgsError("--plot draws the longshort section's runs: add longshort to --sections")
+    if args.saturation_max_requests is None:
+        from metronome.server.engine.cuda_graphs import CAPTURE_SIZES
+
+        args.saturation_max_requests = CAPTURE_SIZES[-1]  # every batch up to it can replay a decode graph
     return chosen
 
 
@@ -103,7 +108,10 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
     from metronome.server.engine.engine import EngineCore
 
     max_num_seqs = max([scheduler_from_args(args).max_num_seqs, *args.batch_sizes])  # room for every batch
-    core = EngineCore.from_config(engine_config_from_args(args), scheduler_from_args(args, max_num_seqs=max_num_seqs))
+    # Decode CUDA graphs are captured at start-up for batches up to the starting max_num_seqs: saturation's batch
+    # must be covered then (the sections reconfigure max_num_seqs later, which captures nothing).
+    startup_seqs = max(max_num_seqs, args.saturation_max_requests if "saturation" in chosen else 0)
+    core = EngineCore.from_config(engine_config_from_args(args), scheduler_from_args(args, max_num_seqs=startup_seqs))
     config = core.loaded.config
     dtype = core.loaded.dtype
     dtype_bytes = dtype.itemsize
@@ -118,6 +126,9 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         # "cuda_graphs" when decode steps replay captured graphs, else "eager: <why>"
         "execution_mode": getattr(core, "execution_mode", "eager"),
         "cuda_graph_capture_s": getattr(core.runner, "graph_capture_s", None),
+        # decode batches above the largest size replay no decode graph (piecewise graphs or eager instead)
+        "max_num_seqs_at_start": startup_seqs,
+        "decode_graph_sizes": getattr(getattr(core.runner, "graphs", None), "sizes", None),
     }
     device_info = doc.get("device") or {}
     bandwidth = device_info.get("copy", {}).get("bandwidth_bytes_per_s")
@@ -129,6 +140,12 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         doc["prefill"] = sections.prefill_section(core, args.prefill_prompt_len, args.prefill_prompts,
                                                   args.prefill_chunk, sampler, args.seed,
                                                   device_info.get("matmul_tflops"))
+    if "saturation" in chosen:
+        from metronome.server.bench.saturation import saturation_section
+
+        doc["saturation"] = saturation_section(core, args.saturation_prompt_len, args.saturation_output_len,
+                                               args.saturation_max_requests, args.saturation_chunk_size, sampler,
+                                               args.seed, bandwidth, dtype_bytes)
     spec = WorkloadSpec(name="long-short", long_short=LongShortSpec(
         long_fraction=args.long_fraction, long_prompt_len=args.long_prompt_len,
         short_prompt_len=args.short_prompt_len, output_len=args.output_len))
@@ -139,8 +156,8 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
     if "longshort" in chosen or "hf" in chosen:
         stop = StopRule(num_requests=args.num_requests or (None if args.duration else 200),
                         duration_s=args.duration, drain_timeout_s=args.drain_timeout)
-        runs, batch = asyncio.run(sections.longshort_section(
-            core, spec, sampler, args.chunk_sizes if "longshort" in chosen else [args.batch_chunk_size],
+        runs, batches = asyncio.run(sections.longshort_section(
+            core, spec, sampler, args.chunk_sizes if "longshort" in chosen else [],
             args.rates if "longshort" in chosen else [], args.longshort_policy,
             max_num_seqs, stop, args.seed, args.slo_tbt_ms, progress,
             args.hf_requests if "hf" in chosen else None, args.batch_chunk_size, args.warmup_requests))
@@ -149,8 +166,10 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
                                 "capacity": sections.capacity_table(runs, args.slo_tbt_ms),
                                 "runs": [r.to_dict(include_records=not args.no_records) for r in runs]}
             doc["_runs"] = runs
-        if batch is not None:
-            doc["batch_comparison"] = {"metronome": batch.to_dict(include_records=False)}
+        if batches:  # the first chunk size is the compared one (the throughput config); the others stand beside it
+            doc["batch_comparison"] = {
+                "chunk_size": batches[0].params["chunk_size"], "metronome": batches[0].to_dict(include_records=False),
+                "metronome_other_chunks": [b.to_dict(include_records=False) for b in batches[1:]]}
     doc["model"]["kernel_compiles_after_ready"] = core.stats().kernel_compiles_after_ready  # 0: no stall
     core.close()  # tensor-parallel workers, if any
     del core
@@ -167,14 +186,32 @@ def _hf_section(args: argparse.Namespace, doc: dict[str, Any]) -> None:
         result = {"error": str(exc)}
     comparison = doc.setdefault("batch_comparison", {})
     comparison["transformers"] = result
-    ours = comparison.get("metronome", {}).get("summary", {})
+    compare_batches(comparison)
+
+
+def compare_batches(comparison: dict[str, Any]) -> None:
+    """Our output tok/s and TBT p99 over transformers', for the compared chunk size and each other one. Pure."""
+    result = comparison.get("transformers") or {}
     theirs = result.get("output_tokens_per_s")
-    if theirs and ours.get("output_tokens_per_s"):
-        comparison["output_tokens_per_s_ratio"] = ours["output_tokens_per_s"] / theirs
     their_p99 = (result.get("summary") or {}).get("tbt", {}).get("p99_ms")
-    our_p99 = ours.get("tbt", {}).get("p99_ms")
+    if not comparison.get("metronome"):
+        return
+    entries = [comparison["metronome"], *comparison.get("metronome_other_chunks", [])]
+    by_chunk, p99_by_chunk = {}, {}
+    for entry in entries:
+        summary, chunk = entry.get("summary") or {}, sections.chunk_label((entry.get("params") or {}).get(
+            "chunk_size", 0))
+        if theirs and summary.get("output_tokens_per_s"):
+            by_chunk[chunk] = summary["output_tokens_per_s"] / theirs
+        p99_by_chunk[chunk] = (summary.get("tbt") or {}).get("p99_ms")
+    compared = sections.chunk_label(comparison.get("chunk_size", 0))
+    if compared in by_chunk:
+        comparison["output_tokens_per_s_ratio"] = by_chunk[compared]
+        comparison["output_tokens_per_s_ratio_by_chunk"] = by_chunk
+    our_p99 = p99_by_chunk.get(compared)
     if their_p99 is not None and our_p99 is not None:
-        comparison["tbt_p99_ms"] = {"metronome": our_p99, "transformers": their_p99, "lower": our_p99 < their_p99}
+        comparison["tbt_p99_ms"] = {"metronome": our_p99, "transformers": their_p99, "lower": our_p99 < their_p99,
+                                    "metronome_by_chunk": p99_by_chunk}
 
 
 def _print(doc: dict[str, Any]) -> None:
@@ -219,11 +256,15 @@ def _print(doc: dict[str, Any]) -> None:
                           f"{row['tbt_p99_ms_at_highest_rate']:.1f}",
                           "-" if cost is None else f"{100 * cost:.0f}%", "-" if ratio is None else f"{ratio:.2f}")
         out.print(table)
+    if doc.get("saturation"):
+        _print_saturation(out, doc["saturation"])
     comparison = doc.get("batch_comparison")
     if comparison:
-        ours = comparison.get("metronome", {}).get("summary", {})
+        ours = ", ".join(f"{e['summary']['output_tokens_per_s']:.0f} out tok/s at chunk "
+                         f"{sections.chunk_label(e['params']['chunk_size'])}"
+                         for e in [comparison["metronome"], *comparison.get("metronome_other_chunks", [])])
         theirs = comparison.get("transformers", {})
-        out.print(f"same batch: metronome {ours.get('output_tokens_per_s', 0):.0f} out tok/s; transformers "
+        out.print(f"same batch: metronome {ours} (compared: the first); transformers "
                   + (f"{theirs['output_tokens_per_s']:.0f} out tok/s" if "output_tokens_per_s" in theirs
                      else f"- ({theirs.get('error', 'skipped')})"))
     table = Table(title="issue 4 targets (reported, not asserted)")
@@ -234,6 +275,22 @@ def _print(doc: dict[str, Any]) -> None:
         table.add_row(t["description"], t["target"], "-" if value is None else f"{value:.3g}",
                       "-" if t["met"] is None else ("yes" if t["met"] else "NO"))
     out.print(table)
+
+
+def _print_saturation(out: Any, sat: dict[str, Any]) -> None:
+    part, whole = sat["decode_part"], sat["whole_run"]
+    line = (f"saturation: {sat['requests']} requests x ({sat['prompt_len']} + {sat['output_len']}) tokens, chunk "
+            f"{sat['chunk_size']}: {whole['output_tokens_per_s']:.0f} out tok/s over the run "
+            f"({whole['seconds']:.1f} s)")
+    if part.get("steps"):
+        line += (f"; decode part {part['output_tokens_per_s']:.0f} tok/s, mean batch {part['mean_batch']:.0f}, "
+                 f"{part['mean_kv_tokens_read']:.0f} KV tokens/step")
+        if "floor_tokens_per_s" in part:
+            line += f", floor {part['floor_tokens_per_s']:.0f} tok/s (x{part['ratio_to_floor']:.2f})"
+        line += f"; steps {part['forward']}"
+    out.print(line)
+    for note in sat["notes"]:
+        out.print(f"saturation: {note}")
 
 
 def _plot(doc: dict[str, Any], path: str, slo: float) -> None:

@@ -30,13 +30,13 @@ class EngineBenchError(MetronomeError):
     """A measurement could not be made as specified (too little KV cache, the engine did not progress)."""
 
 
-def _params(max_tokens: int) -> Any:
+def greedy_params(max_tokens: int) -> Any:
     from metronome.server.engine.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _drain(core: Any, request_ids: list[str], max_steps: int = 10_000) -> None:
+def drain(core: Any, request_ids: list[str], max_steps: int = 10_000) -> None:
     """Abort what is left and step until the engine is empty, so the next measurement starts clean."""
     for rid in request_ids:
         core.abort(rid)
@@ -73,7 +73,7 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
     core.reconfigure(SchedulerConfig(chunk_size=prefill_chunk, max_num_seqs=max(batch, 1),
                                      queue_policy=QueuePolicy.FCFS))
     rng = random.Random(f"metronome-decode-{seed}-{batch}")
-    ids = [core.add_request(list(sampler.sample(context, rng)), _params(max_tokens)) for _ in range(batch)]
+    ids = [core.add_request(list(sampler.sample(context, rng)), greedy_params(max_tokens)) for _ in range(batch)]
     generated = dict.fromkeys(ids, 0)
 
     def step() -> Any:
@@ -104,7 +104,7 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
                 mixed += 1
             graph_steps += bool(getattr(stats, "cuda_graph", False))
     finally:
-        _drain(core, ids)
+        drain(core, ids)
     median = statistics.median(wall)
     result: dict[str, Any] = {
         "batch": batch, "context": context, "steps": steps, "step_ms_median": median * 1000,
@@ -135,7 +135,7 @@ def decode_section(core: Any, batch_sizes: list[int], context: int, steps: int, 
 
 def _prefill_once(core: Any, prompt_len: int, prompts: int, sampler: TokenSampler, rng: random.Random,
                   max_steps: int) -> tuple[int, float, list[float]]:
-    ids = [core.add_request(list(sampler.sample(prompt_len, rng)), _params(1)) for _ in range(prompts)]
+    ids = [core.add_request(list(sampler.sample(prompt_len, rng)), greedy_params(1)) for _ in range(prompts)]
     tokens, seconds, overhead = 0, 0.0, []
     try:
         for _ in range(max_steps):
@@ -149,7 +149,7 @@ def _prefill_once(core: Any, prompt_len: int, prompts: int, sampler: TokenSample
                 seconds += elapsed
                 overhead.append(stats.scheduler_overhead_s / elapsed if elapsed else 0.0)
     finally:
-        _drain(core, ids)
+        drain(core, ids)
     return tokens, seconds, overhead
 
 
@@ -217,16 +217,17 @@ def chunk_label(chunk: int) -> str:
 async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler, chunk_sizes: list[int],
                             rates: list[float], policy: str, max_num_seqs: int, stop: StopRule, seed: int,
                             slo_tbt_ms: float, progress: bool, batch_requests: int | None,
-                            batch_chunk: int, warmup_requests: int = 16) -> tuple[list[RunEntry], RunEntry | None]:
+                            batch_chunks: list[int], warmup_requests: int = 16
+                            ) -> tuple[list[RunEntry], list[RunEntry]]:
     """Runs per (chunk, rate); plus, if batch_requests, the same first N requests sent at once (the batch that
-    the transformers peer also gets)."""
+    the transformers peer also gets), once per chunk size in batch_chunks."""
     from metronome.server.engine.async_engine import AsyncEngine
 
     collector = StepCollector()
     engine = AsyncEngine(core, observers=[collector])
     client = EngineClient(engine)
     runs: list[RunEntry] = []
-    batch_entry = None
+    batch_entries: list[RunEntry] = []
     async def warm_up(count: int) -> None:
         """Unmeasured requests at once, with other prompts: kernels compile for the shapes this chunk size makes
         (a compile inside a measured run would show up as a one-second TBT stall)."""
@@ -248,7 +249,7 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
                           "steps": collector.summary(), "scheduler": engine.stats().scheduler.snake_dict()}
                 runs.append(RunEntry(label, params, summarize(result.records, slo_tbt_ms), result.records,
                                      result.started_at, result.wall_s))
-        if batch_requests:
+        for batch_chunk in batch_chunks if batch_requests else []:
             engine.reconfigure(SchedulerConfig(chunk_size=batch_chunk, queue_policy=policy,
                                                max_num_seqs=max_num_seqs))
             await warm_up(warmup_requests)
@@ -261,11 +262,11 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
                                     seed=seed, progress=progress, label=label)
             params = {"chunk_size": batch_chunk, "queue_policy": policy, "rate": math.inf,
                       "steps": collector.summary()}
-            batch_entry = RunEntry(label, params, summarize(result.records, slo_tbt_ms), result.records,
-                                   result.started_at, result.wall_s)
+            batch_entries.append(RunEntry(label, params, summarize(result.records, slo_tbt_ms), result.records,
+                                          result.started_at, result.wall_s))
     finally:
         await engine.shutdown()
-    return runs, batch_entry
+    return runs, batch_entries
 
 
 def capacity_table(runs: list[RunEntry], slo_tbt_ms: float) -> list[dict[str, Any]]:

@@ -38,6 +38,13 @@ def decode_floor_bytes(config: Any, dtype_bytes: int, context_lens: Iterable[int
         context_lens)
 
 
+def decode_floor_tokens_per_s(weight_bytes: int, kv_bytes_per_token: int, mean_batch: float, mean_kv_tokens: float,
+                              bandwidth: float) -> float:
+    """Decode tokens/s if each step took only the time to move its bytes: the weights once plus the KV it reads.
+    With per-step means this equals Σ tokens ÷ Σ per-step floor times over the same steps."""
+    return mean_batch * bandwidth / (weight_bytes + kv_bytes_per_token * mean_kv_tokens)
+
+
 def prefill_flops(config: Any, prompt_lens: Iterable[int]) -> float:
     """FLOPs to prefill these prompts from scratch (one sampled token each)."""
     linear = config.num_hidden_layers * linear_params_per_layer(config)
