@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `metronome bench loop` on the GPU machine (issue 12), in one device call: installs the wheels the image lacks
-# (.gpuwheels/, carried along), runs the loop benchmark with the arguments given, and brings back its JSON, its PNG,
+# (.gpuwheels/: pydantic, fastapi, starlette, uvicorn, opentelemetry-api and their needs, carried along), runs the loop benchmark with the arguments given, and brings back its JSON, its PNG,
 # the log and a tarball of the servers' logs. Run from the repository root:
 #
 #     LIMIT=540 bash hack/gpu_loop.sh --phases ... --static 512,split ...   # writes $OUT/loop.json, $OUT/loop.png
@@ -21,6 +21,9 @@ if ls .gpuwheels/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$WH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/loop.log" 2>&1
+# fail in seconds, not after a server start: what `metronome serve` imports (fastapi, uvicorn: carried wheels)
+python3 -c "import uvicorn, metronome.server.api.app, metronome.server.api.serve_cli" >> "$OUT/loop.log" 2>&1 || {
+  echo "imports failed: see loop.log" >> "$OUT/loop.log"; exit 3; }
 PLOT=()
 if python3 -c "import matplotlib" 2>/dev/null; then PLOT=(--plot "$OUT/loop.png"); fi
 timeout -k 10 "$LIMIT" python3 -m metronome.cli bench loop --model random:llama-3-8b --device cuda \
