@@ -14,11 +14,11 @@ import signal
 
 import pytest
 from closedloop import OperatorProcess, install_chart, service_account_kubeconfig
+from e2e_helpers import SCRAPE_INTERVAL_S, session_prometheus
 from standin import DelayRange, KubeletStandIn, StandInOptions, scrape_config
 
 RELEASE = "metronome-e2e"
 RELEASE_NAMESPACE = "metronome-e2e-system"
-SCRAPE_INTERVAL_S = 1.0
 SERVER_ARGS = ("--kv-cache-memory-gb", "0.5", "--drain-seconds", "2", "--log-level", "warning")
 CONFIG_DELAY = DelayRange(5.0, 15.0)  # seconds from a ConfigMap write to the servers' folders (hack/standin)
 
@@ -47,13 +47,8 @@ def standin(cluster, e2e_dir):
 
 @pytest.fixture(scope="session")
 def prometheus(cluster, standin, e2e_dir):
-    config = e2e_dir / "prometheus.yml"
-    config.write_text(scrape_config(standin.options.targets_path, SCRAPE_INTERVAL_S))
-    url = cluster.start_prometheus(config)
-    try:
+    with session_prometheus(cluster, e2e_dir, scrape_config(standin.options.targets_path, SCRAPE_INTERVAL_S)) as url:
         yield url
-    finally:
-        cluster.stop_prometheus()
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,63 @@
-"""Small helpers of the e2e tests: polling, Prometheus queries, the servers' /v1/config, the resource's columns.
+"""Small helpers of the e2e tests: a service's namespace, starting Prometheus, Prometheus queries, the operator's
+view, the servers' /v1/config, the resource's columns.
 Everything here talks to 127.0.0.0/8 only (the API server through kubectl, Prometheus, the stand-in's servers)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+from localcluster.api import http_ok
+from localcluster.components import prometheus_argv
+from localcluster.procs import free_port, start_process, stop_process
+from polling import wait_for
+
+from metronome.operator.metrics_source import PrometheusMetricsSource, QueryWindow, ServiceSelector
+
+SCRAPE_INTERVAL_S = 1  # every e2e Prometheus scrapes each second; the operator's windows are read at that step
+
+
+@contextlib.contextmanager
+def service_namespace(cluster, base: str, manifest: str) -> Iterator[str]:
+    """A new namespace `<base>-<random>` holding `manifest`; deleted (not waited for) afterwards."""
+    namespace = cluster.namespace(base)
+    cluster.apply(manifest, namespace)
+    try:
+        yield namespace
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+@contextlib.contextmanager
+def session_prometheus(cluster, work: Path, scrape_config: str) -> Iterator[str]:
+    """The cluster's Prometheus (Debian's), restarted with `scrape_config`; yields its URL."""
+    config = work / "prometheus.yml"
+    config.write_text(scrape_config)
+    url = cluster.start_prometheus(config)
+    try:
+        yield url
+    finally:
+        cluster.stop_prometheus()
+
+
+@contextlib.contextmanager
+def own_prometheus(name: str, binary: Path, work: Path, scrape_config: str) -> Iterator[str]:
+    """A Prometheus of the caller's (`binary`, config, data and log in `work`) on a free loopback port, next to
+    the session's; yields its URL once /-/ready answers."""
+    config = work / "prometheus.yml"
+    config.write_text(scrape_config)
+    port = free_port()
+    record = start_process(name, prometheus_argv(binary, config, work / "data", port), work / "log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: http_ok(f"{url}/-/ready"), f"{name} to be ready (log {work / 'log'})", timeout=60)
+        yield url
+    finally:
+        stop_process(record)
 
 
 def get_json(url: str, timeout: float = 5.0) -> Any:
@@ -19,6 +71,22 @@ def prom_query(prometheus_url: str, promql: str) -> list[dict]:
     if body.get("status") != "success":
         raise AssertionError(f"Prometheus refused {promql!r}: {body}")
     return body["data"]["result"]
+
+
+def pod_generations(prometheus_url: str, selector: str) -> dict[str, int]:
+    """`metronome_config_generation{<selector>}` as {pod: generation}."""
+    result = prom_query(prometheus_url, f"metronome_config_generation{{{selector}}}")
+    return {series["metric"]["pod"]: int(float(series["value"][1])) for series in result}
+
+
+def operator_view(prometheus_url: str, namespace: str, name: str, window_s: int = 20):
+    """What the operator's query path reads for one service over `window_s`."""
+    source = PrometheusMetricsSource(prometheus_url)
+    try:
+        window = QueryWindow.for_window(window_s, scrape_interval_seconds=SCRAPE_INTERVAL_S)
+        return source.observe(ServiceSelector(namespace, name), window)
+    finally:
+        source.close()
 
 
 def server_config(base_url: str) -> dict:

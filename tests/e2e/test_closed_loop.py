@@ -21,10 +21,17 @@ import pytest
 import yaml
 from closedloop import LoadDriver, LoadSpec
 from closedloop.slo import choose_tbt_target
-from e2e_helpers import config_map_generation, isvc, isvc_columns, prom_query, server_config
+from e2e_helpers import (
+    config_map_generation,
+    isvc,
+    isvc_columns,
+    operator_view,
+    pod_generations,
+    server_config,
+    service_namespace,
+)
 from polling import wait_for
 
-from metronome.operator.metrics_source import PrometheusMetricsSource, QueryWindow, ServiceSelector
 from metronome.server.bench.stats import percentile
 
 NAME = "smollm2"
@@ -54,10 +61,8 @@ def manifest() -> str:
 
 @pytest.fixture(scope="module")
 def ns(cluster, operator):
-    namespace = cluster.namespace("e2e-loop")
-    cluster.apply(manifest(), namespace)
-    yield namespace
-    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    with service_namespace(cluster, "e2e-loop", manifest()) as namespace:
+        yield namespace
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +85,6 @@ def measure_gaps(load: LoadDriver, seconds: float) -> list[float]:
     return load.gaps_since(mark)
 
 
-def operator_view(prometheus: str, ns: str):
-    source = PrometheusMetricsSource(prometheus)
-    try:
-        return source.observe(ServiceSelector(ns, NAME), QueryWindow.for_window(WINDOW_S, scrape_interval_seconds=1))
-    finally:
-        source.close()
-
-
 def test_the_operator_retunes_the_chunk_size_until_the_slo_is_met(cluster, standin, prometheus, operator, ns,
                                                                   servers, load):
     # 1-2. Load at the initial chunk; a target that chunk violates, chosen from what it measured.
@@ -97,7 +94,7 @@ def test_the_operator_retunes_the_chunk_size_until_the_slo_is_met(cluster, stand
     calibration = choose_tbt_target(percentile(initial, 50), percentile(initial, 99), INITIAL_CHUNK, FLOOR_CHUNK)
     print(f"\ncalibration ({len(initial)} gaps): {calibration.describe()}")
     target_ms = round(calibration.target_s * 1000)
-    before = operator_view(prometheus, ns)
+    before = operator_view(prometheus, ns, NAME, WINDOW_S)
     assert before.tbt_p99_s is not None and before.tbt_p99_s > calibration.target_s, (
         f"Prometheus' p99 TBT at chunk {INITIAL_CHUNK} ({before.tbt_p99_s}) should violate {target_ms} ms")
     first_generation = config_map_generation(cluster, ns, NAME)
@@ -126,8 +123,7 @@ def test_the_operator_retunes_the_chunk_size_until_the_slo_is_met(cluster, stand
         status = isvc(cluster, ns, NAME)["status"]
         generation, chunk = status["configGeneration"], status["chunkSize"]
         configs = {s.pod: server_config(s.base_url) for s in servers}
-        series = prom_query(prometheus, f'metronome_config_generation{{namespace="{ns}",service="{NAME}"}}')
-        seen = {x["metric"]["pod"]: int(float(x["value"][1])) for x in series}
+        seen = pod_generations(prometheus, f'namespace="{ns}",service="{NAME}"')
         done = (all((c["generation"], c["scheduler"]["chunk_size"]) == (generation, chunk) for c in configs.values())
                 and seen == {s.pod: generation for s in servers} and generation > first_generation)
         return done and (generation, chunk)

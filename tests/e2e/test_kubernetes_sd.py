@@ -17,24 +17,26 @@ from __future__ import annotations
 import ipaddress
 import subprocess
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 from closedloop import service_account_kubeconfig
-from e2e_helpers import get_json, prom_query
-from localcluster.components import prometheus_argv
-from localcluster.procs import free_port, start_process, stop_process
+from e2e_helpers import (
+    SCRAPE_INTERVAL_S,
+    get_json,
+    operator_view,
+    own_prometheus,
+    pod_generations,
+    prom_query,
+    service_namespace,
+)
 from polling import wait_for
 from standin.standin import ADDRESS_ANNOTATION
-
-from metronome.operator.metrics_source import PrometheusMetricsSource, QueryWindow, ServiceSelector
 
 pytestmark = pytest.mark.timeout(2400)  # a cold build of the Kubernetes-SD Prometheus included
 
 NAME = "sd-tiny"
-SCRAPE_INTERVAL_S = 1
 ANNOTATION_LABEL = "__meta_kubernetes_pod_annotation_" + "".join(c if c.isalnum() else "_" for c in ADDRESS_ANNOTATION)
 READER_RBAC = """
 apiVersion: v1
@@ -93,17 +95,10 @@ def build_prometheus_sd() -> Path:
     return Path(result.stdout.strip().splitlines()[-1])
 
 
-def _ready(url: str) -> bool:
-    with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as response:
-        return response.status == 200
-
-
 @pytest.fixture(scope="module")
 def ns(cluster, operator):
-    namespace = cluster.namespace("e2e-sd")
-    cluster.apply(manifest(), namespace)
-    yield namespace
-    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    with service_namespace(cluster, "e2e-sd", manifest()) as namespace:
+        yield namespace
 
 
 @pytest.fixture(scope="module")
@@ -111,23 +106,15 @@ def sd_prometheus(cluster, ns, tmp_path_factory):
     work = tmp_path_factory.mktemp("prometheus-sd")
     cluster.apply(READER_RBAC.replace("NS", ns))
     kubeconfig = service_account_kubeconfig(cluster, ns, "prometheus-sd", work / "kubeconfig", duration="3h")
-    config = work / "prometheus.yml"
-    config.write_text(scrape_config(str(kubeconfig)))
-    binary = build_prometheus_sd()
-    port = free_port()
-    record = start_process("prometheus-sd", prometheus_argv(binary, config, work / "data", port), work / "log")
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _ready(url), f"the discovery Prometheus to be ready (log {work / 'log'})", timeout=60)
-        yield url
+        with own_prometheus("prometheus-sd", build_prometheus_sd(), work, scrape_config(str(kubeconfig))) as url:
+            yield url
     finally:
-        stop_process(record)
         cluster.kubectl("delete", "clusterrolebinding,clusterrole", "e2e-prometheus-sd", check=False)
 
 
 def generations(prometheus: str, ns: str) -> dict[str, int]:
-    result = prom_query(prometheus, f'metronome_config_generation{{namespace="{ns}",model="{NAME}"}}')
-    return {series["metric"]["pod"]: int(float(series["value"][1])) for series in result}
+    return pod_generations(prometheus, f'namespace="{ns}",model="{NAME}"')
 
 
 def test_discovered_pods_are_scraped_on_loopback_only_and_queried_by_the_servers_labels(cluster, standin, ns,
@@ -149,10 +136,5 @@ def test_discovered_pods_are_scraped_on_loopback_only_and_queried_by_the_servers
     assert any(not address.startswith("127.") for address in dropped), dropped
 
     # The operator's query path over this Prometheus: the same generations, matched by `model` and `namespace`.
-    source = PrometheusMetricsSource(sd_prometheus)
-    try:
-        observation = source.observe(ServiceSelector(ns, NAME), QueryWindow.for_window(20, scrape_interval_seconds=1))
-    finally:
-        source.close()
-    assert observation.pod_generations == series
+    assert operator_view(sd_prometheus, ns, NAME).pod_generations == series
     assert "service" not in prom_query(sd_prometheus, f'metronome_config_generation{{namespace="{ns}"}}')[0]["metric"]

@@ -12,10 +12,8 @@ import signal
 
 import pytest
 import yaml
-from e2e_helpers import config_map_generation, prom_query, server_config
+from e2e_helpers import config_map_generation, operator_view, pod_generations, server_config, service_namespace
 from polling import wait_for
-
-from metronome.operator.metrics_source import PrometheusMetricsSource, QueryWindow, ServiceSelector
 
 NAME = "tiny"
 LABEL = f"metronome.dev/inferenceservice={NAME}"
@@ -32,10 +30,8 @@ def manifest(chunk_size: int) -> str:
 
 @pytest.fixture(scope="module")
 def ns(cluster, operator):
-    namespace = cluster.namespace("e2e-standin")
-    cluster.apply(manifest(256), namespace)
-    yield namespace
-    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    with service_namespace(cluster, "e2e-standin", manifest(256)) as namespace:
+        yield namespace
 
 
 def running_pods(cluster, ns) -> list[str]:
@@ -45,8 +41,7 @@ def running_pods(cluster, ns) -> list[str]:
 
 
 def generation_series(prometheus, ns) -> dict[str, int]:
-    result = prom_query(prometheus, f'metronome_config_generation{{namespace="{ns}",service="{NAME}"}}')
-    return {series["metric"]["pod"]: int(float(series["value"][1])) for series in result}
+    return pod_generations(prometheus, f'namespace="{ns}",service="{NAME}"')
 
 
 def test_running_pods_get_real_servers_on_their_own_loopback_addresses(cluster, standin, ns):
@@ -71,12 +66,7 @@ def test_prometheus_scrapes_every_server_with_the_label_contract(standin, promet
                       f"metronome_config_generation of pods {sorted(pods)} in Prometheus", timeout=60)
     assert len(set(series.values())) == 1
     # The operator's own query path reads the same series: one generation per pod.
-    source = PrometheusMetricsSource(prometheus)
-    try:
-        observation = source.observe(ServiceSelector(ns, NAME), QueryWindow.for_window(20, scrape_interval_seconds=1))
-    finally:
-        source.close()
-    assert observation.pod_generations == series
+    assert operator_view(prometheus, ns, NAME).pod_generations == series
 
 
 def test_a_configmap_change_reaches_each_server_through_the_data_swap(cluster, standin, prometheus, ns):
