@@ -12,6 +12,11 @@ The first two kinds are refused (413, 400): they must cost the other streams not
 partly admitted, so they add real work to the batch; the scheduler's token budget bounds what that costs, and the
 per-kind figures show it apart from the refusals.
 
+The steady streams and the hostile requests come as two clients (the OpenAI `user` field: STEADY_USER and
+HOSTILE_USER), the situation the server's per-client shares protect (server/api/client_share.py): the hostile
+client gets at most half of the waiting queue and of the running slots while the steady one is active.
+`hostile_client="same"` sends the hostile requests as the steady client instead, so the two can be compared.
+
 The injector runs in its own process: building and sending 16 MB bodies in the measuring process would delay
 its own reading of the steady streams and blame the server for it.
 
@@ -33,6 +38,8 @@ import httpx
 from metronome.server.bench.stats import percentile
 
 HOSTILE_KINDS = ("big_body", "long_prompt", "burst", "disconnect_storm")
+HOSTILE_CLIENTS = ("other", "same")  # hostile requests as a client of their own, or as the steady one
+STEADY_USER, HOSTILE_USER = "isolation-steady", "isolation-hostile"
 P99_TARGET, MAX_GAP_TARGET = 1.10, 2.0
 
 
@@ -50,6 +57,15 @@ class IsolationConfig:
     storm: int = 32
     token_id_range: tuple[int, int] = (300, 500)
     seed: int = 0
+    hostile_client: str = "other"  # one of HOSTILE_CLIENTS
+
+    def __post_init__(self) -> None:
+        if self.hostile_client not in HOSTILE_CLIENTS:
+            raise ValueError(f"hostile_client must be one of {HOSTILE_CLIENTS}, got {self.hostile_client!r}")
+
+    @property
+    def hostile_user(self) -> str:
+        return HOSTILE_USER if self.hostile_client == "other" else STEADY_USER
 
 
 @dataclass
@@ -74,6 +90,7 @@ class IsolationResult:
     steady_statuses: dict[str, int]
     server_errors: int
     kv_blocks_leaked: float | None
+    rejected_by_reason: dict[str, float] = field(default_factory=dict)  # metronome_requests_rejected_total, the run's
     machine: dict = field(default_factory=dict)
 
 
@@ -86,7 +103,7 @@ async def steady_stream(client: httpx.AsyncClient, cfg: IsolationConfig, rng: ra
     low, high = cfg.token_id_range
     while not stop.is_set():
         body = {"prompt": [rng.randrange(low, high) for _ in range(32)], "max_tokens": cfg.stream_tokens,
-                "ignore_eos": True, "temperature": 0, "stream": True, **_model(cfg)}
+                "ignore_eos": True, "temperature": 0, "stream": True, "user": STEADY_USER, **_model(cfg)}
         try:
             async with client.stream("POST", cfg.url + "/v1/completions", json=body) as response:
                 statuses[str(response.status_code)] += 1
@@ -109,15 +126,17 @@ async def steady_stream(client: httpx.AsyncClient, cfg: IsolationConfig, rng: ra
 # ---------------------------------------------------------------------------------------------------- hostile load
 
 
-_BODIES: dict[int, bytes] = {}
+_BODIES: dict[tuple[int, str, str | None], bytes] = {}
 
 
 async def big_body(client: httpx.AsyncClient, cfg: IsolationConfig, rng: random.Random) -> str:
     """A multi-MB JSON body (a prompt that long): refused at the header by the body limit, or parsed and sized."""
     size = int(cfg.big_body_mb * (1 << 20))
-    if size not in _BODIES:  # built once: the injector should spend its time sending
-        _BODIES[size] = b'{"prompt": "' + b"a" * size + b'", "max_tokens": 4' + _model_bytes(cfg) + b"}"
-    payload = _BODIES[size]
+    key = (size, cfg.hostile_user, cfg.model)
+    if key not in _BODIES:  # built once: the injector should spend its time sending
+        _BODIES[key] = (b'{"prompt": "' + b"a" * size + b'", "max_tokens": 4, "user": '
+                        + json.dumps(cfg.hostile_user).encode() + _model_bytes(cfg) + b"}")
+    payload = _BODIES[key]
     try:
         response = await client.post(cfg.url + "/v1/completions", content=payload,
                                      headers={"content-type": "application/json"})
@@ -130,7 +149,8 @@ async def long_prompt(client: httpx.AsyncClient, cfg: IsolationConfig, rng: rand
     """~long_prompt_tokens tokens of ordinary text: more than a small model's context, so it must be refused."""
     words = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit"]
     text = " ".join(rng.choice(words) for _ in range(cfg.long_prompt_tokens))
-    response = await client.post(cfg.url + "/v1/completions", json={"prompt": text, "max_tokens": 4, **_model(cfg)})
+    response = await client.post(cfg.url + "/v1/completions", json={"prompt": text, "max_tokens": 4,
+                                                                     "user": cfg.hostile_user, **_model(cfg)})
     return str(response.status_code)
 
 
@@ -139,7 +159,8 @@ async def burst(client: httpx.AsyncClient, cfg: IsolationConfig, rng: random.Ran
     low, high = cfg.token_id_range
 
     async def one() -> str:
-        body = {"prompt": [rng.randrange(low, high) for _ in range(8)], "max_tokens": 1, **_model(cfg)}
+        body = {"prompt": [rng.randrange(low, high) for _ in range(8)], "max_tokens": 1, "user": cfg.hostile_user,
+                **_model(cfg)}
         try:
             return str((await client.post(cfg.url + "/v1/completions", json=body)).status_code)
         except httpx.HTTPError as error:
@@ -154,7 +175,7 @@ async def disconnect_storm(client: httpx.AsyncClient, cfg: IsolationConfig, rng:
 
     async def one() -> str:
         body = {"prompt": [rng.randrange(low, high) for _ in range(16)], "max_tokens": 512, "ignore_eos": True,
-                "stream": True, **_model(cfg)}
+                "stream": True, "user": cfg.hostile_user, **_model(cfg)}
         try:
             async with client.stream("POST", cfg.url + "/v1/completions", json=body) as response:
                 async for _ in response.aiter_bytes():
@@ -221,6 +242,7 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
         streams = [asyncio.create_task(steady_stream(steady, cfg, random.Random(cfg.seed + 1 + i), stop, arrivals,
                                                      steady_statuses)) for i in range(cfg.streams)]
         await _wait_for_tokens(arrivals, cfg.streams)  # warm: every stream is producing before phase 1
+        rejected_before = await _rejected(steady, cfg.url)
         t0 = time.monotonic()
         for round_index in range(cfg.rounds):
             for kind in ("quiet", HOSTILE_KINDS[round_index % len(HOSTILE_KINDS)]):
@@ -238,6 +260,7 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
         for task in streams:
             task.cancel()
         leaked = await _kv_leaked(steady, cfg.url)
+        rejected_after = await _rejected(steady, cfg.url)
     injector.join(timeout=30)
     gaps = _gaps_by_phase(arrivals, phases)  # also fills each phase's "stats"
     quiet_stats = _stats(gaps.get("quiet", []))
@@ -262,6 +285,8 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
                  "no_5xx": server_errors == 0, "no_kv_leak": leaked == 0},
         hostile_statuses={kind: dict(counts) for kind, counts in hostile_statuses.items()},
         steady_statuses=dict(steady_statuses), server_errors=server_errors, kv_blocks_leaked=leaked,
+        rejected_by_reason={reason: rejected_after[reason] - rejected_before.get(reason, 0.0)
+                            for reason in sorted(rejected_after)},
         machine=machine_info())
 
 
@@ -298,6 +323,21 @@ async def _wait_for_tokens(arrivals: list, streams: int, timeout_s: float = 300.
         if time.monotonic() > deadline:
             raise RuntimeError(f"the steady streams produced no tokens within {timeout_s:.0f}s")
         await asyncio.sleep(0.1)
+
+
+async def _rejected(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """metronome_requests_rejected_total by reason, summed over models."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from metronome.contract.metric_names import REQUESTS_REJECTED
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families((await client.get(url + "/metrics")).text):
+        for sample in family.samples:
+            if sample.name == REQUESTS_REJECTED:
+                reason = sample.labels.get("reason", "")
+                totals[reason] = totals.get(reason, 0.0) + sample.value
+    return totals
 
 
 async def _kv_leaked(client: httpx.AsyncClient, url: str) -> float | None:
@@ -337,7 +377,7 @@ def run_command(args) -> int:
     """`metronome bench isolation` (flags: robustness_cli.py)."""
     fields = dict(streams=args.streams, stream_tokens=args.stream_tokens, phase_seconds=args.phase_seconds,
                   rounds=args.rounds, big_body_mb=args.big_body_mb, long_prompt_tokens=args.long_prompt_tokens,
-                  burst=args.burst, storm=args.storm, seed=args.seed)
+                  burst=args.burst, storm=args.storm, seed=args.seed, hostile_client=args.hostile_client)
     if args.url:
         result = asyncio.run(run_isolation(IsolationConfig(url=args.url.rstrip("/"), model=args.model, **fields)))
     else:
@@ -370,6 +410,10 @@ def format_report(result: IsolationResult) -> str:
     if quiet_p99:
         rows.append(f"noise: the quiet phases' own TBT p99 ranged {_fmt(min(quiet_p99))}..{_fmt(max(quiet_p99))} ms")
     rows.append(f"5xx responses: {result.server_errors}; KV blocks leaked: {result.kv_blocks_leaked}")
+    hostile_as = result.config.get("hostile_client", "other")
+    rows.append(f"hostile requests sent as {'a client of their own' if hostile_as == 'other' else 'the steady client'}"
+                "; server rejections by reason: "
+                + (", ".join(f"{reason}: {n:.0f}" for reason, n in result.rejected_by_reason.items() if n) or "none"))
     for kind, counts in result.hostile_statuses.items():
         rows.append(f"  {kind:<17} " + ", ".join(f"{status}: {n}" for status, n in sorted(counts.items())))
     return "\n".join(rows)

@@ -29,6 +29,8 @@ def configure_isolation(p: argparse.ArgumentParser) -> None:
                    help="words in the long text prompts (10000)")
     g.add_argument("--burst", type=positive_int, default=64, help="requests per burst (64)")
     g.add_argument("--storm", type=positive_int, default=32, help="streams per disconnect storm (32)")
+    g.add_argument("--hostile-client", choices=["other", "same"], default="other",
+                   help="hostile requests as a client of their own (`user` field; default) or as the steady one")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", metavar="PATH", help="write the results JSON here")
 
