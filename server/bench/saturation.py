@@ -2,10 +2,11 @@
 
 N requests of `prompt_len` random tokens, each generating exactly `output_len` tokens (greedy, eos ignored),
 are submitted at once; N is as many as the KV cache holds whole (prompt + output, in blocks, the admission
-watermark left free), capped by a flag. Every step is timed on the host (a step returns once its tokens are on
-the host). The steps after the last prompt chunk are pure decode: their output tokens/s is compared with its
-floor, batch ÷ ((weight bytes + KV bytes the step reads) ÷ measured copy bandwidth), from the mean batch and the
-mean KV tokens read per step (Σ tokens ÷ Σ floor time over those steps, exactly). The whole run's tokens/s
+watermark left free), capped by a flag. Every engine step is timed on the host: it returns once its tokens are
+on the host (under async scheduling, the tokens and stats of the step before, so each call lasts one step
+period). The steps after the last prompt chunk are pure decode: their output tokens/s is compared with its
+floor, batch ÷ ((weight bytes + KV bytes the step reads) ÷ measured copy bandwidth), from the mean batch and
+the mean KV tokens read per step (Σ tokens ÷ Σ floor time over those steps, exactly). The whole run's tokens/s
 (prefill included) is reported beside it. Steps are counted by how their forward ran (decode CUDA graph,
 piecewise graphs, eager): a decode batch above the largest captured graph size does not replay a decode graph.
 """
@@ -76,11 +77,14 @@ def summarize(steps: list[SatStep], weight_bytes: int, kv_bytes_per_token: int, 
         return result
     seconds = sum(s.seconds for s in decode)
     tokens = sum(s.output_tokens for s in decode)
-    mean_batch = sum(s.decode_tokens for s in decode) / len(decode)
+    # The batch is the tokens a step emitted: under async scheduling a step may also carry rows of sequences that
+    # finished the step before, whose outputs are dropped (counted in decode_tokens, not emitted, no KV counted).
+    mean_batch = tokens / len(decode)
     mean_kv = sum(s.kv_tokens_read for s in decode) / len(decode)
     part: dict[str, Any] = {
         "steps": len(decode), "seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
-        "mean_batch": mean_batch, "max_batch": max(s.decode_tokens for s in decode), "mean_kv_tokens_read": mean_kv,
+        "mean_batch": mean_batch, "max_batch": max(s.output_tokens for s in decode),
+        "mean_scheduled_decodes": sum(s.decode_tokens for s in decode) / len(decode), "mean_kv_tokens_read": mean_kv,
         "step_ms_median": statistics.median(s.seconds for s in decode) * 1000, "forward": _forward_counts(decode),
         "floor_bytes_per_step": weight_bytes + kv_bytes_per_token * mean_kv,
     }
