@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from metronome.contract.errors import InvalidRequestError
 
+ASYNC_SCHEDULING = ("auto", "on", "off")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -24,6 +26,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     watermark: float = 0.01  # fraction of KV blocks kept free at admission so running decodes can grow
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA + triton only; False = --enforce-eager)
+    async_scheduling: str = "auto"  # ASYNC_SCHEDULING: launch step n+1 before reading step n (auto: on for CUDA)
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -40,6 +43,9 @@ class EngineConfig:
             raise InvalidRequestError("max_waiting must be >= 0", param="max_waiting")
         if not 0.0 <= self.watermark < 1.0:
             raise InvalidRequestError("watermark must be in [0, 1)", param="watermark")
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise InvalidRequestError(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}, got "
+                                      f"{self.async_scheduling!r}", param="async_scheduling")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise InvalidRequestError("tensor_parallel_size must be an integer >= 1", param="tensor_parallel_size")

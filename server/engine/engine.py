@@ -1,5 +1,17 @@
-"""The synchronous engine core: requests in, one step at a time, token events out. Single-threaded; the
-AsyncEngine runs it on a background thread."""
+"""The engine core: requests in, one step at a time, token events out. Single-threaded; the AsyncEngine runs it
+on a background thread.
+
+Async scheduling (one step of lookahead, as vLLM's): a call of `step()` schedules, prepares and launches step
+n+1 and only then reads step n's sampled ids (copied to the host behind n's work) and emits them, so the host
+work of n+1 overlaps the device's work on n. What does not depend on token values (computed counts, blocks,
+positions) is done before n+1 is scheduled: each sampled token is a PENDING placeholder in token_ids until its
+step is read, and n+1 reads it on the device. What does depend on them (the token ids, detokenizing, stop checks,
+prefix-cache hashes of blocks that contain them) waits for the read. A sequence that finishes at n was already
+scheduled into n+1: that row's output is dropped, and its blocks are freed once n+1 is read (`_Launched.retired`).
+Requests whose choice needs the host to see their earlier tokens (penalties, grammars, logprobs:
+sampler.needs_sync) and tensor parallelism run synchronously: the same code, with each step read right after
+it is launched. A step returns the events and StepStats of the step whose tokens it read.
+"""
 from __future__ import annotations
 
 import itertools
@@ -7,6 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,18 +31,44 @@ from metronome.server.engine.block_manager import BlockManager
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.grammar import Grammars, advance
 from metronome.server.engine.kv_cache import bytes_per_block, plan_num_blocks
-from metronome.server.engine.model_runner import ModelRunner
+from metronome.server.engine.model_runner import InFlightTokens, ModelRunner
 from metronome.server.engine.output_text import OutputText
 from metronome.server.engine.outputs import EngineStats, GenerationResult, StepStats, TokenEvent
+from metronome.server.engine.sampler import PendingSample, SampleResult, needs_sync
 from metronome.server.engine.sampling import SamplingParams
-from metronome.server.engine.scheduler import Scheduler
-from metronome.server.engine.sequence import Sequence, SequenceStatus
+from metronome.server.engine.scheduler import ScheduledBatch, Scheduler
+from metronome.server.engine.sequence import PENDING, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from metronome.server.engine.tp_launch import WorkerPool
 
 ABORT_TOKEN_ID = -1
 log = logging.getLogger("metronome.engine")
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the device; its tokens are read by `_read`."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # the sampled rows, in order
+    indices: list[int]  # where each row's token goes in its seq.token_ids (PENDING until read)
+    sample: PendingSample | SampleResult | None  # None when no row samples
+    stats: StepStats  # the batch's shape and host time so far; tokens and duration are added when read
+    started: float  # perf_counter() when its scheduling began
+    members: set[Sequence] = field(default_factory=set)  # every sequence the step computes
+    retired: list[Sequence] = field(default_factory=list)  # members that finished before it was read
+
+    def in_flight_tokens(self) -> InFlightTokens | None:
+        if not isinstance(self.sample, PendingSample):
+            return None
+        return InFlightTokens(self.sample.ids, {seq: i for i, seq in enumerate(self.seqs)})
+
+
+def async_scheduling_enabled(mode: str, device: torch.device, tensor_parallel: bool) -> bool:
+    """EngineConfig.async_scheduling: "auto" is on for CUDA; tensor parallel always runs synchronously (every rank
+    takes the step's inputs from rank 0's host)."""
+    return not tensor_parallel and (mode == "on" or (mode == "auto" and device.type == "cuda"))
 
 
 class EngineCore:
@@ -80,6 +119,10 @@ class EngineCore:
             if Grammars.available() else None
         self._matchers: dict[str, Any] = {}  # request id -> its grammar matcher
         self._special: set[str] = set()  # live requests that edit logits or want logprobs (else: the plain path)
+        self._sync_only: set[str] = set()  # live requests whose steps must run synchronously (needs_sync)
+        self.async_scheduling = async_scheduling_enabled(config.async_scheduling, device, workers is not None)
+        self._inflight: _Launched | None = None  # launched, tokens not read yet (async scheduling)
+        self._last_read = 0.0  # perf_counter() when the last step's tokens were read
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self._abort_events: list[TokenEvent] = []
@@ -116,7 +159,7 @@ class EngineCore:
         tokens = bm.num_blocks * bm.block_size
         return (f"KV cache {bm.num_blocks} blocks x {bm.block_size} tokens = {tokens} tokens; max concurrency "
                 f"{tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens (max_model_len); "
-                f"execution {self.execution_mode}")
+                f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}")
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step afterwards)."""
@@ -208,30 +251,32 @@ class EngineCore:
             self._matchers[request_id] = self.grammars.matcher(params.grammar)
         if params.changes_logits or params.logprobs is not None:
             self._special.add(request_id)
+        if needs_sync(params):
+            self._sync_only.add(request_id)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Free the request's blocks now; its finished event (reason "abort") comes with the next step."""
+        """Free the request's blocks (now, or once a step in flight that computes it is read); its finished
+        event (reason "abort") comes with the next step."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return
-        self.scheduler.remove(seq)
-        self.runner.release(seq)
-        self._matchers.pop(request_id, None)
-        self._special.discard(request_id)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
+        seq.drop_pending()  # a token in flight is never emitted
+        self._release(seq, "abort")
         self._abort_events.append(TokenEvent(request_id, ABORT_TOKEN_ID, seq.detokenizer.take_delta(True),
                                              seq.num_output_tokens, time.monotonic(), True, "abort",
                                              seq.num_prompt_tokens, seq.num_output_tokens))
 
     def abort_all(self) -> list[str]:
         """Abort every request without abort events (the caller reports the failure); returns their ids."""
+        self._inflight = None  # a failed step's results are not read; its retired members are freed below
         ids = list(self._seqs)
         for request_id in ids:
             self.abort(request_id)
+        for seq in list(self.scheduler.retiring):
+            self.scheduler.release(seq)
         self._abort_events.clear()
         return ids
 
@@ -240,49 +285,93 @@ class EngineCore:
         self.scheduler.reconfigure(scheduler_config)
 
     def has_unfinished(self) -> bool:
-        return bool(self._seqs) or bool(self._abort_events)
+        return bool(self._seqs) or bool(self._abort_events) or self._inflight is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a launched step's tokens are still to be read (the next step() reads them)."""
+        return self._inflight is not None
 
     # --- the step ------------------------------------------------------------------------------------------
     def step(self) -> tuple[list[TokenEvent], StepStats]:
+        """Schedule and launch the next step, read the tokens of the one before it (async scheduling) or of this
+        one (synchronous), and return their events and that step's stats."""
         t0 = time.perf_counter()
         events, self._abort_events = self._abort_events, []
+        prev, self._inflight = self._inflight, None
+        lookahead = self.async_scheduling and not self._sync_only
+        if prev is not None and not lookahead:  # a request needs synchronous steps now: read the step in flight
+            return events, self._read(prev, events)  # first; the next call runs synchronously
         batch = self.scheduler.schedule()
+        launched = self._launch(batch, prev, t0) if not batch.is_empty else None
+        if lookahead:
+            self._inflight = launched  # sequences of it that finish when `prev` is read are retired, not freed
+        stats = self._read(prev, events) if prev is not None else None
+        if launched is not None:
+            self.scheduler.complete_step(launched.batch)  # after `prev` is read: new full blocks hash real tokens
+            if not lookahead:
+                stats = self._read(launched, events)
+        if stats is None:  # nothing was read: an idle step, or the first of a lookahead run
+            stats = StepStats(duration_s=time.perf_counter() - t0)
+            stats.scheduler_overhead_s = stats.duration_s
+        if launched is None:
+            stats.num_preemptions += len(batch.preempted)
+        return events, stats
+
+    def _launch(self, batch: ScheduledBatch, prev: _Launched | None, t0: float) -> _Launched:
+        """Prepare, run and sample `batch` without waiting for the device; its sampled tokens become PENDING."""
         stats = StepStats(num_preemptions=len(batch.preempted), num_seqs=batch.num_seqs,
                           num_tokens=batch.num_tokens, num_prefill_tokens=batch.num_prefill_tokens,
                           num_decode_tokens=batch.num_decode_tokens)
-        if batch.is_empty:
-            stats.duration_s = stats.scheduler_overhead_s = time.perf_counter() - t0
-            return events, stats
         for seq, n in batch.entries:  # prompt tokens computed for the first time (not recompute, not cache hits)
             if seq.num_preemptions == 0 and seq.num_computed_tokens < seq.num_prompt_tokens:
                 stats.new_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-        inputs = self.runner.prepare(batch)
+        inputs = self.runner.prepare(batch, prev.in_flight_tokens() if prev is not None else None)
         stats.cuda_graph = inputs.graph_step is not None
         stats.forward = inputs.kind
         t1 = time.perf_counter()
         logits = self.runner.forward_logits(inputs)
         seqs = inputs.sampling_seqs
-        sampled = self._sample(logits, seqs) if logits is not None else None
-        tokens = sampled.tokens if sampled is not None else []
-        logprobs = sampled.logprobs if sampled is not None else []
-        t2 = time.perf_counter()
-        self.scheduler.complete_step(batch)
-        now = time.monotonic()
-        short_threshold = self.scheduler.config.short_prompt_threshold
-        for seq, token, token_logprobs in zip(seqs, tokens, logprobs):
-            events.append(self._emit(seq, token, now, stats, short_threshold, token_logprobs))
-        t3 = time.perf_counter()
-        stats.duration_s = t3 - t0
-        stats.scheduler_overhead_s = (t1 - t0) + (t3 - t2)
-        return events, stats
+        sample = self._sample(logits, seqs) if logits is not None else None
+        indices = []
+        for seq in seqs:
+            tokens = seq.token_ids
+            indices.append(len(tokens))
+            tokens.append(PENDING)
+        stats.scheduler_overhead_s = t1 - t0
+        return _Launched(batch, seqs, indices, sample, stats, t0, {seq for seq, _ in batch.entries})
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
-        """The chosen ids. Runs right after the forward was launched: the grammar masks of constrained rows are
-        filled on the host meanwhile (grammar.py); penalties read each row's token history."""
+    def _read(self, launched: _Launched, events: list[TokenEvent]) -> StepStats:
+        """Wait for a launched step's tokens (only for them), emit them, free what finished before it ran out."""
+        sample = launched.sample
+        sampled = sample.result() if isinstance(sample, PendingSample) else sample
+        t2 = time.perf_counter()
+        stats = launched.stats
+        if sampled is not None:
+            now = time.monotonic()
+            short_threshold = self.scheduler.config.short_prompt_threshold
+            finished = SequenceStatus.FINISHED
+            for seq, index, token, token_logprobs in zip(launched.seqs, launched.indices, sampled.tokens,
+                                                         sampled.logprobs):
+                if seq.status is not finished:  # else it ended (or was aborted) after this step was scheduled
+                    events.append(self._emit(seq, index, token, now, stats, short_threshold, token_logprobs))
+        for seq in launched.retired:
+            self.scheduler.release(seq)
+        t3 = time.perf_counter()
+        stats.scheduler_overhead_s += t3 - t2
+        stats.duration_s = t3 - max(launched.started, self._last_read)  # from the previous read, if later
+        self._last_read = t3
+        return stats
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample | SampleResult:
+        """The chosen ids (on their way to the host), or with logprobs, read now. Runs right after the forward was
+        launched: the grammar masks of constrained rows are filled on the host meanwhile (grammar.py); penalties
+        read each row's token history."""
         params = [s.params for s in seqs]
         generators = [s.generator for s in seqs]
+        sampler = self.runner.sampler
         if not self._special:  # nothing to edit or report: no per-row checks on the hot path
-            return self.runner.sampler.sample(logits, params, generators, plain=True)
+            return PendingSample(sampler.choose(logits, params, generators, plain=True))
         mask = None
         if self._matchers:
             rows = [i for i, s in enumerate(seqs) if s.request_id in self._matchers]
@@ -290,12 +379,16 @@ class EngineCore:
                 mask = self.grammars.mask(rows, [self._matchers[seqs[i].request_id] for i in rows])
         histories = [(s.token_ids, s.num_prompt_tokens) if s.params.uses_penalties else None for s in seqs] \
             if any(p.uses_penalties for p in params) else None
-        return self.runner.sampler.sample(logits, params, generators, histories, mask)
+        if any(p.logprobs is not None for p in params):
+            return sampler.sample(logits, params, generators, histories, mask)
+        return PendingSample(sampler.choose(logits, params, generators, histories, mask))
 
-    def _emit(self, seq: Sequence, token: int, now: float, stats: StepStats, short_threshold: int,
+    def _emit(self, seq: Sequence, index: int, token: int, now: float, stats: StepStats, short_threshold: int,
               logprobs=None) -> TokenEvent:
-        # Runs once per generated token between GPU steps: plain attribute reads, no repeated properties.
-        seq.token_ids.append(token)
+        """seq's sampled token at token_ids[index] (a PENDING placeholder; a later one may follow under async
+        scheduling). Runs once per generated token between GPU steps: plain attribute reads, no repeated
+        properties."""
+        seq.token_ids[index] = token
         stats.generated_tokens += 1
         last = seq.last_token_time
         lane = "short" if seq.num_prompt_tokens <= short_threshold else "long"  # metric_names.LANES
@@ -308,39 +401,50 @@ class EngineCore:
         seq.last_token_time = now
         matcher = self._matchers.get(seq.request_id)
         grammar_done = matcher is not None and advance(matcher, token)
-        reason, text_cut = self._finish_reason(seq, token)
+        num_tokens = index + 1
+        reason, text_cut = self._finish_reason(seq, token, num_tokens)
         if reason is None and grammar_done:
             reason = "stop"  # the constrained text is complete
         if reason is not None:
             if not text_cut and seq.detokenizer.flush():  # held-back text may still complete a stop string
                 reason = "stop"
+            seq.drop_pending()  # the token of a step in flight, if any: that row's output is dropped
             self._finish(seq, reason)
             stats.finished_e2e_s.append(now - seq.arrival_time)
         finished = reason is not None
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        num_output = num_tokens - seq.num_prompt_tokens
         return TokenEvent(seq.request_id, token, seq.detokenizer.take_delta(finished), num_output - 1, now, finished,
                           reason, seq.num_prompt_tokens, num_output, logprobs)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, bool]:
-        """(finish reason or None, whether a stop string cut the text)."""
+    def _finish_reason(self, seq: Sequence, token: int, num_tokens: int) -> tuple[str | None, bool]:
+        """(finish reason or None, whether a stop string cut the text); num_tokens: up to this token."""
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop", False  # the stop token's text is not part of the output
         if seq.detokenizer.push(token):
             return "stop", True
-        num_tokens = len(seq.token_ids)
         if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length", False
         return None, False
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+        self._release(seq, reason)
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        """seq left the engine: its blocks are freed now, or once the step in flight that computes it is read."""
+        inflight = self._inflight
+        if inflight is not None and seq in inflight.members and seq.status is SequenceStatus.RUNNING:
+            self.scheduler.retire(seq)
+            inflight.retired.append(seq)
+        else:
+            self.scheduler.remove(seq)
         self.runner.release(seq)
         self._matchers.pop(seq.request_id, None)
         self._special.discard(seq.request_id)
+        self._sync_only.discard(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self._seqs.pop(seq.request_id, None)
 
     # --- convenience and introspection ---------------------------------------------------------------------
     def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams]
@@ -358,10 +462,20 @@ class EngineCore:
             for event in events:
                 if event.finished:
                     pending.discard(event.request_id)
+        self.drain()
         return [GenerationResult(rid, seqs[rid].prompt_token_ids, seqs[rid].output_token_ids,
                                  seqs[rid].detokenizer.text, seqs[rid].finish_reason) for rid in ids]
 
+    def drain(self) -> list[TokenEvent]:
+        """Read the step in flight, if any, launching none: afterwards every finished request's blocks are free."""
+        events: list[TokenEvent] = []
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._read(prev, events)
+        return events
+
     def live_sequences(self) -> list[Sequence]:
+        """The sequences that hold KV blocks (running, and finished ones a step in flight still computes)."""
         return self.scheduler.live_sequences()
 
     def check_no_leaks(self) -> None:

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig
 from metronome.server.cli_types import bounded, chunk_tokens, nonneg_int, open_fraction, positive_float, positive_int
-from metronome.server.engine.config import EngineConfig
+from metronome.server.engine.config import ASYNC_SCHEDULING, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "shard the model over N processes of this host (GPUs, or CPU ranks over gloo)", positive_int, metavar="N"),
     Flag("--enforce-eager", "cuda_graphs", "no CUDA graphs for decode steps (captured at start on CUDA by default)",
          action="store_false"),
+    Flag("--async-scheduling", "async_scheduling", "launch each step before reading the previous step's tokens, so "
+         "that scheduling and input preparation overlap the GPU (auto: on for CUDA, off for CPU; requests with "
+         "penalties, grammars or logprobs, and tensor parallel, always run synchronously)", choices=ASYNC_SCHEDULING),
 )
 
 SCHEDULER_FLAGS: tuple[Flag, ...] = (

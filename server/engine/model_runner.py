@@ -7,6 +7,11 @@ decode-only batches that fit a captured size replay a CUDA graph (cuda_graphs.py
 largest token bucket replay piecewise graphs with eager attention between the pieces (piecewise_graphs.py);
 anything larger runs eagerly. Every kernel variant is compiled at start-up (`warm_up`), before serving.
 
+Under async scheduling (engine.py) a step is prepared while the previous one still runs: a decode's input token
+may be that step's sample, not yet on the host (a PENDING placeholder in token_ids). `prepare` is then given
+the previous step's ids on the device (`InFlightTokens`) and copies them into this step's input ids there, behind
+the uploads and before the forward, in stream order: no host sync.
+
 Each array of a staging buffer starts 16 bytes in: Triton specialises a kernel on whether a pointer is 16-byte
 aligned, and an offset that moved with the batch size would compile a second variant in the middle of serving.
 """
@@ -50,6 +55,14 @@ class PreparedInputs:
     def kind(self) -> str:
         """How the forward runs: "graph" (decode graph), "piecewise" or "eager"."""
         return "graph" if self.graph_step else "piecewise" if self.piece_step else "eager"
+
+
+@dataclass
+class InFlightTokens:
+    """The chosen ids of the step in flight, on the device: `rows[seq]` is seq's row of `ids`."""
+
+    ids: torch.Tensor
+    rows: dict[Sequence, int]
 
 
 def _aligned(parts: list[np.ndarray], dtype: type) -> tuple[np.ndarray, list[int]]:
@@ -126,8 +139,8 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.mirror = BlockTableMirror(-(-max_model_len // block_size) + 1)
         self._on_cuda = device.type == "cuda"
-        self._staging: dict[str, torch.Tensor] = {}
-        self._staged = torch.cuda.Event() if self._on_cuda else None  # the last upload from the staging buffers
+        # name -> (pinned staging buffer, event after the last upload from it: then it may be rewritten)
+        self._staging: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}
         self.graphs: GraphRunner | None = None
         self.pieces: PiecewiseRunner | None = None
         self.graph_capture_s: float | None = None
@@ -137,18 +150,26 @@ class ModelRunner:
         self.mirror.release(seq.request_id)
 
     # --- inputs --------------------------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> PreparedInputs:
+    def prepare(self, batch: ScheduledBatch, in_flight: InFlightTokens | None = None) -> PreparedInputs:
+        """The step's inputs on the device. `in_flight`: the ids of the step still running, for the tokens of
+        this one that are PENDING on the host (async scheduling)."""
         entries = batch.entries
         num_seqs = len(entries)
         q_list, start_list, total_list, row_list = [], [], [], []
         token_ids: list[int] = []
+        pending: list[tuple[int, Sequence]] = []  # (row of this step's tokens, sequence) of PENDING tokens
         row_for = self.mirror.row_for
         for seq, n in entries:  # one pass over the sequences; everything else is vectorised
             c = seq.num_computed_tokens
             tokens = seq.token_ids
             if n == 1:
-                token_ids.append(tokens[c])
+                token = tokens[c]
+                if token < 0:
+                    pending.append((len(token_ids), seq))
+                token_ids.append(token)
             else:
+                if c + n == len(tokens) and tokens[-1] < 0:  # a recompute that ends in the token in flight
+                    pending.append((len(token_ids) + n - 1, seq))
                 token_ids.extend(tokens[c:c + n])
             q_list.append(n)
             start_list.append(c)
@@ -179,11 +200,10 @@ class ModelRunner:
             if prepared is not None:
                 step, sample_dev = prepared
                 static = step.graph.static
+                if pending:
+                    self._fill_pending(static.input_ids, pending, in_flight)
                 return PreparedInputs(static.input_ids, static.positions, step.graph.meta, sample_dev, sampling_seqs,
                                       step)
-        if self._staged is not None:
-            self._staged.synchronize()  # the last step's upload may still read the staging buffers (no sync if
-            # that step sampled nothing)
         t, b = num_tokens, num_seqs
         piece = self.pieces.prepare(token_array, positions, slot_mapping, sample_rows) \
             if self.pieces is not None else None
@@ -196,6 +216,8 @@ class ModelRunner:
         else:
             step, sample_dev = piece
             input_ids, positions_dev, slots_dev = self.pieces.inputs(step)
+        if pending:
+            self._fill_pending(input_ids, pending, in_flight)
         ints, (o_cu, o_lens, o_tables) = _aligned(
             [cu.astype(np.int32), seq_lens.astype(np.int32), block_tables.reshape(-1)], np.int32)
         ints_dev = self._to_device("ints", ints)
@@ -212,19 +234,35 @@ class ModelRunner:
         return PreparedInputs(input_ids, positions_dev, meta, sample_dev, sampling_seqs,
                               piece_step=piece[0] if piece is not None else None)
 
+    def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, Sequence]],
+                      in_flight: InFlightTokens | None) -> None:
+        """input_ids[row] = the in-flight step's id for each PENDING token, on the device."""
+        if in_flight is None:
+            raise RuntimeError(f"{pending[0][1].request_id}: a PENDING token but no step in flight to read it from")
+        k = len(pending)
+        index = np.empty(2 * k, dtype=np.int64)  # this step's rows | the in-flight step's rows
+        for j, (row, seq) in enumerate(pending):
+            index[j] = row
+            index[k + j] = in_flight.rows[seq]
+        index_dev = self._to_device("pending", index)
+        input_ids.index_copy_(0, index_dev[:k], in_flight.ids.index_select(0, index_dev[k:]))
+
     def _to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(array)
         if not self._on_cuda:
             return host
-        staging = self._staging.get(name)
+        staging, uploaded = self._staging.get(name, (None, None))
         if staging is None or staging.numel() < host.numel() or staging.dtype != host.dtype:
             staging = torch.empty(max(host.numel(), 4096) * 2, dtype=host.dtype, pin_memory=True)
-            self._staging[name] = staging
+            uploaded = torch.cuda.Event()
+            self._staging[name] = (staging, uploaded)
+        else:
+            uploaded.synchronize()  # the last step's upload may still read it; long done under async scheduling,
+            # which has read that step's results before it prepares this one
         buf = staging[: host.numel()]
         buf.copy_(host)
         device_copy = buf.to(self.device, non_blocking=True)
-        if self._staged is not None:
-            self._staged.record()
+        uploaded.record()
         return device_copy
 
     # --- CUDA graphs ----------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ Logprobs are the model's own (log-softmax of the raw logits, before any of the a
 
 Vectorised over the batch; an all-greedy batch with nothing to edit is one argmax, exactly as before. A seeded
 request draws from its own torch.Generator, so its output depends only on its own logits and seed, not on what
-it was batched with. The only host sync is the one that hands the chosen ids (and requested logprobs) back.
+it was batched with. The only host sync is the one that hands the chosen ids (and requested logprobs) back:
+`sample` waits for it; `choose` leaves the ids on the device, and a `PendingSample` copies them to the host
+behind the step's work without waiting (async scheduling launches the next step before reading them).
 """
 from __future__ import annotations
 
@@ -22,6 +24,34 @@ from metronome.server.engine.sampling import SamplingParams
 class SampleResult:
     tokens: list[int]
     logprobs: list[TokenLogprobs | None]  # one per row; None where the row asked for none
+
+
+def needs_sync(params: SamplingParams) -> bool:
+    """Whether a request's next choice depends on the values of its earlier tokens as the host sees them (penalties
+    read the history, a grammar's mask follows the text) or reports more than ids (logprobs): its steps cannot be
+    launched before the previous step's tokens are read."""
+    return params.uses_penalties or params.grammar is not None or params.logprobs is not None
+
+
+class PendingSample:
+    """A step's chosen ids: on the device (`ids`, which the next step can read there) and on their way into pinned
+    host memory. `result()` waits for that copy only, not for work queued on the device after it."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+        if ids.is_cuda:
+            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host.copy_(ids, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host, self._copied = ids, None
+
+    def result(self) -> SampleResult:
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens = self._host.tolist()
+        return SampleResult(tokens, [None] * len(tokens))
 
 
 class Sampler:
@@ -44,17 +74,21 @@ class Sampler:
         those checks cost more host time than the argmax)."""
         n = len(params)
         want_logprobs = [] if plain else [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw = logits
-        if not plain and (grammar_mask is not None or any(p.changes_logits for p in params)):
-            logits = process_logits(logits, params, histories or [None] * n, grammar_mask)
-        greedy = [p.is_greedy for p in params]
-        if all(greedy):
-            chosen = logits.argmax(dim=-1)
-        else:
-            chosen = self._draw(logits, params, generators, greedy)
+        chosen = self.choose(logits, params, generators, histories, grammar_mask, plain)
         if not want_logprobs:
             return SampleResult(chosen.tolist(), [None] * n)
-        return SampleResult(*self._with_logprobs(raw, chosen, params, want_logprobs))
+        return SampleResult(*self._with_logprobs(logits, chosen, params, want_logprobs))
+
+    def choose(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+               histories: list[tuple[list[int], int] | None] | None = None,
+               grammar_mask: tuple[torch.Tensor, torch.Tensor] | None = None, plain: bool = False) -> torch.Tensor:
+        """The chosen id of every row (int64, on the logits' device); arguments as for `sample`."""
+        if not plain and (grammar_mask is not None or any(p.changes_logits for p in params)):
+            logits = process_logits(logits, params, histories or [None] * len(params), grammar_mask)
+        greedy = [p.is_greedy for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        return self._draw(logits, params, generators, greedy)
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
               greedy: list[bool]) -> torch.Tensor:

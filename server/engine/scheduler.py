@@ -51,6 +51,9 @@ class Scheduler:
         self.clock = clock
         self.queues = WaitingQueues(config)
         self.running: list[Sequence] = []  # admission order: the last one is the newest (first to preempt)
+        # Finished while a step that computes them is still in flight (async scheduling): no longer scheduled,
+        # their blocks are freed by release() once that step's results are read.
+        self.retiring: list[Sequence] = []
         self.preemptions_total = 0
 
     # --- requests ------------------------------------------------------------------------------------------
@@ -66,7 +69,8 @@ class Scheduler:
         return self.queues.counts()
 
     def live_sequences(self) -> list[Sequence]:
-        return list(self.running)
+        """Every sequence that holds KV blocks."""
+        return self.running + self.retiring
 
     def remove(self, seq: Sequence) -> bool:
         """Drop seq wherever it is (finish or abort) and free its blocks. False if it was not here."""
@@ -77,6 +81,16 @@ class Scheduler:
         if seq.status is SequenceStatus.WAITING:
             return self.queues.remove(seq)
         return False
+
+    def retire(self, seq: Sequence) -> None:
+        """Stop scheduling a running seq but keep its blocks until release(seq) (a step in flight writes them)."""
+        self.running.remove(seq)
+        self.retiring.append(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks of a retired seq."""
+        self.retiring.remove(seq)
+        self.block_manager.free(seq)
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Swap policy and sizes between steps: waiting requests move to the new queues in arrival order;
@@ -137,8 +151,8 @@ class Scheduler:
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> None:
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
-                continue
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling or seq.num_tokens >= seq.max_num_tokens:
+                continue  # the last check: its final token is still being sampled (async scheduling), it ends then
             while not self.block_manager.append_slots(seq):
                 victim = self.running[-1]  # newest; never one already scheduled (those are older than seq)
                 self._preempt(victim)

@@ -6,6 +6,10 @@ from typing import Any
 
 from metronome.server.engine.sampling import SamplingParams
 
+# Placeholder in token_ids for a token the device is still sampling (async scheduling, engine.py): the next step
+# reads it on the device; the engine writes the value in when it reads that step's results.
+PENDING = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # in a queue, no KV blocks
@@ -18,7 +22,9 @@ class Sequence:
 
     `token_ids` = prompt + generated tokens. `num_computed_tokens` of them have their KV in the cache; a step
     computes the next `n` of them, and when that reaches the end of `token_ids` the model samples a new token.
-    After preemption (recompute) the sequence prefills prompt + generated tokens again.
+    After preemption (recompute) the sequence prefills prompt + generated tokens again. Under async scheduling
+    the last entry may be PENDING: sampled by the step in flight, its value not yet read (positions, blocks and
+    lengths count it, so all bookkeeping but the token's value is done before it is known).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
@@ -61,6 +67,11 @@ class Sequence:
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
+    def max_num_tokens(self) -> int:
+        """Prompt + max_tokens: a sequence this long has nothing left to compute (its last token is sampled)."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
@@ -73,6 +84,12 @@ class Sequence:
     def mark_admitted(self) -> None:
         self.status = SequenceStatus.RUNNING
         self.prefill_target = len(self.token_ids)
+
+    def drop_pending(self) -> None:
+        """Forget the token of a step still in flight (the sequence finished or was aborted before it)."""
+        tokens = self.token_ids
+        while len(tokens) > self.num_prompt_tokens and tokens[-1] == PENDING:
+            tokens.pop()
 
     def reset_for_recompute(self) -> None:
         """Preempted: its blocks were freed; it will prefill prompt + generated tokens again."""
