@@ -6,9 +6,11 @@ that which requests are over their share does not depend on how fast the engine 
 """
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
-from api_helpers import TINY, ServerThread, build_engine, metric, scrape
+from api_helpers import TINY, ServerThread, build_engine, metric, scrape, wait_until
 
 from metronome.contract import metric_names as names
 from metronome.contract.config import SchedulerConfig
@@ -149,3 +151,37 @@ def test_streamed_requests_give_their_share_back_when_the_stream_ends(open_serve
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     assert open_server.ledger.loads == {}
+
+
+def test_no_slot_outlives_its_request_whatever_the_clients_do(open_server):
+    """Bursts from two clients at once, streams dropped after one chunk, clients that time out while waiting:
+    afterwards no client holds anything (a leaked slot would throttle that client for good)."""
+    url = open_server.url
+
+    async def plain(client: httpx.AsyncClient, user: str) -> int:
+        body = {"prompt": "hi", "max_tokens": 4, "user": user, "n": 2}
+        return (await client.post(url + "/v1/completions", json=body)).status_code
+
+    async def dropped(client: httpx.AsyncClient, user: str) -> int:
+        body = {"prompt": "go on", "max_tokens": 200, "ignore_eos": True, "stream": True, "user": user}
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            async for _ in response.aiter_bytes():
+                break
+            return response.status_code
+
+    async def impatient(client: httpx.AsyncClient, user: str) -> int:
+        body = {"prompt": "slow", "max_tokens": 200, "ignore_eos": True, "user": user}
+        try:
+            return (await client.post(url + "/v1/completions", json=body,
+                                      timeout=httpx.Timeout(60, read=0.05))).status_code
+        except httpx.ReadTimeout:
+            return 0
+
+    async def scenario() -> list[int]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+            work = [kind(client, user) for user in ("a", "b") for kind in (plain, dropped, impatient) * 4]
+            return await asyncio.gather(*work)
+
+    statuses = asyncio.run(scenario())
+    assert set(statuses) <= {0, 200, 429}, statuses
+    wait_until(lambda: open_server.ledger.loads == {}, timeout=60, what="every client's slots given back")
