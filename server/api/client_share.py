@@ -15,12 +15,13 @@ scheduler's prefill budget), `running` after that.
 The share (`fair_share`): while a client is the only one with requests in flight, nothing changes — it may use the
 whole `--max-waiting` and `--max-num-seqs`, as before. While others are active too, it may hold at most
 limit // active_clients of each (at least 1), capped further by `--max-waiting-per-client` /
-`--max-running-per-client` when given. The shares of all active clients add up to at most the limit, so each one
-can always get its own share; a lone client is never throttled; and there is no tuning to get wrong by default.
+`--max-running-per-client` when given. The shares of all active clients add up to at most the limit (while there are
+no more clients than the limit), so a client within its share is not refused by the global limit as long as the
+others are within theirs; a lone client is never throttled; and there is no tuning to get wrong by default.
 The running share counts the client's waiting requests too, because the scheduler runs a waiting request as
 soon as it can: so running ≤ share holds without the scheduler knowing about clients. Shares are checked at
-admission only: when a second client arrives, nothing the first already holds is evicted; its new requests wait
-(429) until it is under its share again.
+admission only: when a second client arrives, nothing the first already holds is evicted; the first one's new
+requests get 429 until it is under its share again.
 """
 from __future__ import annotations
 
