@@ -138,11 +138,11 @@ class Refresh:
     replicas: int | None = None  # patch spec.replicas to this (the autotuner scaled)
 
 
-def _service(body: Mapping[str, Any], kube: Kube) -> InferenceService:
+def _service(body: Mapping[str, Any], memo: kopf.Memo) -> InferenceService:
     try:
-        return parse_service(body)
+        return parse_service(body, memo.options.server_image)
     except SpecError as exc:
-        kube.emit_event(body, "Warning", "InvalidSpec", str(exc))
+        memo.kube.emit_event(body, "Warning", "InvalidSpec", str(exc))
         raise kopf.PermanentError(str(exc)) from exc
 
 
@@ -194,7 +194,7 @@ def refresh_owner(memo: kopf.Memo, namespace: str, name: str) -> None:
         if owner is None or owner["metadata"].get("deletionTimestamp"):
             return
         try:
-            service = parse_service(owner)
+            service = parse_service(owner, memo.options.server_image)
         except SpecError:
             return  # its own handler reported it (InvalidSpec) and will again on the next spec change
         result = refresh(memo, service, owner, repair=True)
@@ -208,14 +208,14 @@ def refresh_owner(memo: kopf.Memo, namespace: str, name: str) -> None:
 
 
 def reconcile_service(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    service = _service(body, memo.kube)
+    service = _service(body, memo)
     reconcile.sync_children(memo.kube, service, body, memo.options.monitor)
     # A spec change (or a restart) reads the metrics at once: status keeps its measurements, autotune reacts.
     _apply_to_kopf_patch(refresh(memo, service, body, repair=False), patch)
 
 
 def serve_spec_server(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    service = _service(body, memo.kube)
+    service = _service(body, memo)
     config = reconcile.serve_scheduler(memo.kube, service, body, service.spec.server, why="spec.server changed")
     # Record the generation at once: it is where numbering resumes if the ConfigMap is ever lost.
     patch.status.update(status_mod.served_config_fields(config))

@@ -27,6 +27,7 @@ from metronome.operator.options import (
     LeaderElection,
     OperatorOptions,
 )
+from metronome.operator.spec import DEFAULT_IMAGE
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -50,6 +51,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--status-interval", type=float, default=DEFAULT_STATUS_INTERVAL_SECONDS, metavar="SECONDS",
         help="how often the control loop looks for services whose Prometheus reading is due; children's "
         "changes refresh status at once (default %(default)s)",
+    )
+    parser.add_argument(
+        "--server-image", default=os.environ.get("METRONOME_SERVER_IMAGE") or DEFAULT_IMAGE, metavar="IMAGE",
+        help="server image of InferenceServices without spec.image; changing it rolls their pods "
+        f"(default: $METRONOME_SERVER_IMAGE, else {DEFAULT_IMAGE})",
     )
     _prometheus_flags(parser.add_argument_group("Prometheus"))
     _monitor_flags(parser.add_argument_group("monitors"))
@@ -117,6 +123,8 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         raise _fail(f"--health-port must be 0..65535, got {args.health_port}")
     if args.status_interval <= 0:
         raise _fail(f"--status-interval must be > 0, got {args.status_interval}")
+    if not args.server_image or any(c.isspace() for c in args.server_image):
+        raise _fail(f"--server-image must be an image reference without spaces, got {args.server_image!r}")
     try:
         prometheus = PrometheusSettings(
             url=args.prometheus_url or None,
@@ -141,6 +149,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         health_port=args.health_port,
         leader_election=leader,
         status_interval_seconds=args.status_interval,
+        server_image=args.server_image,
     )
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from metronome.operator.leader import LeaseTimes
 from metronome.operator.metrics_source import PrometheusSettings
 from metronome.operator.monitoring import MonitorSettings
+from metronome.operator.spec import DEFAULT_IMAGE
 
 DEFAULT_HEALTH_PORT = 8080
 DEFAULT_STATUS_INTERVAL_SECONDS = 5.0
@@ -31,6 +32,8 @@ class OperatorOptions:
     leader_election: LeaderElection | None = None  # None = this replica acts alone (one operator replica)
     # How often the operator-wide control loop looks for services whose Prometheus reading is due.
     status_interval_seconds: float = DEFAULT_STATUS_INTERVAL_SECONDS
+    # The server image of InferenceServices without spec.image (--server-image).
+    server_image: str = DEFAULT_IMAGE
 
     @property
     def prometheus_url(self) -> str | None:

@@ -34,6 +34,8 @@ KIND = "InferenceService"
 PLURAL = "inferenceservices"
 API_VERSION = f"{GROUP}/{VERSION}"
 
+# The server image of services without spec.image, unless the operator's --server-image names another (the CRD
+# leaves spec.image unset rather than defaulting it, so the operator can tell "not chosen" from a choice).
 DEFAULT_IMAGE = f"ghcr.io/metronome-dev/metronome-server:{__version__}"
 HOST_PATH_KINDS = ("gguf", "hf-dir")  # mounted from the node, so their paths are absolute
 
@@ -649,7 +651,8 @@ def parse_server(data: Mapping[str, Any]) -> SchedulerConfig:
         raise SpecError(str(exc)) from exc
 
 
-def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
+def parse_spec(spec: Mapping[str, Any], default_image: str = DEFAULT_IMAGE) -> InferenceServiceSpec:
+    """`default_image`: the image when spec.image is unset (the operator's --server-image)."""
     if not isinstance(spec, Mapping):
         raise SpecError("spec: expected an object")
     where = "spec"
@@ -660,7 +663,7 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
         model=parse_model(_section(spec, "model", where)),
         replicas=_value(spec, "replicas", int, defaults["replicas"], where),
         resources=parse_resources(_section(spec, "resources", where)),
-        image=_value(spec, "image", str, defaults["image"], where),
+        image=_value(spec, "image", str, default_image, where),
         image_pull_policy=_value(spec, "imagePullPolicy", str, defaults["image_pull_policy"], where),
         engine=parse_engine(_section(spec, "engine", where)),
         server=server,
@@ -675,8 +678,8 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
     )
 
 
-def parse_service(body: Mapping[str, Any]) -> InferenceService:
-    """Parse a whole CR body (as kopf or the API returns it)."""
+def parse_service(body: Mapping[str, Any], default_image: str = DEFAULT_IMAGE) -> InferenceService:
+    """Parse a whole CR body (as kopf or the API returns it); `default_image` as in parse_spec."""
     metadata = body.get("metadata") or {}
     name, namespace = metadata.get("name"), metadata.get("namespace")
     if not name or not namespace:
@@ -686,5 +689,5 @@ def parse_service(body: Mapping[str, Any]) -> InferenceService:
         namespace=namespace,
         uid=metadata.get("uid", ""),
         generation=int(metadata.get("generation") or 0),
-        spec=parse_spec(body.get("spec") or {}),
+        spec=parse_spec(body.get("spec") or {}, default_image),
     )

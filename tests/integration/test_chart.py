@@ -152,6 +152,14 @@ def test_prometheus_client_values_become_flags_and_mounts(cluster):
     assert secrets == {"prom-token", "prom-ca"}
 
 
+def test_server_image_value_becomes_the_flag(cluster):
+    assert not [a for a in _args(_template(cluster)) if a.startswith("--server-image")]  # the operator's default
+    docs = _template(cluster, "--set", "serverImage=localhost/metronome-server:latest")
+    assert "--server-image=localhost/metronome-server:latest" in _args(docs)
+    bad = cluster.helm("template", "m", str(CHART), "--set", "serverImage=a b", check=False)
+    assert bad.returncode != 0 and "serverImage" in bad.stderr
+
+
 def test_replicas_elect_a_leader_through_a_lease(cluster):
     docs = _template(cluster, "--set", "replicas=2")
     (deployment,) = _by_kind(docs, "Deployment")

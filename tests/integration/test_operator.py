@@ -23,6 +23,7 @@ from operator_harness import (
 
 NAME = "smollm2"  # examples/inferenceservice.yaml
 LABEL = f"metronome.dev/inferenceservice={NAME}"
+SERVER_IMAGE = "localhost/metronome-server:latest"  # --server-image: the example sets no spec.image
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,8 @@ def operator(cluster, tmp_path_factory, canned_prometheus):
     kubeconfig = service_account_kubeconfig(cluster, release.namespace, release.service_account, work / "kubeconfig")
     # The autotune tests name the canned Prometheus in spec.metrics.prometheusUrl: the allow-list must admit it.
     process = OperatorProcess(kubeconfig=kubeconfig, log_dir=work,
-                              extra_args=("--allow-prometheus-url", canned_prometheus.url))
+                              extra_args=("--allow-prometheus-url", canned_prometheus.url,
+                                          "--server-image", SERVER_IMAGE))
     process.start()
     yield process
     process.stop()
@@ -105,6 +107,7 @@ def test_example_creates_children_running_pods_columns_and_conditions(cluster, o
         assert pod["spec"]["nodeName"].startswith("kwok-gpu-")
         (container,) = pod["spec"]["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert container["image"] == SERVER_IMAGE
 
     columns = _columns(cluster, ns)
     assert columns["READY"] == "2/2"

@@ -9,6 +9,7 @@ import pytest
 
 from metronome.operator import main
 from metronome.operator.main import configure, options_from_args
+from metronome.operator.spec import DEFAULT_IMAGE
 
 
 def parse(*argv: str):
@@ -114,3 +115,18 @@ def test_the_operator_package_never_imports_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_server_image_defaults_to_the_environment_then_the_built_in_image(monkeypatch):
+    monkeypatch.delenv("METRONOME_SERVER_IMAGE", raising=False)
+    assert parse().server_image == DEFAULT_IMAGE
+    monkeypatch.setenv("METRONOME_SERVER_IMAGE", "registry.example/metronome-server:7")
+    assert parse().server_image == "registry.example/metronome-server:7"
+    local = "localhost/metronome-server:latest"
+    assert parse("--server-image", local).server_image == local
+
+
+@pytest.mark.parametrize("bad", ["", "localhost/metronome server:latest"])
+def test_a_bad_server_image_is_an_error_naming_the_flag(bad):
+    with pytest.raises(SystemExit, match="--server-image"):
+        parse("--server-image", bad)
