@@ -26,6 +26,15 @@ class SampleResult:
     logprobs: list[TokenLogprobs | None]  # one per row; None where the row asked for none
 
 
+def _to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A short host list on the device without a host sync: torch.tensor(..., device="cuda") copies from pageable
+    memory and then waits for the stream, i.e. for the step still in flight under async scheduling."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def needs_sync(params: SamplingParams) -> bool:
     """Whether a request's next choice depends on the values of its earlier tokens as the host sees them (penalties
     read the history, a grammar's mask follows the text) or reports more than ids (logprobs): its steps cannot be
@@ -96,13 +105,13 @@ class Sampler:
         chosen = torch.empty(len(params), dtype=torch.long, device=logits.device)
         shared_rows = [i for i, (g, gen) in enumerate(zip(greedy, generators)) if not g and gen is None]
         if shared_rows:
-            rows = torch.tensor(shared_rows, device=logits.device)
+            rows = _to_device(shared_rows, logits.device)
             chosen[rows] = torch.multinomial(probs[rows], 1, generator=self.generator).squeeze(1)
         for i, (g, gen) in enumerate(zip(greedy, generators)):
             if not g and gen is not None:
                 chosen[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
         if any(greedy):
-            rows = torch.tensor([i for i, g in enumerate(greedy) if g], device=logits.device)
+            rows = _to_device([i for i, g in enumerate(greedy) if g], logits.device)
             chosen[rows] = logits[rows].argmax(dim=-1)
         return chosen
 
@@ -125,11 +134,10 @@ class Sampler:
     def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Softmax of temperature-scaled logits restricted to each row's min_p, top-k and top-p (nucleus) set."""
         n, vocab = logits.shape
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                             dtype=logits.dtype, device=logits.device)
+        temps = _to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], logits.device, logits.dtype)
         scaled = logits / temps.unsqueeze(1)
         if any(p.min_p > 0.0 for p in params):
-            min_ps = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+            min_ps = _to_device([p.min_p for p in params], logits.device, logits.dtype)
             probs = torch.softmax(scaled, dim=-1)
             floor = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
             scaled = scaled.masked_fill(probs < floor, float("-inf"))
@@ -140,10 +148,10 @@ class Sampler:
         sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         if use_k:
-            ks = torch.tensor([min(p.top_k, vocab) if p.uses_top_k else vocab for p in params], device=logits.device)
+            ks = _to_device([min(p.top_k, vocab) if p.uses_top_k else vocab for p in params], logits.device)
             sorted_logits = sorted_logits.masked_fill(ranks >= ks.unsqueeze(1), float("-inf"))
         if use_p:
-            top_ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+            top_ps = _to_device([p.top_p for p in params], logits.device, logits.dtype)
             sorted_probs = torch.softmax(sorted_logits, dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability mass ranked above this token
             drop = (mass_before >= top_ps.unsqueeze(1)) & (ranks > 0)  # always keep the most likely token
@@ -165,8 +173,8 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams],
     bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < logits.shape[1]]
     if bias:
         rows_b, ids_b, values_b = zip(*bias)
-        logits.index_put_((torch.tensor(rows_b, device=device), torch.tensor(ids_b, device=device)),
-                          torch.tensor(values_b, dtype=logits.dtype, device=device), accumulate=True)
+        logits.index_put_((_to_device(rows_b, device), _to_device(ids_b, device)),
+                          _to_device(values_b, device, logits.dtype), accumulate=True)
     penal = [i for i, p in enumerate(params) if p.uses_penalties]
     if penal:
         logits[torch.tensor(penal, device=device)] = apply_penalties(
