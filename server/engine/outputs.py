@@ -32,10 +32,13 @@ class TokenEvent:
 
 @dataclass
 class StepStats:
-    """Produced by every engine step and handed to observers (metrics)."""
+    """Produced by every engine step and handed to observers (metrics). Under async scheduling a step() call
+    launches one step and reads the one before: its stats describe the step it read (batch shape, tokens), with
+    the time since the previous read as its duration; a call that read nothing reports num_tokens 0."""
 
     duration_s: float = 0.0
     scheduler_overhead_s: float = 0.0  # host time: schedule + prepare inputs + postprocess, not model forward
+    # (under async scheduling it overlaps the previous step's device time)
     num_tokens: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
