@@ -155,20 +155,24 @@ def test_preemption_under_a_small_kv_cache_is_exact(prefix):
     assert sync_totals["preemptions"] > 0 and async_totals["preemptions"] > 0
 
 
-def test_requests_that_need_their_tokens_on_the_host_run_synchronously():
-    penalised = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)
+@pytest.mark.parametrize("special", [dict(repetition_penalty=1.3), dict(logprobs=2)])
+def test_requests_that_need_their_tokens_on_the_host_run_synchronously(special):
+    penalised = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, **special)
     plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     requests = [([7, 8, 9, i], penalised if i == 2 else plain) for i in range(5)]
     compare(requests[:2])  # plain only: lookahead
     engine = make_engine("on")
     ids = [engine.add_request(p, sp) for p, sp in requests]
+    logprobs = []
     while engine.has_unfinished():
-        engine.step()
-        assert not engine.in_flight or ids[2] not in engine._seqs  # synchronous while the penalised one lives
+        events, _ = engine.step()
+        logprobs += [e.logprobs for e in events if e.request_id == ids[2]]
+        assert not engine.in_flight or ids[2] not in engine._seqs  # synchronous while the special one lives
+    assert len(logprobs) == 12 and all((lp is not None) == ("logprobs" in special) for lp in logprobs)
     sync_events, _ = run(make_engine("off"), requests)
     async_events, totals = run(make_engine("on"), requests)
     assert async_events == sync_events and totals["lookahead_steps"] == 0
-    assert needs_sync(penalised) and needs_sync(SamplingParams(logprobs=2))
+    assert needs_sync(SamplingParams(repetition_penalty=1.3)) and needs_sync(SamplingParams(logprobs=2))
     assert needs_sync(SamplingParams(grammar=Grammar("json_object")))
     assert not needs_sync(plain) and not needs_sync(SamplingParams(logit_bias=((3, 5.0),), seed=1))
 
@@ -317,3 +321,22 @@ def test_the_flag_and_its_default():
     assert async_scheduling_enabled("auto", cuda, False) and not async_scheduling_enabled("auto", cpu, False)
     assert async_scheduling_enabled("on", cpu, False) and not async_scheduling_enabled("off", cuda, False)
     assert not async_scheduling_enabled("on", cuda, True)  # tensor parallel: synchronous
+
+
+def test_a_grammar_request_runs_synchronously_and_stays_valid():
+    config = EngineConfig(model="random:tiny", device="cpu", dtype="float32", num_kv_blocks=128,
+                          async_scheduling="on")
+    core = EngineCore.from_config(config, SchedulerConfig())
+    free = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = core.generate(["free text"], free)[0].token_ids
+    ids = [core.add_request("free text", free),
+           core.add_request("constrained", SamplingParams(max_tokens=8, grammar=Grammar("regex", r"(yes|no)")))]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while core.has_unfinished():
+        for e in core.step()[0]:
+            if e.token_id >= 0:
+                tokens[e.request_id].append(e.token_id)
+        assert not core.in_flight or ids[1] not in core._seqs
+    assert tokens[ids[0]] == alone
+    assert core.tokenizer.decode(tokens[ids[1]]) in {"yes", "no"}
+    core.check_no_leaks()
