@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `metronome bench loop` on the GPU machine (issue 12), in one device call: installs the wheels the image lacks
-# (.gpuwheels/: pydantic, fastapi, starlette, uvicorn, opentelemetry-api and their needs, carried along), runs the loop benchmark with the arguments given, and brings back its JSON, its PNG,
-# the log and a tarball of the servers' logs. Run from the repository root:
+# (.gpuwheels/: pydantic, fastapi, starlette, uvicorn, opentelemetry-api and their needs, carried along), runs the
+# loop benchmark with the arguments given, and brings back its JSON (rewritten after every run, so a run cut short
+# by LIMIT keeps the runs before it), its PNG, the log and a tarball of the servers' logs. From the repository root:
 #
 #     LIMIT=540 bash hack/gpu_loop.sh --phases ... --static 512,split ...   # writes $OUT/loop.json, $OUT/loop.png
 #

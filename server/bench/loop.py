@@ -83,9 +83,12 @@ class _Loop:
     intervals: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def run_plans(plans: Sequence[RunPlan], settings: LoopSettings, progress=print) -> list[dict[str, Any]]:
+async def run_plans(plans: Sequence[RunPlan], settings: LoopSettings, progress=print,
+                    on_run=None) -> list[dict[str, Any]]:
     """Every plan in turn, each on fresh servers, or all on one set with `settings.reuse_servers` (each run then
-    starts from its own initial config as a new generation, once the servers are idle)."""
+    starts from its own initial config as a new generation, once the servers are idle). `on_run(runs)` is called
+    after each run with the runs so far (the CLI writes its JSON then: a command cut short keeps what it measured)."""
+    done = on_run or (lambda runs: None)
     if not settings.reuse_servers:
         runs = []
         for plan in plans:
@@ -96,6 +99,7 @@ async def run_plans(plans: Sequence[RunPlan], settings: LoopSettings, progress=p
                 runs.append(await _run_on(plan, servers, config, settings, progress))
             finally:
                 await asyncio.to_thread(stop_servers, servers)
+            done(runs)
         return runs
     config = ServerConfigFile(generation=1, scheduler=plans[0].initial)
     servers = await _start(settings.work_dir / "servers", config, settings, "all runs", progress)
@@ -108,6 +112,7 @@ async def run_plans(plans: Sequence[RunPlan], settings: LoopSettings, progress=p
                 server.write_config(config)
             await _wait_idle_on(servers, config.generation, timeout_s=settings.drain_timeout_s + 60)
             runs.append(await _run_on(plan, servers, config, settings, progress))
+            done(runs)
     finally:
         await asyncio.to_thread(stop_servers, servers)
     return runs
@@ -293,14 +298,19 @@ async def _send(client: HttpClient, request, record: RequestRecord, t0: float, t
 # --- the whole command ---------------------------------------------------------------------------------------------
 
 def report(runs: list[dict[str, Any]], settings: LoopSettings, command: str) -> dict[str, Any]:
-    """Client-side interval and phase stats per run, the oracle, and the targets; records are dropped."""
+    """Client-side interval and phase stats per run, the oracle, and the targets; records are left out (the runs
+    given are not changed: the CLI reports after every run)."""
     bounds = phase_bounds(settings.phases)
     durations = [end - start for start, end in bounds]
     static_phases: dict[str, list[dict[str, Any]]] = {}
     target_ms = settings.slo_tbt_s * 1000
     ttft_ms = settings.slo_ttft_s * 1000 if settings.slo_ttft_s is not None else None
-    for run in runs:
-        records = run.pop("records")
+    out_runs = []
+    for raw in runs:
+        records = raw["records"]
+        run = {key: value for key, value in raw.items() if key not in ("records", "intervals")}
+        run["intervals"] = [dict(interval) for interval in raw["intervals"]]
+        out_runs.append(run)
         good = loop_report.good_requests(records, settings.slo_tbt_s, settings.slo_ttft_s)
         run["phases"] = [dict(label=p.label, **s.to_dict()) for p, s in
                          zip(settings.phases, loop_report.phase_stats(records, good, bounds), strict=True)]
@@ -317,7 +327,7 @@ def report(runs: list[dict[str, Any]], settings: LoopSettings, command: str) -> 
         else:
             run["targets"] = loop_report.loop_targets(run["intervals"], phase_of, target_ms, ttft_ms)
     best = loop_report.oracle(static_phases, durations)
-    for run in runs:
+    for run in out_runs:
         if not run["static"] and best:
             run["targets"]["goodput_vs_oracle"] = round(run["goodput_tok_s"] / best["goodput_tok_s"], 4) \
                 if best["goodput_tok_s"] > 0 else None
@@ -328,8 +338,8 @@ def report(runs: list[dict[str, Any]], settings: LoopSettings, command: str) -> 
         "slo": {"tbt_p99_ms": target_ms, "ttft_p99_ms": ttft_ms},
         "interval_s": settings.interval_s, "window_s": settings.window.window_seconds,
         "phases": [{"label": p.label, "workload": p.workload, "rate": p.rate, "duration_s": p.duration_s,
-                    "long_fraction": p.long_fraction} for p in settings.phases],
-        "runs": runs,
+                    "long_fraction": p.long_fraction, "output_len": p.output_len} for p in settings.phases],
+        "runs": out_runs,
         "oracle": best,
     }
 

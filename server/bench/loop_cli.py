@@ -161,13 +161,18 @@ def _main(args: argparse.Namespace) -> int:
     plans += [loop.RunPlan(f"static {c}/{p}", None, loop.initial_scheduler(base, c, p)) for c, p in args.static]
     print(f"metronome bench loop: {len(plans)} run(s) of {len(requests)} requests; servers' logs in {work_dir}",
           file=sys.stderr)
-    runs = asyncio.run(loop.run_plans(plans, settings, progress=lambda m: print(m, file=sys.stderr, flush=True)))
     command = "metronome bench loop " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
         if sys.argv[1:3] == ["bench", "loop"] else " ".join(shlex.quote(a) for a in sys.argv)
-    result = loop.report(runs, settings, command)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+
+    def write(runs: list[dict]) -> dict:
+        result = loop.report(runs, settings, command)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return result
+
+    runs = asyncio.run(loop.run_plans(plans, settings, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                                      on_run=write))
+    result = write(runs)
     if args.plot:
         from metronome.server.bench.loop_plot import plot_timeline
 

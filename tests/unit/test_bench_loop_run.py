@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from metronome.server.bench import loop_cli
+from metronome.server.bench import loop, loop_cli
 
 
-def test_the_loop_retunes_real_servers_and_a_static_run_holds(tmp_path):
+def test_the_loop_retunes_real_servers_and_a_static_run_holds(tmp_path, monkeypatch):
+    written = []  # runs in the JSON each time it is written: after every run, so a command cut short keeps them
+    report = loop.report
+    monkeypatch.setattr(loop, "report", lambda runs, *rest: written.append(len(runs)) or report(runs, *rest))
     parser = argparse.ArgumentParser()
     loop_cli.configure(parser)
     out, plot = tmp_path / "loop.json", tmp_path / "loop.png"
@@ -21,6 +24,7 @@ def test_the_loop_retunes_real_servers_and_a_static_run_holds(tmp_path):
         "--tuning-policies", "multiplicative",
         "--static", "256,fcfs", "--work-dir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)])
     assert loop_cli.main(args) == 0
+    assert written == [1, 2, 2]
     result = json.loads(out.read_text())
     loop_run, static_run = result["runs"]
     assert (loop_run["label"], static_run["label"]) == ("loop multiplicative", "static 256/fcfs")
