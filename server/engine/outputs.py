@@ -38,7 +38,7 @@ class StepStats:
 
     duration_s: float = 0.0
     scheduler_overhead_s: float = 0.0  # host time: schedule + prepare inputs + postprocess, not model forward
-    # (under async scheduling it overlaps the previous step's device time)
+    # (under async scheduling it overlaps the device's work on the step before, so it may exceed duration_s)
     num_tokens: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
