@@ -94,7 +94,8 @@ def main() -> int:
         args.model, args.decodes, args.context, args.chunk, args.reps = "random:tiny", 3, 40, 16, 1
     start = time.perf_counter()
     config = EngineConfig(model=args.model, device=device, attention_backend="auto" if not args.smoke else "torch",
-                          num_kv_blocks=None if not args.smoke else 512, seed=0)
+                          num_kv_blocks=None if not args.smoke else 512, seed=0,
+                          async_scheduling="off")  # a profiled step() must run and read one step, not two
     core = EngineCore.from_config(config, SchedulerConfig(chunk_size=8192, max_num_seqs=args.decodes + 1,
                                                           queue_policy="fcfs"))
     startup_s = time.perf_counter() - start
