@@ -340,3 +340,42 @@ def test_a_grammar_request_runs_synchronously_and_stays_valid():
     assert tokens[ids[0]] == alone
     assert core.tokenizer.decode(tokens[ids[1]]) in {"yes", "no"}
     core.check_no_leaks()
+
+
+def test_prepare_takes_pending_tokens_from_the_step_in_flight_in_any_row():
+    """A decode row, and a recompute chunk that ends in the token in flight (a sequence preempted and admitted
+    again before that token was read), each get the in-flight step's id for their row, in any order."""
+    import torch
+
+    from metronome.server.engine.model_runner import InFlightTokens
+    from metronome.server.engine.scheduler import ScheduledBatch
+    from metronome.server.engine.sequence import PENDING, Sequence
+
+    engine = make_engine("on", block_size=4)
+    bm = engine.block_manager
+    decode = Sequence("decode", [3, 4, 5, PENDING], SamplingParams(), 0.0, 0)
+    recompute = Sequence("recompute", [6, 7, 8, 9, 10, PENDING], SamplingParams(), 0.0, 1)
+    for seq in (decode, recompute):
+        assert bm.allocate(seq, [])
+    decode.num_computed_tokens = 3
+    batch = ScheduledBatch(entries=[(decode, 1), (recompute, 6)], num_decode_tokens=1, num_prefill_tokens=6)
+    in_flight = InFlightTokens(torch.tensor([70, 71, 72]), {recompute: 0, decode: 2})
+    inputs = engine.runner.prepare(batch, in_flight)
+    assert inputs.input_ids.tolist() == [72, 6, 7, 8, 9, 10, 70]
+    with pytest.raises(RuntimeError, match="no step in flight"):
+        engine.runner.prepare(batch, None)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_configurations_emit_the_synchronous_events(seed):
+    """Block size, chunk, batch limit, prefix caching, a cache small enough to preempt, late arrivals and aborts,
+    drawn together."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 8, 16])
+    requests = workload(seed, count=rng.randint(3, 30))
+    longest = max(len(p) + sp.max_tokens for p, sp in requests)
+    num_blocks = max(rng.choice([40, 64, 100, 8192 // block_size]), 2 * (longest // block_size + 3))
+    aborts = {i: rng.randint(0, 10) for i in range(len(requests)) if rng.random() < 0.2}
+    compare(requests, abort_after=aborts, late=rng.randint(0, len(requests) // 2), block_size=block_size,
+            prefix=rng.random() < 0.5, num_kv_blocks=num_blocks, chunk_size=rng.choice([1, 2, 3, 7, 16, 64, 1 << 20]),
+            max_num_seqs=rng.choice([1, 2, 4, 8, 32]))
