@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+import warnings
 
 import pytest
 import torch
@@ -94,6 +95,18 @@ def test_a_stop_token_ends_the_request_at_the_same_token(engine):
         assert out == want[:want.index(want[5]) + 1]
 
 
+def _host_syncs(core: EngineCore) -> list[str]:
+    """Where one step() makes a synchronizing CUDA call (torch's sync debug mode), as file:line."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            core.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
 def test_decode_step_wall_with_and_without_async_scheduling():
     """Interleaved on one engine (host speed drifts): decode steps at batch 1 and 64, 512-token contexts."""
     config = EngineConfig(model="random:smollm2-360m", device="cuda", dtype="bfloat16", block_size=16,
@@ -120,6 +133,8 @@ def test_decode_step_wall_with_and_without_async_scheduling():
         off, on = (statistics.median(walls[m]) * 1000 for m in (False, True))
         print(f"\ndecode batch {batch}: {off:.2f} ms/step synchronous, {on:.2f} ms/step async "
               f"({off / on:.2f}x) [{core.execution_mode}]")
+        print(f"host syncs in one async decode step (only the read of the step before should wait): "
+              f"{_host_syncs(core)}")
         for seq in core.live_sequences():
             core.abort(seq.request_id)
         while core.has_unfinished():
