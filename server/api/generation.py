@@ -104,6 +104,12 @@ async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list
 
 async def _merged(streams, firsts) -> AsyncIterator[tuple[int, object]]:
     """(choice index, event) from every stream, each stream's events in order, until all have finished."""
+    if len(streams) == 1:  # the common case: no task per token
+        yield 0, firsts[0]
+        if not firsts[0].finished:
+            async for event in streams[0]:
+                yield 0, event
+        return
     pending: dict[asyncio.Future, int] = {}
     for index, first in enumerate(firsts):
         yield index, first

@@ -61,6 +61,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_scheduler_flags(parser.add_argument_group("scheduler (initial values; the --config file overrides them)"))
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def _http_stack() -> tuple[str, str]:
+    """What uvicorn's "auto" picks: httptools and uvloop when installed (the server extra), else h11 and asyncio."""
+    from importlib.util import find_spec
+
+    return ("httptools" if find_spec("httptools") else "h11"), ("uvloop" if find_spec("uvloop") else "asyncio")
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -134,5 +144,10 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                             timeout_graceful_shutdown=max(args.drain_seconds, 1.0))
     server = make_draining_server(config, state.lifecycle, args.drain_seconds, engine.abort)
+    log.info("HTTP: %s on %s", *_http_stack())
+    # The engine thread shares the GIL with this event loop, and every torch call releases and retakes it: at
+    # Python's default 5 ms switch interval a busy event loop holds the engine up to 5 ms per call, so a step of a
+    # few dozen calls stretches while many streams are served (docs/perf/serving.md).
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     server.run()
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from metronome.contract.errors import MetronomeError
@@ -32,6 +33,20 @@ def _prompt_of(request: BenchRequest) -> list[int] | str:
         return list(request.prompt_token_ids)
     assert request.prompt_text is not None
     return request.prompt_text
+
+
+async def sse_lines(response) -> AsyncIterator[str]:
+    """The lines of an event stream, split at LF (CRLF) only, as SSE defines them. httpx's aiter_lines also splits
+    at U+2028, U+0085 and other separators that JSON carries raw inside strings (the server writes UTF-8 with
+    ensure_ascii off), which cut a random model's chunks in two."""
+    pending = b""
+    async for data in response.aiter_bytes():
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if pending:
+        yield pending.rstrip(b"\r").decode()
 
 
 class HttpClient:
@@ -99,7 +114,7 @@ class HttpClient:
                     body = (await resp.aread()).decode(errors="replace")
                     record.error = f"http {resp.status_code}: {_error_message(body)}"
                     return
-                async for line in resp.aiter_lines():
+                async for line in sse_lines(resp):
                     if not line.startswith("data:"):
                         continue
                     payload = line[len("data:"):].strip()
