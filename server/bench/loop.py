@@ -202,7 +202,8 @@ async def _scrape(http, servers: Sequence[LoopServer], state: _Loop, t0: float, 
     async def one(server: LoopServer) -> None:
         with contextlib.suppress(Exception):  # a missed scrape is a gap in the window, as with Prometheus
             response = await http.get(server.base_url + "/metrics")
-            scrape = parse_scrape(response.text, server.name, time.monotonic() - t0)
+            # parsed off the event loop: it also timestamps every streamed token of the run
+            scrape = await asyncio.to_thread(parse_scrape, response.text, server.name, time.monotonic() - t0)
             history = state.scrapes[server.name]
             history.append(scrape)
             while history and history[0].time < scrape.time - keep_s:
