@@ -10,11 +10,13 @@ Order of the rules, first match wins:
    server's per-lane prompt counts) and short requests' TBT p99 (the TBT histogram's short lane; the overall p99
    when the server does not split it out) is over target; back to the resource's own policy when the share falls
    to ≤ long_share_off. The gap between the two is the hysteresis. No switch to split while the budget is under
-   the short-prompt threshold (split would raise it).
+   the short-prompt threshold (split would raise it), nor while p99 TBT is over FAR_OVER_TARGET × the target and
+   a chunk rule would change the chunk: the chunk goes first (a switch would cost a settling window).
 3b. prefill guard: when prefill is the bottleneck — TTFT p99 over its limit while requests wait for prefill, or
    the waiting queue grew by `queue_growth_limit` or more over the window — the budget is never shrunk: it grows
-   (the model's largest chunk within the TBT budget, or ×multiplicative_up) when TBT is under target, else it
-   holds (replicas + 1 if `scale_replicas`, else `slo_unreachable` while an SLO is broken).
+   (the model's largest chunk within the TBT budget, or ×multiplicative_up) when TBT is under target; over target
+   `model` still shrinks as far as its prefill floor (below), which keeps prefill fed; otherwise it holds
+   (replicas + 1 if `scale_replicas`, else `slo_unreachable` while an SLO is broken).
 4. deadband → hold while deadband_low ≤ p99 / target ≤ upper, where upper is deadband_high (0.95) for
    `model`, which aims at target·margin (0.9) inside the band, and 1.0 for `multiplicative`.
 5. chunk size, by policy:
@@ -22,8 +24,10 @@ Order of the rules, first match wins:
      metrics' kind), calibrate p99 = k·(a + m + b·(D + C)) on the current observation, take the largest multiple
      of `chunk_granularity` with predicted p99 ≤ target·margin, but never below the chunk whose prefill
      throughput C / step(D + C) covers `prefill_headroom` × the prompt tokens per second per pod. Never moves
-     against what was observed (shrinks only above the band, grows only below it). Falls back to
-     `multiplicative` when the fit is poor (too few points, r² low, slope ≤ 0, no spread in tokens per step).
+     against what was observed (shrinks only above the band, grows only below it). When the fit is poor (too few
+     points, r² low, slope ≤ 0, no spread in tokens per step) it scales the chunk by target·margin / p99 while
+     over target (never below the chunk that meets it, as a step has a fixed part), and otherwise falls back to
+     `multiplicative`.
    - `multiplicative`: the background report's rule: ×0.9 when p99 TBT is over target and throughput above its
      floor, else ×1.1.
    Every proposal is capped (at most ×max_step_up, ÷max_step_down per decision) and clamped to the bounds;
@@ -68,6 +72,9 @@ class _Proposal:
     fit_r_squared: float | None = None
 
 
+FAR_OVER_TARGET = 2.0  # p99 TBT / target above which a chunk change goes before a queue-policy switch
+
+
 def decide(observation: Observation | None, current: CurrentConfig, spec: AutotuneSpec, now: float) -> Decision:
     """The next step for one service. Pure: same inputs, same Decision. Raises SpecError without an SLO."""
     if spec.tbt_p99_target_s is None:
@@ -89,9 +96,11 @@ def decide(observation: Observation | None, current: CurrentConfig, spec: Autotu
     waiting = _settling_reason(observation, current, spec, now)
     if waiting is not None:
         return _hold(current, waiting, **observed)
-    proposal = (_policy_switch(observation, current, spec) or _prefill_guard(observation, current, spec, ratio)
-                or _tune_chunk(observation, current, spec, ratio))
-    return _finish(proposal, current, spec, observed)
+    switch = _policy_switch(observation, current, spec)
+    chunk = _prefill_guard(observation, current, spec, ratio) or _tune_chunk(observation, current, spec, ratio)
+    # Far over target the chunk is the coarse knob: a policy switch first would cost a whole settling window.
+    chunk_first = ratio > FAR_OVER_TARGET and chunk.chunk_size != current.chunk_size
+    return _finish(switch if switch is not None and not chunk_first else chunk, current, spec, observed)
 
 
 # --- rule 2: let the last change take effect before judging it -------------------------------------------------
@@ -188,6 +197,13 @@ def _prefill_guard(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
                              f"{basis}: TBT has room, growing the budget ({how}){_cap_note(wanted, chunk, spec, 0)}",
                              (ActionKind.CHUNK_UP,), policy_used="prefill-guard",
                              fit_r_squared=fit.r_squared if fit is not None else None)
+    if ratio > 1.0 and spec.policy is TuningPolicy.MODEL:
+        # The model never shrinks below the chunk whose prefill throughput covers the demand (with headroom):
+        # a budget far above that floor is not what keeps prefill fed.
+        shrink, _ = _model_step(obs, current, spec, ratio)
+        if shrink is not None and shrink.chunk_size < current.chunk_size:
+            return replace(shrink, reason=f"{basis}, but chunk {current.chunk_size} is above what prefill needs: "
+                                          f"{shrink.reason}")
     room = "no room left under the TBT target" if ratio < 1.0 else "TBT is over target too"
     basis = f"{basis}: {room}, not shrinking the budget"
     if spec.scale_replicas and current.replicas < spec.max_replicas:
@@ -236,11 +252,34 @@ def _tune_chunk(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, ra
         proposal, problem = _model_step(obs, current, spec, ratio)
         if proposal is not None:
             return proposal
+        if ratio > 1.0:
+            return _proportional_step(obs, current, spec, f"model fit unusable ({problem}), proportional fallback: ")
         fallback_note = f"model fit unusable ({problem}), multiplicative fallback: "
         if spec.deadband_low <= ratio <= 1.0:
             return _hold_proposal(current, f"{fallback_note}{_tbt_text(tbt, spec)} is within target, no change",
                                   "multiplicative")
     return _multiplicative_step(obs, current, spec, ratio, fallback_note)
+
+
+def _proportional_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, note: str) -> _Proposal:
+    """Over target without a usable fit: scale the chunk by target·margin / p99. A step costs a + b·tokens with
+    a ≥ 0, so this never shrinks below the chunk that meets the target; ×0.9 would take a dozen intervals from
+    five times the target."""
+    tbt = obs.tbt_p99_s
+    assert tbt is not None
+    floor = spec.min_throughput_tokens_per_s
+    if floor is not None and obs.output_tokens_per_s <= floor:
+        return _multiplicative_step(obs, current, spec, tbt / spec.tbt_p99_target_s, note)
+    factor = spec.tbt_p99_target_s * spec.margin / tbt
+    wanted = int(current.chunk_size * factor)
+    chunk = min(_bounded(wanted, current.chunk_size, spec, spec.chunk_granularity, _floor(spec, current)),
+                current.chunk_size)
+    reason = f"{note}{_tbt_text(tbt, spec)}: ×{factor:.2f}"
+    if chunk >= current.chunk_size:
+        return _at_floor(current, spec, reason, "model", None)
+    return _Proposal(chunk, current.queue_policy, current.replicas,
+                     f"{reason} → {chunk}{_cap_note(wanted, chunk, spec, _floor(spec, current))}",
+                     (ActionKind.CHUNK_DOWN,), policy_used="model-proportional")
 
 
 def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,

@@ -153,10 +153,23 @@ def test_model_acts_above_its_band_before_the_slo_breaks():
     (tuple(StepSample(t, A + B * t, 10) for t in (500, 501, 502, 503)), "spread"),
     ((), "need at least 2 usable points"),
 ])
-def test_poor_fit_falls_back_to_multiplicative(samples, problem):
-    decision = decide(observation(45.0, step_samples=samples), config(1000), spec(), NOW)
-    assert decision.policy_used == "multiplicative" and decision.chunk_size == 900
-    assert "multiplicative fallback" in decision.reason and problem in decision.reason
+def test_poor_fit_over_target_falls_back_to_a_proportional_step(samples, problem):
+    s = spec()
+    decision = decide(observation(45.0, step_samples=samples), config(1000), s, NOW)
+    # 1000 x 30 ms x 0.9 / 45 ms = 600, on the chunk granularity: never below the chunk that meets the target
+    assert decision.policy_used == "model-proportional" and decision.chunk_size % s.chunk_granularity == 0
+    assert 600 - s.chunk_granularity < decision.chunk_size <= 600
+    assert "proportional fallback" in decision.reason and problem in decision.reason
+    far = decide(observation(150.0, step_samples=samples), config(4096), s, NOW)
+    assert far.chunk_size == 4096 // 4  # capped at maxStepDown per decision, not x0.9
+
+
+def test_far_over_target_the_chunk_goes_before_a_policy_switch():
+    s = spec(policy_switching=True, base_queue_policy="fcfs")
+    far = decide(observation(5 * 30.0, long_prompt_share=0.3), config(4096), s, NOW)
+    assert far.actions == (ActionKind.CHUNK_DOWN,) and far.queue_policy == "fcfs" and far.chunk_size < 4096
+    near = decide(observation(45.0, long_prompt_share=0.3), config(1024), s, NOW)
+    assert near.actions == (ActionKind.POLICY_SWITCH,)
 
 
 def test_poor_fit_near_target_does_not_grow():

@@ -230,3 +230,26 @@ def test_slow_first_tokens_with_nobody_waiting_do_not_block_a_shrink():
     decision = decide(observation, CurrentConfig(4096, "fcfs", 1, generation=3),
                       spec(policy=TuningPolicy.MULTIPLICATIVE), 10_000.0)
     assert decision.changed and decision.chunk_size < 4096 and "prefill" not in decision.reason
+
+
+def test_a_queue_behind_a_huge_chunk_does_not_block_shrinking_to_what_prefill_needs():
+    # The H200 loop run: chunk 4096, TBT p99 5x the target, a few more requests waiting than a window ago. The
+    # queue is no reason to keep a budget far above the chunk whose prefill throughput covers the demand.
+    points = tuple(StepSample(t, A + B * t + (M if kind == "mixed" else 0.0), 50, "pod-0", kind)
+                   for kind, tokens in (("decode", (40, 60, 80)), ("mixed", (600, 1500, 4000))) for t in tokens)
+    observation = Observation(window_seconds=60, sample_count=5000, tbt_p99_s=0.150, ttft_p99_s=0.9,
+                              output_tokens_per_s=4000.0, pod_generations={"a": 3}, waiting_requests=3,
+                              waiting_growth=6, step_samples=points, decode_batch_size=60,
+                              prompt_tokens_per_s=8000.0)
+    autotune = spec(max_step_down=8)
+    decision = decide(observation, CurrentConfig(4096, "fcfs", 1, generation=3), autotune, 10_000.0)
+    fit = fit_step_time([p.tokens_per_step for p in points], [p.step_seconds for p in points],
+                        [p.steps for p in points], [p.mixed for p in points])
+    needed = smallest_chunk_for_prefill(fit, 60, 8000.0 * autotune.prefill_headroom, autotune.chunk_granularity,
+                                        autotune.max_chunk)
+    assert decision.actions == (ActionKind.CHUNK_DOWN,) and needed <= decision.chunk_size < 4096
+    assert "prefill is the bottleneck" in decision.reason and "above what prefill needs" in decision.reason
+    # The report's rule has no prefill model: it still holds the budget.
+    held = decide(observation, CurrentConfig(4096, "fcfs", 1, generation=3),
+                  spec(policy=TuningPolicy.MULTIPLICATIVE), 10_000.0)
+    assert not held.changed and "not shrinking the budget" in held.reason
