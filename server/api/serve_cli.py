@@ -145,9 +145,11 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
                             timeout_graceful_shutdown=max(args.drain_seconds, 1.0))
     server = make_draining_server(config, state.lifecycle, args.drain_seconds, engine.abort)
     log.info("HTTP: %s on %s", *_http_stack())
-    # The engine thread shares the GIL with this event loop, and every torch call releases and retakes it: at
-    # Python's default 5 ms switch interval a busy event loop holds the engine up to 5 ms per call, so a step of a
-    # few dozen calls stretches while many streams are served (docs/perf/serving.md).
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    if core.runner.device.type == "cuda":
+        # The engine thread shares the GIL with this event loop, and every torch call releases and retakes it: at
+        # Python's default 5 ms switch interval a busy event loop holds the engine up to 5 ms per call, so a step
+        # of a few dozen calls stretches while many streams are served. On a CPU both threads compute and the
+        # extra switching costs more than it saves (docs/perf/serving.md).
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     server.run()
     return 0
