@@ -188,6 +188,10 @@ class AsyncEngine:
             # Tokens go to their streams first; metrics bookkeeping must not delay what clients see.
             if events and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._deliver, events)
+            failures = self.core.take_failures()
+            if failures and self._loop is not None:
+                for request_id, exc in failures:
+                    self._loop.call_soon_threadsafe(self._fail_streams, [request_id], exc)
             self._stats = stats = self.core.stats()
             for observer in self.observers:
                 try:

@@ -126,6 +126,7 @@ class EngineCore:
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
         self._abort_events: list[TokenEvent] = []
+        self._failures: list[tuple[str, Exception]] = []  # requests one of whose tokens could not be emitted
 
     def _warm_up(self, device: torch.device, single_rank: bool) -> None:
         """Compile every kernel variant serving can launch now (graph capture compiled most), then mark the
@@ -269,6 +270,21 @@ class EngineCore:
                                              seq.num_output_tokens, time.monotonic(), True, "abort",
                                              seq.num_prompt_tokens, seq.num_output_tokens))
 
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        log.exception("request %s failed while emitting a token; the other requests go on", seq.request_id,
+                      exc_info=exc)
+        if seq.status is not SequenceStatus.FINISHED:  # it may have failed after its finish freed it
+            self._seqs.pop(seq.request_id, None)
+            seq.drop_pending()
+            self._release(seq, "error")
+        self._failures.append((seq.request_id, exc))
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """(request id, exception) of requests ended by an error of their own since the last call: the caller
+        tells each one's client; nothing else is affected."""
+        failures, self._failures = self._failures, []
+        return failures
+
     def abort_all(self) -> list[str]:
         """Abort every request without abort events (the caller reports the failure); returns their ids."""
         self._inflight = None  # a failed step's results are not read; its retired members are freed below
@@ -354,7 +370,10 @@ class EngineCore:
             for seq, index, token, token_logprobs in zip(launched.seqs, launched.indices, sampled.tokens,
                                                          sampled.logprobs):
                 if seq.status is not finished:  # else it ended (or was aborted) after this step was scheduled
-                    events.append(self._emit(seq, index, token, now, stats, short_threshold, token_logprobs))
+                    try:
+                        events.append(self._emit(seq, index, token, now, stats, short_threshold, token_logprobs))
+                    except Exception as exc:  # this request's text or grammar failed: end it, not the batch
+                        self._fail(seq, exc)
         for seq in launched.retired:
             self.scheduler.release(seq)
         t3 = time.perf_counter()
