@@ -14,7 +14,8 @@ Order of the rules, first match wins:
    a chunk rule would change the chunk: the chunk goes first (a switch would cost a settling window).
 3b. prefill guard: when prefill is the bottleneck — TTFT p99 over its limit while requests wait for prefill, or
    the waiting queue grew by `queue_growth_limit` or more over the window — the budget is never shrunk: it grows
-   (the model's largest chunk within the TBT budget, or ×multiplicative_up) when TBT is under target; over target
+   (the model's largest chunk within the TBT budget, or ×multiplicative_up without a fit, only while p99 ×
+   multiplicative_up stays under the target) when TBT is under target; over target
    `model` still shrinks as far as its prefill floor (below), which keeps prefill fed; otherwise it holds
    (replicas + 1 if `scale_replicas`, else `slo_unreachable` while an SLO is broken).
 4. deadband → hold while deadband_low ≤ p99 / target ≤ upper, where upper is deadband_high (0.95) for
@@ -186,7 +187,7 @@ def _prefill_guard(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
             best = largest_chunk_within(fit, decode_batch, factor, spec.tbt_p99_target_s * spec.margin,
                                         spec.chunk_granularity)
             wanted, how = best, f"model fit {fit.describe()}: largest chunk within the TBT budget {best}"
-        else:
+        elif ratio * spec.multiplicative_up <= 1.0:  # without a fit, room means the step up stays under target
             wanted = max(current.chunk_size + 1, int(round(current.chunk_size * spec.multiplicative_up)))
             how = f"×{spec.multiplicative_up:g}"
     if wanted is not None and wanted > current.chunk_size:
@@ -204,7 +205,8 @@ def _prefill_guard(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
         if shrink is not None and shrink.chunk_size < current.chunk_size:
             return replace(shrink, reason=f"{basis}, but chunk {current.chunk_size} is above what prefill needs: "
                                           f"{shrink.reason}")
-    room = "no room left under the TBT target" if ratio < 1.0 else "TBT is over target too"
+    room = (f"no room left under the TBT target ({ratio:.0%} of it)" if ratio < 1.0
+            else "TBT is over target too")
     basis = f"{basis}: {room}, not shrinking the budget"
     if spec.scale_replicas and current.replicas < spec.max_replicas:
         return _Proposal(current.chunk_size, current.queue_policy, current.replicas + 1,

@@ -253,3 +253,18 @@ def test_a_queue_behind_a_huge_chunk_does_not_block_shrinking_to_what_prefill_ne
     held = decide(observation, CurrentConfig(4096, "fcfs", 1, generation=3),
                   spec(policy=TuningPolicy.MULTIPLICATIVE), 10_000.0)
     assert not held.changed and "not shrinking the budget" in held.reason
+
+
+def test_without_a_fit_prefill_grows_the_budget_only_while_the_step_up_stays_under_target():
+    # The H200 loop run: TTFT 7.4 s and a growing queue, TBT p99 29.9 ms against 30 ms, no usable fit: ×1.1
+    # took the chunk over the target (39.9 ms next) for prefill it could not catch up with anyway.
+    def starved(tbt_ms: float) -> Observation:
+        return Observation(window_seconds=60, sample_count=5000, tbt_p99_s=tbt_ms / 1000, ttft_p99_s=7.4,
+                           output_tokens_per_s=500.0, pod_generations={"a": 3}, waiting_requests=105,
+                           waiting_growth=141)
+    current = CurrentConfig(768, "fcfs", 1, generation=3)
+    autotune = spec(tbt_p99_target_s=0.030)
+    held = decide(starved(29.9), current, autotune, 10_000.0)
+    assert not held.changed and "no room left under the TBT target (100% of it)" in held.reason
+    grown = decide(starved(24.0), current, autotune, 10_000.0)
+    assert grown.actions == (ActionKind.CHUNK_UP,) and grown.chunk_size == round(768 * autotune.multiplicative_up)
