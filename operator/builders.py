@@ -139,8 +139,13 @@ def server_args(service: InferenceService) -> list[str]:
         args += ["--block-size", str(spec.engine.block_size)]
     if spec.engine.attention_backend != "auto":
         args += ["--attention-backend", spec.engine.attention_backend]
-    if spec.engine.max_waiting is not None:
-        args += ["--max-waiting", str(spec.engine.max_waiting)]
+    engine = spec.engine
+    limits = (("--max-waiting", engine.max_waiting), ("--max-request-body-bytes", engine.max_request_body_bytes),
+              ("--max-waiting-per-client", engine.max_waiting_per_client),
+              ("--max-running-per-client", engine.max_running_per_client))
+    for flag, value in limits:
+        if value is not None:
+            args += [flag, str(value)]
     if spec.resources.gpus > 1:  # one tensor-parallel rank per GPU of the pod
         args += ["--tensor-parallel-size", str(spec.resources.gpus)]
     args += ["--drain-seconds", str(spec.shutdown.drain_seconds)]

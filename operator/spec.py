@@ -130,6 +130,7 @@ class ResourcesSpec:
 OWNED_SERVER_FLAGS = (
     "--model", "--served-model-name", "--config", "--host", "--port", "--device", "--dtype", "--max-model-len",
     "--block-size", "--attention-backend", "--max-waiting", "--tensor-parallel-size", "--drain-seconds",
+    "--max-request-body-bytes", "--max-waiting-per-client", "--max-running-per-client",
 )
 
 
@@ -138,6 +139,9 @@ class EngineSpec:
     block_size: int | None = None
     attention_backend: str = "auto"
     max_waiting: int | None = None
+    max_request_body_bytes: int | None = None  # unset: the server's default
+    max_waiting_per_client: int | None = None  # unset: the fair share
+    max_running_per_client: int | None = None
     extra_args: tuple[str, ...] = ()  # appended to the server's command line
 
 
@@ -508,6 +512,9 @@ def parse_engine(data: Mapping[str, Any]) -> EngineSpec:
         block_size=_value(data, "blockSize", int, defaults["block_size"], where),
         attention_backend=_value(data, "attentionBackend", str, defaults["attention_backend"], where),
         max_waiting=_value(data, "maxWaiting", int, defaults["max_waiting"], where),
+        max_request_body_bytes=_value(data, "maxRequestBodyBytes", int, defaults["max_request_body_bytes"], where),
+        max_waiting_per_client=_value(data, "maxWaitingPerClient", int, defaults["max_waiting_per_client"], where),
+        max_running_per_client=_value(data, "maxRunningPerClient", int, defaults["max_running_per_client"], where),
         extra_args=parse_extra_args(_value(data, "extraArgs", list, [], where), f"{where}.extraArgs"),
     )
 

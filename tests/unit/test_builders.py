@@ -105,7 +105,8 @@ def test_default_model_and_cpu_pods_ask_for_no_gpu():
     [
         {},
         {"model": {"source": "pvc:weights/llama", "dtype": "float16", "maxModelLen": 4096}, "resources": {"gpus": 2},
-         "engine": {"blockSize": 256, "attentionBackend": "flash_attn", "maxWaiting": 64}},
+         "engine": {"blockSize": 256, "attentionBackend": "flash_attn", "maxWaiting": 64,
+                    "maxRequestBodyBytes": 1048576, "maxWaitingPerClient": 4, "maxRunningPerClient": 16}},
         {"model": {"source": "gguf:/data/m.gguf"}, "resources": {"gpus": 0}},
     ],
 )
@@ -120,6 +121,10 @@ def test_the_server_parser_accepts_the_command_line(spec):
     args = container_of(builders.deployment(service_of(**spec)))["args"]
     parsed = parser.parse_args(args[1:])
     assert parsed.config == "/etc/metronome/server.yaml" and parsed.port == 8000
+    engine = spec.get("engine", {})
+    assert (parsed.max_request_body_bytes, parsed.max_waiting_per_client, parsed.max_running_per_client) == (
+        engine.get("maxRequestBodyBytes", parser.get_default("max_request_body_bytes")),
+        engine.get("maxWaitingPerClient"), engine.get("maxRunningPerClient"))
 
 
 def test_probes_ports_and_prometheus_annotations():

@@ -216,7 +216,8 @@ def test_extra_args_may_not_repeat_the_operators_flags(arg):
 
 def test_owned_flags_are_what_the_builder_writes_and_the_crd_refuses():
     full = service_of(model={"source": "default", "maxModelLen": 4096}, resources={"gpus": 2},
-                      engine={"blockSize": 16, "attentionBackend": "torch", "maxWaiting": 8})
+                      engine={"blockSize": 16, "attentionBackend": "torch", "maxWaiting": 8,
+                              "maxRequestBodyBytes": 65536, "maxWaitingPerClient": 2, "maxRunningPerClient": 4})
     written = {a for a in builders.server_args(full) if a.startswith("--")}
     assert written == set(OWNED_SERVER_FLAGS)
     crd = yaml.safe_load((ROOT / "crds" / "inferenceservice.yaml").read_text())
