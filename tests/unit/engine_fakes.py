@@ -104,3 +104,16 @@ def fake_engine(num_kv_blocks: int = 256, block_size: int = 4, prefix_caching: b
     config = EngineConfig(model="fake", device="cpu", block_size=block_size, num_kv_blocks=num_kv_blocks,
                           enable_prefix_caching=prefix_caching, max_waiting=max_waiting, max_model_len=max_model_len)
     return EngineCore(fake_loaded(), config, SchedulerConfig(**scheduler))
+
+
+def attach_recorded_graphs(engine, sizes: list[int]):
+    """Decode graphs for `sizes` on a real engine, "captured" by recording (capture_recorded): the bookkeeping of
+    graph replay (padding, static inputs, metadata) runs on the CPU."""
+    from metronome.server.engine.cuda_graphs import GraphRunner, capture_recorded, single_class
+
+    runner = engine.runner
+    graphs = GraphRunner(runner.graph_forward, sizes, runner.mirror.cols, runner.scratch_block, runner.device,
+                         single_class(engine.max_model_len), capture_recorded, refresh_host_facts=True)
+    graphs.capture_all()
+    runner.attach_graphs(graphs)
+    return graphs

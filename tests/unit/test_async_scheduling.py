@@ -13,12 +13,12 @@ import argparse
 import random
 
 import pytest
-from engine_fakes import EOS, expected_greedy, fake_loaded
+from engine_fakes import EOS, attach_recorded_graphs, expected_greedy, fake_loaded
 
 from metronome.contract.config import SchedulerConfig
 from metronome.contract.errors import InvalidRequestError
 from metronome.server.engine.config import EngineConfig
-from metronome.server.engine.cuda_graphs import GraphRunner, capture_recorded, single_class
+from metronome.server.engine.cuda_graphs import capture_recorded
 from metronome.server.engine.engine import EngineCore, async_scheduling_enabled
 from metronome.server.engine.flags import add_engine_flags, engine_config_from_args
 from metronome.server.engine.sampler import needs_sync
@@ -233,15 +233,6 @@ def test_finished_sequences_keep_their_blocks_until_the_step_in_flight_is_read()
     assert not events and stats.generated_tokens == 0  # its extra row reaches neither the client nor the metrics
     assert not engine.scheduler.retiring and not engine.in_flight and not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
-def attach_recorded_graphs(engine: EngineCore, sizes: list[int]) -> GraphRunner:
-    runner = engine.runner
-    graphs = GraphRunner(runner.graph_forward, sizes, runner.mirror.cols, runner.scratch_block, runner.device,
-                         single_class(engine.max_model_len), capture_recorded, refresh_host_facts=True)
-    graphs.capture_all()
-    runner.attach_graphs(graphs)
-    return graphs
 
 
 def test_tokens_in_flight_reach_the_decode_graphs_static_inputs():

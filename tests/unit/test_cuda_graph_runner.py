@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from engine_fakes import expected_greedy, fake_engine
+from engine_fakes import attach_recorded_graphs, expected_greedy, fake_engine
 
 from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.config import EngineConfig
@@ -31,15 +31,6 @@ from metronome.server.engine.cuda_graphs import (
 )
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.sampling import SamplingParams
-
-
-def attach_recorded_graphs(engine: EngineCore, sizes: list[int]) -> GraphRunner:
-    runner = engine.runner
-    graphs = GraphRunner(runner.graph_forward, sizes, runner.mirror.cols, runner.scratch_block, runner.device,
-                         single_class(engine.max_model_len), capture_recorded, refresh_host_facts=True)
-    graphs.capture_all()
-    runner.attach_graphs(graphs)
-    return graphs
 
 
 def run_to_completion(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int]):

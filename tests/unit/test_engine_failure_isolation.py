@@ -14,7 +14,7 @@ def test_a_failing_request_ends_alone(async_scheduling):
     core = EngineCore.from_config(EngineConfig(model="random:tiny", device="cpu", async_scheduling=async_scheduling))
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     ids = [core.add_request([300 + i, 301 + i, 302 + i], params) for i in range(4)]
-    victim = core._seqs[ids[1]]
+    victim = core._seqs[ids[1]]  # still waiting: no public view lists it before it runs
     push, calls = victim.detokenizer.push, []
 
     def broken_push(token: int) -> bool:
