@@ -13,7 +13,8 @@ Order of the rules, first match wins:
    the short-prompt threshold (split would raise it), nor while p99 TBT is over FAR_OVER_TARGET × the target and
    a chunk rule would change the chunk: the chunk goes first (a switch would cost a settling window).
 3b. prefill guard: when prefill is the bottleneck — TTFT p99 over its limit while requests wait for prefill, or
-   the waiting queue grew by `queue_growth_limit` or more over the window — the budget is never shrunk: it grows
+   the waiting queue grew by `queue_growth_limit` or more over the window while TTFT p99 is unknown (no limit, no
+   data) or above QUEUE_TTFT_SHARE of its limit — the budget is never shrunk: it grows
    (the model's largest chunk within the TBT budget, or ×multiplicative_up without a fit, only while p99 ×
    multiplicative_up stays under the target) when TBT is under target; over target
    `model` still shrinks as far as its prefill floor (below), which keeps prefill fed; otherwise it holds
@@ -74,6 +75,10 @@ class _Proposal:
 
 
 FAR_OVER_TARGET = 2.0  # p99 TBT / target above which a chunk change goes before a queue-policy switch
+# A growing queue means starved prefill only once first tokens are late: while TTFT p99 is at most this share of
+# its limit, a handful more waiting requests is a transient (a phase start; on the H200 a growth of 6 at TTFT
+# 480 ms of 2 s held a chunk over the TBT target for a lost interval), and the next window shows it if it lasts.
+QUEUE_TTFT_SHARE = 0.5
 
 
 def decide(observation: Observation | None, current: CurrentConfig, spec: AutotuneSpec, now: float) -> Decision:
@@ -165,7 +170,9 @@ def _prefill_bottleneck(obs: Observation, spec: AutotuneSpec) -> str | None:
         why.append(f"TTFT p99 {obs.ttft_p99_s * 1e3:.0f} ms > limit {limit * 1e3:.0f} ms with {waiting:.1f} "
                    "requests waiting on average")
     growth = obs.waiting_growth
-    if growth is not None and growth >= spec.queue_growth_limit:
+    ttft_known = limit is not None and obs.ttft_p99_s is not None
+    late = not ttft_known or obs.ttft_p99_s > QUEUE_TTFT_SHARE * limit
+    if growth is not None and growth >= spec.queue_growth_limit and late:
         why.append(f"the queue grew by {growth:.0f} waiting requests in {obs.window_seconds:.0f} s")
     return " and ".join(why) or None
 

@@ -233,11 +233,12 @@ def test_slow_first_tokens_with_nobody_waiting_do_not_block_a_shrink():
 
 
 def test_a_queue_behind_a_huge_chunk_does_not_block_shrinking_to_what_prefill_needs():
-    # The H200 loop run: chunk 4096, TBT p99 5x the target, a few more requests waiting than a window ago. The
-    # queue is no reason to keep a budget far above the chunk whose prefill throughput covers the demand.
+    # The H200 loop run: chunk 4096, TBT p99 5x the target, a few more requests waiting than a window ago (and first
+    # tokens late enough, 70 % of the TTFT limit, for the queue to count). The queue is no reason to keep a budget
+    # far above the chunk whose prefill throughput covers the demand.
     points = tuple(StepSample(t, A + B * t + (M if kind == "mixed" else 0.0), 50, "pod-0", kind)
                    for kind, tokens in (("decode", (40, 60, 80)), ("mixed", (600, 1500, 4000))) for t in tokens)
-    observation = Observation(window_seconds=60, sample_count=5000, tbt_p99_s=0.150, ttft_p99_s=0.9,
+    observation = Observation(window_seconds=60, sample_count=5000, tbt_p99_s=0.150, ttft_p99_s=1.4,
                               output_tokens_per_s=4000.0, pod_generations={"a": 3}, waiting_requests=3,
                               waiting_growth=6, step_samples=points, decode_batch_size=60,
                               prompt_tokens_per_s=8000.0)
@@ -268,3 +269,26 @@ def test_without_a_fit_prefill_grows_the_budget_only_while_the_step_up_stays_und
     assert not held.changed and "no room left under the TBT target (100% of it)" in held.reason
     grown = decide(starved(24.0), current, autotune, 10_000.0)
     assert grown.actions == (ActionKind.CHUNK_UP,) and grown.chunk_size == round(768 * autotune.multiplicative_up)
+
+
+def phase_start(ttft_ms: float | None) -> Observation:
+    # The H200 loop run at t=60 s, the start of a 45 req/s phase: TBT p99 32.3 ms over a 30 ms target, the queue
+    # 6 longer than 15 s before (the limit is 5), 1.2 requests waiting on average, no usable step fit.
+    return Observation(window_seconds=15, sample_count=44842, tbt_p99_s=0.0323,
+                       ttft_p99_s=None if ttft_ms is None else ttft_ms / 1000, output_tokens_per_s=3234.0,
+                       pod_generations={"a": 3}, waiting_requests=1.2, waiting_growth=6)
+
+
+def test_a_growing_queue_with_early_first_tokens_is_a_transient_not_starved_prefill():
+    current, autotune = CurrentConfig(704, "fcfs", 1, generation=3), spec(tbt_p99_target_s=0.030)
+    # Every first token within a quarter of the 2 s limit: the controller shrinks for TBT as it would without a queue.
+    shrunk = decide(phase_start(480), current, autotune, 10_000.0)
+    assert shrunk.actions == (ActionKind.CHUNK_DOWN,) and shrunk.chunk_size < 704 and not shrunk.slo_unreachable
+    assert "prefill" not in shrunk.reason
+    # First tokens past half the limit, or no TTFT to judge by: the same queue growth is starved prefill again.
+    for late in (spec(tbt_p99_target_s=0.030), spec(tbt_p99_target_s=0.030, ttft_p99_target_s=None)):
+        held = decide(phase_start(1100 if late.ttft_p99_target_s else 480), current, late, 10_000.0)
+        assert (held.chunk_size, held.changed, held.slo_unreachable) == (704, False, True), held.reason
+        assert "the queue grew by 6 waiting requests in 15 s" in held.reason
+    unknown = decide(phase_start(None), current, autotune, 10_000.0)
+    assert unknown.slo_unreachable and "the queue grew by 6" in unknown.reason
