@@ -7,6 +7,9 @@ costs more than its tokens alone say (more kernels, attention over fresh chunks,
 11.5 ms, with 128 prompt tokens more 14.5 ms, so one line through both kinds sees a cheap per-step cost and
 too steep a slope. Given both kinds, the fit has a third term m, the fixed extra of a mixed step. That fixed cost
 is also why a small chunk starves prefill: prefill tokens per second = C / (a + m + b · (D + C)) falls with C.
+A negative m is unphysical (carrying prefill never makes a step cheaper; it comes from the mixed indicator being
+nearly collinear with tokens per step, as mixed steps are the heavy ones): the least-squares fit under m ≥ 0 is
+then the one at m = 0, i.e. one line through all points, and that is the fit returned.
 
 Why p99 TBT follows a full-chunk step: every running decode gets one token per step, so a decode's gap
 between tokens is the length of the step that produced it. While long prompts are in flight, a step carries
@@ -19,13 +22,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from metronome.contract.errors import MetronomeError
 
 
 class FitError(MetronomeError, ValueError):
     """The points cannot define a line (too few, non-finite, or all at the same token count)."""
+
+
+MIXED_EXTRA_DROPPED = "all, mixed extra < 0 dropped"  # the kinds of a fit whose unconstrained m came out negative
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,8 @@ class StepFit:
     token_max: float
     token_mean: float
     mixed_extra_s: float = 0.0  # m: the fixed extra of a step that carries prefill (0 without both kinds)
-    kinds: str = "all"  # "decode+mixed" when m was fitted, else the one kind fitted ("mixed", "decode", "all")
+    # "decode+mixed" when m was fitted, else the one kind fitted ("mixed", "decode", "all"), or MIXED_EXTRA_DROPPED
+    kinds: str = "all"
 
     def step_seconds(self, tokens: float, mixed: bool = True) -> float:
         return self.intercept_s + (self.mixed_extra_s if mixed else 0.0) + self.slope_s_per_token * tokens
@@ -60,8 +67,9 @@ def fit_step_time(tokens: Sequence[float], seconds: Sequence[float],
     """Weighted least squares of seconds on tokens. With `mixed` (which points are mixed steps) and points of both
     kinds, seconds on tokens and a mixed-step indicator (see the module docstring) — provided there are 5 points
     or more and the tokens per step of one kind spread by `min_kind_spread` of their mean at least: otherwise the
-    three terms would rest on too little, and one line through all points is the steadier reading. Raises
-    FitError when the line is undefined."""
+    three terms would rest on too little, and one line through all points is the steadier reading. When the
+    three-term fit gives m < 0, the least squares under m ≥ 0 is the fit at m = 0: one line through all points,
+    with kinds MIXED_EXTRA_DROPPED. Raises FitError when the line is undefined."""
     if weights is None:
         weights = [1.0] * len(tokens)
     told = mixed is not None
@@ -74,7 +82,15 @@ def fit_step_time(tokens: Sequence[float], seconds: Sequence[float],
             if math.isfinite(x) and math.isfinite(y) and math.isfinite(w) and w > 0]
     if len({k for *_, k in both}) == 2 and len(both) >= 5 and max(
             _spread([x for x, *_, k in both if k]), _spread([x for x, *_, k in both if not k])) >= min_kind_spread:
-        return _fit_with_mixed_extra(both)
+        three = _fit_with_mixed_extra(both)
+        if three.mixed_extra_s >= 0:
+            return three
+        return replace(_fit_line(both, told), kinds=MIXED_EXTRA_DROPPED)
+    return _fit_line(both, told)
+
+
+def _fit_line(both: list[tuple[float, float, float, bool]], told: bool) -> StepFit:
+    """seconds ≈ a + b · tokens by weighted least squares, through every point whatever its kind."""
     rows = [(x, y, w) for x, y, w, _ in both]
     if len(rows) < 2:
         raise FitError(f"need at least 2 usable points, got {len(rows)}")
@@ -197,10 +213,10 @@ def smallest_chunk_for_prefill(fit: StepFit, decode_batch: float, demand_tokens_
 def largest_chunk_within(fit: StepFit, decode_batch: float, factor: float, budget_s: float,
                          granularity: int = 1) -> int | None:
     """The largest multiple of `granularity` whose predicted p99 TBT ≤ budget_s; None when not even one
-    granule fits (closed form of factor · (a + b · (D + C)) ≤ budget)."""
+    granule fits (closed form of factor · (a + m + b · (D + C)) ≤ budget: a full-chunk step is a mixed one)."""
     if fit.slope_s_per_token <= 0 or factor <= 0 or granularity < 1:
         raise FitError("largest_chunk_within needs a positive slope, factor and granularity")
-    tokens = (budget_s / factor - fit.intercept_s) / fit.slope_s_per_token - decode_batch
+    tokens = (budget_s / factor - fit.step_seconds(0.0, mixed=True)) / fit.slope_s_per_token - decode_batch
     if not math.isfinite(tokens):
         return None
     chunk = int(math.floor(tokens / granularity + 1e-9)) * granularity  # 919.9999 is 920

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metronome.operator.step_model import (
+    MIXED_EXTRA_DROPPED,
     FitError,
     calibrate_p99_factor,
     fit_problem,
@@ -57,6 +58,24 @@ def test_undefined_lines_raise(tokens, seconds, weights, text):
         fit_step_time(tokens, seconds, weights)
 
 
+def test_a_negative_mixed_extra_gives_the_pooled_line():
+    # As on the H200 (a=8.88 ms, b=39.87 µs/token, m=-32.17 ms): the three-term fit puts mixed steps below the
+    # decode line. Least squares under m >= 0 is then the fit at m = 0, one weighted line through all points.
+    tokens = [40, 60, 80, 600, 1500, 4000]
+    seconds = [0.010 + 40e-6 * t - (0.005 if t > 100 else 0.0) for t in tokens]
+    weights, mixed = [50, 80, 20, 30, 10, 5], [False] * 3 + [True] * 3
+    fit = fit_step_time(tokens, seconds, weights, mixed)
+    pooled = fit_step_time(tokens, seconds, weights)
+    assert fit.kinds == MIXED_EXTRA_DROPPED and fit.mixed_extra_s == 0.0 and "dropped" in fit.describe()
+    assert (fit.intercept_s, fit.slope_s_per_token, fit.r_squared, fit.points, fit.token_min, fit.token_max) == (
+        pooled.intercept_s, pooled.slope_s_per_token, pooled.r_squared, pooled.points, pooled.token_min,
+        pooled.token_max)
+    assert fit_problem(fit, 6, 0.8, 0.05) is None  # usable, where the negative extra predicted a free step
+    # A positive extra in the same layout is still fitted as the third term.
+    up = fit_step_time(tokens, [0.010 + 40e-6 * t + (0.005 if t > 100 else 0.0) for t in tokens], weights, mixed)
+    assert up.kinds == "decode+mixed" and up.mixed_extra_s == pytest.approx(0.005)
+
+
 def test_fit_problems():
     good = fit_step_time([100, 300, 500, 700], [0.01, 0.014, 0.018, 0.022])
     assert fit_problem(good, 4, 0.8, 0.05) is None
@@ -87,6 +106,15 @@ def test_largest_chunk_within_is_the_closed_form_rounded_down():
     assert largest_chunk_within(fit, 30, 1.0, 0.008, 64) is None  # the decodes alone exceed the budget
     with pytest.raises(FitError):
         largest_chunk_within(fit_step_time([0, 1000], [0.02, 0.01]), 30, 1.0, 0.027, 64)
+
+
+def test_largest_chunk_within_counts_the_mixed_extra():
+    # a = 10 ms, m = 12 ms, b = 25 µs: the full-chunk step is mixed, (45 ms - 22 ms) / 25 µs - 60 = 860 → 832.
+    tokens = [40, 60, 80, 600, 1500, 4000]
+    fit = fit_step_time(tokens, [0.010 + 25e-6 * t + (0.012 if t > 100 else 0.0) for t in tokens],
+                        mixed=[False] * 3 + [True] * 3)
+    best = largest_chunk_within(fit, 60, 1.0, 0.045, 64)
+    assert best == 832 and predict_tbt_p99(fit, 60, best, 1.0) <= 0.045 < predict_tbt_p99(fit, 60, best + 64, 1.0)
 
 
 @settings(max_examples=200, deadline=None)
