@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# `metronome bench isolation` on the GPU machine (issue 16), in one device call. Its 16 cores let the server run
+# on cores of its own (taskset) while the steady streams and the hostile injector run on the others: on the
+# 2-vCPU development VM the injector takes the server's CPU, so "hostile requests slow the others" there mixes
+# what the server does with what the machine lacks. From the repository root, with .gpuwheels/ carried along:
+#
+#     bash hack/gpu_isolation.sh            # random:tiny on 2 pinned cores, then random:llama-3-8b on the GPU
+#     SMOKE=1 bash hack/gpu_isolation.sh    # random:tiny only, short phases (checks this script on any machine)
+#
+# Leaves $OUT/isolation-<name>.json (raw results), isolation-<name>.log and isolation.log.
+export PYTHONUNBUFFERED=1
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+LOG=$OUT/isolation.log
+PHASE_SECONDS=${PHASE_SECONDS:-10}
+ROUNDS=${ROUNDS:-4}
+SERVER_CPUS=${SERVER_CPUS:-0-3}
+BENCH_CPUS=${BENCH_CPUS:-4-15}
+WH=/tmp/metronome-wheels  # as in hack/gpu_run.sh: carried wheels, imported next to the checkout
+mkdir -p "$WH"
+if ls .gpuwheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install --no-deps --no-index -q --target "$WH" .gpuwheels/*.whl >> "$LOG" 2>&1
+fi
+export PYTHONPATH=$WH
+if [ "${SMOKE:-0}" = 1 ]; then
+  PHASE_SECONDS=2 ROUNDS=1 SERVER_CPUS=0 BENCH_CPUS=1
+fi
+nproc >> "$LOG"
+
+wait_ready() {  # $1 port, $2 seconds
+  python3 - "$1" "$2" <<'EOF'
+import sys, time, urllib.request
+port, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        if urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2).status == 200:
+            sys.exit(0)
+    except Exception:
+        time.sleep(0.5)
+sys.exit(1)
+EOF
+}
+
+one() {  # $1 name, $2 model, $3 device, $4 server cores, $5 ready timeout (s)
+  local name=$1 port=18016
+  echo "[$(date -u +%T)] $name: serve $2 on $3, cores $4; bench on cores $BENCH_CPUS" | tee -a "$LOG"
+  OMP_NUM_THREADS=1 taskset -c "$4" python3 -m metronome.cli serve --model "$2" --device "$3" --host 127.0.0.1 \
+    --port $port --max-waiting 16 --log-level warning > "$OUT/isolation-$name.log" 2>&1 &
+  local server=$!
+  if wait_ready $port "$5"; then
+    local bench=(taskset -c "$BENCH_CPUS" python3 -m metronome.cli bench isolation --url "http://127.0.0.1:$port"
+                 --model "$2")
+    "${bench[@]}" --phase-seconds 3 --rounds 2 --out /tmp/isolation-warmup.json >> "$LOG" 2>&1  # not reported
+    "${bench[@]}" --phase-seconds "$PHASE_SECONDS" --rounds "$ROUNDS" --out "$OUT/isolation-$name.json" \
+      >> "$LOG" 2>&1
+    echo "[$(date -u +%T)] $name: bench rc=$?" | tee -a "$LOG"
+  else
+    echo "$name: server not ready in $5 s" | tee -a "$LOG"
+  fi
+  kill "$server"; wait "$server" 2>/dev/null
+}
+
+one tiny-cpu random:tiny cpu "${SERVER_CPUS%%-*}-$(( ${SERVER_CPUS%%-*} + 1 ))" 120
+if [ "${SMOKE:-0}" != 1 ]; then
+  one llama-3-8b-h200 random:llama-3-8b cuda "$SERVER_CPUS" 240
+fi
+tail -n 40 "$LOG"
