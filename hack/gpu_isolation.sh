@@ -7,7 +7,10 @@
 #     bash hack/gpu_isolation.sh            # random:tiny on 2 pinned cores, then random:llama-3-8b on the GPU
 #     SMOKE=1 bash hack/gpu_isolation.sh    # random:tiny only, short phases (checks this script on any machine)
 #
-# Leaves $OUT/isolation-<name>.json (raw results), isolation-<name>.log and isolation.log.
+# Every server logs its full (generation-2) garbage collections and their pauses (a sitecustomize on its path);
+# the random:tiny server runs twice, the first time with `serve`'s start-up gc.freeze() made a no-op, so the
+# pauses the freeze removes are measured in the same call. Leaves $OUT/isolation-<name>.json (raw results),
+# isolation-<name>.log (the server's, with its GC lines) and isolation.log.
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -28,6 +31,19 @@ if [ "${SMOKE:-0}" = 1 ]; then
   PHASE_SECONDS=2 ROUNDS=1 SERVER_CPUS=0 BENCH_CPUS=1
 fi
 nproc >> "$LOG"
+TRACE=$(mktemp -d /tmp/gc_trace.XXXX)
+cat > "$TRACE/sitecustomize.py" <<'EOF'
+import gc, os, sys, time
+_start = [0.0]
+def _trace(phase, info):
+    if phase == "start":
+        _start[0] = time.perf_counter()
+    elif info["generation"] == 2:
+        sys.stderr.write(f"GC2 pause {(time.perf_counter() - _start[0]) * 1e3:.1f} ms at {time.time():.3f}\n")
+gc.callbacks.append(_trace)
+if os.environ.get("GC_NO_FREEZE"):
+    gc.freeze = lambda: None  # the server as it was before its start-up freeze
+EOF
 
 wait_ready() {  # $1 port, $2 seconds
   python3 - "$1" "$2" <<'EOF'
@@ -43,13 +59,14 @@ sys.exit(1)
 EOF
 }
 
-one() {  # $1 name, $2 model, $3 device, $4 server cores, $5 ready timeout (s)
-  local name=$1 port=18016
+one() {  # $1 name, $2 model, $3 device, $4 server cores, $5 ready timeout (s); GC_NO_FREEZE=1 in the environment
+  local name=$1 port=18016 ready_at
   echo "[$(date -u +%T)] $name: serve $2 on $3, cores $4; bench on cores $BENCH_CPUS" | tee -a "$LOG"
-  OMP_NUM_THREADS=1 taskset -c "$4" python3 -m metronome.cli serve --model "$2" --device "$3" --host 127.0.0.1 \
+  PYTHONPATH=$TRACE:$WH OMP_NUM_THREADS=1 taskset -c "$4" python3 -m metronome.cli serve --model "$2" --device "$3" --host 127.0.0.1 \
     --port $port --max-waiting 16 --log-level warning > "$OUT/isolation-$name.log" 2>&1 &
   local server=$!
   if wait_ready $port "$5"; then
+    ready_at=$(date +%s.%N)
     local bench=(taskset -c "$BENCH_CPUS" python3 -m metronome.cli bench isolation --url "http://127.0.0.1:$port"
                  --model "$2")
     "${bench[@]}" --phase-seconds 3 --rounds 2 --out /tmp/isolation-warmup.json >> "$LOG" 2>&1  # not reported
@@ -60,9 +77,13 @@ one() {  # $1 name, $2 model, $3 device, $4 server cores, $5 ready timeout (s)
     echo "$name: server not ready in $5 s" | tee -a "$LOG"
   fi
   kill "$server"; wait "$server" 2>/dev/null
+  echo "$name: full collections after ready, pause ms: $(awk -v t="$ready_at" \
+    '$1 == "GC2" && $6 > t {print $3}' "$OUT/isolation-$name.log" | sort -n | tr '\n' ' ')" | tee -a "$LOG"
 }
 
-one tiny-cpu random:tiny cpu "${SERVER_CPUS%%-*}-$(( ${SERVER_CPUS%%-*} + 1 ))" 120
+TINY_CPUS="${SERVER_CPUS%%-*}-$(( ${SERVER_CPUS%%-*} + 1 ))"
+GC_NO_FREEZE=1 one tiny-cpu-no-freeze random:tiny cpu "$TINY_CPUS" 120
+one tiny-cpu random:tiny cpu "$TINY_CPUS" 120
 if [ "${SMOKE:-0}" != 1 ]; then
   one llama-3-8b-h200 random:llama-3-8b cuda "$SERVER_CPUS" 240
 fi

@@ -96,6 +96,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object alive now (modules, the model, graphs, the app) into the collector's
+    permanent generation and return how many. A full collection walks all tracked objects, about 220k after
+    start-up: 100-125 ms on the development VM, during which no stream gets a token. Frozen, collections walk
+    only what serving allocates (vLLM and SGLang freeze after start-up for the same reason)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def _load_engine(engine_class, engine_config, initial):
     """Build the engine with a live status line on a terminal (rich), then log what start-up decided."""
     import time
@@ -151,5 +163,6 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
         # of a few dozen calls stretches while many streams are served. On a CPU both threads compute and the
         # extra switching costs more than it saves (docs/perf/serving.md).
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    log.info("start-up heap frozen: %d objects the garbage collector no longer walks", freeze_startup_heap())
     server.run()
     return 0
