@@ -60,4 +60,5 @@ def test_cli_records_each_batch_chunk_and_the_saturation_section(tmp_path):
     assert sat["requests"] == sat["requests_that_fit"] == 126 and sat["max_requests"] == 512
     assert sat["whole_run"]["output_tokens"] == 126 * 24 and sat["whole_run"]["preemptions"] == 0
     assert doc["model"]["max_num_seqs_at_start"] == 512
+    assert doc["model"]["prefix_caching"] is False  # each chunk replays the same prompts: no cache between them
     assert doc["config"]["batch_chunk_size"] == [32, 16]
