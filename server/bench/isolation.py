@@ -91,6 +91,9 @@ class IsolationResult:
     server_errors: int
     kv_blocks_leaked: float | None
     rejected_by_reason: dict[str, float] = field(default_factory=dict)  # metronome_requests_rejected_total, the run's
+    # The server's own view of the run (counter increases): Triton compiles while serving and steps over 100 ms
+    # tell a compile stall or a long engine step from a gap the engine never saw (delivery, the host).
+    server: dict = field(default_factory=dict)
     machine: dict = field(default_factory=dict)
 
 
@@ -242,7 +245,7 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
         streams = [asyncio.create_task(steady_stream(steady, cfg, random.Random(cfg.seed + 1 + i), stop, arrivals,
                                                      steady_statuses)) for i in range(cfg.streams)]
         await _wait_for_tokens(arrivals, cfg.streams)  # warm: every stream is producing before phase 1
-        rejected_before = await _rejected(steady, cfg.url)
+        before = server_counters((await steady.get(cfg.url + "/metrics")).text)
         t0 = time.monotonic()
         for round_index in range(cfg.rounds):
             for kind in ("quiet", HOSTILE_KINDS[round_index % len(HOSTILE_KINDS)]):
@@ -260,7 +263,7 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
         for task in streams:
             task.cancel()
         leaked = await _kv_leaked(steady, cfg.url)
-        rejected_after = await _rejected(steady, cfg.url)
+        after = server_counters((await steady.get(cfg.url + "/metrics")).text)
     injector.join(timeout=30)
     gaps = _gaps_by_phase(arrivals, phases)  # also fills each phase's "stats"
     quiet_stats = _stats(gaps.get("quiet", []))
@@ -285,8 +288,9 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
                  "no_5xx": server_errors == 0, "no_kv_leak": leaked == 0},
         hostile_statuses={kind: dict(counts) for kind, counts in hostile_statuses.items()},
         steady_statuses=dict(steady_statuses), server_errors=server_errors, kv_blocks_leaked=leaked,
-        rejected_by_reason={reason: rejected_after[reason] - rejected_before.get(reason, 0.0)
-                            for reason in sorted(rejected_after)},
+        rejected_by_reason={reason[len(REJECTED_PREFIX):]: after[reason] - before.get(reason, 0.0)
+                            for reason in sorted(after) if reason.startswith(REJECTED_PREFIX)},
+        server={key: after.get(key, 0.0) - before.get(key, 0.0) for key in SERVER_COUNTERS},
         machine=machine_info())
 
 
@@ -325,18 +329,33 @@ async def _wait_for_tokens(arrivals: list, streams: int, timeout_s: float = 300.
         await asyncio.sleep(0.1)
 
 
-async def _rejected(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """metronome_requests_rejected_total by reason, summed over models."""
+REJECTED_PREFIX = "rejected:"
+SERVER_COUNTERS = ("kernel_compiles_after_ready", "steps", "steps_over_100ms")
+LONG_STEP_S = 0.1
+
+
+def server_counters(metrics_text: str) -> dict[str, float]:
+    """From one /metrics scrape: rejections by reason (keys `rejected:<reason>`), Triton compiles after ready,
+    steps, and steps longer than LONG_STEP_S (step-duration histogram, every kind and model). Pure."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from metronome.contract.metric_names import REQUESTS_REJECTED
+    from metronome.contract import metric_names as names
 
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families((await client.get(url + "/metrics")).text):
+    totals = dict.fromkeys(SERVER_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            if sample.name == REQUESTS_REJECTED:
-                reason = sample.labels.get("reason", "")
-                totals[reason] = totals.get(reason, 0.0) + sample.value
+            if sample.name == names.REQUESTS_REJECTED:
+                key = REJECTED_PREFIX + sample.labels.get("reason", "")
+                totals[key] = totals.get(key, 0.0) + sample.value
+            elif sample.name == names.KERNEL_COMPILES_AFTER_READY:
+                totals["kernel_compiles_after_ready"] += sample.value
+            elif sample.name == names.STEP_DURATION + "_bucket":
+                le = sample.labels.get("le")
+                if le == "+Inf":
+                    totals["steps"] += sample.value
+                    totals["steps_over_100ms"] += sample.value
+                elif le is not None and float(le) == LONG_STEP_S:
+                    totals["steps_over_100ms"] -= sample.value
     return totals
 
 
@@ -410,6 +429,10 @@ def format_report(result: IsolationResult) -> str:
     if quiet_p99:
         rows.append(f"noise: the quiet phases' own TBT p99 ranged {_fmt(min(quiet_p99))}..{_fmt(max(quiet_p99))} ms")
     rows.append(f"5xx responses: {result.server_errors}; KV blocks leaked: {result.kv_blocks_leaked}")
+    if result.server:
+        rows.append(f"server: {result.server['steps']:.0f} steps, {result.server['steps_over_100ms']:.0f} over "
+                    f"{LONG_STEP_S * 1e3:.0f} ms, {result.server['kernel_compiles_after_ready']:.0f} kernel compiles "
+                    "after ready")
     hostile_as = result.config.get("hostile_client", "other")
     rows.append(f"hostile requests sent as {'a client of their own' if hostile_as == 'other' else 'the steady client'}"
                 "; server rejections by reason: "

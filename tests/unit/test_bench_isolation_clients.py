@@ -58,3 +58,22 @@ def test_the_steady_streams_are_their_own_client():
 def test_an_unknown_hostile_client_mode_is_refused():
     with pytest.raises(ValueError, match="hostile_client"):
         IsolationConfig(url="http://127.0.0.1:1", model=None, hostile_client="elsewhere")
+
+
+def test_server_counters_read_rejections_compiles_and_long_steps_from_a_real_scrape():
+    from metronome.server.api.metrics import ServerMetrics
+    from metronome.server.bench.isolation import LONG_STEP_S, server_counters
+
+    metrics = ServerMetrics("m")
+    for seconds, kind in [(0.004, "decode"), (0.05, "mixed"), (LONG_STEP_S, "decode"), (0.2, "decode"),
+                          (0.3, "mixed")]:
+        metrics.step_duration.labels("m", kind).observe(seconds)
+    metrics.on_rejected("overloaded")
+    metrics.on_rejected("overloaded")
+    metrics.compiles_after_ready.labels("m").inc()
+
+    counters = server_counters(metrics.render().decode())
+
+    assert counters["steps"] == 5 and counters["steps_over_100ms"] == 2  # 100 ms itself is not over
+    assert counters["kernel_compiles_after_ready"] == 1
+    assert counters["rejected:overloaded"] == 2
