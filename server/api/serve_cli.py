@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 log = logging.getLogger("metronome.serve")
@@ -96,6 +97,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def cpu_engine_threads(cpus: int) -> int:
+    """Torch threads for an engine on the CPU: all cores but one, which the event loop and the tokenizer workers
+    need. With every core in torch's OpenMP team, any request work on the event loop preempts a team member and
+    the others spin at the next barrier: on 2 vCPUs a burst of 64 small requests stretched 4-token decode steps
+    from ~2 ms to 120-200 ms (the steady streams' TBT p99 150 ms; 10 ms with one thread, docs/perf/isolation.md)."""
+    return max(1, cpus - 1)
+
+
 def freeze_startup_heap() -> int:
     """Collect once, then move every object alive now (modules, the model, graphs, the app) into the collector's
     permanent generation and return how many. A full collection walks all tracked objects, about 220k after
@@ -163,6 +172,12 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
         # of a few dozen calls stretches while many streams are served. On a CPU both threads compute and the
         # extra switching costs more than it saves (docs/perf/serving.md).
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    elif core.config.tensor_parallel_size == 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        threads = cpu_engine_threads(len(os.sched_getaffinity(0)))
+        torch.set_num_threads(threads)
+        log.info("CPU engine: %d torch thread(s), one core left for HTTP (set OMP_NUM_THREADS to choose)", threads)
     log.info("start-up heap frozen: %d objects the garbage collector no longer walks", freeze_startup_heap())
     server.run()
     return 0

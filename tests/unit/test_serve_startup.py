@@ -1,10 +1,11 @@
-"""serve freezes its start-up heap: full collections then walk only what serving allocates (no 100 ms pauses)."""
+"""What `serve` decides at start-up for smooth streams: a frozen start-up heap (full collections walk only what
+serving allocates: no 100 ms pauses) and, on the CPU, a core left for the event loop."""
 import gc
 import weakref
 
 import pytest
 
-from metronome.server.api.serve_cli import freeze_startup_heap
+from metronome.server.api.serve_cli import cpu_engine_threads, freeze_startup_heap
 
 
 @pytest.fixture
@@ -44,3 +45,8 @@ def test_objects_made_after_the_freeze_are_still_collected(unfrozen):
         _Node()  # cycles made while serving
     gc.collect()
     assert sum(s["collected"] for s in gc.get_stats()) - collected_before >= 100
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 1), (16, 15)])
+def test_a_cpu_engine_leaves_one_core_for_the_event_loop(cpus, threads):
+    assert cpu_engine_threads(cpus) == threads
