@@ -101,7 +101,7 @@ def cpu_engine_threads(cpus: int) -> int:
     """Torch threads for an engine on the CPU: all cores but one, which the event loop and the tokenizer workers
     need. With every core in torch's OpenMP team, any request work on the event loop preempts a team member and
     the others spin at the next barrier: on 2 vCPUs a burst of 64 small requests stretched 4-token decode steps
-    from ~2 ms to 120-200 ms (the steady streams' TBT p99 150 ms; 10 ms with one thread, docs/perf/isolation.md)."""
+    from ~2 ms to 120-200 ms (the engine's TBT p99 150 ms; under 10 ms with one thread, docs/perf/isolation.md)."""
     return max(1, cpus - 1)
 
 
