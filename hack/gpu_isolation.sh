@@ -6,6 +6,7 @@
 #
 #     bash hack/gpu_isolation.sh            # random:tiny on 2 pinned cores, then random:llama-3-8b on the GPU
 #     SMOKE=1 bash hack/gpu_isolation.sh    # random:tiny only, short phases (checks this script on any machine)
+#     GPU_ONLY=1 bash hack/gpu_isolation.sh # random:llama-3-8b on the GPU alone (a shorter device call)
 #
 # Every server logs its full (generation-2) garbage collections and their pauses (a sitecustomize on its path);
 # the random:tiny server runs twice, the first time with `serve`'s start-up gc.freeze() made a no-op, so the
@@ -82,8 +83,10 @@ one() {  # $1 name, $2 model, $3 device, $4 server cores, $5 ready timeout (s); 
 }
 
 TINY_CPUS="${SERVER_CPUS%%-*}-$(( ${SERVER_CPUS%%-*} + 1 ))"
-GC_NO_FREEZE=1 one tiny-cpu-no-freeze random:tiny cpu "$TINY_CPUS" 120
-one tiny-cpu random:tiny cpu "$TINY_CPUS" 120
+if [ "${GPU_ONLY:-0}" != 1 ]; then
+  GC_NO_FREEZE=1 one tiny-cpu-no-freeze random:tiny cpu "$TINY_CPUS" 120
+  one tiny-cpu random:tiny cpu "$TINY_CPUS" 120
+fi
 if [ "${SMOKE:-0}" != 1 ]; then
   one llama-3-8b-h200 random:llama-3-8b cuda "$SERVER_CPUS" 240
 fi
