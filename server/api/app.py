@@ -7,7 +7,9 @@ What one client sends must not slow the others' streams: request bodies are size
 (body_limit.py), and prompts are tokenized and chat templates rendered on worker threads after a size check
 (tokenization.py), so the event loop only ever does work proportional to the body it accepted. No client may
 take the whole waiting queue or all running slots while others are active (client_share.py): over its share a
-request gets 429 before it is tokenized.
+request gets 429 before it is tokenized. With a prompt-token rate (client_rate.py, opt-in), a tokenized request
+whose client's bucket lacks its tokens gets 429 too; it is charged only then, after every other check the server
+makes, and refunded if the engine refuses it, so a refused request never costs its client tokens.
 
 Fields the API does not know are logged once each and ignored, unless `strict_openai` (then a 400 names them).
 The model answers to its served name, its aliases and the name it was loaded as (e.g. the Hugging Face id).
@@ -32,6 +34,8 @@ from metronome.contract.errors import (
 )
 from metronome.server.api.auth import ApiKeyAuth
 from metronome.server.api.body_limit import BodyLimit
+from metronome.server.api.client_rate import REJECT_REASON as RATE_REJECT_REASON
+from metronome.server.api.client_rate import ClientRateExceeded, RateCharge, RateFlags, RateLimiter
 from metronome.server.api.client_share import (
     REJECT_REASON,
     ClientHold,
@@ -104,10 +108,11 @@ def release_on_error(hold: ClientHold):
 def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS, *, strict_openai: bool = False,
                api_keys: tuple[str, ...] = (), aliases: tuple[str, ...] = (),
-               tool_call_parser: str = "auto", shares: ShareFlags = ShareFlags()) -> FastAPI:
+               tool_call_parser: str = "auto", shares: ShareFlags = ShareFlags(),
+               rates: RateFlags = RateFlags()) -> FastAPI:
     """`aliases`: more names the model answers to; `api_keys`: when any, every route but the probes, /metrics
     and /version needs one (auth.py); `tool_call_parser`: "auto", "qwen2" or "llama3" (tools.py); `shares`: the
-    per-client caps (client_share.py)."""
+    per-client caps (client_share.py); `rates`: the per-client prompt-token rate (client_rate.py)."""
     metrics = state.metrics
     lifecycle = state.lifecycle
     model_names = list(dict.fromkeys([state.served_model_name, *aliases, engine.model_name]))
@@ -115,6 +120,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
     tokenizer_pool = TokenizerPool(engine.tokenizer, engine.max_model_len, workers=tokenizer_workers,
                                    max_pending=engine.core.config.max_waiting)
     ledger = ClientLedger(shares)
+    limiter = RateLimiter.from_flags(rates)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -134,6 +140,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
 
     app = FastAPI(title="Metronome", version=__version__, lifespan=lifespan)
     app.state.client_ledger = ledger  # what each client holds now (tests and debugging read it)
+    app.state.rate_limiter = limiter  # each client's prompt-token bucket (None: no rate limit)
     install_error_handlers(app, on_reject=metrics.on_rejected)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, on_reject=metrics.on_rejected)
     if api_keys:
@@ -174,14 +181,26 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
             metrics.on_rejected("invalid")
             raise
 
-    def take_share(request: Request, body, jobs: int) -> ClientHold:
-        """The client's slots for `jobs` engine requests, or 429 (counted) when they would pass its share."""
+    def client_of(request: Request, body) -> str:
         key = bearer_token(request.headers.get("authorization")) if api_keys else None
-        client = client_identity(key, body.user, request.client.host if request.client else None)
+        return client_identity(key, body.user, request.client.host if request.client else None)
+
+    def take_share(client: str, jobs: int) -> ClientHold:
+        """The client's slots for `jobs` engine requests, or 429 (counted) when they would pass its share."""
         try:
             return ledger.admit(client, jobs, engine.core.config.max_waiting, engine.stats().scheduler.max_num_seqs)
         except ClientShareExceeded:
             metrics.on_rejected(REJECT_REASON)
+            raise
+
+    def take_tokens(client: str, prompts: list[list[int]], choices: int) -> RateCharge | None:
+        """Charge the client's bucket for every engine request's prompt, or 429 (counted, nothing charged)."""
+        if limiter is None:
+            return None
+        try:
+            return limiter.charge(client, sum(len(p) for p in prompts) * choices)
+        except ClientRateExceeded:
+            metrics.on_rejected(RATE_REJECT_REASON)
             raise
 
     async def tokenized(work):
@@ -209,11 +228,12 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         admit(body, "/v1/completions")
-        hold = take_share(request, body, len(body.prompts()) * body.n)
+        client = client_of(request, body)
+        hold = take_share(client, len(body.prompts()) * body.n)
         with release_on_error(hold):
-            return await _completions(body, request, hold)
+            return await _completions(body, request, hold, client)
 
-    async def _completions(body: CompletionRequest, request: Request, hold: ClientHold):
+    async def _completions(body: CompletionRequest, request: Request, hold: ClientHold, client: str):
         prompts = [await tokenized(tokenizer_pool.encode(p)) if isinstance(p, str) else p for p in body.prompts()]
         grammar = await compiled(body.grammar())
         jobs = [Job(ids, sampling_params(body, max_tokens=body.max_tokens if body.max_tokens is not None else 16,
@@ -224,17 +244,20 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
             texts = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in body.prompts()]
             echo = [texts[job.prompt_index] for job in jobs]
         shaper = CompletionShaper(state.served_model_name, token_text, echo=echo)
+        charge = take_tokens(client, prompts, body.n)
         return await run_request(engine, lifecycle, request, jobs, shaper, body.stream,
-                                 body.include_usage_in_stream(), body.continuous_usage(), hold=hold)
+                                 body.include_usage_in_stream(), body.continuous_usage(), hold=hold,
+                                 refund=charge.refund if charge is not None else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         admit(body, "/v1/chat/completions")
-        hold = take_share(request, body, body.n)
+        client = client_of(request, body)
+        hold = take_share(client, body.n)
         with release_on_error(hold):
-            return await _chat_completions(body, request, hold)
+            return await _chat_completions(body, request, hold, client)
 
-    async def _chat_completions(body: ChatCompletionRequest, request: Request, hold: ClientHold):
+    async def _chat_completions(body: ChatCompletionRequest, request: Request, hold: ClientHold, client: str):
         tools = body.active_tools()
         prompt = await tokenized(tokenizer_pool.render_chat(body.template_messages(), body.add_generation_prompt,
                                                             tools or None))
@@ -251,8 +274,10 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
                                             grammar=grammar, choice=choice)) for choice in range(body.n)]
         shaper = ChatShaper(state.served_model_name, token_text, tools=tools, tool_format=tool_call_parser,
                             forced=forced is not None, parallel_tool_calls=body.parallel_tool_calls is not False)
+        charge = take_tokens(client, [prompt], body.n)
         return await run_request(engine, lifecycle, request, jobs, shaper, body.stream,
-                                 body.include_usage_in_stream(), body.continuous_usage(), hold=hold)
+                                 body.include_usage_in_stream(), body.continuous_usage(), hold=hold,
+                                 refund=charge.refund if charge is not None else None)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -11,6 +11,7 @@ merged as they come, and every one of them is closed with the response.
 
 The client's share (client_share.py) is held from admission to the end of the response: each choice counts as
 waiting until the first events arrive, then as running, and is released wherever the engine streams are closed.
+The client's prompt-token charge (client_rate.py) is refunded when the engine refuses the request.
 """
 from __future__ import annotations
 
@@ -66,8 +67,10 @@ class Job:
 
 
 async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list[Job], shaper, stream: bool,
-                      include_usage: bool, continuous_usage: bool = False, hold: ClientHold | None = None):
-    """`hold`: the client's share for these jobs, released here however the request ends."""
+                      include_usage: bool, continuous_usage: bool = False, hold: ClientHold | None = None,
+                      refund: Callable[[], None] | None = None):
+    """`hold`: the client's share for these jobs, released here however the request ends; `refund`: called when
+    the engine refuses a job (its first event is an error), as the request was never served."""
     ids = [shaper.id] if len(jobs) == 1 else [f"{shaper.id}-{i}" for i in range(len(jobs))]
     for request_id in ids:
         lifecycle.begin(request_id)
@@ -78,6 +81,8 @@ async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list
                                                                    return_exceptions=True))
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:
+            if refund is not None:
+                refund()
             raise failed
     except BaseException as exc:
         await _close_all(streams, lifecycle, ids, hold)

@@ -15,12 +15,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from metronome.contract import metric_names as names
 from metronome.contract.config import QueuePolicy, SchedulerConfig
+from metronome.server.api.client_rate import REJECT_REASON as CLIENT_RATE
 from metronome.server.api.client_share import REJECT_REASON as CLIENT_SHARE
 
 KNOWN_QUEUES = ("fcfs", "short", "long", "sjf")
 # Every reason exists at 0 from the start; the engine names the first two, body_limit.py "too_large",
-# client_share.py "client_share" (a client over its share of the waiting queue or the running requests).
-KNOWN_REJECT_REASONS = ("overloaded", "invalid", "draining", "too_large", CLIENT_SHARE)
+# client_share.py "client_share" (a client over its share of the waiting queue or the running requests),
+# client_rate.py "client_rate" (a client over its prompt-token rate).
+KNOWN_REJECT_REASONS = ("overloaded", "invalid", "draining", "too_large", CLIENT_SHARE, CLIENT_RATE)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 

@@ -58,6 +58,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--max-running-per-client", type=positive_int, default=None, metavar="N",
                         help="the same for requests running or waiting (default: none beyond the fair share, "
                              "--max-num-seqs / active clients)")
+    server.add_argument("--max-prompt-tokens-per-second-per-client", type=positive_int, default=None, metavar="R",
+                        help="each client (the same identity as the shares) may send at most R prompt tokens per "
+                             "second, times n choices and batch prompts; over it 429 with Retry-After. Applies to a "
+                             "lone client too (default: no limit)")
+    server.add_argument("--prompt-token-burst-per-client", type=positive_int, default=None, metavar="B",
+                        help="the bucket of that rate: at most B tokens at once after an idle spell (default: R, one "
+                             "second's worth); a request larger than B is admitted when the bucket is full and then "
+                             "paid back at R")
     add_engine_flags(parser.add_argument_group("engine (fixed for the process)"))
     add_scheduler_flags(parser.add_argument_group("scheduler (initial values; the --config file overrides them)"))
 
@@ -87,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
         from metronome.server.api.auth import resolve_keys
 
         args.api_keys = resolve_keys(args.api_key, args.api_key_file)
+        from metronome.server.api.client_rate import RateFlags
+
+        args.rates = RateFlags(args.max_prompt_tokens_per_second_per_client, args.prompt_token_burst_per_client)
     except (MetronomeError, ValueError) as exc:
         print(f"metronome serve: {exc}", file=sys.stderr)
         return 2
@@ -158,7 +169,8 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
     app = create_app(engine, state, max_body_bytes=args.max_request_body_bytes,
                      tokenizer_workers=args.tokenizer_workers, strict_openai=args.strict_openai,
                      api_keys=args.api_keys, aliases=tuple(names[1:]), tool_call_parser=args.tool_call_parser,
-                     shares=ShareFlags(args.max_waiting_per_client, args.max_running_per_client))
+                     shares=ShareFlags(args.max_waiting_per_client, args.max_running_per_client),
+                     rates=args.rates)
     log.info("serving %s on http://%s:%d (API key %s%s)", ", ".join(dict.fromkeys([*names, core.model_name])),
              args.host, args.port, "required" if args.api_keys else "not required",
              ", strict OpenAI fields" if args.strict_openai else "")
