@@ -142,7 +142,9 @@ def server_args(service: InferenceService) -> list[str]:
     engine = spec.engine
     limits = (("--max-waiting", engine.max_waiting), ("--max-request-body-bytes", engine.max_request_body_bytes),
               ("--max-waiting-per-client", engine.max_waiting_per_client),
-              ("--max-running-per-client", engine.max_running_per_client))
+              ("--max-running-per-client", engine.max_running_per_client),
+              ("--max-prompt-tokens-per-second-per-client", engine.max_prompt_tokens_per_second_per_client),
+              ("--prompt-token-burst-per-client", engine.prompt_token_burst_per_client))
     for flag, value in limits:
         if value is not None:
             args += [flag, str(value)]

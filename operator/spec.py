@@ -131,6 +131,7 @@ OWNED_SERVER_FLAGS = (
     "--model", "--served-model-name", "--config", "--host", "--port", "--device", "--dtype", "--max-model-len",
     "--block-size", "--attention-backend", "--max-waiting", "--tensor-parallel-size", "--drain-seconds",
     "--max-request-body-bytes", "--max-waiting-per-client", "--max-running-per-client",
+    "--max-prompt-tokens-per-second-per-client", "--prompt-token-burst-per-client",
 )
 
 
@@ -142,6 +143,8 @@ class EngineSpec:
     max_request_body_bytes: int | None = None  # unset: the server's default
     max_waiting_per_client: int | None = None  # unset: the fair share
     max_running_per_client: int | None = None
+    max_prompt_tokens_per_second_per_client: int | None = None  # unset: no rate limit
+    prompt_token_burst_per_client: int | None = None  # unset: one second's worth
     extra_args: tuple[str, ...] = ()  # appended to the server's command line
 
 
@@ -508,6 +511,9 @@ def parse_resources(data: Mapping[str, Any]) -> ResourcesSpec:
 def parse_engine(data: Mapping[str, Any]) -> EngineSpec:
     where = "spec.engine"
     defaults = _defaults(EngineSpec)
+    if data.get("promptTokenBurstPerClient") is not None and data.get("maxPromptTokensPerSecondPerClient") is None:
+        raise SpecError(f"{where}.promptTokenBurstPerClient: needs maxPromptTokensPerSecondPerClient (the rate that "
+                        "refills the burst)")
     return EngineSpec(
         block_size=_value(data, "blockSize", int, defaults["block_size"], where),
         attention_backend=_value(data, "attentionBackend", str, defaults["attention_backend"], where),
@@ -515,6 +521,10 @@ def parse_engine(data: Mapping[str, Any]) -> EngineSpec:
         max_request_body_bytes=_value(data, "maxRequestBodyBytes", int, defaults["max_request_body_bytes"], where),
         max_waiting_per_client=_value(data, "maxWaitingPerClient", int, defaults["max_waiting_per_client"], where),
         max_running_per_client=_value(data, "maxRunningPerClient", int, defaults["max_running_per_client"], where),
+        max_prompt_tokens_per_second_per_client=_value(data, "maxPromptTokensPerSecondPerClient", int,
+                                                       defaults["max_prompt_tokens_per_second_per_client"], where),
+        prompt_token_burst_per_client=_value(data, "promptTokenBurstPerClient", int,
+                                             defaults["prompt_token_burst_per_client"], where),
         extra_args=parse_extra_args(_value(data, "extraArgs", list, [], where), f"{where}.extraArgs"),
     )
 

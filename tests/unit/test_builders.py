@@ -106,7 +106,9 @@ def test_default_model_and_cpu_pods_ask_for_no_gpu():
         {},
         {"model": {"source": "pvc:weights/llama", "dtype": "float16", "maxModelLen": 4096}, "resources": {"gpus": 2},
          "engine": {"blockSize": 256, "attentionBackend": "flash_attn", "maxWaiting": 64,
-                    "maxRequestBodyBytes": 1048576, "maxWaitingPerClient": 4, "maxRunningPerClient": 16}},
+                    "maxRequestBodyBytes": 1048576, "maxWaitingPerClient": 4, "maxRunningPerClient": 16,
+                    "maxPromptTokensPerSecondPerClient": 5000, "promptTokenBurstPerClient": 20000}},
+        {"engine": {"maxPromptTokensPerSecondPerClient": 800}},
         {"model": {"source": "gguf:/data/m.gguf"}, "resources": {"gpus": 0}},
     ],
 )
@@ -125,6 +127,8 @@ def test_the_server_parser_accepts_the_command_line(spec):
     assert (parsed.max_request_body_bytes, parsed.max_waiting_per_client, parsed.max_running_per_client) == (
         engine.get("maxRequestBodyBytes", parser.get_default("max_request_body_bytes")),
         engine.get("maxWaitingPerClient"), engine.get("maxRunningPerClient"))
+    assert (parsed.max_prompt_tokens_per_second_per_client, parsed.prompt_token_burst_per_client) == (
+        engine.get("maxPromptTokensPerSecondPerClient"), engine.get("promptTokenBurstPerClient"))
 
 
 def test_probes_ports_and_prometheus_annotations():

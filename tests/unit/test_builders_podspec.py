@@ -217,7 +217,8 @@ def test_extra_args_may_not_repeat_the_operators_flags(arg):
 def test_owned_flags_are_what_the_builder_writes_and_the_crd_refuses():
     full = service_of(model={"source": "default", "maxModelLen": 4096}, resources={"gpus": 2},
                       engine={"blockSize": 16, "attentionBackend": "torch", "maxWaiting": 8,
-                              "maxRequestBodyBytes": 65536, "maxWaitingPerClient": 2, "maxRunningPerClient": 4})
+                              "maxRequestBodyBytes": 65536, "maxWaitingPerClient": 2, "maxRunningPerClient": 4,
+                              "maxPromptTokensPerSecondPerClient": 1000, "promptTokenBurstPerClient": 4000})
     written = {a for a in builders.server_args(full) if a.startswith("--")}
     assert written == set(OWNED_SERVER_FLAGS)
     crd = yaml.safe_load((ROOT / "crds" / "inferenceservice.yaml").read_text())
@@ -226,6 +227,12 @@ def test_owned_flags_are_what_the_builder_writes_and_the_crd_refuses():
     listed = re.findall(r"'(--[a-z-]+)'", rule["rule"])
     assert listed == list(OWNED_SERVER_FLAGS)
     assert re.findall(r"'(--[a-z-]+)='", rule["rule"]) == list(OWNED_SERVER_FLAGS)
+
+
+def test_a_token_burst_needs_a_token_rate():
+    with pytest.raises(SpecError, match=r"^spec\.engine\.promptTokenBurstPerClient: needs "
+                                        r"maxPromptTokensPerSecondPerClient"):
+        service_of(engine={"promptTokenBurstPerClient": 4000})
 
 
 def test_the_crd_defaults_are_the_operators():
