@@ -7,9 +7,9 @@ What one client sends must not slow the others' streams: request bodies are size
 (body_limit.py), and prompts are tokenized and chat templates rendered on worker threads after a size check
 (tokenization.py), so the event loop only ever does work proportional to the body it accepted. No client may
 take the whole waiting queue or all running slots while others are active (client_share.py): over its share a
-request gets 429 before it is tokenized. With a prompt-token rate (client_rate.py, opt-in), a tokenized request
-whose client's bucket lacks its tokens gets 429 too; it is charged only then, after every other check the server
-makes, and refunded if the engine refuses it, so a refused request never costs its client tokens.
+request gets 429 before it is tokenized. With a prompt-token rate (client_rate.py, opt-in), a request whose
+client's bucket lacks its prompt tokens gets 429 once it is tokenized; the bucket is charged after every other
+check the server makes and refunded if the engine refuses the request, so a refused request costs no tokens.
 
 Fields the API does not know are logged once each and ignored, unless `strict_openai` (then a 400 names them).
 The model answers to its served name, its aliases and the name it was loaded as (e.g. the Hugging Face id).
