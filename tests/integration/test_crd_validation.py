@@ -68,6 +68,10 @@ INVALID = [
     ("short-chunk-below-threshold", _with("spec.server.shortChunkSize", 256),
      "spec.server.shortChunkSize must be >= spec.server.shortPromptThreshold"),
     ("name-not-a-dns-label", _with("metadata.name", "smol.lm2"), "metadata.name"),
+    ("token-burst-without-rate", _with("spec.engine.promptTokenBurstPerClient", 4000),
+     "spec.engine.promptTokenBurstPerClient needs maxPromptTokensPerSecondPerClient"),
+    ("extra-args-repeat-token-rate", _with("spec.engine.extraArgs", ["--max-prompt-tokens-per-second-per-client=9"]),
+     "spec.engine.extraArgs may not repeat"),
 ]
 
 
