@@ -165,3 +165,33 @@ def test_a_long_identity_is_kept_as_a_hash_and_shown_shortened():
     with pytest.raises(ClientRateExceeded) as refused:
         rates.charge(name, 5)
     assert len(str(refused.value)) < 400 and "--max-prompt-tokens-per-second-per-client 10" in str(refused.value)
+
+
+def serve_args(*flags: str):
+    import argparse
+
+    from metronome.server.api import serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.configure(parser)
+    return parser.parse_args(["--model", "random:tiny", "--device", "cpu", *flags])
+
+
+def test_serve_takes_the_rate_flags():
+    args = serve_args("--max-prompt-tokens-per-second-per-client", "1000", "--prompt-token-burst-per-client", "4000")
+    assert (args.max_prompt_tokens_per_second_per_client, args.prompt_token_burst_per_client) == (1000, 4000)
+    assert serve_args().max_prompt_tokens_per_second_per_client is None
+
+
+def test_serve_refuses_a_burst_without_a_rate_naming_both_flags(capsys):
+    from metronome.server.api import serve_cli
+
+    assert serve_cli.run(serve_args("--prompt-token-burst-per-client", "4000")) == 2  # before loading a model
+    err = capsys.readouterr().err
+    assert "--prompt-token-burst-per-client needs --max-prompt-tokens-per-second-per-client" in err
+
+
+def test_serve_refuses_a_zero_rate_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        serve_args("--max-prompt-tokens-per-second-per-client", "0")
+    assert "--max-prompt-tokens-per-second-per-client: must be >= 1" in capsys.readouterr().err
