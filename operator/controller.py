@@ -34,8 +34,10 @@ Order of the rules, first match wins:
      floor, else ×1.1.
    Every proposal is capped (at most ×max_step_up, ÷max_step_down per decision) and clamped to the bounds;
    a current size outside the bounds (the bounds were edited) is first brought inside them, uncapped.
-6. chunk already at its floor and the SLO still violated → replicas + 1 if `scale_replicas` and below the
-   maximum, else `slo_unreachable` with a reason (the handler sets a condition and an Event).
+6. chunk already at its floor and the SLO still violated → under `split`, whose floor is the short-prompt
+   threshold, `fcfs` with the smaller chunk a rule asked for (when policy switching is on); else replicas + 1 if
+   `scale_replicas` and below the maximum, else `slo_unreachable` with a reason (the handler sets a condition and
+   an Event).
 Advise mode computes the same decision and records it as a proposal without acting.
 """
 from __future__ import annotations
@@ -285,7 +287,7 @@ def _proportional_step(obs: Observation, current: CurrentConfig, spec: AutotuneS
                 current.chunk_size)
     reason = f"{note}{_tbt_text(tbt, spec)}: ×{factor:.2f}"
     if chunk >= current.chunk_size:
-        return _at_floor(current, spec, reason, "model", None)
+        return _at_floor(current, spec, reason, "model-proportional", None, wanted, spec.chunk_granularity)
     return _Proposal(chunk, current.queue_policy, current.replicas,
                      f"{reason} → {chunk}{_cap_note(wanted, chunk, spec, _floor(spec, current))}",
                      (ActionKind.CHUNK_DOWN,), policy_used="model-proportional")
@@ -352,6 +354,8 @@ def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
         chunk = min(_bounded(wanted, current.chunk_size, spec, spec.chunk_granularity, _floor(spec, current)),
                     current.chunk_size)
         if chunk >= current.chunk_size:
+            if violated:
+                return _at_floor(current, spec, f"{basis}; {why}", "model", fit, wanted, spec.chunk_granularity), ""
             return blocked(f"{basis}; {why}"), ""
         return _Proposal(chunk, current.queue_policy, current.replicas,
                          f"{basis}; {why}{_cap_note(wanted, chunk, spec, _floor(spec, current))}",
@@ -394,7 +398,7 @@ def _multiplicative_step(obs: Observation, current: CurrentConfig, spec: Autotun
     reason = f"{note}{_tbt_text(tbt, spec)}, {rule}: ×{factor:g}"
     if chunk == current.chunk_size:
         if ratio > 1.0 and factor < 1:
-            return _at_floor(current, spec, reason, "multiplicative", None)
+            return _at_floor(current, spec, reason, "multiplicative", None, wanted, 1)
         return _hold_proposal(current, f"{reason}, but chunk {current.chunk_size} is at its bound",
                               "multiplicative")
     kind = ActionKind.CHUNK_DOWN if chunk < current.chunk_size else ActionKind.CHUNK_UP
@@ -403,8 +407,16 @@ def _multiplicative_step(obs: Observation, current: CurrentConfig, spec: Autotun
 
 
 def _at_floor(current: CurrentConfig, spec: AutotuneSpec, basis: str, policy_used: str,
-              fit: StepFit | None) -> _Proposal:
+              fit: StepFit | None, wanted: int | None = None, granularity: int = 1) -> _Proposal:
+    """The budget cannot shrink further: leave `split` for fcfs when only split's floor is in the way (`wanted`:
+    the budget the rule asked for), else add a replica or report the SLO unreachable."""
     r2 = fit.r_squared if fit is not None else None
+    escape = _leave_split_floor(current, spec, wanted, granularity)
+    if escape is not None:
+        return _Proposal(escape, QueuePolicy.FCFS.value, current.replicas,
+                         f"{basis}; split keeps the budget at its short-prompt threshold {_floor(spec, current)}: "
+                         f"fcfs with chunk {escape}", (ActionKind.CHUNK_DOWN, ActionKind.POLICY_SWITCH),
+                         policy_used=policy_used, fit_r_squared=r2)
     where = f"chunk {current.chunk_size} cannot go lower (floor {_floor(spec, current)})"
     if spec.scale_replicas and current.replicas < spec.max_replicas:
         return _Proposal(current.chunk_size, current.queue_policy, current.replicas + 1,
@@ -418,6 +430,20 @@ def _at_floor(current: CurrentConfig, spec: AutotuneSpec, basis: str, policy_use
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------
+
+def _leave_split_floor(current: CurrentConfig, spec: AutotuneSpec, wanted: int | None,
+                       granularity: int) -> int | None:
+    """The fcfs budget to take when a rule wants less than split's floor allows, or None. Split admits short
+    prompts whole within the short-prompt threshold, so under it no chunk below the threshold shortens a step;
+    fcfs chunks every prompt, down to the bounds' minimum. Never while policy switching is off (the resource's
+    policy is then fixed); rule 3 does not switch back to split while the budget is under the threshold."""
+    if wanted is None or not spec.policy_switching or current.queue_policy != QueuePolicy.SPLIT.value:
+        return None
+    if wanted >= _floor(spec, current):
+        return None
+    chunk = _bounded(wanted, current.chunk_size, spec, granularity, spec.min_chunk)
+    return chunk if chunk < current.chunk_size else None
+
 
 def _floor(spec: AutotuneSpec, current: CurrentConfig) -> int:
     """The smallest budget that changes anything: split admits short prompts whole, so its budget never goes

@@ -392,3 +392,34 @@ def test_split_budget_is_the_larger_lane_and_decisions_land_on_the_lanes():
     # Back to fcfs: the budget moves to chunk_size.
     fcfs = scheduler_for(replace(decision, queue_policy="fcfs", chunk_size=384), written)
     assert (fcfs.queue_policy.value, fcfs.chunk_size) == ("fcfs", 384)
+
+
+def test_split_floor_leaves_for_fcfs_when_the_slo_needs_a_smaller_budget():
+    from metronome.contract.config import SchedulerConfig
+    from metronome.operator.configmap import scheduler_for
+
+    served = SchedulerConfig(chunk_size=512, queue_policy="split", short_chunk_size=512, long_chunk_size=512)
+    current = CurrentConfig.from_scheduler(served, replicas=1, generation=6)
+    switching = spec(policy_switching=True, long_share_on=0.2, long_share_off=0.05)
+    # 40 ms at a 30 ms target with a = 8 ms, b = 20 µs/token: the model wants ~300 tokens, split stops at 512.
+    decision = decide(observation(40.0, long_prompt_share=0.3), current, switching, NOW)
+    assert decision.changed and decision.queue_policy == "fcfs" and 128 <= decision.chunk_size < 512
+    assert decision.actions == (ActionKind.CHUNK_DOWN, ActionKind.POLICY_SWITCH) and not decision.slo_unreachable
+    assert "short-prompt threshold 512" in decision.reason
+    written = scheduler_for(decision, served)
+    assert (written.queue_policy.value, written.chunk_size) == ("fcfs", decision.chunk_size)
+    # Under fcfs below the threshold, rule 3 does not switch back to split (it would raise the budget again),
+    # even with long prompts and short requests over target.
+    after = CurrentConfig.from_scheduler(written, replicas=1, generation=7)
+    again = decide(observation(full_chunk_ms(after.chunk_size), long_prompt_share=0.3, short_tbt_p99_s=0.040),
+                   after, switching, NOW)
+    assert again.queue_policy == "fcfs"
+    # Policy switching off: the resource's policy is fixed, split's floor is the floor.
+    fixed = decide(observation(40.0, long_prompt_share=0.3), current, spec(), NOW)
+    assert fixed.slo_unreachable and fixed.queue_policy == "split" and "floor 512" in fixed.reason
+    # The model's prefill floor still holds: 25k prompt tokens/s per pod (×1.2) need more than 512 per step,
+    # so nothing moves; 20k need 448, which fcfs gives and split could not.
+    busy = decide(observation(40.0, long_prompt_share=0.3, prompt_tokens_per_s=50_000.0), current, switching, NOW)
+    assert (busy.queue_policy, busy.chunk_size) == ("split", 512) and "prefill" in busy.reason
+    fed = decide(observation(40.0, long_prompt_share=0.3, prompt_tokens_per_s=40_000.0), current, switching, NOW)
+    assert (fed.queue_policy, fed.chunk_size) == ("fcfs", 448) and "prefill needs chunk ≥ 448" in fed.reason
