@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from metronome.server.bench.isolation_server import LONG_STEP_S, format_server_table, phase_deltas, scrape_metrics
+from metronome.server.bench.isolation_server import view_dict as server_view
 from metronome.server.bench.stats import percentile
 
 HOSTILE_KINDS = ("big_body", "long_prompt", "burst", "disconnect_storm")
@@ -94,6 +96,10 @@ class IsolationResult:
     # The server's own view of the run (counter increases): Triton compiles while serving and steps over 100 ms
     # tell a compile stall or a long engine step from a gap the engine never saw (delivery, the host).
     server: dict = field(default_factory=dict)
+    # The engine's own figures per phase kind (isolation_server.py), from /metrics at every phase boundary: engine
+    # TBT p99 and step durations that rise with the client's gaps mean engine work; flat ones mean the host side.
+    server_quiet: dict = field(default_factory=dict)
+    server_hostile: dict = field(default_factory=dict)
     machine: dict = field(default_factory=dict)
 
 
@@ -246,6 +252,7 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
                                                      steady_statuses)) for i in range(cfg.streams)]
         await _wait_for_tokens(arrivals, cfg.streams)  # warm: every stream is producing before phase 1
         before = server_counters((await steady.get(cfg.url + "/metrics")).text)
+        boundaries = [await scrape_metrics(steady, cfg.url)]  # texts only: parsed after the run, off the hot path
         t0 = time.monotonic()
         for round_index in range(cfg.rounds):
             for kind in ("quiet", HOSTILE_KINDS[round_index % len(HOSTILE_KINDS)]):
@@ -257,6 +264,7 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
                 await asyncio.sleep(max(0.0, end - time.monotonic()))
                 phases.append({"kind": kind, "round": round_index, "start_s": start - t0,
                                "end_s": time.monotonic() - t0, "_start": start, "_end": time.monotonic()})
+                boundaries.append(await scrape_metrics(steady, cfg.url))  # this phase's end, the next one's start
         stop.set()
         commands.put(None)
         await asyncio.wait(streams, timeout=120)
@@ -266,6 +274,11 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
         after = server_counters((await steady.get(cfg.url + "/metrics")).text)
     injector.join(timeout=30)
     gaps = _gaps_by_phase(arrivals, phases)  # also fills each phase's "stats"
+    for phase, delta in zip(phases, phase_deltas(boundaries), strict=True):
+        phase["server"], phase["_delta"] = None if delta is None else server_view([delta]), delta
+
+    def server_of(kinds) -> dict:
+        return server_view([phase["_delta"] for phase in phases if phase["kind"] in kinds])
     quiet_stats = _stats(gaps.get("quiet", []))
     hostile_stats = _stats([g for kind, values in gaps.items() if kind != "quiet" for g in values])
     by_kind = {}
@@ -273,7 +286,8 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
         if kind in gaps:
             stats = _stats(gaps[kind])
             by_kind[kind] = {**asdict(stats), "p99_ratio": _ratio(stats.tbt_p99_ms, quiet_stats.tbt_p99_ms),
-                             "max_gap_ratio": _ratio(stats.max_gap_ms, quiet_stats.max_gap_ms)}
+                             "max_gap_ratio": _ratio(stats.max_gap_ms, quiet_stats.max_gap_ms),
+                             "server": server_of({kind})}
     p99_ratio = _ratio(hostile_stats.tbt_p99_ms, quiet_stats.tbt_p99_ms)
     gap_ratio = _ratio(hostile_stats.max_gap_ms, quiet_stats.max_gap_ms)
     server_errors = sum(n for counts in [steady_statuses, *hostile_statuses.values()]
@@ -291,6 +305,7 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
         rejected_by_reason={reason[len(REJECTED_PREFIX):]: after[reason] - before.get(reason, 0.0)
                             for reason in sorted(after) if reason.startswith(REJECTED_PREFIX)},
         server={key: after.get(key, 0.0) - before.get(key, 0.0) for key in SERVER_COUNTERS},
+        server_quiet=server_of({"quiet"}), server_hostile=server_of(set(HOSTILE_KINDS)),
         machine=machine_info())
 
 
@@ -331,7 +346,6 @@ async def _wait_for_tokens(arrivals: list, streams: int, timeout_s: float = 300.
 
 REJECTED_PREFIX = "rejected:"
 SERVER_COUNTERS = ("kernel_compiles_after_ready", "steps", "steps_over_100ms")
-LONG_STEP_S = 0.1  # one of the step histogram's bucket bounds (STEP_BUCKETS), so a scrape resolves it
 
 
 def server_counters(metrics_text: str) -> dict[str, float]:
@@ -439,6 +453,9 @@ def format_report(result: IsolationResult) -> str:
                 + (", ".join(f"{reason}: {n:.0f}" for reason, n in result.rejected_by_reason.items() if n) or "none"))
     for kind, counts in result.hostile_statuses.items():
         rows.append(f"  {kind:<17} " + ", ".join(f"{status}: {n}" for status, n in sorted(counts.items())))
+    if result.server_quiet:  # absent from results written before the per-phase server view
+        rows.append(format_server_table([("quiet", result.server_quiet), ("hostile", result.server_hostile),
+                                         *((f" {kind}", stats["server"]) for kind, stats in result.by_kind.items())]))
     return "\n".join(rows)
 
 
