@@ -7,6 +7,8 @@
 #     bash hack/gpu_isolation.sh            # random:tiny on 2 pinned cores, then random:llama-3-8b on the GPU
 #     SMOKE=1 bash hack/gpu_isolation.sh    # random:tiny only, short phases (checks this script on any machine)
 #     GPU_ONLY=1 bash hack/gpu_isolation.sh # random:llama-3-8b on the GPU alone (a shorter device call)
+#     RATE=200 GPU_ONLY=1 BENCH_ARGS="--stream-tokens 512" bash hack/gpu_isolation.sh
+#                                           # then the 8B again with --max-prompt-tokens-per-second-per-client 200
 #
 # Every server logs its full (generation-2) garbage collections and their pauses (a sitecustomize on its path);
 # the random:tiny server runs twice, the first time with `serve`'s start-up gc.freeze() made a no-op, so the
@@ -60,16 +62,16 @@ sys.exit(1)
 EOF
 }
 
-one() {  # $1 name, $2 model, $3 device, $4 server cores, $5 ready timeout (s); GC_NO_FREEZE=1 in the environment
+one() {  # $1 name, $2 model, $3 device, $4 server cores, $5 ready timeout (s), $6 more serve words; GC_NO_FREEZE=1 in the environment
   local name=$1 port=18016 ready_at
   echo "[$(date -u +%T)] $name: serve $2 on $3, cores $4; bench on cores $BENCH_CPUS" | tee -a "$LOG"
   PYTHONPATH=$TRACE:$WH OMP_NUM_THREADS=1 taskset -c "$4" python3 -m metronome.cli serve --model "$2" --device "$3" --host 127.0.0.1 \
-    --port $port --max-waiting 16 --log-level warning > "$OUT/isolation-$name.log" 2>&1 &
+    --port $port --max-waiting 16 --log-level warning ${6:-} > "$OUT/isolation-$name.log" 2>&1 &
   local server=$!
   if wait_ready $port "$5"; then
     ready_at=$(date +%s.%N)
     local bench=(taskset -c "$BENCH_CPUS" python3 -m metronome.cli bench isolation --url "http://127.0.0.1:$port"
-                 --model "$2")
+                 --model "$2" ${BENCH_ARGS:-})
     "${bench[@]}" --phase-seconds 3 --rounds 2 --out /tmp/isolation-warmup.json >> "$LOG" 2>&1  # not reported
     "${bench[@]}" --phase-seconds "$PHASE_SECONDS" --rounds "$ROUNDS" --out "$OUT/isolation-$name.json" \
       >> "$LOG" 2>&1
@@ -89,5 +91,8 @@ if [ "${GPU_ONLY:-0}" != 1 ]; then
 fi
 if [ "${SMOKE:-0}" != 1 ]; then
   one llama-3-8b-h200 random:llama-3-8b cuda "$SERVER_CPUS" 240
+  if [ -n "${RATE:-}" ]; then
+    one llama-3-8b-h200-rate random:llama-3-8b cuda "$SERVER_CPUS" 240 "--max-prompt-tokens-per-second-per-client $RATE"
+  fi
 fi
 tail -n 40 "$LOG"
