@@ -22,7 +22,9 @@ Order of the rules, first match wins:
 4. deadband → hold while deadband_low ≤ p99 / target ≤ upper, where upper is deadband_high (0.95) for
    `model`, which aims at target·margin (0.9) inside the band, and 1.0 for `multiplicative`.
 5. chunk size, by policy:
-   - `model`: fit step ≈ a + b·tokens (+ m for mixed steps, decode and mixed points told apart by the step
+   - `model`: under the deadband while first tokens are on time (TTFT p99 within QUEUE_TTFT_SHARE of its limit,
+     the queue not growing) → hold: a larger budget buys no throughput the arrivals do not already get. Else
+     fit step ≈ a + b·tokens (+ m for mixed steps, decode and mixed points told apart by the step
      metrics' kind), calibrate p99 = k·(a + m + b·(D + C)) on the current observation, take the largest multiple
      of `chunk_granularity` with predicted p99 ≤ target·margin, but never below the chunk whose prefill
      throughput C / step(D + C) covers `prefill_headroom` × the prompt tokens per second per pod. Never moves
@@ -259,6 +261,11 @@ def _tune_chunk(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, ra
         return _hold_proposal(current, f"{_tbt_text(tbt, spec)}: inside the deadband "
                                        f"[{spec.deadband_low:.0%}, {upper:.0%}] of target, no change")
     fallback_note = ""
+    if model and ratio < spec.deadband_low:
+        on_time = _first_tokens_on_time(obs, spec)
+        if on_time is not None:
+            return _hold_proposal(current, f"{_tbt_text(tbt, spec)}, under the deadband, but {on_time}: a larger "
+                                           "budget would only lengthen the steps", "model")
     if model:
         proposal, problem = _model_step(obs, current, spec, ratio)
         if proposal is not None:
@@ -270,6 +277,19 @@ def _tune_chunk(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, ra
             return _hold_proposal(current, f"{fallback_note}{_tbt_text(tbt, spec)} is within target, no change",
                                   "multiplicative")
     return _multiplicative_step(obs, current, spec, ratio, fallback_note)
+
+
+def _first_tokens_on_time(obs: Observation, spec: AutotuneSpec) -> str | None:
+    """Why prefill needs no larger budget (TTFT p99 within QUEUE_TTFT_SHARE of its limit, the queue not
+    growing), or None when that is unknown. Under target with first tokens on time the arrivals, not the server,
+    set the throughput: a larger chunk buys none and costs every stream TBT (on the H200 the `model` loop crept
+    282→413 through a light phase and lost the next one to it)."""
+    limit, ttft = spec.ttft_p99_target_s, obs.ttft_p99_s
+    if limit is None or ttft is None or ttft > QUEUE_TTFT_SHARE * limit:
+        return None
+    if obs.waiting_growth is not None and obs.waiting_growth >= spec.queue_growth_limit:
+        return None
+    return f"first tokens are on time (TTFT p99 {ttft * 1e3:.0f} ms ≤ {QUEUE_TTFT_SHARE:.0%} of {limit * 1e3:.0f} ms)"
 
 
 def _proportional_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, note: str) -> _Proposal:

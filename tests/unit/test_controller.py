@@ -123,6 +123,23 @@ def test_model_grows_when_well_under_target_and_caps_growth():
     assert decision.chunk_size == 896
 
 
+def test_model_does_not_grow_while_first_tokens_are_on_time():
+    ttft = spec(ttft_p99_target_s=2.0)
+    on_time = decide(observation(12.0, ttft_p99_s=0.47, waiting_growth=1.0), config(256), ttft, NOW)
+    assert not on_time.changed and on_time.chunk_size == 256 and "first tokens are on time" in on_time.reason
+    # First tokens getting late (over half the limit), or a growing queue: the room is used as before.
+    late = decide(observation(12.0, ttft_p99_s=1.2), config(256), ttft, NOW)
+    assert late.changed and late.chunk_size == 512
+    queued = decide(observation(12.0, ttft_p99_s=0.47, waiting_growth=8.0), config(256), ttft, NOW)
+    assert queued.chunk_size > 256
+    # The report's rule keeps growing, as the report does; without a TTFT limit the model grows too.
+    assert decide(observation(12.0, ttft_p99_s=0.47), config(256), spec(ttft_p99_target_s=2.0,
+                  policy=TuningPolicy.MULTIPLICATIVE), NOW).chunk_size > 256
+    assert decide(observation(12.0, ttft_p99_s=0.47), config(256), spec(), NOW).chunk_size == 512
+    # Over target it still shrinks: the rule only stops growth.
+    assert decide(observation(60.0, ttft_p99_s=0.47), config(1024), ttft, NOW).chunk_size < 1024
+
+
 def test_model_never_moves_against_the_observation():
     # Met with room but the model finds no larger chunk under target × margin: hold rather than shrink.
     slow_steps = step_samples(a=0.025)
