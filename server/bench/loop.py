@@ -7,7 +7,8 @@ processes (loop_servers.py) started from the same initial config:
   parser (loop_scrape.py), the operator's `decide()` runs on it, and a changed decision is carried out as the
   operator does it (configmap.scheduler_for, next_server_config), written to every server's config folder by the
   `..data` swap;
-- once per `--static CHUNK,POLICY`, with the config held: the oracle is the best of these per phase.
+- once per `--static CHUNK,POLICY`, with the config held: the oracle is the best of these per phase;
+- all of that `--repeats` times, round by round (repeated), each config then judged by its means over the repeats.
 Per interval it records the config, what the controller saw, the clients' TBT/TTFT p99, throughput and goodput, and
 the decision with its reason; loop_report.py turns that into the targets, loop_plot.py into a timeline.
 """
@@ -19,7 +20,7 @@ import datetime as dt
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,22 @@ from metronome.server.bench.records import RequestRecord
 
 @dataclass(frozen=True)
 class RunPlan:
-    label: str  # "loop model", "static 512/split"
+    label: str  # "loop model", "static 512/split", "static 512/split #2"
     autotune: AutotuneSpec | None  # None: a static run
     initial: SchedulerConfig
+    config_label: str = ""  # the label without the repeat's suffix ("": the label)
+    repeat: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.config_label:
+            object.__setattr__(self, "config_label", self.label)
+
+
+def repeated(plans: Sequence[RunPlan], repeats: int) -> list[RunPlan]:
+    """Every plan `repeats` times, round by round (all plans, then all again), so a drift of the machine over the
+    command falls on every config alike. Repeat 1 keeps its label; repeat k > 1 gets " #k"."""
+    return [replace(plan, label=plan.label if k == 1 else f"{plan.label} #{k}", config_label=plan.label, repeat=k)
+            for k in range(1, repeats + 1) for plan in plans]
 
 
 @dataclass(frozen=True)
@@ -166,7 +180,8 @@ async def _run_on(plan: RunPlan, servers: Sequence[LoopServer], config: ServerCo
     finally:
         for client in clients:
             await client.close()
-    return {"label": plan.label, "static": plan.autotune is None,
+    return {"label": plan.label, "config_label": plan.config_label, "repeat": plan.repeat,
+            "static": plan.autotune is None,
             "tuning_policy": plan.autotune.policy.value if plan.autotune else None,
             "initial": {"chunk_size": prefill_budget(plan.initial), "queue_policy": plan.initial.queue_policy},
             "last_generation": state.config.generation, "intervals": state.intervals, "records": records}
@@ -299,8 +314,9 @@ async def _send(client: HttpClient, request, record: RequestRecord, t0: float, t
 # --- the whole command ---------------------------------------------------------------------------------------------
 
 def report(runs: list[dict[str, Any]], settings: LoopSettings, command: str) -> dict[str, Any]:
-    """Client-side interval and phase stats per run, the oracle, and the targets; records are left out (the runs
-    given are not changed: the CLI reports after every run)."""
+    """Client-side interval and phase stats per run, each config over its repeats, the oracles (of single runs and
+    by means; loops are judged against the one by means) and the targets; records are left out (the runs given are
+    not changed: the CLI reports after every run)."""
     bounds = phase_bounds(settings.phases)
     durations = [end - start for start, end in bounds]
     static_phases: dict[str, list[dict[str, Any]]] = {}
@@ -327,11 +343,14 @@ def report(runs: list[dict[str, Any]], settings: LoopSettings, command: str) -> 
             static_phases[run["label"]] = run["phases"]
         else:
             run["targets"] = loop_report.loop_targets(run["intervals"], phase_of, target_ms, ttft_ms)
-    best = loop_report.oracle(static_phases, durations)
+    configs = loop_report.config_stats(out_runs)
+    by_mean = loop_report.oracle_by_mean(configs, durations)
     for run in out_runs:
-        if not run["static"] and best:
-            run["targets"]["goodput_vs_oracle"] = round(run["goodput_tok_s"] / best["goodput_tok_s"], 4) \
-                if best["goodput_tok_s"] > 0 else None
+        if not run["static"] and by_mean:
+            run["targets"]["goodput_vs_oracle"] = loop_report.versus(run["goodput_tok_s"], by_mean)
+    for config in configs.values():
+        if not config["static"] and by_mean:
+            config["goodput_vs_oracle"] = loop_report.versus(config["goodput_tok_s"]["mean"], by_mean)
     return {
         "command": command,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -341,7 +360,10 @@ def report(runs: list[dict[str, Any]], settings: LoopSettings, command: str) -> 
         "phases": [{"label": p.label, "workload": p.workload, "rate": p.rate, "duration_s": p.duration_s,
                     "long_fraction": p.long_fraction, "output_len": p.output_len} for p in settings.phases],
         "runs": out_runs,
-        "oracle": best,
+        "oracle": loop_report.oracle(static_phases, durations),  # over single runs: biased up by noise on repeats
+        "configs": configs,
+        "oracle_by_mean": by_mean,
+        "spread": loop_report.spread(configs),
     }
 
 
@@ -350,6 +372,4 @@ def _phase_at(bounds: Sequence[tuple[float, float]], t: float) -> int:
 
 
 def autotune_for(base: AutotuneSpec, policy) -> AutotuneSpec:
-    from dataclasses import replace
-
     return replace(base, mode=AutotuneMode.APPLY, policy=policy, scale_replicas=False)

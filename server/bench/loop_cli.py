@@ -89,6 +89,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--static", type=_chunk_policy, action="append", default=[], metavar="CHUNK,POLICY",
                    help="also run the workload with this config held, no loop (repeatable); the best per phase is "
                         "the oracle")
+    g.add_argument("--repeats", type=positive_int, default=1,
+                   help="run every loop and static config this many times, round by round; each config is then "
+                        "judged by its mean goodput per phase (one run's goodput is noisy) (1)")
     g.add_argument("--interval", type=positive_float, default=10.0, help="seconds between decisions (10)")
     g.add_argument("--window", type=positive_float, default=20.0, help="seconds each observation covers (20)")
     g.add_argument("--scrape-interval", type=positive_float, default=1.0, help="seconds between /metrics reads (1)")
@@ -159,6 +162,7 @@ def _main(args: argparse.Namespace) -> int:
         server_timeout_s=args.server_timeout, reuse_servers=args.reuse_servers)
     plans = [loop.RunPlan(f"loop {p}", loop.autotune_for(autotune, TuningPolicy(p)), initial) for p in policies]
     plans += [loop.RunPlan(f"static {c}/{p}", None, loop.initial_scheduler(base, c, p)) for c, p in args.static]
+    plans = loop.repeated(plans, args.repeats)
     print(f"metronome bench loop: {len(plans)} run(s) of {len(requests)} requests; servers' logs in {work_dir}",
           file=sys.stderr)
     command = "metronome bench loop " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
@@ -193,6 +197,8 @@ def _run_client(work):
 
 
 def _summary(result: dict) -> str:
+    if max(c["repeats"] for c in result["configs"].values()) > 1:
+        return _summary_of_repeats(result)
     lines = []
     for run in result["runs"]:
         phases = ", ".join(f"{p['goodput_tok_s']:.1f}" for p in run["phases"])
@@ -204,4 +210,25 @@ def _summary(result: dict) -> str:
         lines.append(line)
     if result["oracle"]:
         lines.append(f"oracle (best static per phase): {result['oracle']['goodput_tok_s']:.2f} tok/s")
+    return "\n".join(lines)
+
+
+def _summary_of_repeats(result: dict) -> str:
+    """Per config its mean goodput with min-max, overall and per phase; the oracle by means; the largest spreads."""
+    def over(stats: dict) -> str:
+        return f"{stats['mean']:.1f} ({stats['min']:.1f}-{stats['max']:.1f})"
+
+    lines = []
+    for label, config in result["configs"].items():
+        line = (f"{label:<24} goodput {over(config['goodput_tok_s'])} tok/s over {config['repeats']} run(s) "
+                f"(per phase: {', '.join(over(p) for p in config['phases'])})")
+        if not config["static"]:
+            line += f"; vs oracle by means {config.get('goodput_vs_oracle')}"
+        lines.append(line)
+    best = result["oracle_by_mean"]
+    if best:
+        configs = ", ".join(b["config"] for b in best["best_by_phase"])
+        lines.append(f"oracle by means (best static mean per phase: {configs}): {best['goodput_tok_s']:.2f} tok/s")
+    spreads = ", ".join(f"{s['spread']:.0%} ({s['config']})" for s in result["spread"]["largest_by_phase"])
+    lines.append(f"largest spread (max-min)/mean per phase: {spreads}")
     return "\n".join(lines)

@@ -5,6 +5,10 @@
   when each token was emitted, so an interval's or a phase's goodput is what reached users on time then.
 - The oracle is the best static config per phase in hindsight: for each phase, the highest goodput any `--static`
   run had in it. The loop is judged against the sum over phases, and each static config by its worst phase.
+- With `--repeats` every config runs several times: one run's goodput is noisy (the same config twice differed by
+  up to 30 % in a phase on the H200), so the best single run overstates the oracle. Each config is then summarised
+  over its repeats (mean, min, max, spread = (max - min) / mean per phase) and judged by its means: the oracle by
+  means is the best static mean per phase.
 - Targets (issue 12): control intervals from the first decision (made once the first window is full, on the
   violating start) until an interval's client-side TBT p99 is within target (0: the start was not violating),
   and the same from each phase's first interval (a change of workload is a new violating start);
@@ -92,6 +96,48 @@ def oracle(static_runs: Mapping[str, Sequence[Mapping[str, Any]]], durations: Se
         losses[label] = {"worst_phase": max(range(len(per_phase)), key=per_phase.__getitem__),
                          "worst_loss": round(max(per_phase), 4), "loss_by_phase": [round(x, 4) for x in per_phase]}
     return {"best_by_phase": best, "goodput_tok_s": total, "static_losses": losses}
+
+
+def config_stats(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per config (the runs' `config_label`, in first-run order) over its repeats: the whole run's and each phase's
+    goodput as mean, min, max and spread = (max - min) / mean (0 when the mean is 0)."""
+    grouped: dict[str, list[Mapping[str, Any]]] = {}
+    for run in runs:
+        grouped.setdefault(run["config_label"], []).append(run)
+    return {label: {"static": repeats[0]["static"], "repeats": len(repeats),
+                    "goodput_tok_s": _over([r["goodput_tok_s"] for r in repeats]),
+                    "phases": [_over([r["phases"][n]["goodput_tok_s"] for r in repeats])
+                               for n in range(len(repeats[0]["phases"]))]}
+            for label, repeats in grouped.items()}
+
+
+def _over(values: Sequence[float]) -> dict[str, float]:
+    mean = sum(values) / len(values)
+    low, high = min(values), max(values)
+    return {"mean": mean, "min": low, "max": high, "spread": round((high - low) / mean, 4) if mean > 0 else 0.0}
+
+
+def oracle_by_mean(configs: Mapping[str, Mapping[str, Any]], durations: Sequence[float]) -> dict[str, Any]:
+    """`oracle` over the static configs' per-phase mean goodputs: with one repeat each, the same as `oracle`."""
+    return oracle({label: [{"goodput_tok_s": p["mean"]} for p in c["phases"]]
+                   for label, c in configs.items() if c["static"]}, durations)
+
+
+def spread(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Each config's spread per phase, and per phase the config with the largest: how far apart two runs of one
+    config can be, the margin below which a difference between configs is not measured."""
+    by_config = {label: [p["spread"] for p in c["phases"]] for label, c in configs.items()}
+    phases = len(next(iter(by_config.values()), []))
+    largest = []
+    for number in range(phases):
+        label = max(by_config, key=lambda name: by_config[name][number])
+        largest.append({"phase": number, "config": label, "spread": by_config[label][number]})
+    return {"by_config": by_config, "largest_by_phase": largest}
+
+
+def versus(goodput: float, best: Mapping[str, Any]) -> float | None:
+    """A goodput as a fraction of an oracle's (None without an oracle or when its goodput is 0)."""
+    return round(goodput / best["goodput_tok_s"], 4) if best and best["goodput_tok_s"] > 0 else None
 
 
 def run_goodput(phases: Sequence[Mapping[str, Any]], durations: Sequence[float]) -> float:
