@@ -292,3 +292,16 @@ def test_a_growing_queue_with_early_first_tokens_is_a_transient_not_starved_pref
         assert "the queue grew by 6 waiting requests in 15 s" in held.reason
     unknown = decide(phase_start(None), current, autotune, 10_000.0)
     assert unknown.slo_unreachable and "the queue grew by 6" in unknown.reason
+
+
+def test_under_target_with_first_tokens_on_time_the_budget_holds():
+    # A light load (1 req/s): TBT p99 well under the band, first tokens in a fraction of the TTFT limit. A larger
+    # chunk would buy no throughput (the arrivals set it) and lengthen every step: the model holds. Without a TTFT
+    # limit it cannot tell, and uses the room as before.
+    held = run_loop(256, 8, rate=1.0, seed=7, autotune=spec())
+    assert all(obs.tbt_p99_s < spec().deadband_low * TARGET_S for _, obs, _ in held)
+    assert all(obs.ttft_p99_s <= 0.5 * TTFT_LIMIT_S for _, obs, _ in held)
+    assert not any(d.changed for _, _, d in held)
+    assert "first tokens are on time" in held[-1][2].reason
+    grown = run_loop(256, 8, rate=1.0, seed=7, autotune=spec(ttft_p99_target_s=None))
+    assert any(ActionKind.CHUNK_UP in d.actions for _, _, d in grown)
