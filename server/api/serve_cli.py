@@ -146,6 +146,14 @@ def _load_engine(engine_class, engine_config, initial):
     return core
 
 
+def _stall_loggers(core) -> list:
+    """On a GPU a step over 100 ms is a stall worth a log line (slow_steps.py); on a CPU such steps are work."""
+    from metronome.server.engine.slow_steps import SlowStepLog
+
+    device = getattr(getattr(core, "runner", None), "device", None)
+    return [SlowStepLog()] if getattr(device, "type", None) == "cuda" else []
+
+
 def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
     import uvicorn
     from prometheus_client import disable_created_metrics
@@ -163,7 +171,7 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
     names = args.served_model_name or [core.model_name]
     served_name = names[0]
     metrics = ServerMetrics(served_name)
-    engine = AsyncEngine(core, observers=[metrics])
+    engine = AsyncEngine(core, observers=[metrics, *_stall_loggers(core)])
     state = build_state(engine, metrics, served_name, base, config_file=args.config,
                         poll_interval_s=args.config_poll_seconds)
     app = create_app(engine, state, max_body_bytes=args.max_request_body_bytes,
