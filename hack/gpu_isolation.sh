@@ -72,7 +72,7 @@ one() {  # $1 name, $2 model, $3 device, $4 server cores, $5 ready timeout (s), 
     ready_at=$(date +%s.%N)
     local bench=(taskset -c "$BENCH_CPUS" python3 -m metronome.cli bench isolation --url "http://127.0.0.1:$port"
                  --model "$2" ${BENCH_ARGS:-})
-    "${bench[@]}" --phase-seconds 3 --rounds 2 --out /tmp/isolation-warmup.json >> "$LOG" 2>&1  # not reported
+    "${bench[@]}" --phase-seconds 3 --rounds 4 --out /tmp/isolation-warmup.json >> "$LOG" 2>&1  # not reported; every kind once (a server's first burst stalls one step: isolation.md)
     "${bench[@]}" --phase-seconds "$PHASE_SECONDS" --rounds "$ROUNDS" --out "$OUT/isolation-$name.json" \
       >> "$LOG" 2>&1
     echo "[$(date -u +%T)] $name: bench rc=$?" | tee -a "$LOG"
