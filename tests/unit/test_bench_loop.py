@@ -142,6 +142,15 @@ def test_the_oracle_is_the_best_static_config_per_phase():
     assert best["static_losses"]["static 512/split"]["worst_phase"] == 0
 
 
+def test_the_summary_says_when_the_oracle_is_a_single_static_config():
+    from metronome.server.bench.loop_cli import _over_statics
+
+    one = oracle({"static 512/split": [{"goodput_tok_s": 80.0}]}, durations=[60.0])
+    assert _over_statics(one) == " of 1 static config: a comparison with that config, not an oracle"
+    two = oracle({"a": [{"goodput_tok_s": 1.0}], "b": [{"goodput_tok_s": 2.0}]}, durations=[60.0])
+    assert _over_statics(two) == " of 2 static configs"
+
+
 def interval(chunk, tbt_ms, ttft_ms=100.0, to=None):
     return {"chunk_size": chunk, "client": {"tbt_p99_ms": tbt_ms, "ttft_p99_ms": ttft_ms},
             "decision": {"changed": to is not None, "actions": ["chunk_down" if to is not None else "hold"],

@@ -134,4 +134,5 @@ def test_the_command_repeats_every_run_and_reports_by_means(tmp_path, monkeypatc
     summary = capsys.readouterr().out
     assert "loop model               goodput 4.5 (4.0-5.0) tok/s over 2 run(s) (per phase: 5.0 (4.0-6.0), " \
            "4.0 (4.0-4.0)); vs oracle by means 1.2857" in summary
-    assert "oracle by means (best static mean per phase: static 512/split, static 256/fcfs): 3.50 tok/s" in summary
+    assert ("oracle by means (best static mean per phase: static 512/split, static 256/fcfs of 2 static configs): "
+            "3.50 tok/s") in summary
