@@ -174,8 +174,8 @@ def _prefill_bottleneck(obs: Observation, spec: AutotuneSpec) -> str | None:
         why.append(f"TTFT p99 {obs.ttft_p99_s * 1e3:.0f} ms > limit {limit * 1e3:.0f} ms with {waiting:.1f} "
                    "requests waiting on average")
     growth = obs.waiting_growth
-    ttft_known = limit is not None and obs.ttft_p99_s is not None
-    late = not ttft_known or obs.ttft_p99_s > QUEUE_TTFT_SHARE * limit
+    share = _ttft_share(obs, spec)
+    late = share is None or share > QUEUE_TTFT_SHARE
     if growth is not None and growth >= spec.queue_growth_limit and late:
         why.append(f"the queue grew by {growth:.0f} waiting requests in {obs.window_seconds:.0f} s")
     return " and ".join(why) or None
@@ -284,12 +284,20 @@ def _first_tokens_on_time(obs: Observation, spec: AutotuneSpec) -> str | None:
     growing), or None when that is unknown. Under target with first tokens on time the arrivals, not the server,
     set the throughput: a larger chunk buys none and costs every stream TBT (on the H200 the `model` loop crept
     282→413 through a light phase and lost the next one to it)."""
-    limit, ttft = spec.ttft_p99_target_s, obs.ttft_p99_s
-    if limit is None or ttft is None or ttft > QUEUE_TTFT_SHARE * limit:
+    share = _ttft_share(obs, spec)
+    if share is None or share > QUEUE_TTFT_SHARE:
         return None
     if obs.waiting_growth is not None and obs.waiting_growth >= spec.queue_growth_limit:
         return None
-    return f"first tokens are on time (TTFT p99 {ttft * 1e3:.0f} ms ≤ {QUEUE_TTFT_SHARE:.0%} of {limit * 1e3:.0f} ms)"
+    return (f"first tokens are on time (TTFT p99 {obs.ttft_p99_s * 1e3:.0f} ms ≤ {QUEUE_TTFT_SHARE:.0%} of "
+            f"{spec.ttft_p99_target_s * 1e3:.0f} ms)")
+
+
+def _ttft_share(obs: Observation, spec: AutotuneSpec) -> float | None:
+    """TTFT p99 as a share of its limit; None without a limit or TTFT samples."""
+    if spec.ttft_p99_target_s is None or obs.ttft_p99_s is None:
+        return None
+    return obs.ttft_p99_s / spec.ttft_p99_target_s
 
 
 def _proportional_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, note: str) -> _Proposal:
@@ -333,10 +341,10 @@ def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
              f"{_tbt_text(tbt, spec)}")
     violated = ratio > 1.0
 
-    def blocked(why: str) -> _Proposal:
-        # Cannot shrink: a capacity problem only once the SLO is actually broken.
+    def blocked(why: str, wanted: int | None = None) -> _Proposal:
+        # Cannot shrink: a capacity problem only once the SLO is actually broken (`wanted`: see _at_floor).
         if violated:
-            return _at_floor(current, spec, why, "model", fit)
+            return _at_floor(current, spec, why, "model", fit, wanted, spec.chunk_granularity)
         return _hold_proposal(current, f"{why}; the SLO still holds, no change", "model", fit)
 
     def predicted(chunk: int) -> float:
@@ -374,9 +382,7 @@ def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
         chunk = min(_bounded(wanted, current.chunk_size, spec, spec.chunk_granularity, _floor(spec, current)),
                     current.chunk_size)
         if chunk >= current.chunk_size:
-            if violated:
-                return _at_floor(current, spec, f"{basis}; {why}", "model", fit, wanted, spec.chunk_granularity), ""
-            return blocked(f"{basis}; {why}"), ""
+            return blocked(f"{basis}; {why}", wanted), ""
         return _Proposal(chunk, current.queue_policy, current.replicas,
                          f"{basis}; {why}{_cap_note(wanted, chunk, spec, _floor(spec, current))}",
                          (ActionKind.CHUNK_DOWN,),

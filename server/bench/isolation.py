@@ -35,7 +35,13 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from metronome.server.bench.isolation_server import LONG_STEP_S, format_server_table, phase_deltas, scrape_metrics
+from metronome.server.bench.isolation_server import (
+    LONG_STEP_S,
+    format_server_table,
+    phase_delta,
+    phase_deltas,
+    scrape_metrics,
+)
 from metronome.server.bench.isolation_server import view_dict as server_view
 from metronome.server.bench.stats import percentile
 
@@ -251,8 +257,9 @@ async def run_isolation(cfg: IsolationConfig) -> IsolationResult:
         streams = [asyncio.create_task(steady_stream(steady, cfg, random.Random(cfg.seed + 1 + i), stop, arrivals,
                                                      steady_statuses)) for i in range(cfg.streams)]
         await _wait_for_tokens(arrivals, cfg.streams)  # warm: every stream is producing before phase 1
-        before = server_counters((await steady.get(cfg.url + "/metrics")).text)
-        boundaries = [await scrape_metrics(steady, cfg.url)]  # texts only: parsed after the run, off the hot path
+        first = (await steady.get(cfg.url + "/metrics")).text
+        before = server_counters(first)
+        boundaries: list[str | None] = [first]  # texts only: parsed after the run, off the hot path
         t0 = time.monotonic()
         for round_index in range(cfg.rounds):
             for kind in ("quiet", HOSTILE_KINDS[round_index % len(HOSTILE_KINDS)]):
@@ -350,12 +357,14 @@ SERVER_COUNTERS = ("kernel_compiles_after_ready", "steps", "steps_over_100ms")
 
 def server_counters(metrics_text: str) -> dict[str, float]:
     """From one /metrics scrape: rejections by reason (keys `rejected:<reason>`), Triton compiles after ready,
-    steps, and steps longer than LONG_STEP_S (step-duration histogram, every kind and model). Pure."""
+    steps, and steps longer than LONG_STEP_S (every kind and model: the phase view's delta from no scrape). Pure."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from metronome.contract import metric_names as names
 
-    totals = dict.fromkeys(SERVER_COUNTERS, 0.0)
+    since_start = phase_delta("", metrics_text)
+    totals = {"kernel_compiles_after_ready": 0.0, "steps": sum(since_start.steps.values()),
+              "steps_over_100ms": since_start.steps_over_long}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             if sample.name == names.REQUESTS_REJECTED:
@@ -363,13 +372,6 @@ def server_counters(metrics_text: str) -> dict[str, float]:
                 totals[key] = totals.get(key, 0.0) + sample.value
             elif sample.name == names.KERNEL_COMPILES_AFTER_READY:
                 totals["kernel_compiles_after_ready"] += sample.value
-            elif sample.name == names.STEP_DURATION + "_bucket":
-                le = sample.labels.get("le")
-                if le == "+Inf":
-                    totals["steps"] += sample.value
-                    totals["steps_over_100ms"] += sample.value
-                elif le is not None and float(le) == LONG_STEP_S:
-                    totals["steps_over_100ms"] -= sample.value
     return totals
 
 

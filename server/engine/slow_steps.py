@@ -15,7 +15,7 @@ from metronome.server.engine.outputs import EngineStats, StepStats
 
 log = logging.getLogger(__name__)
 
-GPU_STALL_S = 0.1  # the bucket bound of metronome_step_duration_seconds that `bench isolation` counts as long
+GPU_STALL_S = 0.1  # a bound of metronome_step_duration_seconds: `bench isolation` counts steps over it too
 
 
 def describe(step: StepStats) -> str:
