@@ -118,7 +118,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
     model_names = list(dict.fromkeys([state.served_model_name, *aliases, engine.model_name]))
     unknown_logged: set[str] = set()
     tokenizer_pool = TokenizerPool(engine.tokenizer, engine.max_model_len, workers=tokenizer_workers,
-                                   max_pending=engine.core.config.max_waiting)
+                                   max_pending=engine.max_waiting)
     ledger = ClientLedger(shares)
     limiter = RateLimiter.from_flags(rates)
 
@@ -188,7 +188,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
     def take_share(client: str, jobs: int) -> ClientHold:
         """The client's slots for `jobs` engine requests, or 429 (counted) when they would pass its share."""
         try:
-            return ledger.admit(client, jobs, engine.core.config.max_waiting, engine.stats().scheduler.max_num_seqs)
+            return ledger.admit(client, jobs, engine.max_waiting, engine.stats().scheduler.max_num_seqs)
         except ClientShareExceeded:
             metrics.on_rejected(REJECT_REASON)
             raise
@@ -218,7 +218,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
         """Compile on a worker thread (into the engine's cache), not on the event loop."""
         try:
             if grammar is not None:
-                await tokenized(tokenizer_pool.call(engine.core.check_grammar, grammar))
+                await tokenized(tokenizer_pool.call(engine.check_grammar, grammar))
         except InvalidRequestError as exc:
             if param == exc.param:
                 raise
@@ -312,9 +312,9 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         check_unknown(body, "/detokenize")
-        bad = [t for t in body.tokens if t >= engine.core.vocab_size]
+        bad = [t for t in body.tokens if t >= engine.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary of {engine.core.vocab_size}",
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary of {engine.vocab_size}",
                                       param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 

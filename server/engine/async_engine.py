@@ -21,6 +21,7 @@ from metronome.contract.config import SchedulerConfig
 from metronome.contract.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.outputs import EngineStats, StepStats, TokenEvent
+from metronome.server.engine.request_limits import check_waiting
 from metronome.server.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -135,13 +136,21 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    @property
+    def max_waiting(self) -> int:
+        return self.core.config.max_waiting
+
+    def check_grammar(self, grammar) -> None:
+        """Compile a grammar into the engine's cache (any thread); InvalidRequestError when it does not compile."""
+        self.core.check_grammar(grammar)
+
     # --- plumbing ------------------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
-        waiting = self.core.scheduler.num_waiting + self._pending_adds
-        limit = self.core.config.max_waiting
-        if waiting >= limit:
-            raise EngineOverloadedError(f"engine overloaded: {waiting} requests waiting (max_waiting {limit}); "
-                                        "retry later")
+        check_waiting(self.core.scheduler.num_waiting + self._pending_adds, self.core.config.max_waiting)
 
     def _notify_rejected(self, reason: str) -> None:
         for observer in self.observers:

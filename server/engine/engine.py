@@ -14,6 +14,7 @@ it is launched. A step returns the events and StepStats of the step whose tokens
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from metronome.contract.config import SchedulerConfig
-from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
+from metronome.contract.errors import InvalidRequestError
 from metronome.kernels import compile_watch
 from metronome.server.engine.block_manager import BlockManager
 from metronome.server.engine.config import EngineConfig
@@ -34,6 +35,7 @@ from metronome.server.engine.kv_cache import bytes_per_block, plan_num_blocks
 from metronome.server.engine.model_runner import InFlightTokens, ModelRunner
 from metronome.server.engine.output_text import OutputText
 from metronome.server.engine.outputs import EngineStats, GenerationResult, StepStats, TokenEvent
+from metronome.server.engine.request_limits import RequestLimits, check_grammar, check_waiting
 from metronome.server.engine.sampler import PendingSample, SampleResult, needs_sync
 from metronome.server.engine.sampling import SamplingParams
 from metronome.server.engine.scheduler import ScheduledBatch, Scheduler
@@ -168,66 +170,25 @@ class EngineCore:
             self.workers.shutdown()
 
     # --- requests ------------------------------------------------------------------------------------------
+    @functools.cached_property
+    def limits(self) -> RequestLimits:
+        """The request checks (request_limits.py) over this engine's vocabulary, context and KV capacity."""
+        return RequestLimits(self.vocab_size, self.max_model_len, self.block_manager.max_admissible_tokens())
+
     def prepare_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Validate a request and tokenize it; touches no engine state (safe from any thread)."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling params must be a SamplingParams", param="params")
-        params.validate()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", param="prompt")
-            token_ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}", param="prompt")
-        else:
-            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
-                                      param="prompt")
-        if not token_ids:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
-                "(the prompt must leave room for at least one generated token)", param="prompt")
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of "
-                f"{self.max_model_len} tokens", param="max_tokens")
-        capacity = self.block_manager.max_admissible_tokens()
-        if n + params.max_tokens > capacity:
-            raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the KV cache capacity of "
-                f"{capacity} tokens for one request", param="prompt" if n > capacity else "max_tokens")
-        self._check_extras(params)
-        return token_ids
-
-    def _check_extras(self, params: SamplingParams) -> None:
-        """What depends on the model: logit_bias ids inside the vocabulary, a grammar that compiles."""
-        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary of {self.vocab_size}",
-                                      param="logit_bias")
+        token_ids = self.limits.prepare(prompt, params, self.tokenizer.encode)
         if params.grammar is not None:
             self.check_grammar(params.grammar)
+        return token_ids
 
     def check_grammar(self, grammar) -> None:
         """Compile a grammar into the cache (safe from any thread; the API calls it on a worker thread first, so
         that compiling never holds the event loop); InvalidRequestError when it does not compile."""
-        if self.grammars is None:
-            raise InvalidRequestError("constrained decoding needs the llguidance package (the server extra)",
-                                      param="response_format")
-        self.grammars.check(grammar)
+        check_grammar(self.grammars, grammar)
 
     def check_capacity(self) -> None:
-        if self.scheduler.num_waiting >= self.config.max_waiting:
-            raise EngineOverloadedError(
-                f"engine overloaded: {self.scheduler.num_waiting} requests waiting (max_waiting "
-                f"{self.config.max_waiting}); retry later")
+        check_waiting(self.scheduler.num_waiting, self.config.max_waiting)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None) -> str:
