@@ -1,0 +1,345 @@
+"""The engine core in a process of its own, behind the same interface as AsyncEngine (as vLLM V1 puts its
+EngineCore behind the API server): the HTTP event loop and the engine's step loop no longer share a GIL, so a
+client storming the server with requests does not stretch the other streams' steps.
+
+The API process never loads weights: the engine process (engine_proc_main.py, started with "spawn": CUDA cannot
+fork) builds the core and reports what the API side needs (ReadyInfo), the tokenizer included. Requests are
+validated here with the same checks the core runs (request_limits.py), so refusals raise before any event with
+the same messages; the queue bound is checked against the last stats snapshot plus the adds the engine has not
+acknowledged yet. A writer thread pickles and sends commands (a long prompt never blocks the event loop on a
+full pipe); a reader thread receives one message per step and hands it to the event loop with one
+call_soon_threadsafe, which delivers the tokens, fails streams, updates the snapshot and calls the observers.
+
+If the engine process dies, every open stream fails with EngineProcessExited (a 503), is_running turns False
+(/health fails, so the kubelet restarts the pod) and new requests are refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
+
+from metronome.contract.config import SchedulerConfig
+from metronome.contract.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError
+from metronome.server.engine.config import EngineConfig
+from metronome.server.engine.engine_proc_main import (
+    ABORT,
+    ADD,
+    FAILED,
+    RECONFIGURE,
+    STOP,
+    ChildSettings,
+    ReadyInfo,
+    child_main,
+)
+from metronome.server.engine.outputs import EngineStats, TokenEvent
+from metronome.server.engine.request_limits import RequestLimits, check_grammar, check_waiting
+from metronome.server.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off")
+STOP_WAIT_S = 10.0  # after STOP, how long the engine process may take to exit before it is terminated
+_CLOSE_WRITER = None  # the writer thread's end-of-work marker
+
+
+class EngineProcessExited(EngineDrainingError):
+    """The engine process is gone (killed, crashed, or exited on start-up): a 503 for requests, exit 2 for serve."""
+
+
+def engine_process_mode(mode: str, device_type: str) -> tuple[bool, str]:
+    """(whether the engine core runs in a process of its own, why) for --engine-process `mode` on a device of
+    `device_type`: auto means on for CUDA, where steps take a few ms and any GIL wait shows in every stream's
+    token gaps; a CPU engine's steps are long enough that the in-process thread costs little."""
+    if mode not in MODES:
+        raise InvalidRequestError(f"engine process mode must be one of {', '.join(MODES)}, got {mode!r}",
+                                  param="engine_process")
+    if mode == "auto":
+        return device_type == "cuda", f"auto: {device_type}"
+    return mode == "on", mode
+
+
+class ProcessEngine:
+    def __init__(self, info: ReadyInfo, process, commands, replies, observers: Seq = ()):
+        """Use `launch`; this wires an engine process that has reported ready."""
+        self.info = info
+        self.observers = list(observers)
+        self.limits = RequestLimits(info.vocab_size, info.max_model_len, info.kv_capacity_tokens)
+        self._process = process
+        self._commands = commands
+        self._replies = replies
+        self._stats: EngineStats = info.stats
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._unacked: deque[int] = deque()  # seqs of adds the engine has not reported applying yet
+        self._seq = 0
+        self._send_lock = threading.Lock()  # seq order == send order, whichever thread sends
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._running = False
+        self._closed = False
+        self._exit_error: EngineDrainingError | None = None
+        self._writer = threading.Thread(target=self._write, name="metronome-engine-writer", daemon=True)
+        self._writer.start()
+        self.grammars = _grammars(info)
+
+    @classmethod
+    def launch(cls, engine_config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
+               observers: Seq = (), cpu_threads: int | None = None) -> ProcessEngine:
+        """Start the engine process and wait until it is ready; its start-up error (a bad model, no memory) is
+        raised here as the same exception. `cpu_threads`: torch threads if the engine runs on the CPU."""
+        context = multiprocessing.get_context("spawn")
+        commands_in, commands = context.Pipe(duplex=False)
+        replies, replies_out = context.Pipe(duplex=False)
+        settings = ChildSettings(logging.getLogger().getEffectiveLevel(), cpu_threads)
+        process = context.Process(target=child_main, name="metronome-engine", daemon=True,
+                                  args=(commands_in, replies_out, engine_config, scheduler_config or SchedulerConfig(),
+                                        settings))
+        process.start()
+        commands_in.close()  # the child's ends: closed here so that its exit reads as EOF
+        replies_out.close()
+        try:
+            kind, payload = replies.recv()
+        except EOFError:
+            process.join(STOP_WAIT_S)
+            commands.close()
+            replies.close()
+            raise EngineProcessExited(f"the engine process exited with code {process.exitcode} before it was "
+                                      "ready") from None
+        if kind == FAILED:
+            process.join(STOP_WAIT_S)
+            commands.close()
+            replies.close()
+            raise payload
+        return cls(payload, process, commands, replies, observers)
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._reader is not None:
+            return
+        if self._closed:
+            raise EngineDrainingError("the engine process has been shut down")
+        self._loop = asyncio.get_running_loop()
+        self._running = True
+        self._reader = threading.Thread(target=self._read, name="metronome-engine-reader", daemon=True)
+        self._reader.start()
+
+    async def shutdown(self) -> None:
+        """Stop the engine process (STOP, then terminate and kill if it hangs); idempotent."""
+        await asyncio.to_thread(self.close)
+        self._fail_all(EngineDrainingError("the engine shut down"))
+
+    def close(self) -> None:
+        """shutdown() without an event loop (e.g. when serving never started)."""
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._running = False
+            self._seq += 1
+            self._outbox.put((STOP, self._seq))
+            self._outbox.put(_CLOSE_WRITER)
+        self._writer.join(STOP_WAIT_S)
+        process = self._process
+        process.join(STOP_WAIT_S)
+        if process.is_alive():
+            log.warning("the engine process did not stop in %.0fs: terminating it", STOP_WAIT_S)
+            process.terminate()
+            process.join(5.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        if self._reader is not None:
+            self._reader.join(5.0)  # its pipe reads EOF now
+        self._commands.close()
+        self._replies.close()
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    # --- requests ------------------------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Token events of one request. Validation and overload errors raise before any event; leaving the
+        iteration early aborts the request."""
+        arrival = time.monotonic()
+        request_id = request_id or uuid.uuid4().hex
+        if not self._running:
+            raise self._exit_error or EngineDrainingError("the engine is not running")
+        try:
+            token_ids = self.limits.prepare(prompt, params, self.tokenizer.encode)
+            if params.grammar is not None:
+                self.check_grammar(params.grammar)
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+            check_waiting(sum(self._stats.num_waiting.values()) + len(self._unacked), self.info.max_waiting)
+        except InvalidRequestError:
+            self._notify_rejected("invalid")
+            raise
+        except EngineOverloadedError:
+            self._notify_rejected("overloaded")
+            raise
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._unacked.append(self._send(ADD, token_ids, params, request_id, arrival))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(ABORT, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._send(ABORT, request_id)
+
+    def reconfigure(self, cfg: SchedulerConfig) -> None:
+        """Thread-safe; the engine applies it at its next step boundary."""
+        self._send(RECONFIGURE, cfg)
+
+    def stats(self) -> EngineStats:
+        """The snapshot the engine sent after its last step or command."""
+        return self._stats
+
+    def check_grammar(self, grammar) -> None:
+        """Compile a grammar into this process's cache (any thread); InvalidRequestError when it does not."""
+        check_grammar(self.grammars, grammar)
+
+    @property
+    def tokenizer(self):
+        return self.info.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    @property
+    def max_waiting(self) -> int:
+        return self.info.max_waiting
+
+    # --- plumbing ------------------------------------------------------------------------------------------
+    def _send(self, kind: str, *args) -> int:
+        with self._send_lock:
+            if self._closed:
+                return self._seq
+            self._seq += 1
+            self._outbox.put((kind, self._seq, *args))
+            return self._seq
+
+    def _write(self) -> None:
+        """Writer thread: send what has queued up as one message (pickling happens here, off the event loop)."""
+        while True:
+            batch = [self._outbox.get()]
+            while True:
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            done = batch[-1] is _CLOSE_WRITER
+            if done:
+                batch.pop()
+            try:
+                if batch:
+                    self._commands.send(batch)
+            except OSError:  # the engine process is gone; the reader reports it
+                return
+            if done:
+                return
+
+    def _read(self) -> None:
+        """Reader thread: each message to the event loop in one call; EOF means the engine process exited."""
+        loop = self._loop
+        while True:
+            try:
+                message = self._replies.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                loop.call_soon_threadsafe(self._on_message, message)
+            except RuntimeError:  # the event loop is closed: nobody to deliver to
+                return
+        was_running, self._running = self._running, False
+        if not was_running:  # close() stopped it on purpose
+            return
+        self._process.join(STOP_WAIT_S)
+        error = EngineProcessExited(f"the engine process exited with code {self._process.exitcode}")
+        self._exit_error = error
+        log.error("%s: failing %d open stream(s)", error, len(self._streams))
+        try:
+            loop.call_soon_threadsafe(self._fail_all, error)
+        except RuntimeError:
+            pass
+
+    def _on_message(self, message: tuple) -> None:
+        rows, failures, step_stats, stats, acked = message
+        streams = self._streams
+        for row in rows:
+            stream = streams.get(row[0])
+            if stream is not None:
+                stream.put_nowait(TokenEvent(*row))
+        for request_id, exc in failures:
+            stream = streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(exc)
+        self._stats = stats
+        unacked = self._unacked
+        while unacked and unacked[0] <= acked:
+            unacked.popleft()
+        if step_stats is not None:
+            for observer in self.observers:
+                try:
+                    observer.on_step(step_stats, stats)
+                except Exception:  # an observer must never break serving
+                    log.exception("observer on_step failed")
+
+    def _fail_all(self, exc: Exception) -> None:
+        for stream in list(self._streams.values()):
+            stream.put_nowait(exc)
+        self._streams.clear()
+        self._unacked.clear()
+
+    def _notify_rejected(self, reason: str) -> None:
+        for observer in self.observers:
+            try:
+                observer.on_rejected(reason)
+            except Exception:
+                log.exception("observer on_rejected failed")
+
+
+def _grammars(info: ReadyInfo):
+    """This process's grammar compiler (the engine process has its own): None without llguidance."""
+    from metronome.server.engine.grammar import Grammars
+
+    if not Grammars.available():
+        return None
+    import torch
+
+    return Grammars(info.tokenizer, info.vocab_size, list(info.eos_token_ids), torch.device("cpu"))

@@ -1,0 +1,258 @@
+"""ProcessEngine: the engine core in a spawned process, behind AsyncEngine's interface. Real child processes and
+pipes; the in-process AsyncEngine over the same config is the reference for tokens and error messages."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import pytest
+import pytest_asyncio
+from api_helpers import TINY, ServerThread, metric, scrape, wait_until
+
+from metronome.contract import metric_names as mn
+from metronome.contract.config import SchedulerConfig
+from metronome.contract.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError
+from metronome.server.engine.async_engine import AsyncEngine
+from metronome.server.engine.config import EngineConfig
+from metronome.server.engine.engine import EngineCore
+from metronome.server.engine.engine_process import EngineProcessExited, ProcessEngine, engine_process_mode
+from metronome.server.engine.sampling import Grammar, SamplingParams
+
+in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the loop the shared engines were started on
+
+CONFIG = EngineConfig(model=TINY, device="cpu", dtype="float32", num_kv_blocks=24, max_model_len=512, max_waiting=2)
+ONE_AT_A_TIME = SchedulerConfig(max_num_seqs=1)  # later requests wait: the queue bound is reachable
+LONG = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+
+
+class Recorder:
+    def __init__(self):
+        self.steps = 0
+        self.rejected: list[str] = []
+
+    def on_step(self, step, stats):
+        self.steps += 1
+
+    def on_rejected(self, reason):
+        self.rejected.append(reason)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engines():
+    """(the process engine, the in-process reference), both started; one engine process for the module."""
+    process = ProcessEngine.launch(CONFIG, ONE_AT_A_TIME, observers=[Recorder()])
+    reference = AsyncEngine(EngineCore.from_config(CONFIG, ONE_AT_A_TIME), observers=[Recorder()])
+    await process.start()
+    await reference.start()
+    yield process, reference
+    await reference.shutdown()
+    await process.shutdown()
+
+
+async def collect(engine, prompt, params, request_id=None):
+    return [event async for event in engine.generate(prompt, params, request_id)]
+
+
+async def settled(engine, predicate, what: str):
+    for _ in range(1000):
+        if predicate(engine.stats()):
+            return engine.stats()
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine stats never showed {what}: {engine.stats()}")
+
+
+def idle(stats) -> bool:
+    return stats.num_running == 0 and sum(stats.num_waiting.values()) == 0 and stats.kv_blocks_free == \
+        stats.kv_blocks_total
+
+
+@in_module_loop
+async def test_a_greedy_stream_is_the_in_process_engines(engines):
+    process, reference = engines
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = await collect(process, "the same prompt", params)
+    want = await collect(reference, "the same prompt", params)
+    fields = [(e.token_id, e.text, e.index, e.finished, e.finish_reason, e.prompt_tokens, e.completion_tokens)
+              for e in want]
+    assert [(e.token_id, e.text, e.index, e.finished, e.finish_reason, e.prompt_tokens, e.completion_tokens)
+            for e in got] == fields
+    assert process.observers[0].steps > 0
+    assert process.tokenizer.decode(process.tokenizer.encode("héllo")) == "héllo"  # the tokenizer came over
+
+
+@in_module_loop
+async def test_leaving_a_stream_early_frees_the_request_in_the_engine_process(engines):
+    process, _ = engines
+    stream = process.generate(list(range(3, 60)), LONG, request_id="leaver")
+    got = [await stream.__anext__() for _ in range(3)]
+    assert [e.index for e in got] == [0, 1, 2]
+    assert process.stats().num_running == 1
+    await stream.aclose()
+    stats = await settled(process, idle, "no requests and every KV block free")
+    assert stats.kv_blocks_leaked == 0
+    assert "leaver" not in process._streams
+
+
+@in_module_loop
+async def test_reconfigure_reaches_the_next_stats(engines):
+    process, _ = engines
+    process.reconfigure(SchedulerConfig(max_num_seqs=1, chunk_size=3))
+    await settled(process, lambda s: s.scheduler.chunk_size == 3, "chunk_size 3")
+    events = await collect(process, list(range(3, 20)), SamplingParams(max_tokens=2, temperature=0.0))
+    assert events[-1].finished
+    process.reconfigure(ONE_AT_A_TIME)
+    await settled(process, lambda s: s.scheduler.chunk_size == ONE_AT_A_TIME.chunk_size, "the chunk size back")
+
+
+BAD_REQUESTS = [
+    ([5, 6], SamplingParams(top_p=2.0)),
+    ("", SamplingParams()),
+    ([5, 99999], SamplingParams()),
+    ([True, 5], SamplingParams()),
+    (list(range(3, 600)), SamplingParams(max_tokens=1)),
+    ([5, 6], SamplingParams(max_tokens=511)),  # past the context
+    ([5, 6], SamplingParams(max_tokens=500)),  # within the context, past the KV cache (24 blocks)
+    ([5, 6], SamplingParams(grammar=Grammar("json_schema", "{not json"))),
+    ([5, 6], SamplingParams(logit_bias=((99999, 1.0),))),
+]
+
+
+@pytest.mark.parametrize(("prompt", "params"), BAD_REQUESTS)
+@in_module_loop
+async def test_invalid_requests_raise_before_any_event_as_in_process(engines, prompt, params):
+    process, reference = engines
+    rejected = len(process.observers[0].rejected)
+    with pytest.raises(InvalidRequestError) as want:
+        await collect(reference, prompt, params)
+    with pytest.raises(InvalidRequestError) as got:
+        await anext(aiter(process.generate(prompt, params)))
+    assert (str(got.value), got.value.param) == (str(want.value), want.value.param)
+    assert process.observers[0].rejected[rejected:] == ["invalid"]
+
+
+@in_module_loop
+async def test_overload_raises_the_in_process_engines_error(engines):
+    messages = []
+    for engine in engines:
+        running = engine.generate([3, 4], LONG)
+        await running.__anext__()  # running: max_num_seqs 1, so the next two wait
+        waiting = [engine.generate([5, i], LONG) for i in (6, 7)]
+        firsts = [asyncio.ensure_future(w.__anext__()) for w in waiting]
+        await asyncio.sleep(0)  # both adds are sent (the process engine counts them until acknowledged)
+        if engine is engines[1]:  # the in-process engine counts them once its thread has queued them
+            await settled(engine, lambda s: sum(s.num_waiting.values()) == 2, "two waiting")
+        with pytest.raises(EngineOverloadedError) as caught:
+            await collect(engine, [8], LONG)
+        messages.append(str(caught.value))
+        assert engine.observers[0].rejected[-1] == "overloaded"
+        await running.aclose()
+        for first, stream in zip(firsts, waiting):
+            await first
+            await stream.aclose()
+        await settled(engine, idle, "idle again")
+    assert messages[0] == messages[1] == "engine overloaded: 2 requests waiting (max_waiting 2); retry later"
+
+
+async def test_a_killed_engine_process_fails_open_streams_and_stops_running():
+    engine = ProcessEngine.launch(CONFIG, ONE_AT_A_TIME)
+    await engine.start()
+    stream = engine.generate([3, 4, 5], LONG)
+    await stream.__anext__()
+    os.kill(engine.pid, signal.SIGKILL)
+    with pytest.raises(EngineDrainingError, match="the engine process exited with code -9"):
+        async for _ in stream:
+            pass
+    assert not engine.is_running
+    with pytest.raises(EngineProcessExited, match="exited with code -9"):
+        await collect(engine, [3], LONG)
+    await engine.shutdown()
+    await engine.shutdown()
+    assert not engine._process.is_alive()
+
+
+async def test_a_bad_model_fails_in_the_parent_with_the_engines_error():
+    bad = EngineConfig(model="random:no-such-preset", device="cpu")
+    with pytest.raises(Exception) as want:
+        EngineCore.from_config(bad)
+    with pytest.raises(type(want.value)) as got:
+        ProcessEngine.launch(bad)
+    assert str(got.value) == str(want.value)
+
+
+def test_auto_runs_the_engine_in_a_process_on_cuda_only():
+    assert engine_process_mode("auto", "cuda") == (True, "auto: cuda")
+    assert engine_process_mode("auto", "cpu") == (False, "auto: cpu")
+    assert engine_process_mode("on", "cpu") == (True, "on")
+    assert engine_process_mode("off", "cuda") == (False, "off")
+    with pytest.raises(InvalidRequestError, match="one of auto, on, off"):
+        engine_process_mode("sometimes", "cpu")
+
+
+ORPHAN = textwrap.dedent("""
+    import sys
+    from metronome.server.engine.config import EngineConfig
+    from metronome.server.engine.engine_process import ProcessEngine
+    if __name__ == "__main__":
+        engine = ProcessEngine.launch(EngineConfig(model="random:tiny", device="cpu", num_kv_blocks=16))
+        print(engine.pid, flush=True)
+        sys.stdin.read()  # until killed
+""")
+
+
+def test_an_api_process_killed_hard_leaves_no_engine_process(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(ORPHAN)
+    parent = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              cwd=os.getcwd())
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        wait_until(lambda: not _alive(child), timeout=30, what=f"engine process {child} to exit")
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_the_app_streams_through_an_engine_process():
+    from metronome.server.api.app import create_app
+    from metronome.server.api.metrics import ServerMetrics
+    from metronome.server.api.state import build_state
+
+    metrics = ServerMetrics(TINY)
+    engine = ProcessEngine.launch(CONFIG, observers=[metrics])
+    state = build_state(engine, metrics, TINY, SchedulerConfig())
+    with ServerThread(create_app(engine, state)) as server:
+        body = {"model": TINY, "prompt": "hi", "max_tokens": 5, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as reply:
+            assert reply.status_code == 200
+            lines = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        chunks = [json.loads(line) for line in lines[:-1]]
+        finishes = [chunk["choices"][0]["finish_reason"] for chunk in chunks]
+        assert finishes == [None] * 5 + ["length"]  # one chunk per token, then the finish
+        constrained = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+            "response_format": {"type": "json_object"}})
+        assert constrained.status_code == 200
+        assert constrained.json()["choices"][0]["message"]["content"].startswith("{")
+        samples = scrape(server.url)
+        assert metric(samples, mn.STEP_DURATION + "_count") > 0
+        assert httpx.get(server.url + "/health").status_code == 200
+    assert not engine.is_running and not engine._process.is_alive()
+    assert engine._process.exitcode == 0  # it stopped on STOP, not on a signal
+    asyncio.run(engine.shutdown())  # idempotent
