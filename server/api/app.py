@@ -329,7 +329,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
     @app.get("/health")
     async def health():
         if engine_dead():
-            return error_response(503, "the engine thread has stopped", code="engine_stopped")
+            return error_response(503, "the engine has stopped", code="engine_stopped")
         return {"status": "ok"}
 
     @app.get("/ready")

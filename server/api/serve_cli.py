@@ -41,6 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--config-poll-seconds", type=float, default=0.5, metavar="S",
                         help="how often the config file is checked for new content (default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    server.add_argument("--engine-process", default="auto", choices=["auto", "on", "off"],
+                        help="run the engine core in a process of its own, so that HTTP work never holds the GIL "
+                             "an engine step needs (auto: on when the device is cuda; default: %(default)s)")
     # Isolation between clients (issue 16): see docs/server.md "Limits".
     from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_TOKENIZER_WORKERS
     from metronome.server.cli_types import positive_int
@@ -128,8 +131,8 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-def _load_engine(engine_class, engine_config, initial):
-    """Build the engine with a live status line on a terminal (rich), then log what start-up decided."""
+def _load_engine(build, engine_config, initial):
+    """build(engine_config, initial) with a live status line on a terminal (rich), then log how long it took."""
     import time
 
     from rich.console import Console
@@ -139,19 +142,49 @@ def _load_engine(engine_class, engine_config, initial):
     if console.is_terminal:
         with console.status(f"loading {engine_config.model or 'the default model'} "
                             f"({engine_config.dtype}, {engine_config.device}) ..."):
-            core = engine_class.from_config(engine_config, initial)
+            built = build(engine_config, initial)
     else:
-        core = engine_class.from_config(engine_config, initial)
+        built = build(engine_config, initial)
     log.info("engine ready in %.1fs", time.perf_counter() - started)
-    return core
+    return built
 
 
-def _stall_loggers(core) -> list:
+def _stall_loggers(device_type: str) -> list:
     """On a GPU a step over 100 ms is a stall worth a log line (slow_steps.py); on a CPU such steps are work."""
     from metronome.server.engine.slow_steps import SlowStepLog
 
-    device = getattr(getattr(core, "runner", None), "device", None)
-    return [SlowStepLog()] if getattr(device, "type", None) == "cuda" else []
+    return [SlowStepLog()] if device_type == "cuda" else []
+
+
+def _build_engine(mode: str, engine_config, initial):
+    """(engine, device type): the core in a process of its own (ProcessEngine) or on a thread of this one
+    (AsyncEngine), as --engine-process `mode` says. On the CPU the engine gets all cores but one either way:
+    in its own process too, the HTTP process's work preempts a member of a full OpenMP team (cpu_engine_threads)."""
+    from functools import partial
+
+    from metronome.server.engine.async_engine import AsyncEngine
+    from metronome.server.engine.engine import EngineCore
+    from metronome.server.engine.engine_process import ProcessEngine, engine_process_mode
+    from metronome.server.models.device import resolve_device
+
+    own_process, why = engine_process_mode(mode, resolve_device(engine_config.device, check_available=False).type)
+    cpu_threads = None
+    if engine_config.tensor_parallel_size == 1 and "OMP_NUM_THREADS" not in os.environ:
+        cpu_threads = cpu_engine_threads(len(os.sched_getaffinity(0)))
+    if own_process:
+        engine = _load_engine(partial(ProcessEngine.launch, cpu_threads=cpu_threads), engine_config, initial)
+        log.info("engine core in process %d (%s)", engine.pid, why)
+        return engine, engine.info.device_type
+    core = _load_engine(EngineCore.from_config, engine_config, initial)
+    log.info("engine core on a thread of this process (%s)", why)
+    device_type = core.runner.device.type
+    if device_type == "cpu" and cpu_threads is not None:
+        import torch
+
+        torch.set_num_threads(cpu_threads)
+        log.info("CPU engine: %d torch thread(s), one core left for HTTP (set OMP_NUM_THREADS to choose)",
+                 cpu_threads)
+    return AsyncEngine(core), device_type
 
 
 def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
@@ -163,15 +196,13 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
     from metronome.server.api.lifecycle import make_draining_server
     from metronome.server.api.metrics import ServerMetrics
     from metronome.server.api.state import build_state
-    from metronome.server.engine.async_engine import AsyncEngine
-    from metronome.server.engine.engine import EngineCore
 
     disable_created_metrics()  # `_created` series only add noise to every scrape
-    core = _load_engine(EngineCore, engine_config, initial)
-    names = args.served_model_name or [core.model_name]
+    engine, device_type = _build_engine(args.engine_process, engine_config, initial)
+    names = args.served_model_name or [engine.model_name]
     served_name = names[0]
     metrics = ServerMetrics(served_name)
-    engine = AsyncEngine(core, observers=[metrics, *_stall_loggers(core)])
+    engine.observers = [metrics, *_stall_loggers(device_type)]
     state = build_state(engine, metrics, served_name, base, config_file=args.config,
                         poll_interval_s=args.config_poll_seconds)
     app = create_app(engine, state, max_body_bytes=args.max_request_body_bytes,
@@ -179,25 +210,20 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
                      api_keys=args.api_keys, aliases=tuple(names[1:]), tool_call_parser=args.tool_call_parser,
                      shares=ShareFlags(args.max_waiting_per_client, args.max_running_per_client),
                      rates=args.rates)
-    log.info("serving %s on http://%s:%d (API key %s%s)", ", ".join(dict.fromkeys([*names, core.model_name])),
+    log.info("serving %s on http://%s:%d (API key %s%s)", ", ".join(dict.fromkeys([*names, engine.model_name])),
              args.host, args.port, "required" if args.api_keys else "not required",
              ", strict OpenAI fields" if args.strict_openai else "")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                             timeout_graceful_shutdown=max(args.drain_seconds, 1.0))
     server = make_draining_server(config, state.lifecycle, args.drain_seconds, engine.abort)
     log.info("HTTP: %s on %s", *_http_stack())
-    if core.runner.device.type == "cuda":
+    if device_type == "cuda":
         # The engine thread shares the GIL with this event loop, and every torch call releases and retakes it: at
         # Python's default 5 ms switch interval a busy event loop holds the engine up to 5 ms per call, so a step
         # of a few dozen calls stretches while many streams are served. On a CPU both threads compute and the
-        # extra switching costs more than it saves (docs/perf/serving.md).
+        # extra switching costs more than it saves (docs/perf/serving.md). With the engine in its own process the
+        # thread that waits here is ProcessEngine's reader, which hands each step's tokens to the event loop.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    elif core.config.tensor_parallel_size == 1 and "OMP_NUM_THREADS" not in os.environ:
-        import torch
-
-        threads = cpu_engine_threads(len(os.sched_getaffinity(0)))
-        torch.set_num_threads(threads)
-        log.info("CPU engine: %d torch thread(s), one core left for HTTP (set OMP_NUM_THREADS to choose)", threads)
     log.info("start-up heap frozen: %d objects the garbage collector no longer walks", freeze_startup_heap())
     server.run()
     return 0

@@ -12,10 +12,14 @@ call_soon_threadsafe, which delivers the tokens, fails streams, updates the snap
 
 If the engine process dies, every open stream fails with EngineProcessExited (a 503), is_running turns False
 (/health fails, so the kubelet restarts the pod) and new requests are refused.
+
+"spawn" re-imports the parent's main module in the child: a script that launches a ProcessEngine needs the usual
+`if __name__ == "__main__":` guard (the `metronome` command and pytest have it).
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import queue
@@ -89,6 +93,9 @@ class ProcessEngine:
         self._writer = threading.Thread(target=self._write, name="metronome-engine-writer", daemon=True)
         self._writer.start()
         self.grammars = _grammars(info)
+        # Before multiprocessing's own exit hook (registered earlier, so run later), which would SIGTERM a
+        # daemonic child and wait for it: this one ignores SIGTERM.
+        atexit.register(self.close)
 
     @classmethod
     def launch(cls, engine_config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
@@ -132,7 +139,7 @@ class ProcessEngine:
         self._reader.start()
 
     async def shutdown(self) -> None:
-        """Stop the engine process (STOP, then terminate and kill if it hangs); idempotent."""
+        """Stop the engine process (STOP, then SIGKILL if it hangs); idempotent."""
         await asyncio.to_thread(self.close)
         self._fail_all(EngineDrainingError("the engine shut down"))
 
@@ -146,14 +153,12 @@ class ProcessEngine:
             self._seq += 1
             self._outbox.put((STOP, self._seq))
             self._outbox.put(_CLOSE_WRITER)
+        atexit.unregister(self.close)
         self._writer.join(STOP_WAIT_S)
         process = self._process
         process.join(STOP_WAIT_S)
-        if process.is_alive():
-            log.warning("the engine process did not stop in %.0fs: terminating it", STOP_WAIT_S)
-            process.terminate()
-            process.join(5.0)
-        if process.is_alive():
+        if process.is_alive():  # it ignores SIGTERM (the API process owns shutdown), so: SIGKILL
+            log.warning("the engine process did not stop in %.0fs: killing it", STOP_WAIT_S)
             process.kill()
             process.join()
         if self._reader is not None:

@@ -17,11 +17,11 @@ from api_helpers import TINY, ServerThread, metric, scrape, wait_until
 
 from metronome.contract import metric_names as mn
 from metronome.contract.config import SchedulerConfig
-from metronome.contract.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError
+from metronome.contract.errors import EngineOverloadedError, InvalidRequestError, ModelNotFoundError
 from metronome.server.engine.async_engine import AsyncEngine
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore
-from metronome.server.engine.engine_process import EngineProcessExited, ProcessEngine, engine_process_mode
+from metronome.server.engine.engine_process import ProcessEngine, engine_process_mode
 from metronome.server.engine.sampling import Grammar, SamplingParams
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the loop the shared engines were started on
@@ -159,26 +159,29 @@ async def test_overload_raises_the_in_process_engines_error(engines):
     assert messages[0] == messages[1] == "engine overloaded: 2 requests waiting (max_waiting 2); retry later"
 
 
-async def test_a_killed_engine_process_fails_open_streams_and_stops_running():
-    engine = ProcessEngine.launch(CONFIG, ONE_AT_A_TIME)
-    await engine.start()
-    stream = engine.generate([3, 4, 5], LONG)
-    await stream.__anext__()
-    os.kill(engine.pid, signal.SIGKILL)
-    with pytest.raises(EngineDrainingError, match="the engine process exited with code -9"):
-        async for _ in stream:
-            pass
-    assert not engine.is_running
-    with pytest.raises(EngineProcessExited, match="exited with code -9"):
-        await collect(engine, [3], LONG)
-    await engine.shutdown()
-    await engine.shutdown()
+def test_a_killed_engine_process_fails_open_streams_and_health():
+    engine, app = serve_with_process_engine()
+    with ServerThread(app) as server:
+        body = {"model": TINY, "prompt": "hi", "max_tokens": 300, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as reply:
+            lines = reply.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # streaming
+            os.kill(engine.pid, signal.SIGKILL)
+            rest = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]"
+        error = json.loads(rest[-2])["error"]
+        assert "the engine process exited with code -9" in error["message"]
+        assert not engine.is_running
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_stopped"
+        refused = httpx.post(server.url + "/v1/completions", json={"model": TINY, "prompt": "hi"})
+        assert refused.status_code == 503 and "exited with code -9" in refused.json()["error"]["message"]
     assert not engine._process.is_alive()
 
 
-async def test_a_bad_model_fails_in_the_parent_with_the_engines_error():
+def test_a_bad_model_fails_in_the_parent_with_the_engines_error():
     bad = EngineConfig(model="random:no-such-preset", device="cpu")
-    with pytest.raises(Exception) as want:
+    with pytest.raises(ModelNotFoundError) as want:
         EngineCore.from_config(bad)
     with pytest.raises(type(want.value)) as got:
         ProcessEngine.launch(bad)
@@ -228,15 +231,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_app_streams_through_an_engine_process():
+def serve_with_process_engine():
+    """(engine, app) as `metronome serve --engine-process on` wires them."""
     from metronome.server.api.app import create_app
     from metronome.server.api.metrics import ServerMetrics
     from metronome.server.api.state import build_state
 
     metrics = ServerMetrics(TINY)
     engine = ProcessEngine.launch(CONFIG, observers=[metrics])
-    state = build_state(engine, metrics, TINY, SchedulerConfig())
-    with ServerThread(create_app(engine, state)) as server:
+    return engine, create_app(engine, build_state(engine, metrics, TINY, SchedulerConfig()))
+
+
+def test_the_app_streams_through_an_engine_process():
+    engine, app = serve_with_process_engine()
+    with ServerThread(app) as server:
         body = {"model": TINY, "prompt": "hi", "max_tokens": 5, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as reply:
             assert reply.status_code == 200
