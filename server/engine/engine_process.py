@@ -93,8 +93,7 @@ class ProcessEngine:
         self._writer = threading.Thread(target=self._write, name="metronome-engine-writer", daemon=True)
         self._writer.start()
         self.grammars = _grammars(info)
-        # Before multiprocessing's own exit hook (registered earlier, so run later), which would SIGTERM a
-        # daemonic child and wait for it: this one ignores SIGTERM.
+        # Runs before multiprocessing's own exit hook (registered earlier), which would wait for the child forever.
         atexit.register(self.close)
 
     @classmethod
@@ -106,7 +105,9 @@ class ProcessEngine:
         commands_in, commands = context.Pipe(duplex=False)
         replies, replies_out = context.Pipe(duplex=False)
         settings = ChildSettings(logging.getLogger().getEffectiveLevel(), cpu_threads)
-        process = context.Process(target=child_main, name="metronome-engine", daemon=True,
+        # Not daemonic, so that the engine may start processes of its own (a daemonic one may not); close() runs
+        # at exit and stops it, and it stops by itself when this process dies.
+        process = context.Process(target=child_main, name="metronome-engine", daemon=False,
                                   args=(commands_in, replies_out, engine_config, scheduler_config or SchedulerConfig(),
                                         settings))
         process.start()
