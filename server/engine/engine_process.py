@@ -115,12 +115,16 @@ class ProcessEngine:
         replies_out.close()
         try:
             kind, payload = replies.recv()
-        except EOFError:
+        except BaseException as exc:  # it died, or this process is interrupted (Ctrl-C while loading)
+            if not isinstance(exc, EOFError):
+                process.kill()  # else it would load on, and multiprocessing's exit hook would wait for it
             process.join(STOP_WAIT_S)
             commands.close()
             replies.close()
-            raise EngineProcessExited(f"the engine process exited with code {process.exitcode} before it was "
-                                      "ready") from None
+            if isinstance(exc, EOFError):
+                raise EngineProcessExited(f"the engine process exited with code {process.exitcode} before it was "
+                                          "ready") from None
+            raise
         if kind == FAILED:
             process.join(STOP_WAIT_S)
             commands.close()

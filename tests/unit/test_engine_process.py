@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
-from api_helpers import TINY, ServerThread, metric, scrape, wait_until
+from api_helpers import TINY, ServerThread, free_port, metric, scrape, wait_until
 
 from metronome.contract import metric_names as mn
 from metronome.contract.config import SchedulerConfig
@@ -264,3 +266,38 @@ def test_the_app_streams_through_an_engine_process():
     assert not engine.is_running and not engine._process.is_alive()
     assert engine._process.exitcode == 0  # it stopped on STOP, not on a signal
     asyncio.run(engine.shutdown())  # idempotent
+
+
+def test_sigterm_drains_through_the_engine_process_then_stops_it(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    command = [str(Path(sys.executable).with_name("metronome")), "serve", "--model", TINY, "--device", "cpu",
+               "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", "64", "--engine-process", "on"]
+    with open(log_path, "w") as log:
+        serve = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        wait_until(lambda: _status(url + "/ready") == 200 or serve.poll() is not None, timeout=120, what="ready")
+        started = re.search(r"engine core in process (\d+) \(on\)", log_path.read_text())
+        assert started, log_path.read_text()
+        body = {"model": TINY, "prompt": "hi", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
+            chunks = (line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: "))
+            first = next(chunks)
+            serve.send_signal(signal.SIGTERM)  # mid-stream: the stream runs to its end, then the process exits
+            rest = list(chunks)
+        assert rest[-1] == "[DONE]"
+        finishes = [json.loads(chunk)["choices"][0]["finish_reason"] for chunk in [first, *rest[:-1]]]
+        assert finishes == [None] * 200 + ["length"]
+        assert serve.wait(timeout=60) == 0, log_path.read_text()
+        assert not _alive(int(started.group(1)))
+    finally:
+        serve.kill()
+        serve.wait()
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return None
