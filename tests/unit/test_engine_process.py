@@ -3,6 +3,7 @@ pipes; the in-process AsyncEngine over the same config is the reference for toke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -136,6 +137,24 @@ async def test_invalid_requests_raise_before_any_event_as_in_process(engines, pr
         await anext(aiter(process.generate(prompt, params)))
     assert (str(got.value), got.value.param) == (str(want.value), want.value.param)
     assert process.observers[0].rejected[rejected:] == ["invalid"]
+
+
+@in_module_loop
+async def test_tensor_parallel_runs_from_the_engine_process(engines):
+    _, reference = engines
+    engine = ProcessEngine.launch(dataclasses.replace(CONFIG, tensor_parallel_size=2), ONE_AT_A_TIME)
+    await engine.start()
+    try:
+        workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(engine.pid)], capture_output=True,
+                                                      text=True).stdout.split()]
+        assert len(workers) == 1  # rank 1, started by the engine process
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        got = [e.token_id for e in await collect(engine, [5, 6, 7, 8], params)]
+        assert got == [e.token_id for e in await collect(reference, [5, 6, 7, 8], params)]
+    finally:
+        await engine.shutdown()
+    assert engine._process.exitcode == 0
+    wait_until(lambda: not any(_alive(pid) for pid in workers), timeout=30, what="the rank-1 worker to exit")
 
 
 @in_module_loop
