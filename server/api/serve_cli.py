@@ -167,7 +167,10 @@ def _build_engine(mode: str, engine_config, initial):
     from metronome.server.engine.engine_process import ProcessEngine, engine_process_mode
     from metronome.server.models.device import resolve_device
 
-    own_process, why = engine_process_mode(mode, resolve_device(engine_config.device, check_available=False).type)
+    device = engine_config.device  # an explicit device needs no torch here: its import would delay the engine's
+    device_type = device if device == "cpu" else "cuda" if device.startswith("cuda") else \
+        resolve_device(device, check_available=False).type
+    own_process, why = engine_process_mode(mode, device_type)
     cpu_threads = None
     if engine_config.tensor_parallel_size == 1 and "OMP_NUM_THREADS" not in os.environ:
         cpu_threads = cpu_engine_threads(len(os.sched_getaffinity(0)))

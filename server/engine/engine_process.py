@@ -114,6 +114,8 @@ class ProcessEngine:
         commands_in.close()  # the child's ends: closed here so that its exit reads as EOF
         replies_out.close()
         try:
+            import metronome.server.engine.grammar  # noqa: F401 (torch, for _grammars: while the engine loads)
+
             kind, payload = replies.recv()
         except BaseException as exc:  # it died, or this process is interrupted (Ctrl-C while loading)
             if not isinstance(exc, EOFError):
