@@ -40,6 +40,7 @@ from metronome.server.engine.sampler import PendingSample, SampleResult, needs_s
 from metronome.server.engine.sampling import SamplingParams
 from metronome.server.engine.scheduler import ScheduledBatch, Scheduler
 from metronome.server.engine.sequence import PENDING, Sequence, SequenceStatus
+from metronome.server.engine.warm_batch import run_warm_batch
 
 if TYPE_CHECKING:
     from metronome.server.engine.tp_launch import WorkerPool
@@ -129,13 +130,16 @@ class EngineCore:
         self._order = itertools.count()
         self._abort_events: list[TokenEvent] = []
         self._failures: list[tuple[str, Exception]] = []  # requests one of whose tokens could not be emitted
+        self.warm_batch = (0, 0, 0.0)  # the start-up burst (warm_batch.py): sequences, steps, seconds
+        if device.type == "cuda" and workers is None:
+            self.warm_batch = run_warm_batch(self)
+        compile_watch.mark_ready()  # any compile from now on stalls serving: counted in kernel_compiles_after_ready
 
     def _warm_up(self, device: torch.device, single_rank: bool) -> None:
-        """Compile every kernel variant serving can launch now (graph capture compiled most), then mark the
-        engine ready: any compile after this is a stall, counted in stats().kernel_compiles_after_ready."""
+        """Compile every kernel variant serving can launch now (graph capture compiled most); __init__ then runs
+        the warm-up burst and marks the engine ready."""
         if device.type == "cuda" and single_rank:
             self.runner.warm_up(self.max_model_len)
-        compile_watch.mark_ready()
 
     @classmethod
     def from_config(cls, config: EngineConfig, scheduler_config: SchedulerConfig | None = None) -> EngineCore:
@@ -162,7 +166,9 @@ class EngineCore:
         tokens = bm.num_blocks * bm.block_size
         return (f"KV cache {bm.num_blocks} blocks x {bm.block_size} tokens = {tokens} tokens; max concurrency "
                 f"{tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens (max_model_len); "
-                f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}")
+                f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}"
+                + (f"; warm-up burst of {self.warm_batch[0]} sequences in {self.warm_batch[1]} steps, "
+                   f"{self.warm_batch[2]:.2f}s" if self.warm_batch[0] else ""))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step afterwards)."""
