@@ -13,7 +13,7 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -269,6 +269,21 @@ def test_without_a_fit_prefill_grows_the_budget_only_while_the_step_up_stays_und
     assert not held.changed and "no room left under the TBT target (100% of it)" in held.reason
     grown = decide(starved(24.0), current, autotune, 10_000.0)
     assert grown.actions == (ActionKind.CHUNK_UP,) and grown.chunk_size == round(768 * autotune.multiplicative_up)
+
+
+def test_without_a_fit_the_model_grows_only_within_its_margin():
+    # The H200 loop run at 22 ms (call I): fcfs 256, TBT p99 19.5 ms, the queue 37 longer: ×1.1 to 282 aimed at 97 %
+    # of the target and gave 24.5 ms (111 %) one interval later, and the next shrink lost the phase's goodput.
+    queue = Observation(window_seconds=6, sample_count=8000, tbt_p99_s=0.0195, ttft_p99_s=1.18,
+                        output_tokens_per_s=5000.0, pod_generations={"a": 3}, waiting_requests=23.6,
+                        waiting_growth=37)
+    current = CurrentConfig(256, "fcfs", 1, generation=3)
+    model = spec(tbt_p99_target_s=0.022, margin=0.85)
+    held = decide(queue, current, model, 10_000.0)
+    assert not held.changed and held.slo_unreachable and "no room left under the TBT target" in held.reason
+    # The report's rule steers to the target itself: the same step up is room for it.
+    grown = decide(queue, current, replace(model, policy=TuningPolicy.MULTIPLICATIVE), 10_000.0)
+    assert grown.actions == (ActionKind.CHUNK_UP,) and grown.chunk_size == 282
 
 
 def phase_start(ttft_ms: float | None) -> Observation:
