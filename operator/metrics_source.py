@@ -141,14 +141,16 @@ class QueryWindow:
     def for_window(cls, window_seconds: float, sub_window_seconds: float | None = None,
                    scrape_interval_seconds: float | None = None) -> QueryWindow:
         """A window (e.g. spec.metrics.windowSeconds) with its sub-window: by default a quarter of the window
-        (a 60 s window gives the step fit 4 points per pod), at least 5 s. With a known scrape interval every
-        range — the window and the sub-window — spans at least 4 scrape intervals (a rate() needs two samples
-        in its range, and a late scrape must not empty it): a 30 s scrape interval widens a 60 s window to 2 min."""
+        (a 60 s window gives the step fit 4 points per pod). With a known scrape interval every range — the
+        window and the sub-window — spans at least 4 scrape intervals (a rate() needs two samples in its range,
+        and a late scrape must not empty it): a 30 s scrape interval widens a 60 s window to 2 min, and a 0.5 s
+        one lets a 6 s window have 3 points. Without one the sub-window is at least 5 s, a guess that holds
+        for the fast scrapes short windows come with."""
         window = parse_duration(window_seconds, "spec.metrics.windowSeconds")
         scrape = parse_duration(scrape_interval_seconds, "scrape interval") if scrape_interval_seconds else 0.0
         window = max(window, MIN_SCRAPES_PER_RANGE * scrape)
         if sub_window_seconds is None:
-            sub_window_seconds = max(5.0, window / 4, MIN_SCRAPES_PER_RANGE * scrape)
+            sub_window_seconds = max(window / 4, MIN_SCRAPES_PER_RANGE * scrape if scrape else 5.0)
         return cls(window, min(parse_duration(sub_window_seconds, "sub-window"), window))
 
 

@@ -122,6 +122,8 @@ def test_window_from_spec_and_durations():
     assert QueryWindow.for_window(240, scrape_interval_seconds=15) == QueryWindow(240.0, 60.0)
     # Every range spans at least 4 scrape intervals: a 30 s scrape interval widens a 60 s window to 2 min.
     assert QueryWindow.for_window(60, scrape_interval_seconds=30) == QueryWindow(120.0, 120.0)
+    # A fast scrape lets a short window have several step-fit points (5 s is the floor only when it is unknown).
+    assert QueryWindow.for_window(6, scrape_interval_seconds=0.5) == QueryWindow(6.0, 2.0)
     assert parse_duration("500ms") == 0.5 and parse_duration("1h") == 3600
     assert ms.format_duration(2.5) == "2500ms" and ms.format_duration(60) == "60s"
     for bad in ("soon", "-5s", 0, "5d"):
