@@ -9,6 +9,8 @@
 #     GPU_ONLY=1 bash hack/gpu_isolation.sh # random:llama-3-8b on the GPU alone (a shorter device call)
 #     RATE=200 GPU_ONLY=1 BENCH_ARGS="--stream-tokens 512" bash hack/gpu_isolation.sh
 #                                           # then the 8B again with --max-prompt-tokens-per-second-per-client 200
+#     NO_WARMUP=1 ...                       # no unreported bench run first: the measured run has the server's
+#                                           # first burst (which stalled one step before serve's start-up burst)
 #
 # Every server logs its full (generation-2) garbage collections and their pauses (a sitecustomize on its path);
 # the random:tiny server runs twice, the first time with `serve`'s start-up gc.freeze() made a no-op, so the
@@ -72,7 +74,9 @@ one() {  # $1 name, $2 model, $3 device, $4 server cores, $5 ready timeout (s), 
     ready_at=$(date +%s.%N)
     local bench=(taskset -c "$BENCH_CPUS" python3 -m metronome.cli bench isolation --url "http://127.0.0.1:$port"
                  --model "$2" ${BENCH_ARGS:-})
-    "${bench[@]}" --phase-seconds 3 --rounds 4 --out /tmp/isolation-warmup.json >> "$LOG" 2>&1  # not reported; every kind once (a server's first burst stalls one step: isolation.md)
+    if [ "${NO_WARMUP:-0}" != 1 ]; then  # NO_WARMUP=1: the measured run meets the server's first burst itself
+      "${bench[@]}" --phase-seconds 3 --rounds 4 --out /tmp/isolation-warmup.json >> "$LOG" 2>&1  # not reported; every kind once
+    fi
     "${bench[@]}" --phase-seconds "$PHASE_SECONDS" --rounds "$ROUNDS" --out "$OUT/isolation-$name.json" \
       >> "$LOG" 2>&1
     echo "[$(date -u +%T)] $name: bench rc=$?" | tee -a "$LOG"
