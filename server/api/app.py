@@ -60,6 +60,7 @@ from metronome.server.api.protocol import (
 )
 from metronome.server.api.responses import ChatShaper, CompletionShaper
 from metronome.server.api.state import ServerState
+from metronome.server.api.token_gaps import TokenGapTimer
 from metronome.server.api.tokenization import TokenizerPool
 from metronome.server.api.tools import forced_call_schema
 from metronome.server.engine.sampling import Grammar, SamplingParams
@@ -203,6 +204,10 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
             metrics.on_rejected(RATE_REJECT_REASON)
             raise
 
+    def gap_timer() -> TokenGapTimer:
+        """TBT as clients get it (token_gaps.py), lanes by the threshold the engine runs with now."""
+        return TokenGapTimer(metrics.observe_token_gap, engine.stats().scheduler.short_prompt_threshold)
+
     async def tokenized(work):
         """Await a TokenizerPool call; its refusals are counted here (the engine never sees them)."""
         try:
@@ -247,7 +252,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
         charge = take_tokens(client, prompts, body.n)
         return await run_request(engine, lifecycle, request, jobs, shaper, body.stream,
                                  body.include_usage_in_stream(), body.continuous_usage(), hold=hold,
-                                 refund=charge.refund if charge is not None else None)
+                                 refund=charge.refund if charge is not None else None, gaps=gap_timer())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -277,7 +282,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
         charge = take_tokens(client, [prompt], body.n)
         return await run_request(engine, lifecycle, request, jobs, shaper, body.stream,
                                  body.include_usage_in_stream(), body.continuous_usage(), hold=hold,
-                                 refund=charge.refund if charge is not None else None)
+                                 refund=charge.refund if charge is not None else None, gaps=gap_timer())
 
     @app.get("/v1/models")
     async def models() -> dict:

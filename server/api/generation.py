@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 from metronome.server.api.client_share import ClientHold
 from metronome.server.api.lifecycle import Lifecycle
 from metronome.server.api.responses import DONE, Tally, sse, total_usage
+from metronome.server.api.token_gaps import TokenGapTimer
 from metronome.server.engine.sampling import SamplingParams
 
 log = logging.getLogger("metronome.api")
@@ -68,9 +69,10 @@ class Job:
 
 async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list[Job], shaper, stream: bool,
                       include_usage: bool, continuous_usage: bool = False, hold: ClientHold | None = None,
-                      refund: Callable[[], None] | None = None):
+                      refund: Callable[[], None] | None = None, gaps: TokenGapTimer | None = None):
     """`hold`: the client's share for these jobs, released here however the request ends; `refund`: called when
-    the engine refuses a job (its first event is an error), as the request was never served."""
+    the engine refuses a job (its first event is an error), as the request was never served; `gaps`: times the
+    tokens as they reach the response (token_gaps.py)."""
     ids = [shaper.id] if len(jobs) == 1 else [f"{shaper.id}-{i}" for i in range(len(jobs))]
     for request_id in ids:
         lifecycle.begin(request_id)
@@ -93,7 +95,7 @@ async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list
         for job in range(len(jobs)):
             hold.first_token(job)
     tallies = [Tally(prompt_index=job.prompt_index) for job in jobs]
-    events = _merged(streams, firsts)
+    events = _merged(streams, firsts, gaps.on_event if gaps is not None else _untimed)
     if stream:
         body = _stream(events, tallies, shaper, include_usage, continuous_usage, lifecycle, streams, ids, hold)
         return SSEResponse(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -107,16 +109,24 @@ async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list
     return JSONResponse(shaper.whole(tallies))
 
 
-async def _merged(streams, firsts) -> AsyncIterator[tuple[int, object]]:
-    """(choice index, event) from every stream, each stream's events in order, until all have finished."""
+def _untimed(index: int, event) -> None:
+    return None
+
+
+async def _merged(streams, firsts, on_event: Callable[[int, object], None]) -> AsyncIterator[tuple[int, object]]:
+    """(choice index, event) from every stream, each stream's events in order, until all have finished;
+    `on_event` sees each event as it is handed on."""
     if len(streams) == 1:  # the common case: no task per token
+        on_event(0, firsts[0])
         yield 0, firsts[0]
         if not firsts[0].finished:
             async for event in streams[0]:
+                on_event(0, event)
                 yield 0, event
         return
     pending: dict[asyncio.Future, int] = {}
     for index, first in enumerate(firsts):
+        on_event(index, first)
         yield index, first
         if not first.finished:
             pending[asyncio.ensure_future(streams[index].__anext__())] = index
@@ -129,6 +139,7 @@ async def _merged(streams, firsts) -> AsyncIterator[tuple[int, object]]:
                     event = task.result()
                 except StopAsyncIteration:
                     continue
+                on_event(index, event)
                 yield index, event
                 if not event.finished:
                     pending[asyncio.ensure_future(streams[index].__anext__())] = index

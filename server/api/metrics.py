@@ -1,7 +1,9 @@
 """Prometheus metrics of one server: exactly the names, labels and buckets of metronome/contract/metric_names.py.
 
 `ServerMetrics` is an EngineObserver: the engine thread calls `on_step` after every step and `on_rejected` when
-it turns a request away (prometheus-client is thread-safe). Gauges that describe engine state are also refreshed
+it turns a request away (prometheus-client is thread-safe). Time between tokens is the exception: the routes
+observe it as each token reaches its response (token_gaps.py), which is what clients and the SLO see; the
+engine's own gaps stay in its StepStats for the engine benchmarks. Gauges that describe engine state are also refreshed
 from an `EngineStats` snapshot at scrape time, so an idle engine still reports its current KV usage. The
 config gauges (chunk size, queue policy, generation) are set by the config path, from the config that was
 applied, so they never flip back to an older value reported by a step that was already in flight.
@@ -41,8 +43,9 @@ class ServerMetrics:
         step = model + [names.STEP_KIND_LABEL]  # decode and mixed steps have different fixed costs
 
         # By prompt lane: policy switching compares short requests' TBT with the whole; sum by (le) gives the whole.
-        self.tbt = Histogram(names.TIME_BETWEEN_TOKENS, "Time between consecutive tokens of a request, by prompt lane.",
-                             model + [names.LANE_LABEL], buckets=names.TBT_BUCKETS, registry=reg)
+        self.tbt = Histogram(names.TIME_BETWEEN_TOKENS,
+                             "Time between consecutive tokens of a request as the server hands them to the client, "
+                             "by prompt lane.", model + [names.LANE_LABEL], buckets=names.TBT_BUCKETS, registry=reg)
         self.ttft = histogram(names.TIME_TO_FIRST_TOKEN, "Arrival to first token.", names.TTFT_BUCKETS)
         self.e2e = histogram(names.REQUEST_E2E, "Arrival to finish.", names.E2E_BUCKETS)
         self.step_duration = histogram(names.STEP_DURATION, "Wall time of one engine step, by kind.",
@@ -88,8 +91,8 @@ class ServerMetrics:
         for metric in (self.step_duration, self.step_tokens, self.scheduler_overhead):
             for kind in names.STEP_KINDS:
                 metric.labels(model_name, kind)
+        self._tbt_by_lane = {lane: self.tbt.labels(model_name, lane) for lane in names.LANES}
         for lane in names.LANES:
-            self.tbt.labels(model_name, lane)
             self.prompts.labels(model_name, lane)
         for queue in KNOWN_QUEUES:
             self.waiting.labels(model_name, queue)
@@ -102,9 +105,6 @@ class ServerMetrics:
 
     def on_step(self, step, stats) -> None:
         m = self.model_name
-        tbt = {lane: self.tbt.labels(m, lane) for lane in names.LANES}
-        for gap, lane in zip(step.token_gaps_s, step.token_gap_lanes, strict=True):
-            tbt[lane].observe(gap)
         for lane in step.first_token_lanes:
             self.prompts.labels(m, lane).inc()
         ttft = self.ttft.labels(m)
@@ -128,6 +128,11 @@ class ServerMetrics:
 
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
+
+    # ------------------------------------------------------------------ the routes (event loop)
+
+    def observe_token_gap(self, lane: str, seconds: float) -> None:
+        self._tbt_by_lane[lane].observe(seconds)
 
     # ------------------------------------------------------------------ state
 

@@ -111,6 +111,11 @@ def test_observer_maps_step_stats_exactly():
     metrics.on_step(step, stats)
     metrics.on_rejected("overloaded")
     value = lambda name, **labels: metrics.registry.get_sample_value(name, {"model": "m", **labels})  # noqa: E731
+    # The engine's own gaps are not the TBT clients see: the routes observe that (test_token_gaps.py).
+    assert value(names.TIME_BETWEEN_TOKENS + "_count", lane="short") == 0
+    assert value(names.TIME_BETWEEN_TOKENS + "_count", lane="long") == 0
+    for lane, gap in (("short", 0.003), ("short", 0.0055), ("long", 0.011)):
+        metrics.observe_token_gap(lane, gap)
     assert value(names.TIME_BETWEEN_TOKENS + "_bucket", le="0.004", lane="short") == 1
     assert value(names.TIME_BETWEEN_TOKENS + "_bucket", le="0.006", lane="short") == 2
     assert value(names.TIME_BETWEEN_TOKENS + "_count", lane="short") == 2

@@ -38,7 +38,7 @@ def test_a_phase_counts_only_what_happened_between_its_scrapes_and_sums_the_lane
 
     assert view.tbt_observations == 100
     # lanes summed: 50 in (2, 4] ms and 50 in (4, 6] ms; rank 99 lies 49/50 into (4, 6] (the long lane alone: 5.98)
-    assert view.engine_tbt_p99_ms == pytest.approx(5.96)
+    assert view.server_tbt_p99_ms == pytest.approx(5.96)
     assert view.steps == {"decode": 0, "mixed": 0} and view.step_mean_ms == {"decode": None, "mixed": None}
     assert view.steps_over_100ms == 0 and view.mixed_share is None and view.mixed_step_tokens_mean is None
 
@@ -56,7 +56,7 @@ def test_steps_by_kind_their_mean_duration_long_steps_and_tokens_per_mixed_step(
     assert view.mixed_share == pytest.approx(0.4)
     assert view.steps_over_100ms == 1  # 100 ms itself is not over; the 300 ms step was before the phase
     assert view.mixed_step_tokens_mean == pytest.approx(388.0)
-    assert view.engine_tbt_p99_ms is None and view.phases == 1 and view.phases_missing == 0
+    assert view.server_tbt_p99_ms is None and view.phases == 1 and view.phases_missing == 0
 
 
 def test_phases_of_one_kind_add_their_buckets_before_the_quantile():
@@ -64,10 +64,10 @@ def test_phases_of_one_kind_add_their_buckets_before_the_quantile():
     texts = [observe(metrics), observe(metrics, {"short": [0.003] * 100}), observe(metrics, {"short": [0.014] * 100})]
     first, second = phase_deltas(texts)
 
-    assert summarize([first]).engine_tbt_p99_ms == pytest.approx(3.98)
-    assert summarize([second]).engine_tbt_p99_ms == pytest.approx(14.975)
+    assert summarize([first]).server_tbt_p99_ms == pytest.approx(3.98)
+    assert summarize([second]).server_tbt_p99_ms == pytest.approx(14.975)
     # together: 200 gaps, rank 198 lies 98/100 into (12.5, 15] ms; not the mean of the two p99s
-    assert summarize([first, second]).engine_tbt_p99_ms == pytest.approx(14.95)
+    assert summarize([first, second]).server_tbt_p99_ms == pytest.approx(14.95)
 
 
 def test_a_failed_scrape_leaves_the_phases_it_bounds_without_a_view_and_says_so():
@@ -80,7 +80,7 @@ def test_a_failed_scrape_leaves_the_phases_it_bounds_without_a_view_and_says_so(
     quiet = view_dict([deltas[0], deltas[2]])
     assert quiet["phases"] == 1 and quiet["phases_missing"] == 1 and quiet["steps"]["decode"] == 1
     empty = view_dict([deltas[1]])
-    assert empty["phases"] == 0 and empty["engine_tbt_p99_ms"] is None and empty["mixed_share"] is None
+    assert empty["phases"] == 0 and empty["server_tbt_p99_ms"] is None and empty["mixed_share"] is None
 
     table = format_server_table([("quiet", quiet), ("hostile", empty), (" burst", empty)])
     assert "server view missing for 2 phase(s)" in table
