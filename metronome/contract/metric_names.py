@@ -6,9 +6,12 @@ from __future__ import annotations
 PREFIX = "metronome_"
 
 # Buckets resolve milliseconds: an H200 decode step is 3.5-8 ms, vLLM's first TBT bucket (10 ms) is too coarse.
-# The 5 s and 10 s bounds keep CPU servers (tests, demo) from clamping p99 at 2.5 s, which misleads the step fit.
-TBT_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-               0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Steps of 2.5 ms up to 30 ms and 5 ms up to 50 ms, where TBT targets are set: with a 20-25 ms bucket a 22 ms
+# target could not tell 20.1 ms from 24.9 ms (on the H200 the p99 read 19.6-20.0 ms for 27 intervals in a row
+# while clients saw 19-24 ms). The 5 s and 10 s bounds keep CPU servers (tests, demo) from clamping p99 at 2.5 s,
+# which misleads the step fit.
+TBT_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.0225, 0.025, 0.0275, 0.03, 0.035,
+               0.04, 0.045, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0)

@@ -43,6 +43,8 @@ def scrapes_of_two_pods():
                 all_gaps += gaps
                 metrics.on_step(step(gaps, ["short"] * 10, tokens=10 + t, seconds=0.01 + 0.001 * t, prefill=t,
                                      first_lanes=["long"], generated=10), ENGINE)
+                for gap in gaps:  # the routes time the gaps (token_gaps.py)
+                    metrics.observe_token_gap("short", gap)
         for pod, metrics in pods.items():
             history[pod].append(parse_scrape(metrics.render().decode(), pod, float(t)))
     return history, all_gaps
