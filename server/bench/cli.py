@@ -1,4 +1,5 @@
-"""`metronome bench [run|sweep|engine|isolation|fuzz]`: argparse only here; the work is imported when a command runs.
+"""`metronome bench [run|sweep|engine|loop|isolation|fuzz|stream-cost]`: argparse only here; the work is imported
+when a command runs.
 
     metronome bench run    --model random:tiny --rate 2 --num-requests 50 --out r.json --plot r.png
     metronome bench run    --url http://127.0.0.1:8000 --concurrency 8 --duration 60
@@ -6,6 +7,7 @@
     metronome bench sweep  --url http://127.0.0.1:8000 --config-file /etc/metronome/server.yaml ...
     metronome bench engine --model random:llama-3-8b --device cuda --out h200.json
     metronome bench loop   --model random:tiny --device cpu --static 512,split --out loop.json --plot loop.png
+    metronome bench stream-cost --model random:tiny --streams 64 --tokens 400 --out cost.json
 
 `metronome bench` without a sub-command is `bench run`. Flags are documented in docs/bench.md.
 """
@@ -201,7 +203,7 @@ def _configure_engine(p: argparse.ArgumentParser) -> None:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(bench_command="run")
     _configure_run(parser)  # `metronome bench ...` with no sub-command is `bench run ...`
-    sub = parser.add_subparsers(dest="bench_command", metavar="{run,sweep,engine,isolation,fuzz}")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{run,sweep,engine,loop,isolation,fuzz,stream-cost}")
     _configure_run(sub.add_parser("run", help="one workload at one or more loads (default)",
                                   description="Run a workload against a server or an in-process engine."))
     _configure_sweep(sub.add_parser("sweep", help="chunk sizes x policies x rates; recommend a configuration",
@@ -213,6 +215,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
     _configure_issue16(sub)
+    _configure_stream_cost(sub.add_parser(
+        "stream-cost", help="CPU per streamed token of a local server's API and engine processes",
+        description="Start `metronome serve --engine-process on`, stream tokens, and read both processes' CPU "
+                    "time around every round (docs/bench.md)."))
+
+
+def _configure_stream_cost(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="random:tiny", help="the model spec to serve (default: %(default)s)")
+    p.add_argument("--streams", type=positive_int, default=64, help="requests streamed at once per round (64)")
+    p.add_argument("--tokens", type=positive_int, default=400, help="tokens per request (400)")
+    p.add_argument("--rounds", type=positive_int, default=3, help="measured rounds, after one warm-up (3)")
+    p.add_argument("--serve-arg", action="append", metavar="ARG",
+                   help="one more `metronome serve` argument (repeatable), e.g. --serve-arg=--device=cuda")
+    p.add_argument("--out", metavar="PATH", help="write the results JSON here")
 
 
 def _configure_issue16(sub) -> None:
@@ -242,6 +258,10 @@ def run(args: argparse.Namespace) -> int:
         from metronome.server.bench.loop_cli import main as loop_main
 
         return loop_main(args)
+    if args.bench_command == "stream-cost":
+        from metronome.server.bench.stream_cost import main as stream_cost_main
+
+        return stream_cost_main(args)
     if args.bench_command in ("isolation", "fuzz"):
         from metronome.server.bench import robustness_cli
 

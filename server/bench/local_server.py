@@ -25,6 +25,14 @@ def free_port() -> int:
 def local_server(serve_args: list[str], ready_timeout_s: float = 300.0) -> Iterator[str]:
     """Start `metronome serve <serve_args> --host 127.0.0.1 --port <free>`; yield its URL once /ready says 200;
     stop it (SIGTERM, then SIGKILL) on exit. Its log goes to a temporary file, quoted if it fails to start."""
+    with local_server_process(serve_args, ready_timeout_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def local_server_process(serve_args: list[str],
+                         ready_timeout_s: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """local_server, yielding the serve process too (for benchmarks that read its CPU time)."""
     port = free_port()
     command = [sys.executable, "-m", "metronome.cli", "serve", *serve_args, "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "warning"]
@@ -44,7 +52,7 @@ def local_server(serve_args: list[str], ready_timeout_s: float = 300.0) -> Itera
             if time.monotonic() > deadline:
                 raise MetronomeError(f"metronome serve not ready after {ready_timeout_s:.0f}s: {_tail(log.name)}")
             time.sleep(0.2)
-        yield url
+        yield url, process
     finally:
         if process.poll() is None:
             process.terminate()
