@@ -214,7 +214,7 @@ AUTOTUNE_FIELDS = {
     "minChunkSize": "min_chunk", "maxChunkSize": "max_chunk", "maxStepUp": "max_step_up",
     "maxStepDown": "max_step_down", "margin": "margin", "deadbandLow": "deadband_low",
     "deadbandHigh": "deadband_high", "chunkGranularity": "chunk_granularity",
-    "policySwitching": "policy_switching", "scaleReplicas": "scale_replicas",
+    "policySwitching": "policy_switching", "scaleReplicas": "scale_replicas", "prefillHeadroom": "prefill_headroom",
 }
 
 
@@ -251,6 +251,9 @@ class AutotuneSpec:
     chunk_granularity: int = 64  # the model's chunk sizes are multiples of this
     policy_switching: bool = True
     scale_replicas: bool = False
+    # The model keeps prefill throughput ≥ this × the prompt tokens per second: 1.2 held 384-448 on the H200
+    # where 256 rode its prefill limit and won on TBT (docs/perf/loop-h200.md, calls I3-I4).
+    prefill_headroom: float = 1.2
     min_replicas: int = 1
     max_replicas: int = 8
     base_queue_policy: str = QueuePolicy.FCFS.value  # the resource's own policy: where switching returns to
@@ -267,7 +270,6 @@ class AutotuneSpec:
     long_share_off: float = 0.05  # and back below this one: the gap is the hysteresis
     settle_timeout_seconds: float = 300.0  # stop waiting for lagging pods after this long
     queue_growth_limit: float = 5.0  # requests added to the queue over one window that mean prefill lags
-    prefill_headroom: float = 1.2  # the model keeps prefill throughput ≥ this × the prompt tokens per second
 
     def __post_init__(self) -> None:
         problems = []
@@ -293,6 +295,8 @@ class AutotuneSpec:
             problems.append("multiplicative factors need 0 < down < 1 < up")
         if self.chunk_granularity < 1:
             problems.append("spec.autotune.chunkGranularity must be >= 1")
+        if not (math.isfinite(self.prefill_headroom) and 1 <= self.prefill_headroom <= 4):
+            problems.append(f"spec.autotune.prefillHeadroom must be in [1, 4], got {self.prefill_headroom}")
         if not 0 <= self.long_share_off <= self.long_share_on <= 1:
             problems.append("long-prompt share thresholds need 0 <= off <= on <= 1")
         if self.base_queue_policy not in {p.value for p in QueuePolicy}:

@@ -320,3 +320,39 @@ def test_under_target_with_first_tokens_on_time_the_budget_holds():
     assert "first tokens are on time" in held[-1][2].reason
     grown = run_loop(256, 8, rate=1.0, seed=7, autotune=spec(ttft_p99_target_s=None))
     assert any(ActionKind.CHUNK_UP in d.actions for _, _, d in grown)
+
+
+def test_prefill_headroom_sets_how_close_to_its_prefill_limit_the_model_shrinks():
+    # The H200 loop run (call I3) at 22 ms: fcfs 512, p99 24.9 ms, first tokens on time, the queue steady; the fit
+    # through points at 512 (a = 5.9 ms, b = 20.6 µs/token), ~100 decodes, 21,400 prompt tokens/s arriving.
+    points = tuple(StepSample(t, 0.0059 + 20.6e-6 * t, 200, "pod-0", kind)
+                   for kind, tokens in (("decode", (90, 100, 110)), ("mixed", (560, 600, 640))) for t in tokens)
+    observation = Observation(window_seconds=6, sample_count=30000, tbt_p99_s=0.0249, ttft_p99_s=0.689,
+                              output_tokens_per_s=5400.0, pod_generations={"a": 3}, waiting_requests=1.5,
+                              waiting_growth=0.0, step_samples=points, decode_batch_size=100,
+                              prompt_tokens_per_s=21_400.0)
+    current = CurrentConfig(512, "fcfs", 1, generation=3)
+    chunks = {}
+    for headroom in (1.2, 1.0):
+        autotune = spec(tbt_p99_target_s=0.022, margin=0.85, prefill_headroom=headroom)
+        decision = decide(observation, current, autotune, 10_000.0)
+        chunks[headroom] = decision.chunk_size
+        assert decision.changed and "prefill needs chunk" in decision.reason, decision.reason
+    # The TBT budget asks for 256 both times; the floor binds: 20 % ahead of the arrivals (448, as on the H200),
+    # or at the predicted limit itself.
+    fit = fit_step_time([p.tokens_per_step for p in points], [p.step_seconds for p in points],
+                        [p.steps for p in points], [p.mixed for p in points])
+    floors = {h: smallest_chunk_for_prefill(fit, 100, 21_400.0 * h, 64, 8192) for h in chunks}
+    assert chunks == floors and chunks[1.2] == 448 and 256 < chunks[1.0] < chunks[1.2]
+
+
+def test_prefill_headroom_is_a_spec_field_with_its_bounds():
+    from metronome.contract.config import SchedulerConfig
+    from metronome.operator.spec import SLOSpec, parse_autotune
+
+    slo = SLOSpec(tbt_p99_ms=22.0)
+    parsed = parse_autotune({"mode": "apply", "prefillHeadroom": 1.0}, {}, slo, SchedulerConfig())
+    assert parsed.prefill_headroom == 1.0
+    assert parse_autotune({"mode": "apply"}, {}, slo, SchedulerConfig()).prefill_headroom == 1.2
+    with pytest.raises(ValueError, match="prefillHeadroom"):
+        parse_autotune({"mode": "apply", "prefillHeadroom": 0.8}, {}, slo, SchedulerConfig())
