@@ -7,13 +7,23 @@ engine's own gaps stay in its StepStats for the engine benchmarks. Gauges that d
 from an `EngineStats` snapshot at scrape time, so an idle engine still reports its current KV usage. The
 config gauges (chunk size, queue policy, generation) are set by the config path, from the config that was
 applied, so they never flip back to an older value reported by a step that was already in flight.
+
+With several API server processes (`serve --api-servers N`) every process holds a `ServerMetrics(multiprocess=
+True)` over prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR, set by api_servers.py before
+prometheus_client is imported), and `render` merges every process's files, so any server's /metrics shows the
+whole server: counters and histograms sum (step metrics and the engine's token counters come only from server 0,
+which alone gets StepStats; TBT from the process that served each request). Gauges are "mostrecent": the config
+gauges are set only by server 0 (the one that watches the config file), the engine-state gauges by whichever
+process refreshed from its snapshot last (every server gets the same snapshot after each step). Only the
+`primary` process (server 0) counts kernel compiles from the snapshot, so they are counted once.
 """
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from metronome.contract import metric_names as names
 from metronome.contract.config import QueuePolicy, SchedulerConfig
@@ -26,16 +36,33 @@ KNOWN_QUEUES = ("fcfs", "short", "long", "sjf")
 # client_rate.py "client_rate" (a client over its prompt-token rate).
 KNOWN_REJECT_REASONS = ("overloaded", "invalid", "draining", "too_large", CLIENT_SHARE, CLIENT_RATE)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+SHARED_GAUGE_MODE = "mostrecent"  # with several processes: the last value any of them set
+
+
+def multiprocess_values() -> bool:
+    """Whether prometheus_client keeps values in PROMETHEUS_MULTIPROC_DIR files (chosen when it was imported)."""
+    return bool(getattr(values.ValueClass, "_multiprocess", False))
 
 
 class ServerMetrics:
     """One registry per server; every series carries `model`."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, *, multiprocess: bool = False,
+                 primary: bool = True):
+        """`multiprocess`: one of several API server processes (see the module doc); `primary`: server 0."""
+        if multiprocess and not multiprocess_values():
+            raise RuntimeError("multiprocess metrics need PROMETHEUS_MULTIPROC_DIR set before prometheus_client "
+                               "is imported")
         self.model_name = model_name
+        self.multiprocess = multiprocess
+        self.primary = primary
         self.registry = registry if registry is not None else CollectorRegistry()
         model = [names.MODEL_LABEL]
         reg = self.registry
+        mode = {"multiprocess_mode": SHARED_GAUGE_MODE} if multiprocess else {}
+
+        def gauge(name: str, doc: str, labels: list[str] = model) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg, **mode)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: list[str] = model) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=reg)
@@ -70,18 +97,14 @@ class ServerMetrics:
                                             model, registry=reg)
         self._compiles_counted = 0
 
-        self.running = Gauge(names.REQUESTS_RUNNING, "Requests running.", model, registry=reg)
-        self.waiting = Gauge(names.REQUESTS_WAITING, "Requests waiting, by queue.", model + ["queue"], registry=reg)
-        self.kv_usage = Gauge(names.KV_CACHE_USAGE, "Fraction of KV blocks in use.", model, registry=reg)
-        self.kv_leaked = Gauge(names.KV_BLOCKS_LEAKED, "KV blocks held by no live sequence.", model, registry=reg)
-        self.chunk_size = Gauge(names.CHUNK_SIZE, "Effective chunk size (prefill tokens per step).", model,
-                                registry=reg)
-        self.queue_policy = Gauge(names.QUEUE_POLICY_INFO, "1 for the effective queue policy.", model + ["policy"],
-                                  registry=reg)
-        self.generation = Gauge(names.CONFIG_GENERATION, "Generation of the applied config file.", model,
-                                registry=reg)
-        self.config_applied = Gauge(names.CONFIG_APPLIED_TIME, "Unix time the current config was applied.", model,
-                                    registry=reg)
+        self.running = gauge(names.REQUESTS_RUNNING, "Requests running.")
+        self.waiting = gauge(names.REQUESTS_WAITING, "Requests waiting, by queue.", model + ["queue"])
+        self.kv_usage = gauge(names.KV_CACHE_USAGE, "Fraction of KV blocks in use.")
+        self.kv_leaked = gauge(names.KV_BLOCKS_LEAKED, "KV blocks held by no live sequence.")
+        self.chunk_size = gauge(names.CHUNK_SIZE, "Effective chunk size (prefill tokens per step).")
+        self.queue_policy = gauge(names.QUEUE_POLICY_INFO, "1 for the effective queue policy.", model + ["policy"])
+        self.generation = gauge(names.CONFIG_GENERATION, "Generation of the applied config file.")
+        self.config_applied = gauge(names.CONFIG_APPLIED_TIME, "Unix time the current config was applied.")
 
         # Create every labelled child up front so that each name is exported before its first event.
         for metric in (self.ttft, self.e2e, self.prompt_tokens, self.generation_tokens, self.preemptions,
@@ -145,7 +168,8 @@ class ServerMetrics:
         self.kv_usage.labels(m).set(stats.kv_usage_ratio)
         self.kv_leaked.labels(m).set(stats.kv_blocks_leaked)
         compiles = getattr(stats, "kernel_compiles_after_ready", 0)
-        if compiles > self._compiles_counted:  # a counter only rises: add what is new since the last refresh
+        # A counter only rises: add what is new since the last refresh (server 0 only: the others see the same).
+        if self.primary and compiles > self._compiles_counted:
             self.compiles_after_ready.labels(m).inc(compiles - self._compiles_counted)
             self._compiles_counted = compiles
 
@@ -162,4 +186,8 @@ class ServerMetrics:
         self.reload_errors.labels(self.model_name).inc()
 
     def render(self) -> bytes:
+        if self.multiprocess:  # every process's files, merged at scrape time
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)
+            return generate_latest(merged)
         return generate_latest(self.registry)

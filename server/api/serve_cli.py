@@ -43,10 +43,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument("--engine-process", default="auto", choices=["auto", "on", "off"],
                         help="run the engine core in a process of its own, so that HTTP work never holds the GIL "
-                             "an engine step needs (auto: on when the device is cuda; default: %(default)s)")
+                             "an engine step needs (auto: on when the device is cuda, or with --api-servers > 1; "
+                             "default: %(default)s)")
     # Isolation between clients (issue 16): see docs/server.md "Limits".
     from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_TOKENIZER_WORKERS
     from metronome.server.cli_types import positive_int
+
+    server.add_argument("--api-servers", type=positive_int, default=1, metavar="N",
+                        help="API server processes in front of the one engine process, all on --host:--port "
+                             "(SO_REUSEPORT); N > 1 needs --engine-process on or auto (default: %(default)s)")
 
     server.add_argument("--max-request-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                         help="larger request bodies get 413 before they are read (default: %(default)s = 2 MiB)")
@@ -92,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.api_servers > 1:
+            from metronome.server.api.api_servers import check_api_servers
+
+            check_api_servers(args.api_servers, args.engine_process)
         base = scheduler_from_args(args)  # the base that the --config file overrides
         initial = load_config(args.config, base)[3] if args.config else base  # fail before loading the model
         engine_config = engine_config_from_args(args)
@@ -105,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"metronome serve: {exc}", file=sys.stderr)
         return 2
     try:
+        if args.api_servers > 1:
+            from metronome.server.api.api_servers import prepare_metrics_dir, serve_many
+
+            return serve_many(args, engine_config, base, initial, prepare_metrics_dir())
         return _serve(args, engine_config, base, initial)
     except (MetronomeError, ValueError) as exc:
         print(f"metronome serve: {exc}", file=sys.stderr)
@@ -156,10 +169,11 @@ def _stall_loggers(device_type: str) -> list:
     return [SlowStepLog()] if device_type == "cuda" else []
 
 
-def _build_engine(mode: str, engine_config, initial):
+def _build_engine(mode: str, engine_config, initial, clients: int = 1):
     """(engine, device type): the core in a process of its own (ProcessEngine) or on a thread of this one
-    (AsyncEngine), as --engine-process `mode` says. On the CPU the engine gets all cores but one either way:
-    in its own process too, the HTTP process's work preempts a member of a full OpenMP team (cpu_engine_threads)."""
+    (AsyncEngine), as --engine-process `mode` says; with `clients` > 1 API servers always the former. On the CPU
+    the engine gets all cores but one either way: in its own process too, the HTTP process's work preempts a
+    member of a full OpenMP team (cpu_engine_threads)."""
     from functools import partial
 
     from metronome.server.engine.async_engine import AsyncEngine
@@ -171,11 +185,14 @@ def _build_engine(mode: str, engine_config, initial):
     device_type = device if device == "cpu" else "cuda" if device.startswith("cuda") else \
         resolve_device(device, check_available=False).type
     own_process, why = engine_process_mode(mode, device_type)
+    if clients > 1:  # run() refused "off"
+        own_process, why = True, f"{why}, {clients} API servers"
     cpu_threads = None
     if engine_config.tensor_parallel_size == 1 and "OMP_NUM_THREADS" not in os.environ:
         cpu_threads = cpu_engine_threads(len(os.sched_getaffinity(0)))
     if own_process:
-        engine = _load_engine(partial(ProcessEngine.launch, cpu_threads=cpu_threads), engine_config, initial)
+        engine = _load_engine(partial(ProcessEngine.launch, cpu_threads=cpu_threads, clients=clients), engine_config,
+                              initial)
         log.info("engine core in process %d (%s)", engine.pid, why)
         return engine, engine.info.device_type
     core = _load_engine(EngineCore.from_config, engine_config, initial)

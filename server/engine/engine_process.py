@@ -13,6 +13,12 @@ call_soon_threadsafe, which delivers the tokens, fails streams, updates the snap
 If the engine process dies, every open stream fails with EngineProcessExited (a 503), is_running turns False
 (/health fails, so the kubelet restarts the pod) and new requests are refused.
 
+With several API server processes (`serve --api-servers N`, api_servers.py) one engine process serves N
+clients: `launch(clients=N)` keeps channel 0 and leaves the others in `spare_channels` for the main process to
+hand to its API workers, each of which wraps its channel with `attach`. Request ids need only be unique per
+client. `before_close` (the main process's: wait for the workers) runs before STOP, since the engine must keep
+serving the others while they drain.
+
 "spawn" re-imports the parent's main module in the child: a script that launches a ProcessEngine needs the usual
 `if __name__ == "__main__":` guard (the `metronome` command and pytest have it).
 """
@@ -72,7 +78,8 @@ def engine_process_mode(mode: str, device_type: str) -> tuple[bool, str]:
 
 class ProcessEngine:
     def __init__(self, info: ReadyInfo, process, commands, replies, observers: Seq = ()):
-        """Use `launch`; this wires an engine process that has reported ready."""
+        """Use `launch` or `attach`; this wires an engine process that has reported ready (`process` is None
+        in an API worker, which did not start it)."""
         self.info = info
         self.observers = list(observers)
         self.limits = RequestLimits(info.vocab_size, info.max_model_len, info.kv_capacity_tokens)
@@ -90,6 +97,8 @@ class ProcessEngine:
         self._running = False
         self._closed = False
         self._exit_error: EngineDrainingError | None = None
+        self.spare_channels: list[tuple] = []  # launch(clients=N): the (commands, replies) of clients 1..N-1
+        self.before_close = None  # called once at the start of close(), before STOP is sent
         self._writer = threading.Thread(target=self._write, name="metronome-engine-writer", daemon=True)
         self._writer.start()
         self.grammars = _grammars(info)
@@ -98,21 +107,27 @@ class ProcessEngine:
 
     @classmethod
     def launch(cls, engine_config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
-               observers: Seq = (), cpu_threads: int | None = None) -> ProcessEngine:
+               observers: Seq = (), cpu_threads: int | None = None, clients: int = 1) -> ProcessEngine:
         """Start the engine process and wait until it is ready; its start-up error (a bad model, no memory) is
-        raised here as the same exception. `cpu_threads`: torch threads if the engine runs on the CPU."""
+        raised here as the same exception. `cpu_threads`: torch threads if the engine runs on the CPU; `clients`:
+        how many API servers it serves (this one is client 0, the rest go to `spare_channels`)."""
         context = multiprocessing.get_context("spawn")
-        commands_in, commands = context.Pipe(duplex=False)
-        replies, replies_out = context.Pipe(duplex=False)
+        ours, theirs = [], []  # per client: (commands, replies) of this side and of the engine's side
+        for _ in range(clients):
+            commands_in, commands = context.Pipe(duplex=False)
+            replies, replies_out = context.Pipe(duplex=False)
+            ours.append((commands, replies))
+            theirs.append((commands_in, replies_out))
+        commands, replies = ours[0]
         settings = ChildSettings(logging.getLogger().getEffectiveLevel(), cpu_threads)
         # Not daemonic, so that the engine may start processes of its own (a daemonic one may not); close() runs
         # at exit and stops it, and it stops by itself when this process dies.
         process = context.Process(target=child_main, name="metronome-engine", daemon=False,
-                                  args=(commands_in, replies_out, engine_config, scheduler_config or SchedulerConfig(),
-                                        settings))
+                                  args=(theirs, engine_config, scheduler_config or SchedulerConfig(), settings))
         process.start()
-        commands_in.close()  # the child's ends: closed here so that its exit reads as EOF
-        replies_out.close()
+        for channel in theirs:  # the child's ends: closed here so that its exit reads as EOF
+            for conn in channel:
+                conn.close()
         try:
             import metronome.server.engine.grammar  # noqa: F401 (torch, for _grammars: while the engine loads)
 
@@ -121,18 +136,24 @@ class ProcessEngine:
             if not isinstance(exc, EOFError):
                 process.kill()  # else it would load on, and multiprocessing's exit hook would wait for it
             process.join(STOP_WAIT_S)
-            commands.close()
-            replies.close()
+            _close_all(ours)
             if isinstance(exc, EOFError):
                 raise EngineProcessExited(f"the engine process exited with code {process.exitcode} before it was "
                                           "ready") from None
             raise
         if kind == FAILED:
             process.join(STOP_WAIT_S)
-            commands.close()
-            replies.close()
+            _close_all(ours)
             raise payload
-        return cls(payload, process, commands, replies, observers)
+        engine = cls(payload, process, commands, replies, observers)
+        engine.spare_channels = ours[1:]
+        return engine
+
+    @classmethod
+    def attach(cls, info: ReadyInfo, commands, replies, observers: Seq = ()) -> ProcessEngine:
+        """A client of an engine process that another process launched (an API worker of `serve --api-servers`):
+        `info` is what it reported ready with, (commands, replies) one of the launcher's `spare_channels`."""
+        return cls(info, None, commands, replies, observers)
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -152,6 +173,9 @@ class ProcessEngine:
 
     def close(self) -> None:
         """shutdown() without an event loop (e.g. when serving never started)."""
+        hook, self.before_close = self.before_close, None
+        if hook is not None and not self._closed:
+            hook()
         with self._send_lock:
             if self._closed:
                 return
@@ -163,15 +187,22 @@ class ProcessEngine:
         atexit.unregister(self.close)
         self._writer.join(STOP_WAIT_S)
         process = self._process
+        if process is not None:
+            self._stop_process(process)
+        if self._reader is not None:
+            self._reader.join(5.0)  # its pipe reads EOF now
+        self._commands.close()
+        self._replies.close()
+        for channel in self.spare_channels:  # not handed on (serving never started)
+            _close_all([channel])
+
+    @staticmethod
+    def _stop_process(process) -> None:
         process.join(STOP_WAIT_S)
         if process.is_alive():  # it ignores SIGTERM (the API process owns shutdown), so: SIGKILL
             log.warning("the engine process did not stop in %.0fs: killing it", STOP_WAIT_S)
             process.kill()
             process.join()
-        if self._reader is not None:
-            self._reader.join(5.0)  # its pipe reads EOF now
-        self._commands.close()
-        self._replies.close()
 
     @property
     def is_running(self) -> bool:
@@ -301,8 +332,11 @@ class ProcessEngine:
         was_running, self._running = self._running, False
         if not was_running:  # close() stopped it on purpose
             return
-        self._process.join(STOP_WAIT_S)
-        error = EngineProcessExited(f"the engine process exited with code {self._process.exitcode}")
+        if self._process is not None:
+            self._process.join(STOP_WAIT_S)
+            error = EngineProcessExited(f"the engine process exited with code {self._process.exitcode}")
+        else:  # an API worker: the main process started it and sees its exit code
+            error = EngineProcessExited(f"the engine process {self.info.pid} exited")
         self._exit_error = error
         log.error("%s: failing %d open stream(s)", error, len(self._streams))
         try:
@@ -344,6 +378,12 @@ class ProcessEngine:
                 observer.on_rejected(reason)
             except Exception:
                 log.exception("observer on_rejected failed")
+
+
+def _close_all(channels) -> None:
+    for channel in channels:
+        for conn in channel:
+            conn.close()
 
 
 def _grammars(info: ReadyInfo):
