@@ -9,7 +9,8 @@ watches the --config file and reconfigures the engine; the others see the applie
 stats snapshot. Metrics are prometheus_client multiprocess files in a temporary directory (metrics.py), so any
 server's /metrics shows the whole server. Per-client shares and rates are per server.
 
-Lifecycle: SIGTERM (or SIGINT) to the main process is forwarded to the workers; every server drains its own
+Lifecycle: SIGTERM (or SIGINT) to the main process is forwarded to the workers as SIGTERM (each worker has a
+process group of its own, so a terminal's Ctrl-C does not signal them twice); every server drains its own
 requests (lifecycle.py); the main then waits for the workers (ProcessEngine.before_close) and only then stops
 the engine. A worker that exits unexpectedly makes the main shut everything down and exit 1 (the kubelet
 restarts the pod: no respawning here). A worker whose main process is gone exits by itself, as the engine does.
@@ -242,6 +243,9 @@ def _picklable(args: argparse.Namespace) -> argparse.Namespace:
 def worker_main(spec: WorkerSpec, index: int, commands, replies) -> None:
     """An API worker's entry point (multiprocessing "spawn"): PROMETHEUS_MULTIPROC_DIR is inherited."""
     args = spec.args
+    # A process group of its own: a terminal's Ctrl-C reaches only the main process, which forwards one SIGTERM
+    # (a second signal would make this server exit without draining).
+    os.setpgid(0, 0)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[api {index}]: %(message)s")
     threading.Thread(target=_exit_without_parent, args=(spec.parent,), name="metronome-parent-watch",
