@@ -2,6 +2,7 @@
 processes, sockets and pipes (random:tiny on the CPU); one in-process server is the reference for the text."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -20,6 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from metronome.contract import metric_names as mn
 from metronome.server.api.api_servers import SERVER_HEADER, check_api_servers
+from metronome.server.engine.config import EngineConfig
+from metronome.server.engine.engine_process import ProcessEngine
+from metronome.server.engine.sampling import SamplingParams
 
 HEADER = SERVER_HEADER.decode()
 CONFIG = "generation: 1\nscheduler:\n  chunk_size: 256\n"
@@ -159,6 +163,59 @@ def stream(url: str, prompt: str, max_tokens: int, started: threading.Event | No
     text = "".join(choice["text"] for event in events for choice in event.get("choices", ()))
     usage = next((event["usage"] for event in events if event.get("usage")), None)
     return {"text": text, "usage": usage, "server": server, "last": chunks[-1], "events": events}
+
+
+# ------------------------------------------------------------------------------------------ one engine, two clients
+
+
+class Steps:
+    def __init__(self):
+        self.steps = 0
+
+    def on_step(self, step, stats):
+        self.steps += 1
+
+    def on_rejected(self, reason):
+        pass
+
+
+async def collect(engine, prompt: str, params: SamplingParams, request_id: str) -> list:
+    return [event async for event in engine.generate(prompt, params, request_id)]
+
+
+async def test_one_engine_process_keeps_two_clients_apart_and_frees_a_leaving_clients_requests():
+    config = EngineConfig(model=TINY, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=512)
+    zero_steps, one_steps = Steps(), Steps()
+    zero = ProcessEngine.launch(config, observers=[zero_steps], clients=2)
+    [(commands, replies)] = zero.spare_channels
+    zero.spare_channels = []
+    one = ProcessEngine.attach(zero.info, commands, replies, observers=[one_steps])
+    await zero.start()
+    await one.start()
+    try:
+        short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        alone = await collect(zero, "the other prompt", short, "first")
+        a, b = await asyncio.gather(collect(zero, "one prompt", short, "same-id"),
+                                    collect(one, "the other prompt", short, "same-id"))  # ids: unique per client
+        assert [len(a), len(b)] == [12, 12] and {event.request_id for event in a + b} == {"same-id"}
+        assert [event.token_id for event in b] == [event.token_id for event in alone]
+        assert zero_steps.steps > 0 and one_steps.steps == 0  # step stats reach client 0 only
+
+        # Client 1 leaves mid-request: were its request not aborted, it would still run when the shorter one ends.
+        doomed = one.generate("a long one", SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True),
+                              "doomed")
+        await anext(doomed)
+        survivor = asyncio.create_task(collect(zero, "a long one", SamplingParams(max_tokens=100, temperature=0.0,
+                                                                                  ignore_eos=True), "survivor"))
+        await asyncio.to_thread(one.close)
+        assert len(await survivor) == 100
+        stats = zero.stats()
+        assert stats.num_running == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+        await doomed.aclose()
+    finally:
+        await one.shutdown()
+        await zero.shutdown()
+    assert zero._process.exitcode == 0
 
 
 # ------------------------------------------------------------------------------------------ one shared server
