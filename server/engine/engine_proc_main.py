@@ -195,10 +195,8 @@ class _Loop:
                 log.exception("request %s could not be added", request_id)
                 self.owners.pop(core_id, None)
                 self._send(client, [], [(request_id, portable(exc))], None)
-        elif kind == ABORT:
-            core_id = f"{client}:{command[2]}" if self.multi else command[2]
-            core.abort(core_id)
-            self.owners.pop(core_id, None)
+        elif kind == ABORT:  # its finished event (reason "abort") comes with the next step and ends the owner
+            core.abort(f"{client}:{command[2]}" if self.multi else command[2])
         elif kind == RECONFIGURE:
             try:
                 core.reconfigure(command[2])

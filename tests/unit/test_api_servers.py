@@ -183,6 +183,10 @@ async def collect(engine, prompt: str, params: SamplingParams, request_id: str) 
     return [event async for event in engine.generate(prompt, params, request_id)]
 
 
+async def collect_rest(events) -> list:
+    return [event async for event in events]
+
+
 async def test_one_engine_process_keeps_two_clients_apart_and_frees_a_leaving_clients_requests():
     config = EngineConfig(model=TINY, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=512)
     zero_steps, one_steps = Steps(), Steps()
@@ -200,6 +204,13 @@ async def test_one_engine_process_keeps_two_clients_apart_and_frees_a_leaving_cl
         assert [len(a), len(b)] == [12, 12] and {event.request_id for event in a + b} == {"same-id"}
         assert [event.token_id for event in b] == [event.token_id for event in alone]
         assert zero_steps.steps > 0 and one_steps.steps == 0  # step stats reach client 0 only
+
+        # An abort (as a drain that runs out of time sends) ends client 1's stream with its "abort" event.
+        stopped = one.generate("stop me", SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True), "stop")
+        await anext(stopped)
+        await one.abort("stop")
+        rest = await asyncio.wait_for(collect_rest(stopped), 60)  # a guard: a lost abort event would hang
+        assert rest[-1].finish_reason == "abort" and len(rest) < 480
 
         # Client 1 leaves mid-request: were its request not aborted, it would still run when the shorter one ends.
         doomed = one.generate("a long one", SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True),
