@@ -29,17 +29,18 @@ import logging
 import os
 import pickle
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from metronome.contract.config import SchedulerConfig
 from metronome.contract.errors import MetronomeError
 from metronome.server.engine.config import EngineConfig
-from metronome.server.engine.outputs import EngineStats
+from metronome.server.engine.outputs import EngineStats, TokenEvent
 
 ADD, ABORT, RECONFIGURE, STOP = "add", "abort", "reconfigure", "stop"
 READY, FAILED = "ready", "failed"
+FINISHED = [field.name for field in fields(TokenEvent)].index("finished")  # in an event row
 IDLE_POLL_S = 1.0  # an idle engine wakes this often to see whether its parent is still there
 
 log = logging.getLogger("metronome.engine")
@@ -241,7 +242,7 @@ class _Loop:
             owner = owners.get(row[0])
             if owner is not None:
                 rows_of[owner[0]].append((owner[1], *row[1:]))
-                if row[5]:  # finished
+                if row[FINISHED]:
                     del owners[row[0]]
         for core_id, exc in failures:
             owner = owners.pop(core_id, None)
