@@ -5,8 +5,9 @@ taking requests, receiving each step's tokens from the engine and writing one SS
 CPU per token bounds how many tokens per second one API process can stream before its event loop, not the GPU,
 sets the streams' TBT: at ~45 µs per token an H200's ~5,500 tokens/s take a quarter of a core, in bursts of one
 token per running stream every step (docs/perf/isolation.md). The bench starts `metronome serve` on 127.0.0.1,
-streams `--streams` requests of `--tokens` tokens each at once per round, and reads both processes' CPU time
-(utime + stime, /proc, in clock ticks of 10 ms: keep a round's API time well above that) around every round.
+streams `--streams` requests of `--tokens` tokens each at once per round, and reads the CPU time of the engine
+process and of every API process (one, or the `--api-servers N` of them summed; utime + stime from /proc, in
+clock ticks of 10 ms: keep a round's API time well above that) around every round.
 """
 from __future__ import annotations
 
@@ -58,15 +59,26 @@ def is_spawned_worker(cmdline: bytes) -> bool:
     return b"multiprocessing.spawn import spawn_main" in cmdline
 
 
-def engine_pid(serve_pid: int) -> int:
-    found = []
+def start_time(stat_line: str) -> int:
+    """A /proc/PID/stat line's start time (field 22, clock ticks after boot)."""
+    return int(stat_line.rpartition(")")[2].split()[19])
+
+
+def split_processes(serve_pid: int) -> tuple[int, list[int]]:
+    """(the engine process, the API processes: serve itself and its API workers under --api-servers N). The
+    engine is the first spawned child: serve spawns its workers only once the engine is ready (they are handed
+    its ReadyInfo)."""
+    spawned = []
     for pid in child_pids(serve_pid):
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            if is_spawned_worker(handle.read()):
-                found.append(pid)
-    if len(found) != 1:
-        raise MetronomeError(f"expected one engine process under serve (pid {serve_pid}), found {found}")
-    return found[0]
+            if not is_spawned_worker(handle.read()):
+                continue
+        with open(f"/proc/{pid}/stat") as handle:
+            spawned.append((start_time(handle.read()), pid))
+    if not spawned:
+        raise MetronomeError(f"no engine process under serve (pid {serve_pid}): is --engine-process on?")
+    spawned.sort()
+    return spawned[0][1], [serve_pid, *(pid for _, pid in spawned[1:])]
 
 
 def round_result(tokens: int, wall_s: float, before: CpuTimes, after: CpuTimes) -> RoundResult:
@@ -114,20 +126,21 @@ def run(model: str, streams: int, tokens: int, rounds: int, serve_args: list[str
     ticks = os.sysconf("SC_CLK_TCK")
     args = ["--model", model, "--engine-process", "on", "--max-num-seqs", str(max(streams, 1)), *serve_args]
     with local_server_process(args) as (url, process):
-        engine = engine_pid(process.pid)
+        engine, api = split_processes(process.pid)
 
         def cpu() -> CpuTimes:
             def seconds(pid: int) -> float:
                 with open(f"/proc/{pid}/stat") as handle:
                     return process_cpu_seconds(handle.read(), ticks)
 
-            return CpuTimes(seconds(process.pid), seconds(engine))
+            return CpuTimes(sum(seconds(pid) for pid in api), seconds(engine))
 
         served = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         asyncio.run(_one_round(url, served, min(streams, 4), min(tokens, 16), cpu))  # warm-up, not reported
         results = [asyncio.run(_one_round(url, served, streams, tokens, cpu)) for _ in range(rounds)]
     return {"command": "bench stream-cost", "model": model, "streams": streams, "tokens": tokens,
-            "serve_args": serve_args, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **summarize(results)}
+            "serve_args": serve_args, "api_processes": len(api),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **summarize(results)}
 
 
 def main(args) -> int:

@@ -13,6 +13,7 @@ from metronome.server.bench.stream_cost import (
     is_spawned_worker,
     process_cpu_seconds,
     round_result,
+    start_time,
     summarize,
 )
 
@@ -21,6 +22,11 @@ def test_cpu_seconds_read_past_a_command_name_with_spaces_and_parens():
     # pid (comm) state ppid ... : utime and stime are fields 14 and 15 of the line
     line = "4242 (python3 (x) y) S 1 4242 4242 0 -1 4194304 100 0 0 0 250 50 0 0 20 0 9 0 77 0 0"
     assert process_cpu_seconds(line, 100) == pytest.approx(3.0)
+
+
+def test_start_time_is_field_22():
+    line = "4242 (python3 (x) y) S 1 4242 4242 0 -1 4194304 100 0 0 0 250 50 0 0 20 0 9 0 77 0 0"
+    assert start_time(line) == 77
 
 
 def test_only_the_spawned_engine_counts_not_the_resource_tracker():
@@ -48,4 +54,14 @@ def test_a_real_server_streams_every_token_and_reports_both_processes(tmp_path):
     [measured] = result["rounds"]
     assert measured["tokens"] == 4 * 40
     assert measured["api_us_per_token"] >= 0 and measured["engine_us_per_token"] > 0
-    assert "µs of CPU per streamed token" in done.stdout
+    assert "µs of CPU per streamed token" in done.stdout and result["api_processes"] == 1
+
+
+def test_several_api_servers_are_counted_together(tmp_path):
+    out = tmp_path / "cost.json"
+    done = subprocess.run([sys.executable, "-m", "metronome.cli", "bench", "stream-cost", "--streams", "8",
+                           "--tokens", "20", "--rounds", "1", "--serve-arg=--api-servers=2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["api_processes"] == 2 and result["rounds"][0]["tokens"] == 8 * 20
