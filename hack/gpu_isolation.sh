@@ -9,6 +9,8 @@
 #     GPU_ONLY=1 bash hack/gpu_isolation.sh # random:llama-3-8b on the GPU alone (a shorter device call)
 #     RATE=200 GPU_ONLY=1 BENCH_ARGS="--stream-tokens 512" bash hack/gpu_isolation.sh
 #                                           # then the 8B again with --max-prompt-tokens-per-second-per-client 200
+#     API_SERVERS=3 GPU_ONLY=1 bash hack/gpu_isolation.sh
+#                                           # then the 8B again with --api-servers 3 (on the same 4 server cores)
 #     NO_WARMUP=1 ...                       # no unreported bench run first: the measured run has the server's
 #                                           # first burst (which stalled one step before serve's start-up burst)
 #
@@ -97,6 +99,9 @@ if [ "${SMOKE:-0}" != 1 ]; then
   one llama-3-8b-h200 random:llama-3-8b cuda "$SERVER_CPUS" 240
   if [ -n "${RATE:-}" ]; then
     one llama-3-8b-h200-rate random:llama-3-8b cuda "$SERVER_CPUS" 240 "--max-prompt-tokens-per-second-per-client $RATE"
+  fi
+  if [ -n "${API_SERVERS:-}" ]; then
+    one llama-3-8b-h200-api$API_SERVERS random:llama-3-8b cuda "$SERVER_CPUS" 240 "--api-servers $API_SERVERS"
   fi
 fi
 tail -n 40 "$LOG"
