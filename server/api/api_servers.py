@@ -1,5 +1,6 @@
 """`metronome serve --api-servers N`: N API server processes in front of one engine process (vLLM's
---api-server-count), so that HTTP work (~45 us of CPU per streamed token in one event loop) spreads over cores.
+--api-server-count), so that HTTP work (~42 us of CPU per streamed token in one event loop, `bench stream-cost`)
+spreads over cores.
 
 What runs where: the main process (PID 1 in a pod) launches the engine process with N channels, spawns N-1 API
 workers ("spawn"), handing each its channel and the engine's ReadyInfo, and is API server 0 itself. Every API

@@ -69,7 +69,7 @@ class Job:
 
 async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list[Job], shaper, stream: bool,
                       include_usage: bool, continuous_usage: bool = False, hold: ClientHold | None = None,
-                      refund: Callable[[], None] | None = None, gaps: TokenGapTimer | None = None):
+                      refund: Callable[[], None] | None = None, *, gaps: TokenGapTimer):
     """`hold`: the client's share for these jobs, released here however the request ends; `refund`: called when
     the engine refuses a job (its first event is an error), as the request was never served; `gaps`: times the
     tokens as they reach the response (token_gaps.py)."""
@@ -95,7 +95,7 @@ async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list
         for job in range(len(jobs)):
             hold.first_token(job)
     tallies = [Tally(prompt_index=job.prompt_index) for job in jobs]
-    events = _merged(streams, firsts, gaps.on_event if gaps is not None else _untimed)
+    events = _merged(streams, firsts, gaps.on_event)
     if stream:
         body = _stream(events, tallies, shaper, include_usage, continuous_usage, lifecycle, streams, ids, hold)
         return SSEResponse(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -107,10 +107,6 @@ async def run_request(engine, lifecycle: Lifecycle, request: Request, jobs: list
     finally:
         await _close_all(streams, lifecycle, ids, hold)
     return JSONResponse(shaper.whole(tallies))
-
-
-def _untimed(index: int, event) -> None:
-    return None
 
 
 async def _merged(streams, firsts, on_event: Callable[[int, object], None]) -> AsyncIterator[tuple[int, object]]:

@@ -49,8 +49,9 @@ _TEXT_MARK = "\x00metronome-text\x00"
 class TextChunkTemplate:
     """The SSE chunk of one plain token (no logprobs, no usage) for one choice index, as a prefix and suffix
     around the JSON-encoded text. Rendered once through the pydantic models with a marker for the text, so a
-    token costs one json.dumps of its text instead of building and dumping the models (~10 µs per token on the
-    development VM: a stream of every running request's tokens every step is the API process' largest load).
+    token costs one json.dumps of its text instead of building and dumping the models (a stream of every running
+    request's tokens every step is the API process' largest load: -22 % of its CPU per token with these,
+    docs/perf/isolation.md).
     The chunk is byte-for-byte the one the models give."""
 
     def __init__(self, render: Callable[[str], str]):

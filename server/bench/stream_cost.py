@@ -3,7 +3,7 @@
 With the engine core in a process of its own (`--engine-process on`), everything the API process does is HTTP:
 taking requests, receiving each step's tokens from the engine and writing one SSE chunk per token per stream. Its
 CPU per token bounds how many tokens per second one API process can stream before its event loop, not the GPU,
-sets the streams' TBT: at ~45 µs per token an H200's ~5,500 tokens/s take a quarter of a core, in bursts of one
+sets the streams' TBT: at ~42 µs per token an H200's ~5,500 tokens/s take a quarter of a core, in bursts of one
 token per running stream every step (docs/perf/isolation.md). The bench starts `metronome serve` on 127.0.0.1,
 streams `--streams` requests of `--tokens` tokens each at once per round, and reads the CPU time of the engine
 process and of every API process (one, or the `--api-servers N` of them summed; utime + stime from /proc, in

@@ -15,22 +15,16 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
-from typing import Protocol
 
 from metronome.contract.config import SchedulerConfig
 from metronome.contract.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError
 from metronome.server.engine.engine import EngineCore
-from metronome.server.engine.outputs import EngineStats, StepStats, TokenEvent
+from metronome.server.engine.observers import EngineObserver, notify_rejected, notify_step
+from metronome.server.engine.outputs import EngineStats, TokenEvent
 from metronome.server.engine.request_limits import check_waiting
 from metronome.server.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineObserver(Protocol):
-    def on_step(self, step: StepStats, stats: EngineStats) -> None: ...  # engine thread, after every step
-
-    def on_rejected(self, reason: str) -> None: ...  # "overloaded" | "invalid"
 
 
 class AsyncEngine:
@@ -87,10 +81,10 @@ class AsyncEngine:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
             self._check_capacity()
         except InvalidRequestError:
-            self._notify_rejected("invalid")
+            notify_rejected(self.observers, "invalid")
             raise
         except EngineOverloadedError:
-            self._notify_rejected("overloaded")
+            notify_rejected(self.observers, "overloaded")
             raise
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
@@ -152,13 +146,6 @@ class AsyncEngine:
     def _check_capacity(self) -> None:
         check_waiting(self.core.scheduler.num_waiting + self._pending_adds, self.core.config.max_waiting)
 
-    def _notify_rejected(self, reason: str) -> None:
-        for observer in self.observers:
-            try:
-                observer.on_rejected(reason)
-            except Exception:  # an observer must never break serving
-                log.exception("observer on_rejected failed")
-
     def _submit(self, command: Callable[[], None]) -> None:
         with self._cond:
             self._commands.append(command)
@@ -202,11 +189,7 @@ class AsyncEngine:
                 for request_id, exc in failures:
                     self._loop.call_soon_threadsafe(self._fail_streams, [request_id], exc)
             self._stats = stats = self.core.stats()
-            for observer in self.observers:
-                try:
-                    observer.on_step(step_stats, stats)
-                except Exception:
-                    log.exception("observer on_step failed")
+            notify_step(self.observers, step_stats, stats)
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for event in events:

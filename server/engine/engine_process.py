@@ -49,6 +49,7 @@ from metronome.server.engine.engine_proc_main import (
     ReadyInfo,
     child_main,
 )
+from metronome.server.engine.observers import notify_rejected, notify_step
 from metronome.server.engine.outputs import EngineStats, TokenEvent
 from metronome.server.engine.request_limits import RequestLimits, check_grammar, check_waiting
 from metronome.server.engine.sampling import SamplingParams
@@ -229,10 +230,10 @@ class ProcessEngine:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
             check_waiting(sum(self._stats.num_waiting.values()) + len(self._unacked), self.info.max_waiting)
         except InvalidRequestError:
-            self._notify_rejected("invalid")
+            notify_rejected(self.observers, "invalid")
             raise
         except EngineOverloadedError:
-            self._notify_rejected("overloaded")
+            notify_rejected(self.observers, "overloaded")
             raise
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
@@ -360,24 +361,13 @@ class ProcessEngine:
         while unacked and unacked[0] <= acked:
             unacked.popleft()
         if step_stats is not None:
-            for observer in self.observers:
-                try:
-                    observer.on_step(step_stats, stats)
-                except Exception:  # an observer must never break serving
-                    log.exception("observer on_step failed")
+            notify_step(self.observers, step_stats, stats)
 
     def _fail_all(self, exc: Exception) -> None:
         for stream in list(self._streams.values()):
             stream.put_nowait(exc)
         self._streams.clear()
         self._unacked.clear()
-
-    def _notify_rejected(self, reason: str) -> None:
-        for observer in self.observers:
-            try:
-                observer.on_rejected(reason)
-            except Exception:
-                log.exception("observer on_rejected failed")
 
 
 def _close_all(channels) -> None:

@@ -117,3 +117,17 @@ def attach_recorded_graphs(engine, sizes: list[int]):
     graphs.capture_all()
     runner.attach_graphs(graphs)
     return graphs
+
+
+class RecordingObserver:
+    """An EngineObserver that counts steps and keeps rejection reasons."""
+
+    def __init__(self):
+        self.steps = 0
+        self.rejected: list[str] = []
+
+    def on_step(self, step, stats):
+        self.steps += 1
+
+    def on_rejected(self, reason):
+        self.rejected.append(reason)

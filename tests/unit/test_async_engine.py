@@ -4,24 +4,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from engine_fakes import expected_greedy, fake_engine
+from engine_fakes import RecordingObserver, expected_greedy, fake_engine
 
 from metronome.contract.config import SchedulerConfig
 from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
 from metronome.server.engine.async_engine import AsyncEngine
 from metronome.server.engine.sampling import SamplingParams
-
-
-class RecordingObserver:
-    def __init__(self):
-        self.steps = 0
-        self.rejected: list[str] = []
-
-    def on_step(self, step, stats):
-        self.steps += 1
-
-    def on_rejected(self, reason):
-        self.rejected.append(reason)
 
 
 async def collect(engine: AsyncEngine, prompt, params, request_id=None):

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from api_helpers import TINY, ServerThread, free_port, metric, scrape, wait_until
+from engine_fakes import RecordingObserver
 
 from metronome.contract import metric_names as mn
 from metronome.contract.config import SchedulerConfig
@@ -34,23 +35,12 @@ ONE_AT_A_TIME = SchedulerConfig(max_num_seqs=1)  # later requests wait: the queu
 LONG = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 
 
-class Recorder:
-    def __init__(self):
-        self.steps = 0
-        self.rejected: list[str] = []
-
-    def on_step(self, step, stats):
-        self.steps += 1
-
-    def on_rejected(self, reason):
-        self.rejected.append(reason)
-
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def engines():
     """(the process engine, the in-process reference), both started; one engine process for the module."""
-    process = ProcessEngine.launch(CONFIG, ONE_AT_A_TIME, observers=[Recorder()])
-    reference = AsyncEngine(EngineCore.from_config(CONFIG, ONE_AT_A_TIME), observers=[Recorder()])
+    process = ProcessEngine.launch(CONFIG, ONE_AT_A_TIME, observers=[RecordingObserver()])
+    reference = AsyncEngine(EngineCore.from_config(CONFIG, ONE_AT_A_TIME), observers=[RecordingObserver()])
     await process.start()
     await reference.start()
     yield process, reference
