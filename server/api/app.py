@@ -32,6 +32,7 @@ from metronome.contract.errors import (
     InvalidRequestError,
     ModelNotFoundError,
 )
+from metronome.server.api.admission_pacing import AdmissionPacer
 from metronome.server.api.auth import ApiKeyAuth
 from metronome.server.api.body_limit import BodyLimit
 from metronome.server.api.client_rate import REJECT_REASON as RATE_REJECT_REASON
@@ -145,7 +146,9 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
     install_error_handlers(app, on_reject=metrics.on_rejected)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, on_reject=metrics.on_rejected)
     if api_keys:
-        app.add_middleware(ApiKeyAuth, keys=api_keys)  # added last: runs first, before a body is read
+        app.add_middleware(ApiKeyAuth, keys=api_keys)  # added late: runs early, before a body is read
+    # Added last, so outermost: every request's work, refusals included, waits for its turn (admission_pacing.py).
+    app.add_middleware(AdmissionPacer)
 
     @functools.lru_cache(maxsize=65536)
     def token_text(token: int) -> str:
