@@ -20,7 +20,7 @@ def plot_timeline(result: dict[str, Any], path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True)
     chunk_ax, tbt_ax, ttft_ax, good_ax = axes
@@ -57,8 +57,16 @@ def plot_timeline(result: dict[str, Any], path: str | Path) -> Path:
     ttft_ax.set_ylabel("TTFT p99 per interval (ms)")
     good_ax.set_ylabel("goodput (tok/s)")
     good_ax.set_xlabel("seconds since the load started")
+    # Label the chunk sizes served (a log axis would label only powers of two) and write every log axis's
+    # labels as plain numbers (TBT's minor labels would read 6×10¹; TTFT spans decades: majors are enough).
+    served = sorted({i["chunk_size"] for run in runs if not run["static"] for i in run["intervals"]})
+    if served:
+        chunk_ax.set_yticks(served)
+        chunk_ax.yaxis.set_minor_formatter(NullFormatter())
     for ax in (chunk_ax, tbt_ax, ttft_ax):
         ax.yaxis.set_major_formatter(ScalarFormatter())
+    tbt_ax.yaxis.set_minor_formatter(ScalarFormatter())
+    ttft_ax.yaxis.set_minor_formatter(NullFormatter())
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
