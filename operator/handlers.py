@@ -22,6 +22,7 @@ prunes).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -207,6 +208,28 @@ def refresh_owner(memo: kopf.Memo, namespace: str, name: str) -> None:
 # --- the handlers --------------------------------------------------------------------------------------------
 
 
+OUTAGE_RETRY_S = 5.0  # kopf's own retry delay is 60 s: a service would stay stale a minute after an outage
+UNAVAILABLE_STATUSES = frozenset({429, 500, 502, 503, 504})  # an API server starting, overloaded or going away
+
+
+def retried_through_outages(handler):
+    """An API server that stops answering mid-handler is a temporary error, not a bug: kopf retries the handler
+    in OUTAGE_RETRY_S and logs one line instead of a traceback."""
+    @functools.wraps(handler)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return handler(*args, **kwargs)
+        except urllib3.exceptions.HTTPError as exc:
+            raise kopf.TemporaryError(f"the API server did not answer: {exc}", delay=OUTAGE_RETRY_S) from exc
+        except KubeError as exc:
+            if exc.status not in UNAVAILABLE_STATUSES:
+                raise
+            raise kopf.TemporaryError(f"the API server is unavailable: {exc}", delay=OUTAGE_RETRY_S) from exc
+    return wrapped
+
+
+
+@retried_through_outages
 def reconcile_service(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     service = _service(body, memo)
     reconcile.sync_children(memo.kube, service, body, memo.options.monitor)
@@ -214,6 +237,7 @@ def reconcile_service(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: 
     _apply_to_kopf_patch(refresh(memo, service, body, repair=False), patch)
 
 
+@retried_through_outages
 def serve_spec_server(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     service = _service(body, memo)
     config = reconcile.serve_scheduler(memo.kube, service, body, service.spec.server, why="spec.server changed")

@@ -66,3 +66,29 @@ def test_the_control_loop_pauses_a_failing_service_with_a_doubling_back_off(monk
         loop.run_once(now)
     # Fails at 0 (pause 1 s) and at 1 (pause 2 s); tried again at 3 and succeeds; then every pass while due.
     assert len(calls) == 4 and loop._failures == {}
+
+
+def test_an_api_server_away_mid_handler_is_retried_soon_and_other_errors_are_not_hidden():
+    import pytest
+    import urllib3
+
+    from metronome.operator.k8s import KubeError
+
+    def failing(error):
+        @handlers.retried_through_outages
+        def handler(**_):
+            raise error
+        return handler
+
+    away = urllib3.exceptions.MaxRetryError(None, "/api/v1/configmaps", reason="connection refused")
+    with pytest.raises(kopf.TemporaryError) as caught:
+        failing(away)(body={})
+    assert caught.value.delay == handlers.OUTAGE_RETRY_S and "did not answer" in str(caught.value)
+    with pytest.raises(kopf.TemporaryError):
+        failing(KubeError(503, "Service Unavailable", "starting", "PATCH x"))()
+    invalid = KubeError(422, "Unprocessable Entity", "spec.replicas: Invalid value", "PATCH x")
+    with pytest.raises(KubeError):  # a request the API server refused stays an error kopf reports in full
+        failing(invalid)()
+    with pytest.raises(ValueError):
+        failing(ValueError("a bug"))()
+    assert handlers.reconcile_service.__wrapped__ and handlers.serve_spec_server.__wrapped__  # both are wrapped
