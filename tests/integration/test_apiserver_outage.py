@@ -144,6 +144,7 @@ def test_conditions_after_an_outage_follow_the_children(cluster, k8s_namespace, 
     # The pods recover (a real kubelet reports them ready again): status follows at once through the watches.
     for pod in _pods(cluster, ns):
         _set_pod_ready(cluster, ns, pod["metadata"]["name"], ready=True)
-    wait_for(settled, "Ready and Stable once the pods are ready again", timeout=120)
+    # The Deployment controller counts them through the same informers as above, which may still be backing off.
+    wait_for(settled, "Ready and Stable once the pods are ready again", timeout=240)
     log = operator.log_text()
     assert "Traceback" not in log, log[max(log.find("Traceback") - 1000, 0):][:4000]
