@@ -38,7 +38,9 @@ def deliver_from_thread(loop: asyncio.AbstractEventLoop, log: list, name: str) -
     thread.join()
 
 
-def test_tokens_that_arrive_during_a_requests_work_are_written_before_the_next_request_starts():
+def wave(requests: int, hops: int = DELIVERY_HOPS) -> list[str]:
+    """`requests` arriving at once, each handing a token over from another thread during its work: the order in
+    which requests started and tokens were written."""
     log: list[str] = []
 
     async def main() -> None:
@@ -48,30 +50,21 @@ def test_tokens_that_arrive_during_a_requests_work_are_written_before_the_next_r
             log.append(f"start {scope['n']}")
             deliver_from_thread(loop, log, str(scope["n"]))
 
-        pacer = AdmissionPacer(app)
-        await asyncio.gather(*(pacer({**HTTP, "n": n}, _receive, _send) for n in range(5)))
+        pacer = AdmissionPacer(app, hops=hops)
+        await asyncio.gather(*(pacer({**HTTP, "n": n}, _receive, _send) for n in range(requests)))
         await asyncio.sleep(0)
 
     run(main())
-    assert log == [entry for n in range(5) for entry in (f"start {n}", f"write {n}")]
+    return log
+
+
+def test_tokens_that_arrive_during_a_requests_work_are_written_before_the_next_request_starts():
+    assert wave(5) == [entry for n in range(5) for entry in (f"start {n}", f"write {n}")]
 
 
 def test_with_one_hop_between_starts_the_token_would_wait_behind_the_next_request():
     """The reason for DELIVERY_HOPS = 2: the same wave with 1 writes each token only after the next start."""
-    log: list[str] = []
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-
-        async def app(scope, receive, send):
-            log.append(f"start {scope['n']}")
-            deliver_from_thread(loop, log, str(scope["n"]))
-
-        pacer = AdmissionPacer(app, hops=1)
-        await asyncio.gather(*(pacer({**HTTP, "n": n}, _receive, _send) for n in range(3)))
-        await asyncio.sleep(0)
-
-    run(main())
+    log = wave(3, hops=1)
     assert DELIVERY_HOPS == 2
     assert log.index("write 0") > log.index("start 1")
 
