@@ -22,6 +22,7 @@ def bounded(convert: Callable[[str], Any], what: str, accept: Callable[[Any], bo
 positive_float = bounded(float, "a number", lambda v: v > 0, "> 0")
 positive_int = bounded(int, "an integer", lambda v: v >= 1, ">= 1")
 nonneg_int = bounded(int, "an integer", lambda v: v >= 0, ">= 0")
+nonneg_float = bounded(float, "a number", lambda v: 0 <= v < float("inf"), ">= 0 and finite")
 fraction = bounded(float, "a number", lambda v: 0.0 <= v <= 1.0, "within [0, 1]")
 open_fraction = bounded(float, "a number", lambda v: 0.0 < v <= 1.0, "within (0, 1]")
 

@@ -32,6 +32,7 @@ from metronome.operator.decision import CurrentConfig, Decision, prefill_budget
 from metronome.operator.spec import AutotuneMode, AutotuneSpec
 from metronome.server.bench import loop_report
 from metronome.server.bench.clients import HttpClient
+from metronome.server.bench.loop_load import ClientPool, Load, LoadTarget
 from metronome.server.bench.loop_phases import Phase, Scheduled, phase_bounds
 from metronome.server.bench.loop_scrape import Scrape, observe, parse_scrape
 from metronome.server.bench.loop_servers import LoopServer, LoopServerError, start_servers, stop_servers
@@ -74,6 +75,8 @@ class LoopSettings:
     drain_timeout_s: float = 60.0
     server_timeout_s: float = 600.0
     reuse_servers: bool = False  # one set of servers for every run (start-up is minutes on a GPU)
+    client_processes: int = 1  # >1: the load spread over that many client processes (loop_load.py)
+    warmup_s: float = 0.0  # the first phase's first seconds sent, unrecorded, once per server start
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -103,33 +106,62 @@ async def run_plans(plans: Sequence[RunPlan], settings: LoopSettings, progress=p
     starts from its own initial config as a new generation, once the servers are idle). `on_run(runs)` is called
     after each run with the runs so far (the CLI writes its JSON then: a command cut short keeps what it measured)."""
     done = on_run or (lambda runs: None)
-    if not settings.reuse_servers:
-        runs = []
-        for plan in plans:
-            folder = settings.work_dir / plan.label.replace(" ", "-").replace("/", "-")
-            config = ServerConfigFile(generation=1, scheduler=plan.initial)
-            servers = await _start(folder, config, settings, plan.label, progress)
-            try:
-                runs.append(await _run_on(plan, servers, config, settings, progress))
-            finally:
-                await asyncio.to_thread(stop_servers, servers)
-            done(runs)
-        return runs
-    config = ServerConfigFile(generation=1, scheduler=plans[0].initial)
-    servers = await _start(settings.work_dir / "servers", config, settings, "all runs", progress)
-    runs = []
+    pool = await asyncio.to_thread(ClientPool, settings.client_processes) if settings.client_processes > 1 else None
+    runs: list[dict[str, Any]] = []
     try:
-        for plan in plans:
-            if runs:  # a new generation even when the initial config repeats: the server applies it anew
-                config = ServerConfigFile(generation=runs[-1]["last_generation"] + 1, scheduler=plan.initial)
-            for server in servers:
-                server.write_config(config)
-            await _wait_idle_on(servers, config.generation, timeout_s=settings.drain_timeout_s + 60)
-            runs.append(await _run_on(plan, servers, config, settings, progress))
-            done(runs)
+        if not settings.reuse_servers:
+            for plan in plans:
+                folder = settings.work_dir / plan.label.replace(" ", "-").replace("/", "-")
+                config = ServerConfigFile(generation=1, scheduler=plan.initial)
+                servers = await _start(folder, config, settings, plan.label, progress)
+                try:
+                    load = await _ready_load(servers, config, settings, pool, progress)
+                    runs.append(await _run_on(plan, servers, config, settings, load, progress))
+                finally:
+                    await asyncio.to_thread(stop_servers, servers)
+                done(runs)
+            return runs
+        config = ServerConfigFile(generation=1, scheduler=plans[0].initial)
+        servers = await _start(settings.work_dir / "servers", config, settings, "all runs", progress)
+        try:
+            load = await _ready_load(servers, config, settings, pool, progress)
+            for plan in plans:
+                if runs:  # a new generation even when the initial config repeats: the server applies it anew
+                    config = ServerConfigFile(generation=runs[-1]["last_generation"] + 1, scheduler=plan.initial)
+                    for server in servers:
+                        server.write_config(config)
+                    await _wait_idle_on(servers, config.generation, timeout_s=settings.drain_timeout_s + 60)
+                runs.append(await _run_on(plan, servers, config, settings, load, progress))
+                done(runs)
+        finally:
+            await asyncio.to_thread(stop_servers, servers)
+        return runs
     finally:
-        await asyncio.to_thread(stop_servers, servers)
-    return runs
+        if pool is not None:
+            pool.close()
+
+
+async def _ready_load(servers: Sequence[LoopServer], config: ServerConfigFile, settings: LoopSettings,
+                      pool: ClientPool | None, progress) -> Load:
+    """The load for these servers (their model asked once), after `settings.warmup_s` of the first phase's requests
+    sent and thrown away: a server's first seconds (allocator growth, first batch shapes) would otherwise fall on
+    whichever run comes first."""
+    probe = HttpClient(servers[0].base_url, timeout_s=settings.request_timeout_s)
+    try:
+        await probe.discover()
+    finally:
+        await probe.close()
+    target = LoadTarget(base_urls=tuple(s.base_url for s in servers), model=probe.model,
+                        request_timeout_s=settings.request_timeout_s, drain_timeout_s=settings.drain_timeout_s)
+    load = Load(target, pool)
+    warmup = [item for item in settings.requests if item.offset_s < settings.warmup_s]
+    if warmup:
+        started = time.monotonic()
+        records = await load.send(warmup, started)
+        progress(f"[warm-up] {sum(r.ok for r in records)}/{len(records)} requests of the first "
+                 f"{settings.warmup_s:g} s completed in {time.monotonic() - started:.0f} s (not recorded)")
+        await _wait_idle_on(servers, config.generation, timeout_s=settings.drain_timeout_s + 60)
+    return load
 
 
 async def _start(folder: Path, config: ServerConfigFile, settings: LoopSettings, label: str,
@@ -165,21 +197,13 @@ async def _wait_idle_on(servers: Sequence[LoopServer], generation: int, timeout_
 
 
 async def _run_on(plan: RunPlan, servers: Sequence[LoopServer], config: ServerConfigFile, settings: LoopSettings,
-                  progress) -> dict[str, Any]:
+                  load: Load, progress) -> dict[str, Any]:
     """Drive the workload on running servers serving `config`, with the loop unless the plan is static; returns the
     run's JSON (with `records` for the report)."""
     progress(f"[{plan.label}] {len(settings.requests)} requests over {sum(p.duration_s for p in settings.phases):g} s")
-    clients = [HttpClient(s.base_url, timeout_s=settings.request_timeout_s) for s in servers]
-    try:
-        await clients[0].discover()
-        for client in clients[1:]:
-            client.model = clients[0].model
-        state = _Loop(plan, config, CurrentConfig.from_scheduler(plan.initial, len(servers), config.generation),
-                      {s.name: [] for s in servers})
-        records = await _drive(settings, servers, clients, state, progress)
-    finally:
-        for client in clients:
-            await client.close()
+    state = _Loop(plan, config, CurrentConfig.from_scheduler(plan.initial, len(servers), config.generation),
+                  {s.name: [] for s in servers})
+    records = await _drive(settings, servers, load, state, progress)
     return {"label": plan.label, "config_label": plan.config_label, "repeat": plan.repeat,
             "static": plan.autotune is None,
             "tuning_policy": plan.autotune.policy.value if plan.autotune else None,
@@ -187,13 +211,12 @@ async def _run_on(plan: RunPlan, servers: Sequence[LoopServer], config: ServerCo
             "last_generation": state.config.generation, "intervals": state.intervals, "records": records}
 
 
-async def _drive(settings: LoopSettings, servers: Sequence[LoopServer], clients: Sequence[HttpClient],
-                 state: _Loop, progress) -> list[RequestRecord]:
+async def _drive(settings: LoopSettings, servers: Sequence[LoopServer], load: Load, state: _Loop,
+                 progress) -> list[RequestRecord]:
     import httpx
 
-    records: list[RequestRecord] = []
     t0 = time.monotonic()
-    load = asyncio.create_task(_send_all(settings, clients, records, t0))
+    sending = asyncio.create_task(load.send(settings.requests, t0))
     end = sum(p.duration_s for p in settings.phases)
     next_decision = settings.interval_s
     async with httpx.AsyncClient(timeout=5.0) as http:
@@ -209,8 +232,7 @@ async def _drive(settings: LoopSettings, servers: Sequence[LoopServer], clients:
             if now >= end:
                 break
             await asyncio.sleep(max(0.0, settings.scrape_interval_s - (time.monotonic() - t0 - now)))
-    await load
-    return records
+    return await sending
 
 
 async def _scrape(http, servers: Sequence[LoopServer], state: _Loop, t0: float, keep_s: float) -> None:
@@ -279,38 +301,6 @@ def _observed(observation) -> dict[str, Any] | None:
             "waiting_growth": observation.waiting_growth}
 
 
-async def _send_all(settings: LoopSettings, clients: Sequence[HttpClient], records: list[RequestRecord],
-                    t0: float) -> None:
-    tasks = []
-    for number, item in enumerate(settings.requests):
-        delay = t0 + item.offset_s - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        request = item.request
-        record = RequestRecord(index=request.index, kind=request.kind, max_tokens=request.max_tokens,
-                               prompt_tokens=request.prompt_len, scheduled_s=item.offset_s)
-        records.append(record)
-        tasks.append(asyncio.create_task(_send(clients[number % len(clients)], request, record, t0,
-                                               settings.request_timeout_s)))
-    if tasks:
-        _, pending = await asyncio.wait(tasks, timeout=settings.drain_timeout_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _send(client: HttpClient, request, record: RequestRecord, t0: float, timeout_s: float) -> None:
-    try:
-        await asyncio.wait_for(client.send(request, record, t0), timeout_s)
-    except asyncio.TimeoutError:
-        record.error, record.end_s = f"timeout: no completion within {timeout_s:g} s", None
-    except asyncio.CancelledError:
-        record.error, record.end_s = "cancelled: unfinished when the drain ended", None
-        raise
-    except Exception as exc:  # noqa: BLE001 - one broken request must not end the run
-        record.error, record.end_s = f"{type(exc).__name__}: {exc}", None
-
-
 # --- the whole command ---------------------------------------------------------------------------------------------
 
 def report(runs: list[dict[str, Any]], settings: LoopSettings, command: str) -> dict[str, Any]:
@@ -332,7 +322,7 @@ def report(runs: list[dict[str, Any]], settings: LoopSettings, command: str) -> 
         run["phases"] = [dict(label=p.label, **s.to_dict()) for p, s in
                          zip(settings.phases, loop_report.phase_stats(records, good, bounds), strict=True)]
         run["goodput_tok_s"] = round(loop_report.run_goodput(run["phases"], durations), 3)
-        run["requests"] = {"sent": sum(1 for r in records if r.sent_s is not None),
+        run["requests"] = {"scheduled": len(records), "sent": sum(1 for r in records if r.sent_s is not None),
                            "completed": sum(1 for r in records if r.ok), "good": len(good),
                            "errors": sorted({(r.error or "")[:80] for r in records if r.error})[:5]}
         for interval in run["intervals"]:

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shlex
 import sys
@@ -43,7 +42,7 @@ def _json_object(text: str) -> dict:
 
 def configure(p: argparse.ArgumentParser) -> None:
     from metronome.server.bench.cli import _token_range
-    from metronome.server.cli_types import fraction, positive_float, positive_int
+    from metronome.server.cli_types import fraction, nonneg_float, positive_float, positive_int
 
     g = p.add_argument_group("servers")
     g.add_argument("--model", default=None, help="passed to `metronome serve --model` (default: serve's default)")
@@ -77,6 +76,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=positive_float, default=600.0, help="per-request limit, s (600)")
     g.add_argument("--drain-timeout", type=positive_float, default=60.0,
                    help="after the last phase, in-flight requests get this long (60)")
+    g.add_argument("--client-processes", type=positive_int, default=1,
+                   help="send the load from this many client processes, requests dealt round-robin: one Python "
+                        "process reading thousands of streamed tokens/s adds its own delays to the TBT it records "
+                        "(1)")
+    g.add_argument("--warmup", type=nonneg_float, default=0.0, metavar="SECONDS",
+                   help="after each server start, send the first phase's first SECONDS of requests unrecorded, so "
+                        "no run pays for the servers' first seconds (0)")
 
     g = p.add_argument_group("loop")
     g.add_argument("--slo-tbt-ms", type=positive_float, default=30.0, help="TBT p99 target, ms (30)")
@@ -124,6 +130,7 @@ def _main(args: argparse.Namespace) -> int:
     from metronome.operator import metrics_source as ms
     from metronome.operator.spec import SLOSpec, SpecError, TuningPolicy, parse_autotune
     from metronome.server.bench import loop
+    from metronome.server.bench.loop_load import run_client_loop
     from metronome.server.bench.loop_phases import parse_phases, schedule
     from metronome.server.bench.workloads import ChatSpec, LongShortSpec, TokenSampler, WorkloadSpec
 
@@ -159,7 +166,8 @@ def _main(args: argparse.Namespace) -> int:
         window=ms.QueryWindow.for_window(args.window, scrape_interval_seconds=args.scrape_interval),
         slo_tbt_s=args.slo_tbt_ms / 1000, slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
         request_timeout_s=args.request_timeout, drain_timeout_s=args.drain_timeout,
-        server_timeout_s=args.server_timeout, reuse_servers=args.reuse_servers)
+        server_timeout_s=args.server_timeout, reuse_servers=args.reuse_servers,
+        client_processes=args.client_processes, warmup_s=args.warmup)
     plans = [loop.RunPlan(f"loop {p}", loop.autotune_for(autotune, TuningPolicy(p)), initial) for p in policies]
     plans += [loop.RunPlan(f"static {c}/{p}", None, loop.initial_scheduler(base, c, p)) for c, p in args.static]
     plans = loop.repeated(plans, args.repeats)
@@ -174,7 +182,7 @@ def _main(args: argparse.Namespace) -> int:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         return result
 
-    runs = _run_client(loop.run_plans(plans, settings, progress=lambda m: print(m, file=sys.stderr, flush=True),
+    runs = run_client_loop(loop.run_plans(plans, settings, progress=lambda m: print(m, file=sys.stderr, flush=True),
                                       on_run=write))
     result = write(runs)
     if args.plot:
@@ -183,17 +191,6 @@ def _main(args: argparse.Namespace) -> int:
         plot_timeline(result, args.plot)
     print(_summary(result))
     return 0
-
-
-def _run_client(work):
-    """The clients time every token as it arrives, hundreds of streams in one process: on uvloop where installed,
-    and with a short GIL switch interval so the scrape-parsing thread cannot delay a token's timestamp by 5 ms."""
-    sys.setswitchinterval(0.0005)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(work)
-    return uvloop.run(work)
 
 
 def _summary(result: dict) -> str:

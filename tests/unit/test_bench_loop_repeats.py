@@ -4,6 +4,7 @@ servers (no process is started)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 
 import pytest
@@ -92,7 +93,7 @@ def test_the_command_repeats_every_run_and_reports_by_means(tmp_path, monkeypatc
         started.append(folder.name)
         return []
 
-    async def fake_run_on(plan, servers, config, settings, progress):
+    async def fake_run_on(plan, servers, config, settings, load, progress):
         records = [RequestRecord(index=phase, kind="short", max_tokens=n, sent_s=2.0 * phase, output_tokens=n,
                                  token_times_s=[2.0 * phase + 0.1 + 0.01 * i for i in range(n)],
                                  end_s=2.0 * phase + 0.1 + 0.01 * n)
@@ -105,6 +106,7 @@ def test_the_command_repeats_every_run_and_reports_by_means(tmp_path, monkeypatc
     monkeypatch.setattr(loop, "report", lambda runs, *rest: written.append(len(runs)) or report(runs, *rest))
     monkeypatch.setattr(loop, "_start", fake_start)
     monkeypatch.setattr(loop, "_run_on", fake_run_on)
+    monkeypatch.setattr(loop, "_ready_load", lambda *args: asyncio.sleep(0))
     monkeypatch.setattr(loop, "stop_servers", lambda servers: None)
     parser = argparse.ArgumentParser()
     loop_cli.configure(parser)

@@ -21,14 +21,16 @@ def test_the_loop_retunes_real_servers_and_a_static_run_holds(tmp_path, monkeypa
         "--phases", "long-short:6:8", "--long-prompt-len", "600", "--short-prompt-len", "16", "--output-len", "12",
         "--slo-tbt-ms", "1", "--initial", "2048,fcfs", "--interval", "2", "--window", "4", "--scrape-interval", "0.5",
         "--autotune", '{"cooldownSeconds": 1, "minChunkSize": 32, "policySwitching": false}',
-        "--tuning-policies", "multiplicative",
+        "--tuning-policies", "multiplicative", "--client-processes", "2", "--warmup", "2",
         "--static", "256,fcfs", "--work-dir", str(tmp_path / "work"), "--out", str(out), "--plot", str(plot)])
     assert loop_cli.main(args) == 0
     assert written == [1, 2, 2]
     result = json.loads(out.read_text())
     loop_run, static_run = result["runs"]
     assert (loop_run["label"], static_run["label"]) == ("loop multiplicative", "static 256/fcfs")
-    assert loop_run["requests"]["completed"] == loop_run["requests"]["sent"] > 0
+    # every request of the schedule once, from two client processes, none of the warm-up's among them
+    counts = loop_run["requests"]
+    assert counts["completed"] == counts["sent"] == counts["scheduled"] == static_run["requests"]["scheduled"] > 0
     # A 1 ms target is unreachable: the x0.9 rule shrinks the budget, the servers apply each new generation.
     changes = [i for i in loop_run["intervals"] if i["decision"]["changed"]]
     assert changes and all(c["decision"]["to"]["chunk_size"] < c["chunk_size"] for c in changes)
