@@ -25,7 +25,8 @@ from metronome.contract.errors import EngineOverloadedError, InvalidRequestError
 from metronome.server.engine.async_engine import AsyncEngine
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore
-from metronome.server.engine.engine_process import ProcessEngine, engine_process_mode
+from metronome.server.engine.engine_process import ProcessEngine, engine_process_mode, streams_first
+from metronome.server.engine.outputs import TokenEvent
 from metronome.server.engine.sampling import Grammar, SamplingParams
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the loop the shared engines were started on
@@ -310,3 +311,17 @@ def _status(url: str) -> int | None:
         return httpx.get(url, timeout=2).status_code
     except httpx.HTTPError:
         return None
+
+
+def _row(request_id: str, token_id: int, index: int) -> tuple:
+    # TokenEvent's fields, as the engine process sends them
+    return (request_id, token_id, "x", index, 0.0, token_id < 0, "abort" if token_id < 0 else None, 3, index + 1)
+
+
+def test_a_steps_running_streams_are_woken_before_new_requests_first_tokens_and_aborts():
+    rows = [_row("new-1", 7, 0), _row("steady-a", 7, 41), _row("gone", -1, 5), _row("new-2", 7, 0),
+            _row("steady-b", 7, 12)]
+    assert [row[0] for row in streams_first(rows)] == ["steady-a", "steady-b", "new-1", "gone", "new-2"]
+    steady_only = [_row("a", 7, 3), _row("b", 7, 9)]
+    assert streams_first(steady_only) == steady_only
+    assert [TokenEvent(*row).request_id for row in streams_first(rows)][:2] == ["steady-a", "steady-b"]
