@@ -203,7 +203,8 @@ def _summary(result: dict) -> str:
         if not run["static"]:
             t = run["targets"]
             line += (f"; SLO after {t['intervals_to_slo']} interval(s), {t['changes_per_10_intervals']} changes/10 "
-                     f"steady intervals, vs oracle {t.get('goodput_vs_oracle')}")
+                     f"steady intervals, {t['reversals_within_phases']} reversal(s), "
+                     f"vs oracle {t.get('goodput_vs_oracle')}")
         lines.append(line)
     if result["oracle"]:
         lines.append(f"oracle (best static per phase{_over_statics(result['oracle'])}): "

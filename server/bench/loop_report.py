@@ -12,8 +12,10 @@
 - Targets (issue 12): control intervals from the first decision (made once the first window is full, on the
   violating start) until an interval's client-side TBT p99 is within target (0: the start was not violating),
   and the same from each phase's first interval (a change of workload is a new violating start);
-  config changes per 10 intervals once a phase has settled (after its first `settle_intervals`); intervals where
-  TTFT p99 exceeded its limit while the last change before it had shrunk the budget.
+  config changes per 10 intervals once a phase has settled (after its first `settle_intervals`), and reversals
+  (a chunk change against the direction of the change before it in the same phase: what oscillation is, where a
+  phase's load may ask for several steps the same way); intervals where TTFT p99 exceeded its limit while the
+  last change before it had shrunk the budget.
 """
 from __future__ import annotations
 
@@ -164,6 +166,15 @@ def loop_targets(intervals: Sequence[Mapping[str, Any]], phases_of_intervals: Se
             first = number
         if by_phase[phase] is None and (interval["client"]["tbt_p99_ms"] or float("inf")) <= target_ms:
             by_phase[phase] = number - first
+    reversals = 0
+    direction_in_phase: dict[int, int] = {}
+    for interval, phase in zip(intervals, phases_of_intervals, strict=True):
+        if interval["decision"]["changed"]:
+            step = interval["decision"]["to"]["chunk_size"] - interval["chunk_size"]
+            direction = (step > 0) - (step < 0)
+            if direction:  # a policy switch alone moves no chunk
+                reversals += direction_in_phase.get(phase, direction) != direction
+                direction_in_phase[phase] = direction
     ttft_hurt = []
     last_change = None
     for number, interval in enumerate(intervals):
@@ -178,5 +189,6 @@ def loop_targets(intervals: Sequence[Mapping[str, Any]], phases_of_intervals: Se
         "steady_intervals": len(steady),
         "steady_changes": changes,
         "changes_per_10_intervals": round(10 * changes / len(steady), 2) if steady else None,
+        "reversals_within_phases": reversals,
         "ttft_over_limit_after_shrink": ttft_hurt,
     }

@@ -170,3 +170,14 @@ def test_loop_targets_convergence_steadiness_and_the_ttft_guard():
     assert later["intervals_to_slo"] == 2  # counted from the first decision, not from the warm-up interval
     assert targets["steady_intervals"] == 2 and targets["steady_changes"] == 0
     assert targets["ttft_over_limit_after_shrink"] == [4]  # interval 6 follows a growth, not a shrink
+    # down, down in phase 0 (a violating start walked down), up in phase 1: a new phase may turn, no reversal
+    assert targets["reversals_within_phases"] == 0
+
+
+def test_a_chunk_that_turns_back_within_a_phase_is_a_reversal():
+    see_saw = [interval(512, 25, to=563), interval(563, 28, to=512), interval(512, 24, to=563),
+               interval(563, 27), interval(563, 26, to=619)]
+    targets = loop_targets(see_saw, [0] * 5, target_ms=30, ttft_limit_ms=None, settle_intervals=0)
+    assert targets["reversals_within_phases"] == 2  # up, down (1), up (2), then up again: no third
+    policy_only = [interval(512, 25, to=512), interval(512, 25, to=563)]  # a policy switch moves no chunk
+    assert loop_targets(policy_only, [0, 0], target_ms=30, ttft_limit_ms=None)["reversals_within_phases"] == 0
