@@ -154,7 +154,7 @@ async def _ready_load(servers: Sequence[LoopServer], config: ServerConfigFile, s
     target = LoadTarget(base_urls=tuple(s.base_url for s in servers), model=probe.model,
                         request_timeout_s=settings.request_timeout_s, drain_timeout_s=settings.drain_timeout_s)
     load = Load(target, pool)
-    warmup = [item for item in settings.requests if item.offset_s < settings.warmup_s]
+    warmup = [item for item in settings.requests if item.phase == 0 and item.offset_s < settings.warmup_s]
     if warmup:
         started = time.monotonic()
         records = await load.send(warmup, started)

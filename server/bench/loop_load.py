@@ -11,13 +11,15 @@ clock for every process on the machine) relative to the same t0, so their record
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
-from metronome.server.bench.clients import HttpClient
+from metronome.server.bench.clients import BenchClientError, HttpClient
 from metronome.server.bench.loop_phases import Scheduled
 from metronome.server.bench.records import RequestRecord
 
@@ -97,9 +99,9 @@ def _warm() -> None:
     import httpx  # noqa: F401
 
 
-def _ready() -> bool:
+def _ready() -> int:
     time.sleep(0.2)  # long enough that the first calls land on different processes
-    return True
+    return os.getpid()
 
 
 class ClientPool:
@@ -113,15 +115,17 @@ class ClientPool:
         self._pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_warm)
         # one submit per process, made before any returns, starts every process (an executor spawns on demand)
-        for future in [self._pool.submit(_ready) for _ in range(processes)]:
-            future.result(timeout=120)
+        self.pids = {future.result(timeout=120) for future in [self._pool.submit(_ready) for _ in range(processes)]}
 
     async def send(self, requests: Sequence[Scheduled], target: LoadTarget, t0: float) -> list[RequestRecord]:
         """Every request, dealt over the processes; the records merged in schedule order."""
         loop = asyncio.get_running_loop()
         shares = [loop.run_in_executor(self._pool, _share_main, share, target, t0)
                   for share in deal(requests, self.processes) if share]
-        merged = [record for records in await asyncio.gather(*shares) for record in records]
+        try:
+            merged = [record for records in await asyncio.gather(*shares) for record in records]
+        except BrokenProcessPool as exc:  # killed (OOM, a signal): the run's records are incomplete, so no run
+            raise BenchClientError(f"a client process died during the run: {exc}") from exc
         return sorted(merged, key=lambda r: (r.scheduled_s, r.index))
 
     def close(self) -> None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from metronome.server.bench.clients import BenchClientError
 from metronome.server.bench.loop_load import ClientPool, Load, LoadTarget, deal
 from metronome.server.bench.loop_phases import Scheduled
 from metronome.server.bench.workloads import BenchRequest
@@ -96,3 +99,21 @@ def test_requests_to_an_unreachable_server_are_error_records_not_lost_ones():
     records = asyncio.run(Load(target).send(schedule(2, 0.01), time.monotonic()))
     assert [r.index for r in records] == [0, 1]
     assert all(r.error and not r.ok for r in records)
+
+
+def test_a_client_process_that_dies_mid_run_fails_the_run_with_a_clear_error(server_url):
+    target = LoadTarget(base_urls=(server_url,), model="m", request_timeout_s=30, drain_timeout_s=30)
+    pool = ClientPool(2)
+
+    async def run_and_kill():
+        sending = asyncio.create_task(Load(target, pool).send(schedule(8, 0.4), time.monotonic()))
+        await asyncio.sleep(0.6)
+        for pid in pool.pids:
+            os.kill(pid, signal.SIGKILL)
+        return await sending
+
+    try:
+        with pytest.raises(BenchClientError, match="a client process died during the run"):
+            asyncio.run(run_and_kill())
+    finally:
+        pool.close()
