@@ -88,7 +88,8 @@ def test_every_request_is_sent_on_time_and_recorded_in_schedule_order(server_url
     for record, item in zip(records, requests, strict=True):
         assert record.ok, record.error
         assert record.output_tokens == len(record.token_times_s) == item.request.max_tokens
-        assert record.sent_s >= item.offset_s  # never early; the clock is the caller's t0 in every process
+        # never early (an event loop's timer may fire within its clock's resolution, ~1 ms), on the caller's t0
+        assert record.sent_s >= item.offset_s - 0.005
         assert record.sent_s < record.token_times_s[0] <= record.token_times_s[-1] <= record.end_s
         # the server spaces tokens TOKEN_GAP_S apart: the stamps are the arrivals, not the end of the stream
         assert record.token_times_s[-1] - record.token_times_s[0] >= TOKEN_GAP_S * (item.request.max_tokens - 1) * 0.8
