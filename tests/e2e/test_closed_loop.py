@@ -20,7 +20,7 @@ import json
 import pytest
 import yaml
 from closedloop import LoadDriver, LoadSpec
-from closedloop.slo import choose_tbt_target
+from closedloop.slo import Calibration, CalibrationError, choose_tbt_target
 from e2e_helpers import (
     config_map_generation,
     isvc,
@@ -85,13 +85,26 @@ def measure_gaps(load: LoadDriver, seconds: float) -> list[float]:
     return load.gaps_since(mark)
 
 
+def calibrate(load: LoadDriver, attempts: int = 3) -> tuple[Calibration, list[float]]:
+    """A target the initial chunk violates, from its measured gaps. A busy spell on a shared machine can flatten
+    one measurement (a CI run once saw a 619 ms median gap, where the chunk barely moved the p99): measure again."""
+    for attempt in range(1, attempts + 1):
+        gaps = measure_gaps(load, MEASURE_S)
+        assert not load.errors(), load.errors()[:5]
+        try:
+            return choose_tbt_target(percentile(gaps, 50), percentile(gaps, 99), INITIAL_CHUNK, FLOOR_CHUNK), gaps
+        except CalibrationError as exc:
+            if attempt == attempts:
+                raise
+            print(f"\ncalibration attempt {attempt}: {exc}; measuring again")
+    raise AssertionError("unreachable")
+
+
 def test_the_operator_retunes_the_chunk_size_until_the_slo_is_met(cluster, standin, prometheus, operator, ns,
                                                                   servers, load):
     # 1-2. Load at the initial chunk; a target that chunk violates, chosen from what it measured.
     wait_for(lambda: load.completed() >= 4, "the first requests to complete", timeout=180, interval=1.0)
-    initial = measure_gaps(load, MEASURE_S)
-    assert not load.errors(), load.errors()[:5]
-    calibration = choose_tbt_target(percentile(initial, 50), percentile(initial, 99), INITIAL_CHUNK, FLOOR_CHUNK)
+    calibration, initial = calibrate(load)
     print(f"\ncalibration ({len(initial)} gaps): {calibration.describe()}")
     target_ms = round(calibration.target_s * 1000)
     before = operator_view(prometheus, ns, NAME, WINDOW_S)
