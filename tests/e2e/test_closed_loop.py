@@ -97,7 +97,6 @@ def calibrate(load: LoadDriver, attempts: int = 3) -> tuple[Calibration, list[fl
             if attempt == attempts:
                 raise
             print(f"\ncalibration attempt {attempt}: {exc}; measuring again")
-    raise AssertionError("unreachable")
 
 
 def test_the_operator_retunes_the_chunk_size_until_the_slo_is_met(cluster, standin, prometheus, operator, ns,
