@@ -110,7 +110,9 @@ def _run_all() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # moe_cases.py, as pytest finds it
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900,
                           cwd=os.path.dirname(__file__))
     assert proc.returncode == 0, f"triton interpreter run failed:\n{proc.stdout}\n{proc.stderr}"

@@ -2,8 +2,9 @@
 weights, and the routing cases the MoE tests run: plain batches, one token, fewer pairs than experts, every token
 on the same experts, and ties in the router logits.
 
-Used by test_moe_block.py (torch paths) and test_moe_triton.py (the Triton kernels, in a subprocess under Triton's
-interpreter), so both compare against the same transformers outputs.
+Used by tests/unit/test_moe_block.py (torch paths), tests/unit/test_moe_triton.py (the Triton kernels, in a
+subprocess under Triton's interpreter) and tests/gpu/test_moe_gpu.py, so all compare against the same
+transformers outputs. The blocks are built on the CPU; `build_case(..., device=)` moves them.
 """
 from __future__ import annotations
 
@@ -78,12 +79,12 @@ def rig_router(block, family: str, case: str) -> None:
                 bias.zero_()
 
 
-def case_input(case: str, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+def case_input(case: str, tokens: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     generator = torch.Generator().manual_seed(tokens * 7 + len(case))
     x = torch.randn(tokens, HIDDEN, generator=generator)
     if case in ("same_experts", "tied_logits"):
         x = x.abs() + 0.5
-    return x.to(dtype)
+    return x.to(device, dtype)
 
 
 def hf_output(block, x: torch.Tensor) -> torch.Tensor:
@@ -105,10 +106,10 @@ def our_block(hf, config: dict, dtype: torch.dtype):
     return block.eval()
 
 
-def build_case(family: str, case: str, tokens: int, dtype: torch.dtype):
+def build_case(family: str, case: str, tokens: int, dtype: torch.dtype, device: str = "cpu"):
     """(transformers block, our block, input, transformers' output) for one case."""
     hf, config = hf_block(family)
     rig_router(hf, family, case)
-    hf = hf.to(dtype)
-    x = case_input(case, tokens, dtype)
-    return hf, our_block(hf, config, dtype), x, hf_output(hf, x)
+    hf = hf.to(device, dtype)
+    x = case_input(case, tokens, dtype, device)
+    return hf, our_block(hf, config, dtype).to(device), x, hf_output(hf, x)
