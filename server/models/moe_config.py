@@ -87,6 +87,15 @@ class MoeSpec:
         return router + self.num_experts * self.expert_parameters(hidden_size) + shared
 
 
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: float) -> float:
+    """How many experts a step of `tokens` tokens reads under uniform routing: a token leaves a given expert out
+    with probability 1 - k/E, independently of the others, so E·(1 - (1 - k/E)^T). One token reads k, a large
+    batch all E: the weight bytes of an MoE decode step grow with the batch until every expert is read."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 
 

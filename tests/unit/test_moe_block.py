@@ -16,7 +16,12 @@ import torch
 from moe_cases import CASES, FAMILIES, HIDDEN, build_case, hf_block, our_block, rig_router
 
 from metronome.server.models.moe import SparseMoeBlock, resolve_moe_backend
-from metronome.server.models.moe_config import MoeSpec, moe_layer_indices, moe_spec_from_hf
+from metronome.server.models.moe_config import (
+    MoeSpec,
+    expected_distinct_experts,
+    moe_layer_indices,
+    moe_spec_from_hf,
+)
 from metronome.server.models.moe_experts import grouped_mm_available
 from metronome.server.models.moe_routing import route
 from metronome.server.models.mxfp4 import dequantize_mxfp4
@@ -261,3 +266,15 @@ def test_bad_specs_and_backends_say_what_is_wrong():
     assert resolve_moe_backend("auto", torch.device("cpu")) == "reference"
     with pytest.raises(ValueError, match="unknown MoE backend"):
         resolve_moe_backend("cutlass", torch.device("cpu"))
+
+
+def test_expected_distinct_experts_is_what_uniform_routing_reads():
+    assert expected_distinct_experts(128, 8, 0) == 0.0
+    assert expected_distinct_experts(128, 8, 1) == pytest.approx(8.0)
+    assert expected_distinct_experts(8, 2, 10_000) == pytest.approx(8.0)
+    generator = torch.Generator().manual_seed(0)
+    for experts, top_k, tokens in ((128, 8, 64), (32, 4, 16), (8, 2, 3)):
+        draws = [torch.rand(tokens, experts, generator=generator).topk(top_k, dim=-1).indices.unique().numel()
+                 for _ in range(400)]
+        simulated = sum(draws) / len(draws)
+        assert simulated == pytest.approx(expected_distinct_experts(experts, top_k, tokens), rel=0.02)
