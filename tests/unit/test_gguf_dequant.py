@@ -172,3 +172,22 @@ def _gguf_version() -> str:
     from importlib.metadata import version
 
     return version("gguf")
+
+
+def test_parts_are_joined_only_into_a_file_with_the_published_hash(tmp_path):
+    from metronome.contract.errors import ModelNotFoundError
+    from metronome.server.models.packaged_gguf import PartedGGUF, join_parts, packaged_gguf_path
+
+    parts = [tmp_path / "a", tmp_path / "b"]
+    parts[0].write_bytes(b"GGUF" + bytes(range(200)))
+    parts[1].write_bytes(b"tail")
+    good = hashlib.sha256(parts[0].read_bytes() + parts[1].read_bytes()).hexdigest()
+    target = tmp_path / "out" / "model.gguf"
+    with pytest.raises(ModelNotFoundError, match="reinstall the part packages"):
+        join_parts(parts, "0" * 64, target)
+    assert list(target.parent.iterdir()) == []  # nothing half-written is left behind
+    assert join_parts(parts, good, target).read_bytes() == parts[0].read_bytes() + b"tail"
+
+    missing = PartedGGUF("x.gguf", good, (("no_such_part_package_1", "x.part00"),), "pip install x-part1")
+    with pytest.raises(ModelNotFoundError, match="no_such_part_package_1 is not installed.*pip install x-part1"):
+        packaged_gguf_path(missing, tmp_path)
