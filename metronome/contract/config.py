@@ -32,7 +32,8 @@ class SchedulerConfig(_Schema):
     """The reloadable scheduler knobs. Changing any of them never needs a restart."""
 
     chunk_size: int = Field(
-        512, ge=1, le=1 << 20, description="Prefill tokens allowed per step, on top of one token per running decode."
+        512, ge=1, le=1 << 20,
+        description="fcfs, sjf: prefill tokens allowed per step, on top of one token per running decode."
     )
     max_num_seqs: int = Field(256, ge=1, le=65536, description="Most sequences running at once.")
     max_num_batched_tokens: int | None = Field(
