@@ -1,6 +1,6 @@
 """Pure builders: an InferenceService → the objects that serve it (Deployment, Service, ConfigMap, PodMonitor,
 PodDisruptionBudget).
-What server.yaml holds and which generation comes next is configmap.py's.
+What server.yaml holds is configmap.py's, which generation comes next metronome.contract.config's.
 
 No API calls here. Two rules shape the output:
 - The pod template depends only on what needs a restart (model, image, resources, engine flags). The scheduler
@@ -17,7 +17,14 @@ from typing import Any
 
 from metronome.contract.config import ServerConfigFile
 from metronome.operator import model_fetch
-from metronome.operator.configmap import ANNOTATION_CONFIG_GENERATION, CONFIG_DIR, CONFIG_KEY, CONFIG_PATH
+from metronome.operator.configmap import (
+    ANNOTATION_CONFIG_GENERATION,
+    CONFIG_DIR,
+    CONFIG_KEY,
+    CONFIG_PATH,
+    Rendered,
+    render,
+)
 from metronome.operator.metrics_source import QueryWindow, podmonitor_relabelings
 from metronome.operator.pod_template import merge as merge_overlay
 from metronome.operator.spec import InferenceService, InferenceServiceSpec
@@ -86,15 +93,17 @@ def _metadata(service: InferenceService, name: str, **extra: Any) -> dict[str, A
 # --- the ConfigMap (its content: configmap.py) ----------------------------------------------------------
 
 
-def config_map(service: InferenceService, config: ServerConfigFile) -> dict[str, Any]:
+def config_map(service: InferenceService, config: ServerConfigFile | Rendered) -> dict[str, Any]:
+    """The ConfigMap serving `config` (or a rendering of it the caller keeps)."""
+    rendered = config if isinstance(config, Rendered) else render(config)
     names = child_names(service.name)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(
-            service, names.config_map, annotations={ANNOTATION_CONFIG_GENERATION: str(config.generation)}
+            service, names.config_map, annotations={ANNOTATION_CONFIG_GENERATION: str(rendered.config.generation)}
         ),
-        "data": {CONFIG_KEY: config.to_yaml()},
+        "data": {CONFIG_KEY: rendered.text},
     }
 
 

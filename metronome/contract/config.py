@@ -86,6 +86,16 @@ class ServerConfigFile(_Schema):
         )
 
 
+def next_server_config(current: ServerConfigFile | None, scheduler: SchedulerConfig) -> ServerConfigFile:
+    """The config file that serves `scheduler`: `current` if it already does, else the next generation (the first
+    is 1). How the operator and `metronome bench loop` number what they write."""
+    if current is None:
+        return ServerConfigFile(generation=1, scheduler=scheduler)
+    if current.scheduler == scheduler:
+        return current
+    return ServerConfigFile(generation=current.generation + 1, scheduler=scheduler)
+
+
 def _format_validation_error(err: ValidationError) -> str:
     parts = []
     for item in err.errors():

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 
 from metronome.contract.config import SchedulerConfig, ServerConfigFile
-from metronome.operator.autotune import (
+from metronome.operator.changes import describe_transitions
+from metronome.operator.metrics_source import MetricsUnavailable
+from metronome.operator.spec import parse_service
+from metronome.operator.status import Observed, compute_status
+from metronome.operator.tuning.autotune import (
     ADVICE,
     AWAITING_PODS,
     CHUNK_AT_FLOOR,
@@ -20,11 +24,7 @@ from metronome.operator.autotune import (
     serving_metrics,
     step,
 )
-from metronome.operator.changes import describe_transitions
-from metronome.operator.metrics_source import MetricsUnavailable
-from metronome.operator.observation import Observation, StepSample
-from metronome.operator.spec import parse_service
-from metronome.operator.status import Observed, compute_status
+from metronome.operator.tuning.observation import Observation, StepSample
 
 NOW = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 A, B = 0.008, 20e-6  # the plant behind the step samples: step seconds = a + b * tokens

@@ -7,10 +7,11 @@ import pytest
 import yaml
 from test_reconcile import MemoryKube, body
 
-from metronome.operator import autotune, control_loop, reconcile
+from metronome.operator import control_loop, reconcile
 from metronome.operator.metrics_source import PrometheusSettings
-from metronome.operator.observation import Observation
 from metronome.operator.spec import parse_service
+from metronome.operator.tuning import autotune
+from metronome.operator.tuning.observation import Observation
 
 LOCAL = PrometheusSettings(url="http://127.0.0.1:1")
 

@@ -8,9 +8,10 @@ import copy
 import yaml
 
 from metronome.operator import builders, configmap, reconcile
-from metronome.operator.decision import Decision
 from metronome.operator.k8s import Action, Applied
 from metronome.operator.spec import parse_service
+from metronome.operator.tuning.actuation import scheduler_for
+from metronome.operator.tuning.decision import Decision
 
 
 class MemoryKube:
@@ -86,7 +87,7 @@ def test_sync_keeps_a_retuned_config_and_serve_scheduler_bumps_the_generation():
     service = parse_service(owner)
     first = reconcile.sync_children(kube, service, owner)
     decision = Decision(192, first.scheduler.queue_policy.value, 1, "test", changed=True)
-    tuned = configmap.scheduler_for(decision, first.scheduler)
+    tuned = scheduler_for(decision, first.scheduler)
     reconcile.serve_scheduler(kube, service, owner, tuned, why="autotune")
     assert served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 192
 
