@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metronome import __version__
+from metronome.contract import serve_flags
 from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig, validate_scheduler
 from metronome.contract.model_source import (
     DEFAULT,
@@ -119,16 +120,6 @@ class ResourcesSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = ()
     shm_size: str = "1Gi"  # /dev/shm: a memory-backed emptyDir of this size (counts against `memory`)
-
-
-# `metronome serve` flags the operator sets from spec fields: spec.engine.extraArgs may not repeat them (the CRD's
-# CEL rule lists the same; tests/unit/test_builders_podspec.py holds builders.server_args to this list).
-OWNED_SERVER_FLAGS = (
-    "--model", "--served-model-name", "--config", "--host", "--port", "--device", "--dtype", "--max-model-len",
-    "--block-size", "--attention-backend", "--max-waiting", "--tensor-parallel-size", "--drain-seconds",
-    "--max-request-body-bytes", "--max-waiting-per-client", "--max-running-per-client",
-    "--max-prompt-tokens-per-second-per-client", "--prompt-token-burst-per-client",
-)
 
 
 @dataclass(frozen=True)
@@ -437,7 +428,7 @@ def parse_extra_args(args: list[Any], where: str) -> tuple[str, ...]:
         if not isinstance(arg, str):
             raise SpecError(f"{where}[{index}]: expected a string, got {type(arg).__name__}")
         flag = arg.split("=", 1)[0]
-        if flag in OWNED_SERVER_FLAGS:
+        if flag in serve_flags.OPERATOR_OWNED:  # the operator sets these from spec fields
             raise SpecError(f"{where}[{index}]: {flag} is set by the operator from the spec; set that field instead")
     return tuple(args)
 
