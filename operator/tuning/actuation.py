@@ -20,7 +20,8 @@ from metronome.operator.tuning.settings import AutotuneSpec
 @dataclass(frozen=True)
 class Tuned:
     """One step's outcome: what was served (as the controller read it), the decision, and the server.yaml that
-    carries out a changed budget or policy (None: serve on as before). `problem`: why a decision to change them
+    carries out a changed budget or policy (None: serve on as before, also when the decision lays out as the
+    config already served). `problem`: why a decision to change them
     cannot be laid out as a valid config (then `config` is None)."""
 
     current: CurrentConfig
@@ -48,4 +49,5 @@ def tune(observation: Observation | None, served: ServerConfigFile, replicas: in
         scheduler = scheduler_for(decision, served.scheduler)
     except ConfigError as exc:
         return Tuned(current, decision, problem=f"decision {decision.describe_change(current)} not applied: {exc}")
-    return Tuned(current, decision, next_server_config(served, scheduler))
+    config = next_server_config(served, scheduler)
+    return Tuned(current, decision, config if config is not served else None)

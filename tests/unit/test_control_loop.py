@@ -62,6 +62,21 @@ def test_a_due_reading_is_served_as_a_new_generation_and_recorded(prometheus):
     assert served(kube)["generation"] == 2
 
 
+def test_the_next_generation_is_written_from_the_config_observed_not_read_back(prometheus, monkeypatch):
+    kube, owner = MemoryKube(), apply_body()
+    service = parse_service(owner)
+    configs = reconcile.ConfigMemory()
+    reconcile.sync_children(kube, service, owner, memory=configs)
+    observed = reconcile.observe(kube, service, configs)
+    reads = []
+    real_get = kube.get
+    monkeypatch.setattr(kube, "get", lambda api, kind, ns, name: reads.append(kind) or real_get(api, kind, ns, name))
+    result = control_loop.tick(kube, service, owner, observed, autotune.TunerMemory(), LOCAL, configs)
+    assert reads == [] and served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 922
+    assert result.observed.served_config is configs.written.config
+    assert reconcile.observe(kube, service, configs).served_config is configs.written.config
+
+
 def test_a_chunk_at_its_floor_scales_and_hands_back_the_replica_patch(prometheus):
     kube, owner = MemoryKube(), apply_body(minChunkSize=1024, scaleReplicas=True)
     service = parse_service(owner)
