@@ -3,7 +3,8 @@
 The API server has already validated and defaulted the object against crds/inferenceservice.yaml; the defaults
 here are the CRD's (each written once, as a dataclass field default; tests/unit/test_crd_schema.py keeps the two
 equal) so that bodies built by hand parse the same way. Anything that cannot be used raises SpecError naming the
-field, never a KeyError.
+field, never a KeyError. spec.autotune becomes the tuner's own `AutotuneSpec` (operator/tuning/settings.py), the
+serve flags spec.engine.extraArgs may not repeat are the contract's (metronome.contract.serve_flags).
 """
 from __future__ import annotations
 
