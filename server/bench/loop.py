@@ -271,7 +271,8 @@ def _control(state: _Loop, settings: LoopSettings, servers: Sequence[LoopServer]
         if tuned.problem is not None:
             raise ConfigError(tuned.problem)
         if changed:
-            state.config = tuned.config or state.config
+            if tuned.config is not None:  # None: the decision lays out as the config already served
+                state.config = tuned.config
             for server in servers:
                 server.write_config(state.config)
             state.current = CurrentConfig.from_scheduler(state.config.scheduler, before.replicas,
