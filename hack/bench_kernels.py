@@ -1,10 +1,12 @@
-"""Microbenchmark of the Triton attention and KV-write kernels on CUDA: `python -m metronome.kernels.bench_kernels`.
+"""Microbenchmark of the Triton attention and KV-write kernels on CUDA, run on the GPU machine from the repo root:
+
+    python3 -m hack.bench_kernels [--sweep] [--json rows.json]
 
 Times decode-only and mixed batches of a Llama-3-8B layer (32 query heads, 8 kv heads, head_dim 128, bf16) with
 triton.testing.do_bench and prints achieved bandwidth (unique K/V bytes read + q/out, over the time) next to the
 GPU's measured copy bandwidth, and TFLOP/s for batches with prefill chunks. `--sweep` also tries a grid of tile
 configs and split counts per case, to tune `choose_config` / `choose_num_splits` in one GPU call. `--json PATH`
-writes every row.
+writes every row. It reads the kernels' private tiling helpers on purpose: it is their tuning tool.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import asdict
 
 import torch
 
-from .metadata import AttentionMetadata
+from metronome.kernels.metadata import AttentionMetadata
 
 # (name, q_lens, ctx_lens): ctx = cached tokens before the step
 DECODE_CASES = [(f"decode_b{b}_2k", [1] * b, [2047] * b) for b in (1, 16, 64, 256)]
@@ -68,7 +70,7 @@ def attention_flops(meta: AttentionMetadata, n_heads: int, head_dim: int) -> int
 
 def chosen_config(meta: AttentionMetadata, n_kv_heads: int, group_pad: int, head_dim: int):
     """The tile config paged_attention picks by itself for this batch (for the printout)."""
-    from .triton_attention import _batch_shape, _sm_count, choose_config
+    from metronome.kernels.triton_attention import _batch_shape, _sm_count, choose_config
     lead, any_decode = _batch_shape(meta)
     busy = meta.num_seqs * n_kv_heads >= _sm_count(torch.cuda.current_device())
     return choose_config(lead == meta.num_seqs, not any_decode, busy, group_pad,
@@ -102,7 +104,7 @@ def copy_bandwidth(device) -> float:
 
 def sweep_grid(decode: bool, group_pad: int):
     """Tile configs worth trying; each is one compile, so the grid stays small."""
-    from .triton_attention import TileConfig
+    from metronome.kernels.triton_attention import TileConfig
     if decode:
         shapes = [(4, 2), (4, 3), (4, 4), (2, 3), (8, 3)]
         return [TileConfig(64, 64, w, st, decode_block_n=n) for n in (32, 64, 128) for w, st in shapes]
@@ -112,8 +114,8 @@ def sweep_grid(decode: bool, group_pad: int):
 
 
 def run(args) -> list[dict]:
-    from .triton_attention import TileConfig, paged_attention
-    from .triton_kv_write import write_kv_triton
+    from metronome.kernels.triton_attention import TileConfig, paged_attention
+    from metronome.kernels.triton_kv_write import write_kv_triton
 
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)

@@ -1,14 +1,15 @@
-"""`PYTHONPATH=hack python -m images [server] [operator] [--base-image REF] [--quiet]` (what `make images` runs)."""
+"""`python hack/build_images.py [server] [operator] [--base-image REF] [--quiet]` (what `make images` runs): the
+server and operator images with podman, through metronome_testing.images (the code path the image tests take)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .build import IMAGES, build_images
+from metronome_testing.images.build import IMAGES, build_images
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m images", description="build Metronome's images with podman")
+    parser = argparse.ArgumentParser(prog="hack/build_images.py", description="build Metronome's images with podman")
     parser.add_argument("images", nargs="*", metavar="IMAGE", help=f"{' | '.join(IMAGES)} (default: all)")
     parser.add_argument("--base-image", metavar="REF",
                         help="BASE_IMAGE for both Dockerfiles (default: Debian's slim image, else a local one)")

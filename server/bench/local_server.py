@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,12 +12,7 @@ from collections.abc import Iterator
 import httpx
 
 from metronome.contract.errors import MetronomeError
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from metronome.server.bench.ports import free_port
 
 
 @contextlib.contextmanager

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,13 @@ from metronome import source_checkout
 from metronome.contract.config import ServerConfigFile
 from metronome.contract.errors import MetronomeError
 from metronome.server.bench.configfile import atomic_configmap_write
+from metronome.server.bench.ports import free_port
 
 CONFIG_NAME = "server.yaml"
 
 
 class LoopServerError(MetronomeError):
     """A server would not start or become ready; the message carries its log's tail."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -19,8 +19,6 @@ import json
 
 import pytest
 import yaml
-from closedloop import LoadDriver, LoadSpec
-from closedloop.slo import Calibration, CalibrationError, choose_tbt_target
 from e2e_helpers import (
     config_map_generation,
     isvc,
@@ -30,9 +28,11 @@ from e2e_helpers import (
     server_config,
     service_namespace,
 )
-from polling import wait_for
 
 from metronome.server.bench.stats import percentile
+from metronome_testing.closedloop import LoadDriver, LoadSpec
+from metronome_testing.closedloop.slo import Calibration, CalibrationError, choose_tbt_target
+from metronome_testing.polling import wait_for
 
 NAME = "smollm2"
 INITIAL_CHUNK = 512

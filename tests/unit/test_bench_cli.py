@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import httpx
+from api_helpers import k8s_config_dir
 
 from metronome.server.bench import cli
 from metronome.server.bench.local_server import local_server
@@ -123,18 +124,8 @@ def test_engine_refuses_cuda_without_a_gpu(capsys, monkeypatch):
 # --- against a real server -------------------------------------------------------------------------------------
 
 
-def k8s_config(folder: Path, text: str) -> Path:
-    """A ConfigMap volume as the kubelet lays it out: server.yaml -> ..data/server.yaml, ..data -> ..<stamp>."""
-    data = folder / "..2026_01_01_00_00_00.000"
-    data.mkdir(parents=True)
-    (data / "server.yaml").write_text(text)
-    os.symlink(data.name, folder / "..data")
-    os.symlink("..data/server.yaml", folder / "server.yaml")
-    return folder / "server.yaml"
-
-
 def test_run_and_sweep_against_metronome_serve(tmp_path):
-    config = k8s_config(tmp_path / "cm", "generation: 1\nscheduler:\n  chunk_size: 256\n  queue_policy: fcfs\n")
+    config = k8s_config_dir(tmp_path / "cm", "generation: 1\nscheduler:\n  chunk_size: 256\n  queue_policy: fcfs\n")
     serve_args = ["--model", "random:tiny", "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
                   "--max-model-len", "1024", "--config", str(config), "--config-poll-seconds", "0.1"]
     with local_server(serve_args, ready_timeout_s=240) as url:

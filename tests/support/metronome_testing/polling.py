@@ -1,5 +1,4 @@
-"""Polling for tests that wait on real processes (the API server, Prometheus, servers). Importable as `polling`
-from any test folder: pytest puts tests/ on sys.path for tests/conftest.py."""
+"""Polling for tests (and the harness) that wait on real processes: the API server, Prometheus, servers."""
 from __future__ import annotations
 
 import time

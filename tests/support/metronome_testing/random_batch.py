@@ -1,4 +1,4 @@
-"""Random mixed batches over a paged KV cache, for kernel tests and the kernel microbenchmark.
+"""Random mixed batches over a paged KV cache, for the kernel tests (tests/unit, tests/gpu).
 
 Each sequence b has `ctx_lens[b]` tokens already cached and brings `q_lens[b]` new ones. Its K/V are drawn as dense
 tensors first and then placed block by block through a shuffled block table, so the kernels' indexing is checked
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .metadata import AttentionMetadata
+from metronome.kernels.metadata import AttentionMetadata
 
 
 @dataclass

@@ -8,8 +8,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-BUILD_SCRIPT = REPO / "hack" / "build-s3-server.sh"
+from metronome.server.bench.ports import free_port
+from metronome_testing.checkout import HACK
+
+BUILD_SCRIPT = HACK / "build-s3-server.sh"
 ACCESS_KEY = "metronome-test"
 SECRET_KEY = "metronome-test-secret-0123456789"
 
@@ -23,12 +25,6 @@ def s3_server_binary() -> Path:
         assert build.returncode == 0 and path.is_file(), (
             f"hack/build-s3-server.sh failed:\n{build.stdout}\n{build.stderr}")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

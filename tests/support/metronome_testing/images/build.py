@@ -12,9 +12,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from metronome_testing.checkout import ROOT
+
 from . import wheels
 from .base import resolve_base
-from .context import ROOT, Context, stage
+from .context import Context, stage
 from .pins import image_pins
 from .podman import Podman, PodmanError, ensure_tools
 

@@ -19,9 +19,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from metronome_testing.checkout import ROOT
+
 from .pins import Pins
 
-ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "metronome", "server", "kernels", "operator")
 
 

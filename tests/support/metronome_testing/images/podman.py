@@ -1,4 +1,4 @@
-"""podman with the project's settings (hack/images/containers.conf through CONTAINERS_CONF, nothing under /etc),
+"""podman with the project's settings (hack/containers.conf through CONTAINERS_CONF, nothing under /etc),
 and the Debian packages image builds need, installed on first use."""
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-CONTAINERS_CONF = Path(__file__).resolve().parent / "containers.conf"
+from metronome_testing.checkout import HACK
+
+CONTAINERS_CONF = HACK / "containers.conf"
 # command -> Debian package; runc because crun fails on this machine's hybrid cgroups (containers.conf picks it).
 TOOLS = {"podman": "podman", "runc": "runc", "mmdebstrap": "mmdebstrap"}
 

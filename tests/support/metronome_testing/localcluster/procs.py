@@ -1,23 +1,15 @@
-"""Starting and stopping the cluster's processes by pid, and finding free loopback ports."""
+"""Starting and stopping the cluster's processes by pid."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -9,11 +9,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from metronome_testing.checkout import HACK
+
 from .errors import ToolsMissingError
 
-HACK_DIR = Path(__file__).resolve().parent.parent
-BUILD_SCRIPT = HACK_DIR / "build-tools.sh"
-VERSIONS_FILE = HACK_DIR / "tool-versions.sh"
+BUILD_SCRIPT = HACK / "build-tools.sh"
+VERSIONS_FILE = HACK / "tool-versions.sh"
 
 K8S_COMPONENTS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 _ASSIGNMENT = re.compile(r"^([A-Z0-9_]+)=(\S+)\s*$")

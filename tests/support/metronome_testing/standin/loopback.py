@@ -1,9 +1,9 @@
 """Loopback addresses for the servers: 127.0.0.2, 127.0.0.3, ... (all of 127.0.0.0/8 is local on Linux), one per
-running pod, each with a free port. Traffic never leaves the machine and never goes to a pod IP."""
+running pod (each with a free port: metronome.server.bench.ports). Traffic never leaves the machine and never goes
+to a pod IP."""
 from __future__ import annotations
 
 import ipaddress
-import socket
 
 
 class AddressPool:
@@ -26,10 +26,3 @@ class AddressPool:
 
     def give_back(self, address: str) -> None:
         self._taken.discard(address)
-
-
-def free_port(address: str) -> int:
-    """A TCP port nothing listens on at `address` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]

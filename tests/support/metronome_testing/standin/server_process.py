@@ -12,7 +12,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .lifetime import die_with_parent
+from metronome_testing.lifetime import die_with_parent
 
 
 def http_ready(base_url: str, timeout_s: float = 2.0) -> bool:

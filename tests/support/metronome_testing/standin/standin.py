@@ -1,11 +1,11 @@
 """KubeletStandIn: runs a real `metronome serve` process for every server Pod that kwok reports Running.
 
 kwok plays the kubelet's bookkeeping (nodes, pod phases) but runs nothing. This harness plays the part that runs
-containers, for server pods only (DESIGN §5): it watches the Pods of InferenceService Deployments through the
-API server, and for each Running one it
-- projects the pod's ConfigMap volume into a local folder and keeps it in sync by the `..data` swap (projection.py),
-  a change landing after a kubelet-like delay (propagation.py: 30-90 s by default, `config_delay` or
-  $METRONOME_STANDIN_CONFIG_DELAY to change it),
+containers, for server pods only: it watches the Pods of InferenceService Deployments through the API server, and
+for each Running one it
+- projects the pod's ConfigMap volume into a local folder and keeps it in sync by the `..data` swap
+  (metronome.server.bench.configfile), a change landing after a kubelet-like delay (propagation.py: 30-90 s by
+  default, `config_delay` or $METRONOME_STANDIN_CONFIG_DELAY to change it),
 - starts `metronome serve` with the pod's own args on its own loopback address 127.0.0.x and a free port
   (podspec.py maps host/port/device and mount paths), restarting it with back-off if it dies,
 - lists it in a Prometheus file_sd targets file with the labels namespace/service/pod (targets.py), and writes
@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .loopback import AddressPool, free_port
+from metronome.server.bench.configfile import current_files, project
+from metronome.server.bench.ports import free_port
+
+from .loopback import AddressPool
 from .podspec import SERVER_POD_SELECTOR, LocalMounts, PodSpecError, ServerPod, is_running, local_argv, server_pod
-from .projection import current_files, project
 from .propagation import ConfigUpdate, DelayRange, Propagation
 from .server_process import ServerProcess, http_ready
 from .targets import Target, write_file_sd
