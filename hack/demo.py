@@ -243,7 +243,7 @@ def _patch(kube: KubeTools, patch: dict) -> None:
 
 
 def _calibrated_slo_ms(gaps: list[float]) -> int:
-    from metronome.server.bench.stats import percentile
+    from metronome.server.bench.load.stats import percentile
 
     try:
         calibration = choose_tbt_target(percentile(gaps, 50), percentile(gaps, 99), INITIAL_CHUNK, FLOOR_CHUNK)

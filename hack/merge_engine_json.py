@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
         print("no part to merge", file=sys.stderr)
         return 1
     doc = merge(parts)
-    from metronome.server.bench.engine_bench import evaluate_targets
+    from metronome.server.bench.engine.command import evaluate_targets
 
     doc["targets"] = evaluate_targets(doc)
     if args.eager and Path(args.eager).is_file():

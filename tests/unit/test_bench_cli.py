@@ -10,7 +10,7 @@ import httpx
 from api_helpers import k8s_config_dir
 
 from metronome.server.bench import cli
-from metronome.server.bench.local_server import local_server
+from metronome.server.bench.robustness.local_server import local_server
 
 TINY = ["--model", "random:tiny", "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
         "--max-model-len", "1024", "--no-progress"]

@@ -18,12 +18,12 @@ import sys
 from typing import Any
 
 from metronome.contract.errors import InvalidRequestError, MetronomeError
-from metronome.server.bench import engine_sections as sections
-from metronome.server.bench.inprocess import sampler_for_engine
-from metronome.server.bench.results import RunEntry, environment, write_json
-from metronome.server.bench.run_output import args_config, plot_entries
-from metronome.server.bench.runner import StopRule
-from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, iter_requests, take
+from metronome.server.bench.engine import sections
+from metronome.server.bench.load.inprocess import sampler_for_engine
+from metronome.server.bench.load.results import RunEntry, environment, write_json
+from metronome.server.bench.load.run_output import args_config, plot_entries
+from metronome.server.bench.load.runner import StopRule
+from metronome.server.bench.load.workloads import LongShortSpec, WorkloadSpec, iter_requests, take
 from metronome.server.engine.flags import engine_config_from_args, scheduler_from_args
 
 SECTIONS = ("device", "decode", "prefill", "saturation", "longshort", "hf")
@@ -146,7 +146,7 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
                                                   args.prefill_chunk, sampler, args.seed,
                                                   device_info.get("matmul_tflops"))
     if "saturation" in chosen:
-        from metronome.server.bench.saturation import saturation_section
+        from metronome.server.bench.engine.saturation import saturation_section
 
         doc["saturation"] = saturation_section(core, args.saturation_prompt_len, args.saturation_output_len,
                                                args.saturation_max_requests, args.saturation_chunk_size, sampler,
@@ -181,7 +181,7 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
 
 
 def _hf_section(args: argparse.Namespace, doc: dict[str, Any]) -> None:
-    from metronome.server.bench.hf_peer import HFPeerError, run_hf_batch
+    from metronome.server.bench.engine.hf_peer import HFPeerError, run_hf_batch
 
     prompts, kinds, config, dtype, device = doc.pop("_hf_batch")
     try:
@@ -222,7 +222,7 @@ def compare_batches(comparison: dict[str, Any]) -> None:
 def _print(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from metronome.server.bench.report import console, runs_table
+    from metronome.server.bench.load.report import console, runs_table
 
     out = console()
     if "device" in doc:
@@ -299,7 +299,7 @@ def _print_saturation(out: Any, sat: dict[str, Any]) -> None:
 
 
 def _plot(doc: dict[str, Any], path: str, slo: float) -> None:
-    from metronome.server.bench.plots import plot_runs
+    from metronome.server.bench.load.plots import plot_runs
 
     runs: list[RunEntry] = doc.get("_runs") or []
     plot_runs(plot_entries(runs, lambda r: f"chunk {sections.chunk_label(r.params['chunk_size'])}"), path, slo,
@@ -341,7 +341,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def sections_device(device: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from metronome.server.bench.device_peaks import device_section
+    from metronome.server.bench.engine.device_peaks import device_section
 
     return device_section(device, args.copy_mb, args.matmul_size, args.reps)
 

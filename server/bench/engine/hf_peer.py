@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from metronome.contract.errors import MetronomeError
-from metronome.server.bench.records import RequestRecord
-from metronome.server.bench.stats import summarize
+from metronome.server.bench.load.records import RequestRecord
+from metronome.server.bench.load.stats import summarize
 
 
 class HFPeerError(MetronomeError):

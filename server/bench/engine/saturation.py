@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from metronome.contract.config import QueuePolicy, SchedulerConfig
-from metronome.server.bench import model_math
-from metronome.server.bench.engine_sections import EngineBenchError, drain, greedy_params
-from metronome.server.bench.workloads import TokenSampler
+from metronome.server.bench.engine import model_math
+from metronome.server.bench.engine.sections import EngineBenchError, drain, greedy_params
+from metronome.server.bench.load.workloads import TokenSampler
 
 FORWARD_KINDS = ("graph", "piecewise", "eager")
 

@@ -16,12 +16,12 @@ from typing import Any
 
 from metronome.contract.config import QueuePolicy, SchedulerConfig
 from metronome.contract.errors import MetronomeError
-from metronome.server.bench import model_math
-from metronome.server.bench.clients import EngineClient
-from metronome.server.bench.results import RunEntry
-from metronome.server.bench.runner import LoadPattern, StopRule, run_load
-from metronome.server.bench.stats import percentile, summarize
-from metronome.server.bench.workloads import TokenSampler, WorkloadSpec, iter_requests, take
+from metronome.server.bench.engine import model_math
+from metronome.server.bench.load.clients import EngineClient
+from metronome.server.bench.load.results import RunEntry
+from metronome.server.bench.load.runner import LoadPattern, StopRule, run_load
+from metronome.server.bench.load.stats import percentile, summarize
+from metronome.server.bench.load.workloads import TokenSampler, WorkloadSpec, iter_requests, take
 
 UNCHUNKED = 1 << 20
 

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from metronome.contract.errors import MetronomeError
-from metronome.server.bench.records import RequestRecord
-from metronome.server.bench.workloads import BenchRequest
+from metronome.server.bench.load.records import RequestRecord
+from metronome.server.bench.load.workloads import BenchRequest
 
 if TYPE_CHECKING:  # the engine (torch) stays out of module import time
     from metronome.server.engine.async_engine import AsyncEngine

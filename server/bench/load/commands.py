@@ -11,14 +11,14 @@ from typing import Any
 
 from metronome.contract.config import ConfigError, validate_scheduler
 from metronome.contract.errors import MetronomeError
-from metronome.server.bench.clients import Client, EngineClient, HttpClient
-from metronome.server.bench.inprocess import DEFAULT_HTTP_TOKEN_RANGE, sampler_for_engine, sampler_for_range
-from metronome.server.bench.plots import plot_runs
-from metronome.server.bench.results import RunEntry, environment, write_json
-from metronome.server.bench.run_output import args_config, plot_entries
-from metronome.server.bench.runner import LoadPattern, StopRule, run_load
-from metronome.server.bench.stats import summarize
-from metronome.server.bench.workloads import (
+from metronome.server.bench.load.clients import Client, EngineClient, HttpClient
+from metronome.server.bench.load.inprocess import DEFAULT_HTTP_TOKEN_RANGE, sampler_for_engine, sampler_for_range
+from metronome.server.bench.load.plots import plot_runs
+from metronome.server.bench.load.results import RunEntry, environment, write_json
+from metronome.server.bench.load.run_output import args_config, plot_entries
+from metronome.server.bench.load.runner import LoadPattern, StopRule, run_load
+from metronome.server.bench.load.stats import summarize
+from metronome.server.bench.load.workloads import (
     LongShortSpec,
     ShiftSpec,
     TokenSampler,
@@ -102,7 +102,7 @@ async def warm_up(target: Target, spec: WorkloadSpec, seed: int, count: int) -> 
 
 
 async def bench_run(args: argparse.Namespace) -> int:
-    from metronome.server.bench.report import console, runs_table
+    from metronome.server.bench.load.report import console, runs_table
 
     stop = stop_rule(args)
     if args.concurrency is not None:
@@ -134,8 +134,8 @@ async def bench_run(args: argparse.Namespace) -> int:
 
 
 async def bench_sweep(args: argparse.Namespace) -> int:
-    from metronome.server.bench.report import console, recommendation_lines, recommendation_table, runs_table
-    from metronome.server.bench.sweep import (
+    from metronome.server.bench.load.report import console, recommendation_lines, recommendation_table, runs_table
+    from metronome.server.bench.load.sweep import (
         EngineTarget,
         ServerFileTarget,
         SweepError,
@@ -188,7 +188,7 @@ async def bench_sweep(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     try:
         if args.bench_command == "engine":
-            from metronome.server.bench.engine_bench import main as engine_main
+            from metronome.server.bench.engine.command import main as engine_main
 
             return engine_main(args)
         if args.bench_command == "sweep":

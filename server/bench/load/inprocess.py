@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metronome.server.bench.workloads import TokenSampler
+from metronome.server.bench.load.workloads import TokenSampler
 
 # Without a vocabulary to look at (a server over HTTP), prompts use ids 300..499: ordinary tokens in every
 # preset and in the Llama/Mistral/Qwen/SmolLM2 vocabularies (byte-fallback and special ids sit below or far above).

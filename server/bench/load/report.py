@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from metronome.server.bench.results import RunEntry
-from metronome.server.bench.sweep import Choice, Recommendation
+from metronome.server.bench.load.results import RunEntry
+from metronome.server.bench.load.sweep import Choice, Recommendation
 
 
 def console() -> Any:

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from metronome.contract.errors import MetronomeError
-from metronome.server.bench.records import RequestRecord
-from metronome.server.bench.stats import RunSummary
+from metronome.server.bench.load.records import RequestRecord
+from metronome.server.bench.load.stats import RunSummary
 
 SCHEMA = "metronome-bench/1"
 

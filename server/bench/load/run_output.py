@@ -1,13 +1,13 @@
 """What every bench command writes besides its own results: its flags as the JSON's `config`, and its runs as
-the plot's lines. Shared by `bench run`/`sweep` (commands.py) and `bench engine` (engine_bench.py)."""
+the plot's lines. Shared by `bench run`/`sweep` (commands.py) and `bench engine` (engine/command.py)."""
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from metronome.server.bench.plots import PlotRun
-from metronome.server.bench.results import RunEntry
-from metronome.server.bench.stats import gaps
+from metronome.server.bench.load.plots import PlotRun
+from metronome.server.bench.load.results import RunEntry
+from metronome.server.bench.load.stats import gaps
 
 
 def args_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,9 +14,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from metronome.server.bench.clients import Client
-from metronome.server.bench.records import RequestRecord
-from metronome.server.bench.workloads import BenchRequest, WorkloadError, poisson_arrivals
+from metronome.server.bench.load.clients import Client
+from metronome.server.bench.load.records import RequestRecord
+from metronome.server.bench.load.workloads import BenchRequest, WorkloadError, poisson_arrivals
 
 
 @dataclass(frozen=True)

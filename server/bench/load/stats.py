@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from metronome.server.bench.records import RequestRecord
+from metronome.server.bench.load.records import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 

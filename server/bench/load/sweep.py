@@ -19,12 +19,12 @@ from typing import Any, Protocol
 
 from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig, load_server_config, validate_scheduler
 from metronome.contract.errors import MetronomeError
-from metronome.server.bench.clients import Client, HttpClient
 from metronome.server.bench.configfile import atomic_configmap_write
-from metronome.server.bench.results import RunEntry
-from metronome.server.bench.runner import LoadPattern, StopRule, run_load
-from metronome.server.bench.stats import summarize
-from metronome.server.bench.workloads import BenchRequest
+from metronome.server.bench.load.clients import Client, HttpClient
+from metronome.server.bench.load.results import RunEntry
+from metronome.server.bench.load.runner import LoadPattern, StopRule, run_load
+from metronome.server.bench.load.stats import summarize
+from metronome.server.bench.load.workloads import BenchRequest
 
 
 class SweepError(MetronomeError):

@@ -129,10 +129,10 @@ def _main(args: argparse.Namespace) -> int:
     from metronome.contract.config import SchedulerConfig
     from metronome.operator import metrics_source as ms
     from metronome.operator.spec import SLOSpec, SpecError, TuningPolicy, parse_autotune
-    from metronome.server.bench import loop
-    from metronome.server.bench.loop_load import run_client_loop
-    from metronome.server.bench.loop_phases import parse_phases, schedule
-    from metronome.server.bench.workloads import ChatSpec, LongShortSpec, TokenSampler, WorkloadSpec
+    from metronome.server.bench.load.workloads import ChatSpec, LongShortSpec, TokenSampler, WorkloadSpec
+    from metronome.server.bench.loop import runner as loop
+    from metronome.server.bench.loop.load import run_client_loop
+    from metronome.server.bench.loop.phases import parse_phases, schedule
 
     phases = parse_phases(args.phases)
     policies = [t.strip() for t in args.tuning_policies.split(",") if t.strip()]
@@ -186,7 +186,7 @@ def _main(args: argparse.Namespace) -> int:
                                       on_run=write))
     result = write(runs)
     if args.plot:
-        from metronome.server.bench.loop_plot import plot_timeline
+        from metronome.server.bench.loop.plot import plot_timeline
 
         plot_timeline(result, args.plot)
     print(_summary(result))

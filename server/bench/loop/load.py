@@ -19,9 +19,9 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
-from metronome.server.bench.clients import BenchClientError, HttpClient
-from metronome.server.bench.loop_phases import Scheduled
-from metronome.server.bench.records import RequestRecord
+from metronome.server.bench.load.clients import BenchClientError, HttpClient
+from metronome.server.bench.load.records import RequestRecord
+from metronome.server.bench.loop.phases import Scheduled
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The phased workload of `metronome bench loop`: a sequence of (workload, Poisson rate, duration) phases, e.g.
-short-heavy chat → the report's long-short mix → a burst. Each phase draws its requests from workloads.py with its
-own seed, so every run of one command (the loop, each static config) gets exactly the same requests at the same
-offsets. Pure.
+short-heavy chat → the report's long-short mix → a burst. Each phase draws its requests from load/workloads.py with
+its own seed, so every run of one command (the loop, each static config) gets exactly the same requests at the
+same offsets. Pure.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from metronome.server.bench.workloads import (
+from metronome.server.bench.load.workloads import (
     BenchRequest,
     LongShortSpec,
     TokenSampler,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from metronome.server.bench.plots import PlotError
+from metronome.server.bench.load.plots import PlotError
 
 MARKERS = {"fcfs": "o", "split": "s", "sjf": "^"}
 

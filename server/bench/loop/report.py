@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from metronome.server.bench.records import RequestRecord
-from metronome.server.bench.stats import gaps, is_good, percentile, ttft
+from metronome.server.bench.load.records import RequestRecord
+from metronome.server.bench.load.stats import gaps, is_good, percentile, ttft
 
 
 @dataclass(frozen=True)

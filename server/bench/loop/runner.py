@@ -30,13 +30,13 @@ from metronome.operator import metrics_source as ms
 from metronome.operator.controller import decide
 from metronome.operator.decision import CurrentConfig, Decision, prefill_budget
 from metronome.operator.spec import AutotuneMode, AutotuneSpec
-from metronome.server.bench import loop_report
-from metronome.server.bench.clients import HttpClient
-from metronome.server.bench.loop_load import ClientPool, Load, LoadTarget
-from metronome.server.bench.loop_phases import Phase, Scheduled, phase_bounds
-from metronome.server.bench.loop_scrape import Scrape, observe, parse_scrape
-from metronome.server.bench.loop_servers import LoopServer, LoopServerError, start_servers, stop_servers
-from metronome.server.bench.records import RequestRecord
+from metronome.server.bench.load.clients import HttpClient
+from metronome.server.bench.load.records import RequestRecord
+from metronome.server.bench.loop import report as loop_report
+from metronome.server.bench.loop.load import ClientPool, Load, LoadTarget
+from metronome.server.bench.loop.phases import Phase, Scheduled, phase_bounds
+from metronome.server.bench.loop.scrape import Scrape, observe, parse_scrape
+from metronome.server.bench.loop.servers import LoopServer, LoopServerError, start_servers, stop_servers
 
 
 @dataclass(frozen=True)

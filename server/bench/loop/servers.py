@@ -1,6 +1,6 @@
 """The real servers of `metronome bench loop`: `metronome serve` processes on 127.0.0.1, each reading its scheduler
-from a config folder laid out like a mounted ConfigMap, rewritten by the `..data` swap (configfile.py) — what the
-kubelet does to a pod, minus the kubelet's delay.
+from a config folder laid out like a mounted ConfigMap, rewritten by the `..data` swap (bench/configfile.py) — what
+the kubelet does to a pod, minus the kubelet's delay.
 """
 from __future__ import annotations
 

@@ -45,12 +45,12 @@ def configure_fuzz(p: argparse.ArgumentParser) -> None:
 
 
 def run_isolation(args: argparse.Namespace) -> int:
-    from metronome.server.bench.isolation import run_command
+    from metronome.server.bench.robustness.isolation import run_command
 
     return run_command(args)
 
 
 def run_fuzz(args: argparse.Namespace) -> int:
-    from metronome.server.bench.fuzz_soak import run_command
+    from metronome.server.bench.robustness.fuzz_soak import run_command
 
     return run_command(args)

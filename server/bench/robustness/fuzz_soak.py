@@ -191,14 +191,14 @@ async def idle_gauges(client: httpx.AsyncClient, url: str) -> tuple[float | None
 
 
 def run_command(args) -> int:
-    """`metronome bench fuzz` (flags: robustness_cli.py)."""
-    from metronome.server.bench.isolation import machine_info
+    """`metronome bench fuzz` (flags: cli.py)."""
+    from metronome.server.bench.robustness.isolation import machine_info
 
     if args.url:
         result = asyncio.run(soak(args.url.rstrip("/"), args.model, args.requests, args.concurrency, args.seed))
         serve_args = None
     else:
-        from metronome.server.bench.local_server import local_server
+        from metronome.server.bench.robustness.local_server import local_server
 
         serve_args = ["--model", args.model, "--device", "cpu", *args.serve_arg]
         with local_server(serve_args) as url:

@@ -35,15 +35,15 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from metronome.server.bench.isolation_server import (
+from metronome.server.bench.load.stats import percentile
+from metronome.server.bench.robustness.isolation_server import (
     LONG_STEP_S,
     format_server_table,
     phase_delta,
     phase_deltas,
     scrape_metrics,
 )
-from metronome.server.bench.isolation_server import view_dict as server_view
-from metronome.server.bench.stats import percentile
+from metronome.server.bench.robustness.isolation_server import view_dict as server_view
 
 HOSTILE_KINDS = ("big_body", "long_prompt", "burst", "disconnect_storm")
 HOSTILE_CLIENTS = ("other", "same")  # hostile requests as a client of their own, or as the steady one
@@ -409,14 +409,14 @@ def machine_info() -> dict:
 
 
 def run_command(args) -> int:
-    """`metronome bench isolation` (flags: robustness_cli.py)."""
+    """`metronome bench isolation` (flags: cli.py)."""
     fields = dict(streams=args.streams, stream_tokens=args.stream_tokens, phase_seconds=args.phase_seconds,
                   rounds=args.rounds, big_body_mb=args.big_body_mb, long_prompt_tokens=args.long_prompt_tokens,
                   burst=args.burst, storm=args.storm, seed=args.seed, hostile_client=args.hostile_client)
     if args.url:
         result = asyncio.run(run_isolation(IsolationConfig(url=args.url.rstrip("/"), model=args.model, **fields)))
     else:
-        from metronome.server.bench.local_server import local_server
+        from metronome.server.bench.robustness.local_server import local_server
 
         serve_args = ["--model", args.model, "--device", "cpu", *args.serve_arg]
         with local_server(serve_args) as url:

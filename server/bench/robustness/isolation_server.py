@@ -18,7 +18,7 @@ import httpx
 
 from metronome.contract import metric_names as names
 from metronome.contract.histogram import bucket_increase, histogram_quantile
-from metronome.server.bench.loop_scrape import Scrape, parse_scrape
+from metronome.server.bench.loop.scrape import Scrape, parse_scrape
 from metronome.server.engine.slow_steps import GPU_STALL_S
 
 LONG_STEP_S = GPU_STALL_S  # one of STEP_BUCKETS' bounds, so the histogram resolves "over 100 ms" exactly

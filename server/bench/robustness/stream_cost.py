@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from metronome.contract.errors import MetronomeError
-from metronome.server.bench.local_server import local_server_process
+from metronome.server.bench.robustness.local_server import local_server_process
 
 
 @dataclass(frozen=True)

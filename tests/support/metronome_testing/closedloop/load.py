@@ -16,11 +16,11 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 
-from metronome.server.bench.clients import HttpClient
-from metronome.server.bench.inprocess import DEFAULT_HTTP_TOKEN_RANGE, sampler_for_range
-from metronome.server.bench.records import RequestRecord
-from metronome.server.bench.stats import percentile
-from metronome.server.bench.workloads import LongShortSpec, WorkloadSpec, iter_requests
+from metronome.server.bench.load.clients import HttpClient
+from metronome.server.bench.load.inprocess import DEFAULT_HTTP_TOKEN_RANGE, sampler_for_range
+from metronome.server.bench.load.records import RequestRecord
+from metronome.server.bench.load.stats import percentile
+from metronome.server.bench.load.workloads import LongShortSpec, WorkloadSpec, iter_requests
 
 
 @dataclass(frozen=True)
