@@ -4,7 +4,6 @@ these; the control loop reuses `serve_scheduler` to actuate and `observe` to rea
 """
 from __future__ import annotations
 
-import datetime as dt
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -20,10 +19,6 @@ from metronome.operator.spec import InferenceService
 from metronome.operator.status import Observed
 
 log = logging.getLogger(__name__)
-
-
-def utc_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _emit(kube: Kube, owner: Mapping[str, Any], event: changes.EventSpec | None) -> None:

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from metronome.contract.rfc3339 import format_time
 from metronome.server.bench.load.stats import percentile
 from metronome.server.bench.robustness.isolation_server import (
     LONG_STEP_S,
@@ -401,8 +402,7 @@ def machine_info() -> dict:
     import os
 
     return {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
-            "load_average": [round(x, 2) for x in os.getloadavg()], "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                           time.gmtime())}
+            "load_average": [round(x, 2) for x in os.getloadavg()], "date": format_time()}
 
 
 # ---------------------------------------------------------------------------------------------------- report

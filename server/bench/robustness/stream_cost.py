@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from metronome.contract.errors import MetronomeError
+from metronome.contract.rfc3339 import format_time
 from metronome.server.bench.robustness.local_server import local_server_process
 
 
@@ -140,7 +141,7 @@ def run(model: str, streams: int, tokens: int, rounds: int, serve_args: list[str
         results = [asyncio.run(_one_round(url, served, streams, tokens, cpu)) for _ in range(rounds)]
     return {"command": "bench stream-cost", "model": model, "streams": streams, "tokens": tokens,
             "serve_args": serve_args, "api_processes": len(api),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **summarize(results)}
+            "date": format_time(), **summarize(results)}
 
 
 def main(args) -> int:
