@@ -27,7 +27,3 @@ class RequestRecord:
         data = asdict(self)
         data["token_times_s"] = [round(t, 6) for t in self.token_times_s]
         return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RequestRecord:
-        return cls(**data)
