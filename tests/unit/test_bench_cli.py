@@ -94,7 +94,7 @@ def test_engine_cpu_smoke_writes_one_json(tmp_path, capsys):
                 "--batch-chunk-size", "32", "--warmup-requests", "2", "--skip-hf",
                 "--out", str(out), "--plot", str(plot)])
     assert rc == 0
-    assert "issue 4 targets" in capsys.readouterr().out
+    assert "engine targets" in capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["kind"] == "engine" and doc["model"]["name"] == "random:tiny"
     assert doc["device"]["copy"]["bandwidth_bytes_per_s"] > 0 and doc["device"]["matmul_tflops"] > 0

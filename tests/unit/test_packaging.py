@@ -1,5 +1,4 @@
-"""The package layout promises of DESIGN §1: three code folders as sub-packages, a light CLI, no top-level
-`operator`."""
+"""The package layout's promises: three code folders as sub-packages, a light CLI, no top-level `operator`."""
 from __future__ import annotations
 
 import subprocess

@@ -4,7 +4,7 @@ One run, one JSON: device copy bandwidth and matmul peak (measured), decode step
 HBM floor, prefill tokens/s vs the matmul peak, host/scheduler share of a step, output tokens/s with the KV cache
 full vs its floor (saturation.py), the long-short workload per chunk size and rate (capacity = highest rate with
 TBT p99 <= SLO), and transformers' continuous batching on the same batch of requests. `targets` compares the
-numbers with issue 4's goals; it reports, it does not assert.
+numbers with the engine's goals (TARGETS); it reports, it does not assert.
 
 Every size is a flag, so `--model random:tiny --device cpu` with tiny sizes runs in seconds (the CPU smoke test).
 """
@@ -28,7 +28,8 @@ from metronome.server.engine.flags import engine_config_from_args, scheduler_fro
 
 SECTIONS = ("device", "decode", "prefill", "saturation", "longshort", "hf")
 
-# Issue 4's goals: (key, description, comparison, threshold).
+# The engine's goals on the H200, each against its physical floor or its peer: (key, description, comparison,
+# threshold).
 TARGETS = (
     ("decode_b64_ratio_to_floor", "decode step at batch 64 / HBM floor", "<=", 1.3),
     ("decode_b1_ratio_to_floor", "decode step at batch 1 / HBM floor", "<=", 1.35),
@@ -272,7 +273,7 @@ def _print(doc: dict[str, Any]) -> None:
         out.print(f"same batch: metronome {ours} (compared: the first); transformers "
                   + (f"{theirs['output_tokens_per_s']:.0f} out tok/s" if "output_tokens_per_s" in theirs
                      else f"- ({theirs.get('error', 'skipped')})"))
-    table = Table(title="issue 4 targets (reported, not asserted)")
+    table = Table(title="engine targets (reported, not asserted)")
     for name in ("target", "goal", "measured", "met"):
         table.add_column(name)
     for t in doc.get("targets", []):

@@ -2,8 +2,8 @@
 process or spread over client processes.
 
 One Python process reading ~5,500 streamed tokens/s (the H200's mix at 45 req/s) is busy enough that a token can
-wait in its socket for the event loop: in calls J1-J3 (docs/perf/loop-h200.md) the clients' TBT p99 ran 7-12 ms over
-the one the server timed at its write. That error falls on goodput, which is judged from the clients' records, and
+wait in its socket for the event loop: on the H200 the clients' TBT p99 ran 7-12 ms over the one the server timed
+at its write. That error falls on goodput, which is judged from the clients' records, and
 not on what the controller steers by. With `client_processes` > 1 the requests are dealt round-robin to that many
 spawned processes, each with its own event loop and connections; all stamp time.monotonic() (CLOCK_MONOTONIC, one
 clock for every process on the machine) relative to the same t0, so their records merge as if one client took them.

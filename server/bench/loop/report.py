@@ -9,7 +9,7 @@
   up to 30 % in a phase on the H200), so the best single run overstates the oracle. Each config is then summarised
   over its repeats (mean, min, max, spread = (max - min) / mean per phase) and judged by its means: the oracle by
   means is the best static mean per phase.
-- Targets (issue 12): control intervals from the first decision (made once the first window is full, on the
+- Targets: control intervals from the first decision (made once the first window is full, on the
   violating start) until an interval's client-side TBT p99 is within target (0: the start was not violating),
   and the same from each phase's first interval (a change of workload is a new violating start);
   config changes per 10 intervals once a phase has settled (after its first `settle_intervals`), and reversals

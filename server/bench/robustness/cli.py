@@ -1,5 +1,5 @@
-"""Flags of `metronome bench isolation` and `metronome bench fuzz` (issue 16); argparse only, the work is
-imported when the command runs."""
+"""Flags of `metronome bench isolation` and `metronome bench fuzz`; argparse only, the work is imported when the
+command runs."""
 from __future__ import annotations
 
 import argparse

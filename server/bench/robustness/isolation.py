@@ -20,7 +20,7 @@ client gets at most half of the waiting queue and of the running slots while the
 The injector runs in its own process: building and sending 16 MB bodies in the measuring process would delay
 its own reading of the steady streams and blame the server for it.
 
-Targets (issue 16): hostile p99 within 10 % of quiet p99, hostile max gap within 2x of quiet max gap.
+Targets: hostile p99 within 10 % of quiet p99, hostile max gap within 2x of quiet max gap.
 """
 from __future__ import annotations
 
