@@ -7,5 +7,5 @@
     robustness/   `bench isolation`, `bench fuzz` and `bench stream-cost`, each against a `metronome serve` it starts
     loop/         `bench loop`: the operator's control loop on real servers, against static configs
     configfile.py a config folder rewritten by the kubelet's `..data` swap (the sweep, the loop, the tests' stand-in)
-    ports.py      a free loopback port for the servers the benchmarks start
+    processes.py  the local processes the benchmarks start: a free port, a stop by pid, a log's tail
 """

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from metronome.operator import builders, configmap
 from metronome.operator.spec import parse_service
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port
 from metronome.server.models.default_model import default_model_path
 from metronome_testing.polling import wait_for
 from metronome_testing.s3_server import start_s3_server

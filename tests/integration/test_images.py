@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port
 from metronome_testing.checkout import CRD_FILE, CRD_NAME, EXAMPLE
 from metronome_testing.images.podman import Podman
 from metronome_testing.kube_objects import condition, get_json

@@ -10,7 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from metronome.server.bench.configfile import project
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port
 
 TINY = "random:tiny"
 

@@ -13,7 +13,7 @@ import httpx
 from api_helpers import ServerThread, build_server_parts, scrape, wait_until
 
 from metronome.server.api.lifecycle import Lifecycle
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port
 
 METRONOME = Path(sys.executable).with_name("metronome")  # the venv's console script
 

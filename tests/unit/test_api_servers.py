@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from metronome.contract import metric_names as mn
 from metronome.server.api.api_servers import SERVER_HEADER, check_api_servers
 from metronome.server.bench.configfile import atomic_configmap_write
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine_process import ProcessEngine
 from metronome.server.engine.sampling import SamplingParams

@@ -22,7 +22,7 @@ from engine_fakes import RecordingObserver
 from metronome.contract import metric_names as mn
 from metronome.contract.config import SchedulerConfig
 from metronome.contract.errors import EngineOverloadedError, InvalidRequestError, ModelNotFoundError
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port
 from metronome.server.engine.async_engine import AsyncEngine
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore

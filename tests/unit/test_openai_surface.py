@@ -13,7 +13,7 @@ import openai
 import pytest
 from api_helpers import TINY, ServerThread, build_engine, wait_until
 
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port
 
 KEY = "sk-test-metronome"
 NAMES = ["tiny-chat", "tiny-alias"]

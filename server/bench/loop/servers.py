@@ -5,7 +5,6 @@ the kubelet does to a pod, minus the kubelet's delay.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from metronome import source_checkout
 from metronome.contract.config import ServerConfigFile
 from metronome.contract.errors import MetronomeError
 from metronome.server.bench.configfile import atomic_configmap_write
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port, log_tail, terminate
 
 CONFIG_NAME = "server.yaml"
 
@@ -70,20 +69,11 @@ class LoopServer:
             return False
 
     def stop(self, grace_s: float = 15.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=30)
+        if self.process is not None:
+            terminate(self.process, grace_s)
 
     def log_tail(self, lines: int = 25) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
 
 def start_servers(count: int, work_dir: Path, config: ServerConfigFile, serve_args: Sequence[str],

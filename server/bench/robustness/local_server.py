@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 
 from metronome.contract.errors import MetronomeError
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port, log_tail, terminate
 
 
 @contextlib.contextmanager
@@ -37,28 +37,18 @@ def local_server_process(serve_args: list[str],
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if process.poll() is not None:
-                raise MetronomeError(f"metronome serve exited with {process.returncode}: {_tail(log.name)}")
+                raise MetronomeError(f"metronome serve exited with {process.returncode}: {log_tail(log.name, 20)}")
             try:
                 if httpx.get(url + "/ready", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise MetronomeError(f"metronome serve not ready after {ready_timeout_s:.0f}s: {_tail(log.name)}")
+                raise MetronomeError(f"metronome serve not ready after {ready_timeout_s:.0f}s: "
+                                     f"{log_tail(log.name, 20)}")
             time.sleep(0.2)
         yield url, process
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        terminate(process, grace_s=60)
         log.close()
         os.unlink(log.name)
-
-
-def _tail(path: str, lines: int = 20) -> str:
-    with open(path, errors="replace") as handle:
-        return "".join(handle.readlines()[-lines:])

@@ -8,7 +8,6 @@ local Prometheus. Each start writes a log of its own (operator-<n>.log in `log_d
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port, log_tail, terminate
 from metronome_testing.checkout import ROOT
 from metronome_testing.lifetime import die_with_parent
 
@@ -82,15 +81,8 @@ class OperatorProcess:
             return False
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        if self.process is not None:
+            terminate(self.process, grace_s)
         self.process = None
 
     def restart(self) -> None:
@@ -104,7 +96,4 @@ class OperatorProcess:
         return "\n".join(path.read_text(errors="replace") for path in self.logs)
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_text().splitlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, lines)

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port
 from metronome_testing.checkout import HACK
 
 BUILD_SCRIPT = HACK / "build-s3-server.sh"

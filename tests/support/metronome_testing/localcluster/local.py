@@ -12,14 +12,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port, log_tail
 
 from . import components as comp
 from .api import ApiClient, http_ok
 from .errors import ClusterError, ClusterStartError
 from .nodes import default_nodes, is_ready, node_manifest
 from .pki import Pki, kubeconfig_text, make_pki
-from .procs import LOOPBACK, is_running, log_tail, start_process, stop_process
+from .procs import LOOPBACK, is_running, start_process, stop_process
 from .state import ClusterState, load_state, save_state
 from .tools import ToolSet, default_state_dir
 

@@ -95,10 +95,3 @@ def stop_process(record: ProcessRecord, grace_s: float = 10.0) -> None:
             return
         time.sleep(0.1)
 
-
-def log_tail(path: str | Path, lines: int = 25) -> str:
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])

@@ -1,5 +1,5 @@
 """Loopback addresses for the servers: 127.0.0.2, 127.0.0.3, ... (all of 127.0.0.0/8 is local on Linux), one per
-running pod (each with a free port: metronome.server.bench.ports). Traffic never leaves the machine and never goes
+running pod (each with a free port: metronome.server.bench.processes). Traffic never leaves the machine and never goes
 to a pod IP."""
 from __future__ import annotations
 

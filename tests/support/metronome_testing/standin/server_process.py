@@ -4,7 +4,6 @@ SIGTERM, the grace period, then SIGKILL. Should the driver die first, the kernel
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 import urllib.error
@@ -12,6 +11,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from metronome.server.bench.processes import log_tail, terminate
 from metronome_testing.lifetime import die_with_parent
 
 
@@ -62,19 +62,7 @@ class ServerProcess:
 
     def stop(self, grace_s: float) -> int | None:
         """SIGTERM, wait up to `grace_s`, then SIGKILL; returns the exit code."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=max(grace_s, 0.1))
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=30)
-        return self.process.returncode
+        return None if self.process is None else terminate(self.process, grace_s)
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, lines)

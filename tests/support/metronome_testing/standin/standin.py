@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from metronome.server.bench.configfile import current_files, project
-from metronome.server.bench.ports import free_port
+from metronome.server.bench.processes import free_port, log_tail
 
 from .loopback import AddressPool
 from .podspec import SERVER_POD_SELECTOR, LocalMounts, PodSpecError, ServerPod, is_running, local_argv, server_pod
@@ -215,7 +215,7 @@ class KubeletStandIn:
             if len(ready) >= count and len(ready) == len(servers):
                 return ready
             if time.monotonic() > deadline or self._stopping.is_set():
-                details = "\n".join(f"--- {s.pod} ({s.log_path}, restarts {s.restarts}):\n{_tail(s.log_path)}"
+                details = "\n".join(f"--- {s.pod} ({s.log_path}, restarts {s.restarts}):\n{log_tail(s.log_path, 15)}"
                                     for s in servers)
                 raise StandInError(f"{len(ready)}/{count} servers ready after {timeout_s:.0f} s "
                                    f"(problems: {self.problems() or 'none'}; last error: {self.last_error})\n"
@@ -417,10 +417,3 @@ class KubeletStandIn:
                     raise
                 cache[(namespace, name)] = None
         return cache[(namespace, name)]
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
