@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from metronome.operator.metrics_source import PrometheusMetricsSource, QueryWindow, ServiceSelector
-from metronome.server.bench.processes import free_port
-from metronome_testing.localcluster.api import http_ok
+from metronome.server.bench.processes import free_port, http_ok
 from metronome_testing.localcluster.components import prometheus_argv
 from metronome_testing.localcluster.procs import start_process, stop_process
 from metronome_testing.polling import wait_for

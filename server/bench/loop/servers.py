@@ -8,8 +8,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +16,7 @@ from metronome import source_checkout
 from metronome.contract.config import ServerConfigFile
 from metronome.contract.errors import MetronomeError
 from metronome.server.bench.configfile import atomic_configmap_write
-from metronome.server.bench.processes import free_port, log_tail, terminate
+from metronome.server.bench.processes import free_port, http_ok, log_tail, terminate
 
 CONFIG_NAME = "server.yaml"
 
@@ -62,11 +60,7 @@ class LoopServer:
                                             close_fds=True)
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/ready", timeout=2.0) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ok(f"{self.base_url}/ready")
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self.process is not None:

@@ -11,12 +11,10 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metronome.server.bench.processes import free_port, log_tail, terminate
+from metronome.server.bench.processes import free_port, http_ok, log_tail, terminate
 from metronome_testing.checkout import ROOT
 from metronome_testing.lifetime import die_with_parent
 
@@ -73,12 +71,7 @@ class OperatorProcess:
             time.sleep(0.5)
 
     def healthy(self) -> bool:
-        try:
-            url = f"http://127.0.0.1:{self.health_port}/healthz"
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ok(f"http://127.0.0.1:{self.health_port}/healthz")
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.process is not None:

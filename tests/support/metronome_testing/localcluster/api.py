@@ -51,15 +51,3 @@ class ApiClient:
 
     def create(self, path: str, body: dict) -> ApiResponse:
         return self.request("POST", path, body)
-
-
-_PLAIN_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def http_ok(url: str, timeout_s: float = 2.0) -> bool:
-    """True when a plain-HTTP loopback endpoint (etcd /readyz, prometheus /-/ready) answers 200."""
-    try:
-        with _PLAIN_OPENER.open(url, timeout=timeout_s) as resp:
-            return resp.status == 200
-    except (OSError, urllib.error.URLError):
-        return False

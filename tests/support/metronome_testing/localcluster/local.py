@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from metronome.server.bench.processes import free_port, log_tail
+from metronome.server.bench.processes import free_port, http_ok, log_tail
 
 from . import components as comp
-from .api import ApiClient, http_ok
+from .api import ApiClient
 from .errors import ClusterError, ClusterStartError
 from .nodes import default_nodes, is_ready, node_manifest
 from .pki import Pki, kubeconfig_text, make_pki

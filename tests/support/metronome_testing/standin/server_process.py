@@ -6,22 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metronome.server.bench.processes import log_tail, terminate
+from metronome.server.bench.processes import http_ok, log_tail, terminate
 from metronome_testing.lifetime import die_with_parent
-
-
-def http_ready(base_url: str, timeout_s: float = 2.0) -> bool:
-    """GET <base_url>/ready answers 200 (the server's readiness probe)."""
-    try:
-        with urllib.request.urlopen(f"{base_url}/ready", timeout=timeout_s) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 @dataclass
@@ -58,7 +47,7 @@ class ServerProcess:
 
     def is_ready(self, timeout_s: float = 2.0) -> bool:
         """Running, and GET /ready on its loopback address answers 200."""
-        return self.process is not None and self.exit_code() is None and http_ready(self.base_url, timeout_s)
+        return self.process is not None and self.exit_code() is None and http_ok(f"{self.base_url}/ready", timeout_s)
 
     def stop(self, grace_s: float) -> int | None:
         """SIGTERM, wait up to `grace_s`, then SIGKILL; returns the exit code."""

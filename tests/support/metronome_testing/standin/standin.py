@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from metronome.server.bench.configfile import current_files, project
-from metronome.server.bench.processes import free_port, log_tail
+from metronome.server.bench.processes import free_port, http_ok, log_tail
 
 from .loopback import AddressPool
 from .podspec import SERVER_POD_SELECTOR, LocalMounts, PodSpecError, ServerPod, is_running, local_argv, server_pod
 from .propagation import ConfigUpdate, DelayRange, Propagation
-from .server_process import ServerProcess, http_ready
+from .server_process import ServerProcess
 from .targets import Target, write_file_sd
 
 log = logging.getLogger("standin")
@@ -387,7 +387,7 @@ class KubeletStandIn:
 
     @staticmethod
     def _ready(server: ServerInfo) -> bool:
-        return http_ready(server.base_url)
+        return http_ok(f"{server.base_url}/ready")
 
     # --- API reads -------------------------------------------------------------------------------------------
 
