@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_cases import CASES, FAMILIES, build_case
 
 from metronome.kernels.triton_moe import choose_tiles, fused_experts
 from metronome.server.models.moe_config import MoeSpec
@@ -19,6 +18,7 @@ from metronome.server.models.moe_experts import (
     experts_reference,
     grouped_mm_available,
 )
+from metronome_testing.moe_cases import CASES, FAMILIES, build_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

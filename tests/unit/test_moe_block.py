@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_cases import CASES, FAMILIES, HIDDEN, build_case, hf_block, our_block, rig_router
 
 from metronome.server.models.moe import SparseMoeBlock, resolve_moe_backend
 from metronome.server.models.moe_config import (
@@ -25,6 +24,7 @@ from metronome.server.models.moe_config import (
 from metronome.server.models.moe_experts import grouped_mm_available
 from metronome.server.models.moe_routing import route
 from metronome.server.models.mxfp4 import dequantize_mxfp4
+from metronome_testing.moe_cases import CASES, FAMILIES, HIDDEN, build_case, hf_block, our_block, rig_router
 
 BACKENDS = ["reference"] + (["grouped_mm"] if grouped_mm_available() else [])
 

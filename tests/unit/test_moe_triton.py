@@ -3,8 +3,8 @@ Triton's interpreter on the CPU.
 
 As in test_fused_kernels.py, the Triton side runs in a subprocess started with TRITON_INTERPRET=1 (this file run
 as a script) and hands back plain numbers; the checks are here. Each activation runs every routing case of
-moe_cases.py in float32 (the hidden ones included: ties, every token on the same experts, fewer pairs than
-experts, one token), the other families the cases that shape the segments, and two cases run in bf16; the
+metronome_testing.moe_cases in float32 (the hidden ones included: ties, every token on the same experts, fewer
+pairs than experts, one token), the other families the cases that shape the segments, and two cases run in bf16; the
 alignment kernels are checked on their own for invariants at real expert counts, several block sizes and several
 chunks. The epilogues round in integer arithmetic, so bf16 rounds here as on the GPU; it is compared with a
 one-step tolerance (the token's k outputs are summed in float32, see test_moe_block.py), and
@@ -67,9 +67,8 @@ def _align_case(num_experts, tokens, top_k, block_m, routing) -> dict:
 
 
 def _block_case(family: str, case: str, tokens: int, dtype: torch.dtype, tiles=None) -> dict:
-    from moe_cases import build_case
-
     from metronome.kernels.triton_moe import fused_experts
+    from metronome_testing.moe_cases import build_case
 
     _, ours, x, expected = build_case(family, case, tokens, dtype)
     with torch.no_grad():
@@ -90,9 +89,8 @@ def _block_case(family: str, case: str, tokens: int, dtype: torch.dtype, tiles=N
 
 
 def _run_all() -> dict:
-    from moe_cases import CASES, FAMILIES
-
     from metronome.kernels.triton_moe import MoeTiles
+    from metronome_testing.moe_cases import CASES, FAMILIES
 
     out: dict = {"align": [_align_case(*case) for case in ALIGN_CASES], "blocks": {}}
     for family in FAMILIES:
@@ -110,9 +108,7 @@ def _run_all() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # moe_cases.py, as pytest finds it
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900,
                           cwd=os.path.dirname(__file__))
     assert proc.returncode == 0, f"triton interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
