@@ -1,4 +1,6 @@
-"""Microbenchmark of the MoE expert paths on CUDA: `python3 -m metronome.kernels.bench_moe [--json PATH]`.
+"""Microbenchmark of the MoE expert paths on CUDA, run on the GPU machine from the repo root:
+
+    python3 -m hack.bench_moe [--sweep] [--models NAMES] [--tokens N,...] [--json rows.json]
 
 One layer's routed experts at real shapes — qwen3-30b-a3b (128 experts, top-8, hidden 2048, expert 768),
 gpt-oss-20b (32 experts, top-4, 2880, 2880, biases and the clamped SwiGLU) and mixtral-8x7b (8 experts, top-2,
@@ -116,7 +118,7 @@ def run(args) -> dict:
     timer = _Timer(device)
     dtype = torch.bfloat16
     if device.type == "cuda":
-        from metronome.kernels.bench_kernels import copy_bandwidth
+        from hack.bench_kernels import copy_bandwidth
         bw, name = copy_bandwidth(device), torch.cuda.get_device_name()
     else:
         bw, name = float("nan"), "cpu (smoke)"
