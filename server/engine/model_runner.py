@@ -307,7 +307,7 @@ class ModelRunner:
         pool = None
         try:
             with torch.cuda.device(self.device):
-                self.model.model.rotary.tables(self.device, self.kv_caches[0][0].dtype)  # never inside a capture
+                self.model.prepare_rope_tables(self.device, self.kv_caches[0][0].dtype)  # never inside a capture
                 num_kv_heads = self.kv_caches[0][0].shape[2]
                 pool = cuda_graph_pool()
                 graphs = GraphRunner(self.graph_forward, sizes, self.mirror.cols, self.scratch_block, self.device,
@@ -359,7 +359,10 @@ class ModelRunner:
         launches = 0
         with torch.inference_mode():
             if backend is not None and heads is not None:
-                launches += backend.warm_up((1, heads, k_cache.shape[3]), k_cache, v_cache, max_model_len)
+                config = self.model.config
+                windows = tuple(dict.fromkeys(config.layer_windows))
+                launches += backend.warm_up((1, heads, k_cache.shape[3]), k_cache, v_cache, max_model_len,
+                                            windows=windows, softcap=config.attn_logit_softcapping)
             meta = scratch_metadata([1], self.scratch_block, self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             self.model.forward(zero, zero, self.kv_caches, meta)
