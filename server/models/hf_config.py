@@ -173,8 +173,11 @@ def _gemma3(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True)),
         "embedding_scale": math.sqrt(fields["hidden_size"]),
         "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", 256)),
-        "attn_logit_softcapping": _optional_float(raw.get("attn_logit_softcapping")),
+        # Gemma 3 replaced attention soft-capping by QK-norm: its config may still carry the field, which its
+        # reference implementation does not apply. Only the final logits are capped.
         "final_logit_softcapping": _optional_float(raw.get("final_logit_softcapping")),
+        "notes": (("attn_logit_softcapping is not applied by Gemma 3",)
+                  if raw.get("attn_logit_softcapping") is not None else ()),
     }
 
 

@@ -58,8 +58,8 @@ def scaled_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | Non
     if scaling["rope_type"] == "linear":
         return inv_freq / float(scaling["factor"])
     if scaling["rope_type"] == "longrope":
-        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
         return 1.0 / (factors * theta ** exponents)
     raise ValueError(f"unsupported rope type {scaling['rope_type']!r}")  # validate() rejects these earlier
 
