@@ -96,7 +96,7 @@ def test_engine_greedy_matches_transformers(family, chunk, block_size, prefix):
         seqs = [core._seqs[core.add_request(p, GREEDY)] for p in prompts]
         while core.has_unfinished():
             core.step()
-        assert any(s.num_cached_tokens >= 2 * block_size for s in seqs)
+        assert any(s.num_cached_tokens >= block_size for s in seqs)
         assert_same_greedy(f"{name} chunk {chunk} block {block_size} warm", reference,
                            [s.output_token_ids for s in seqs])
         core.check_no_leaks()
