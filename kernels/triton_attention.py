@@ -306,17 +306,17 @@ def choose_num_splits(num_programs: int, num_tokens: int, max_seqlen_k: int, sm_
     return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants, tl.arange in the merge
 
 
-# Every layer of a forward pass gets the same metadata object (built once per step and never changed after):
-# classify its batch on the first layer only.
+# Every layer of a forward pass gets metadata sharing one q_lens list (built once per step and never changed
+# after; one metadata object per KV group): classify its batch on the first layer only.
 _batch_memo: list = [None, (0, False)]
 
 
 def _batch_shape(meta: AttentionMetadata) -> tuple[int, bool]:
     """(how many sequences at the start of the batch are decodes, whether any sequence is a decode). Leading
     decodes get small tiles of their own; decodes elsewhere ride in chunk tiles."""
-    if _batch_memo[0] is not meta:
-        q_lens = meta.q_lens_host
-        _batch_memo[:] = [meta, (len(list(itertools.takewhile((1).__eq__, q_lens))), 1 in q_lens)]
+    q_lens = meta.q_lens_host
+    if _batch_memo[0] is not q_lens:
+        _batch_memo[:] = [q_lens, (len(list(itertools.takewhile((1).__eq__, q_lens))), 1 in q_lens)]
     return _batch_memo[1]
 
 
