@@ -47,7 +47,14 @@ def phi3_config():
                          "original_max_position_embeddings": 64}))
 
 
-FAMILIES = {"qwen3": qwen3_config, "gemma3": gemma3_config, "gemma3-softcap": lambda: gemma3_config(softcap=True),
+def mistral_config():
+    from transformers import MistralConfig
+
+    # Every layer slides: the KV cache holds a window per sequence whatever its length.
+    return MistralConfig(**_base(head_dim=16, sliding_window=WINDOW, rope_theta=10000.0, tie_word_embeddings=False))
+
+
+FAMILIES = {"qwen3": qwen3_config, "mistral": mistral_config, "gemma3": gemma3_config, "gemma3-softcap": lambda: gemma3_config(softcap=True),
             "phi3": phi3_config}
 
 

@@ -100,3 +100,27 @@ def test_engine_greedy_matches_transformers(family, chunk, block_size, prefix):
         assert_same_greedy(f"{name} chunk {chunk} block {block_size} warm", reference,
                            [s.output_token_ids for s in seqs])
         core.check_no_leaks()
+
+
+@pytest.mark.parametrize("name,num_kv_blocks", [("gemma3", 48), ("mistral", 12)])
+def test_a_long_prompt_runs_in_a_cache_smaller_than_its_context(name, num_kv_blocks, tmp_path):
+    """600 tokens of context in a cache that could not hold them if window layers kept every block: the full
+    layers' group holds every token (38 blocks of 16), window groups only their window; the output is
+    still transformers'."""
+    config = FAMILIES[name]()
+    config.max_position_embeddings = 1024
+    hf_model = save_hf_model(tmp_path, config)
+    ours = load_model(f"hf-dir:{tmp_path}", dtype="float32", device="cpu", attention_backend="torch")
+    prompt = torch.randint(3, VOCAB, (590,), generator=torch.Generator().manual_seed(9)).tolist()
+    want = hf_generate(hf_model, prompt)
+    core = EngineCore(ours, EngineConfig(device="cpu", block_size=16, num_kv_blocks=num_kv_blocks, watermark=0.0),
+                      SchedulerConfig(chunk_size=23, queue_policy="fcfs"))
+    assert core.block_manager.max_admissible_tokens() >= len(prompt) + NEW_TOKENS
+    seq = core._seqs[core.add_request(prompt, GREEDY)]
+    peak = 0
+    while core.has_unfinished():
+        core.step()
+        peak = max(peak, core.block_manager.num_used_blocks)
+    assert_same_greedy(f"{name} long prompt", [want], [seq.output_token_ids])
+    assert peak <= num_kv_blocks < len(core.block_manager.windows) * -(-(len(prompt) + NEW_TOKENS) // 16)
+    core.check_no_leaks()
