@@ -54,8 +54,8 @@ def mistral_config():
     return MistralConfig(**_base(head_dim=16, sliding_window=WINDOW, rope_theta=10000.0, tie_word_embeddings=False))
 
 
-FAMILIES = {"qwen3": qwen3_config, "mistral": mistral_config, "gemma3": gemma3_config, "gemma3-softcap": lambda: gemma3_config(softcap=True),
-            "phi3": phi3_config}
+FAMILIES = {"qwen3": qwen3_config, "mistral": mistral_config, "gemma3": gemma3_config,
+            "gemma3-softcap": lambda: gemma3_config(softcap=True), "phi3": phi3_config}
 
 
 def write_tokenizer(folder: Path) -> None:

@@ -113,7 +113,8 @@ def _case_results(name, tokens, hidden, heads, kv_heads, head_dim, block_size, v
     gate_up = randn(tokens, 2 * inter)
     gate, up = gate_up.split(inter, dim=-1)
     act = features.get("hidden_act", "silu")
-    expected_act = torch.nn.functional.silu(gate) if act == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+    F = torch.nn.functional
+    expected_act = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
     out["gated_act"] = _rel(gated_act(gate_up, act), expected_act * up)
     out["finite"] = bool(torch.isfinite(q_out).all() and torch.isfinite(got).all())
     return out

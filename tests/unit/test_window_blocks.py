@@ -68,7 +68,7 @@ def test_window_groups_free_blocks_behind_the_window_and_stay_bounded():
     assert live(full) == 25  # every token of the full group
     bound = -(-(WINDOW - 1 + 7) // BS) + 1  # a window and a chunk
     assert live(local) <= bound and local[0] == FREED
-    for step in range(60):  # decodes: the full group grows, the window groups do not
+    for _ in range(60):  # decodes: the full group grows, the window groups do not
         seq.token_ids.append(7)
         assert bm.append_slots(seq)
         assert all(live(t) <= -(-WINDOW // BS) + 1 for t in seq.block_tables[1:])
