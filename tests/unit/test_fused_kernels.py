@@ -120,8 +120,36 @@ def _case_results(name, tokens, hidden, heads, kv_heads, head_dim, block_size, v
     return out
 
 
+MODEL_PRESETS = ("tiny", "tiny-qwen3", "tiny-gemma3", "tiny-phi3")
+
+
+def _model_results(preset: str) -> dict:
+    """A whole tiny model of each family, fused kernels and Triton attention against the torch path: a prefill of
+    70 tokens (past the sliding layers' 48-token window) then one decode, logits compared."""
+    from test_model_exact import PagedCache
+
+    from metronome.kernels import get_backend
+    from metronome.server.models import load_model
+
+    loaded = load_model(f"random:{preset}", dtype="float32", device="cpu", attention_backend="torch", seed=1)
+    model = loaded.model
+    ids = torch.randint(3, loaded.config.vocab_size, (71,), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for fused in (False, True):
+        model.fused = fused
+        model.set_attention_backend(get_backend("triton" if fused else "torch"))
+        cache = PagedCache(loaded.config, 1, 71)
+        with torch.inference_mode():
+            model(ids[:70], torch.arange(70), cache.kv, cache.metadata([0], [70]))
+            hidden = model(ids[70:], torch.tensor([70]), cache.kv, cache.metadata([70], [1]))
+            logits[fused] = model.compute_logits(hidden)
+    return {"logits": _rel(logits[True], logits[False])}
+
+
 def _run_all() -> dict:
-    return {case[0]: _case_results(*case) for case in CASES}
+    results = {case[0]: _case_results(*case) for case in CASES}
+    results.update({f"model:{preset}": _model_results(preset) for preset in MODEL_PRESETS})
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +172,11 @@ def test_fused_kernels_match_the_torch_path(results, case):
     assert got["untouched_nan"], "a skipped slot (or a slot of no token) was written"
     for key in ("norm_add", "norm_plain", "q", "k", "gated_act"):
         assert got[key] < tol, (key, got[key])
+
+
+@pytest.mark.parametrize("preset", MODEL_PRESETS)
+def test_fused_model_matches_the_torch_path(results, preset):
+    assert results[f"model:{preset}"]["logits"] < 1e-5
 
 
 if __name__ == "__main__":
