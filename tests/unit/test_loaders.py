@@ -13,6 +13,7 @@ from test_model_exact import PagedCache
 
 from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 from metronome.server.models import ModelConfig, UnsupportedModelError, load_model
+from metronome.server.models.families import build_model
 from metronome.server.models.gguf_loader import unpermute_rows
 from metronome.server.models.hf_config import config_from_hf_dict
 from metronome.server.models.llama import LlamaForCausalLM
@@ -284,7 +285,7 @@ def test_default_gguf_config_is_smollm2_135m():
 def test_presets_build_with_their_shapes_on_meta(name):
     config = preset_config(name)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention=None)
+        model = build_model(config, attention=None)
     assert sum(p.numel() for p in model.parameters()) == config.num_parameters()
     assert model.model.layers[0].self_attn.qkv_proj.weight.shape == (config.q_size + 2 * config.kv_size,
                                                                       config.hidden_size)
