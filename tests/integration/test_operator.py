@@ -10,16 +10,12 @@ import re
 
 import pytest
 import yaml
-from operator_harness import (
-    EXAMPLE,
-    OperatorProcess,
-    chart_release,
-    condition,
-    events_for,
-    get_json,
-    service_account_kubeconfig,
-    wait_for,
-)
+
+from metronome_testing.chart import chart_release, service_account_kubeconfig
+from metronome_testing.checkout import EXAMPLE
+from metronome_testing.kube_objects import condition, events_for, get_json
+from metronome_testing.operator_process import OperatorProcess
+from metronome_testing.polling import wait_for
 
 NAME = "smollm2"  # examples/inferenceservice.yaml
 LABEL = f"metronome.dev/inferenceservice={NAME}"
@@ -69,9 +65,10 @@ def _running_pods(cluster, ns) -> list[dict]:
     return [p for p in pods if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
 
 
-def _columns(cluster, ns) -> dict[str, str]:
+def _columns(cluster, ns, *flags: str) -> dict[str, str]:
     """The printed table row, cut at the header's column offsets (empty cells print as nothing)."""
-    header, row = cluster.kubectl("get", "inferenceservices.metronome.dev", NAME, "-n", ns).stdout.splitlines()[:2]
+    header, row = cluster.kubectl("get", "inferenceservices.metronome.dev", NAME, "-n", ns,
+                                  *flags).stdout.splitlines()[:2]
     starts = [m.start() for m in re.finditer(r"\S+", header)]
     bounds = list(zip(starts, starts[1:] + [None]))
     return {header[a:b].strip(): row[a:b].strip() for a, b in bounds}
@@ -111,7 +108,9 @@ def test_example_creates_children_running_pods_columns_and_conditions(cluster, o
 
     columns = _columns(cluster, ns)
     assert columns["READY"] == "2/2"
-    assert columns["CHUNK"] == "512" and columns["POLICY"] == "split"
+    # split: the step's budget is its larger lane (2048 short, 512 long), the number the servers enforce
+    assert columns["CHUNK"] == "2048" and columns["POLICY"] == "split"
+    assert _columns(cluster, ns, "-o", "wide")["SPLIT"] == "2048/512"
     assert list(columns) == ["NAME", "READY", "CHUNK", "POLICY", "TBT-P99", "SLO", "TOK/S", "AGE"]
     assert columns["TBT-P99"] == "" and columns["TOK/S"] == ""  # not measured yet
     assert columns["SLO"] == "Unknown"  # no Prometheus in this test: nothing to judge by
