@@ -250,6 +250,19 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, on_cuda: bool) -
     return MoeTiles(128, 64, 64, group_m=8, num_warps=8, num_stages=3)
 
 
+def representative_token_counts(top_k: int, num_experts: int) -> list[int]:
+    """One token count per tile class choose_tiles can pick on CUDA (the smallest of each): what a warm-up runs
+    so that every kernel variant is compiled before serving."""
+    counts, seen = [], set()
+    for threshold in (0, 16, 48, 128):
+        tokens = max(1, threshold * num_experts // top_k + 1)
+        tiles = choose_tiles(tokens, top_k, num_experts, True)
+        if tiles not in seen:
+            seen.add(tiles)
+            counts.append(tokens)
+    return counts
+
+
 def _gemm(a, b, bias, out, route_weights, plan: RoutePlan, num_pairs: int, n: int, k: int, a_row_div: int,
           activation: int, alpha: float, limit: float, tiles: MoeTiles) -> None:
     on_cuda = a.device.type == "cuda"

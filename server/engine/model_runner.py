@@ -388,7 +388,11 @@ class ModelRunner:
                 config = self.model.config
                 windows = tuple(dict.fromkeys(getattr(config, "layer_windows", None) or (None,)))
                 launches += backend.warm_up((1, heads, k_cache.shape[3]), k_cache, v_cache, max_model_len,
-                                            windows=windows, softcap=getattr(config, "attn_logit_softcapping", None))
+                                            windows=windows, softcap=getattr(config, "attn_logit_softcapping", None),
+                                            sinks=getattr(config, "attention_sinks", False))
+            warm_kernels = getattr(self.model, "warm_up_kernels", None)
+            if warm_kernels is not None:  # kernels of the model's own (the MoE tile classes)
+                launches += warm_kernels(self.device)
             meta = scratch_metadata([1], self.scratch_block, self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             self.model.forward(zero, zero, self.kv_caches, meta)

@@ -1,7 +1,8 @@
 """The mixture-of-experts block as a shared layer: router, experts stacked per block, optional shared expert.
 
     block = SparseMoeBlock(hidden_size, spec)       # spec: moe_config.MoeSpec (from moe_spec_from_hf)
-    y = block(x, backend)                           # x [T, H] → [T, H]
+    y = block(x, fused)                             # x [T, H] → [T, H], as any layer's MLP (layers.ModelParts)
+    y = block.run(x, "grouped_mm")                  # on a named backend
 
 Parameters: `gate.weight` [E, H] (+ `gate.bias` [E], `gate.e_score_correction_bias` [E]), `experts.gate_up_proj`
 [E, 2I, H] with the gate rows first, `experts.down_proj` [E, H, I] (+ `experts.gate_up_proj_bias` [E, 2I],
@@ -14,6 +15,7 @@ stacked [E, 2I, H], gpt-oss's transposed, interleaved [E, H, 2I], or gpt-oss's M
 Backends for the routed experts (`MOE_BACKENDS`): `reference` (the exact per-expert loop, moe_experts.py; CPU
 default, not graph-capturable), `triton` (the fused kernels, kernels/triton_moe.py; CUDA default) and
 `grouped_mm` (torch's grouped GEMM). The router and the shared expert are the same torch ops on every backend.
+`block.backend` is "auto" (triton where the model runs fused, i.e. on CUDA; the reference elsewhere) or one of them.
 """
 from __future__ import annotations
 
@@ -96,9 +98,17 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = (GatedMLP(hidden_size, spec.shared_expert_intermediate_size, bias=False)
                               if spec.has_shared_expert else None)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if spec.shared_expert_gate else None
+        self.backend = "auto"
         self._pending_mxfp4: dict[str, dict[str, torch.Tensor]] = {}
 
-    def forward(self, x: torch.Tensor, backend: str = "reference") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """x [T, H] → [T, H]; fused: the model runs its fused CUDA kernels (picks triton when backend is auto)."""
+        backend = self.backend
+        if backend == "auto":
+            backend = "triton" if fused else "reference"
+        return self.run(x, backend)
+
+    def run(self, x: torch.Tensor, backend: str) -> torch.Tensor:
         """x [T, H] → [T, H] with the routed experts on `backend` (one of MOE_BACKENDS but auto)."""
         topk_weights, topk_ids = self.gate(x)
         out = self.routed(x, topk_weights, topk_ids, backend)

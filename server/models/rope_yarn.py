@@ -48,9 +48,10 @@ def yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch
     if low == high:
         high += 0.001  # a ramp of zero width would divide by zero
 
-    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    # On the CPU explicitly: models are built under a meta-device context, and these are plain attributes.
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (factor * pos_freqs)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     extrapolation_weight = 1 - ramp
     return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight

@@ -91,7 +91,7 @@ def test_blocks_match_transformers_on_the_gpu_with_the_hidden_routing_cases(fami
             for path in ["reference"] + PATHS:
                 if path == "grouped_mm" and dtype == torch.float32:
                     continue  # torch's grouped GEMM takes bf16 on CUDA
-                got = ours(x, path)
+                got = ours.run(x, path)
                 tol = 1e-4 if dtype == torch.float32 else 2e-2
                 assert _rel(got, expected) < tol, (family, case, path)
 

@@ -42,7 +42,7 @@ def test_block_matches_transformers(family, case, tokens, dtype):
         if case == "same_experts":
             assert (ids[:, 0] == 5).all() and (ids[:, 1] == 2).all()
         for backend in BACKENDS:
-            got = ours(x, backend)
+            got = ours.run(x, backend)
             assert got.dtype == dtype and got.shape == expected.shape
             if dtype == torch.float32:
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=backend)
@@ -61,7 +61,7 @@ def test_qwen_routing_without_renormalisation(family):
     with torch.no_grad():
         weights, _ = ours.gate(x)
         assert (weights.sum(-1) < 1 - 1e-3).all()  # the top-k probabilities, not renormalised
-        torch.testing.assert_close(ours(x), hf(x[None])[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.run(x, "reference"), hf(x[None])[0], rtol=1e-5, atol=1e-5)
 
 
 def test_router_matches_transformers_routers_on_ties():
@@ -199,7 +199,7 @@ def test_gpt_oss_mxfp4_experts_load_as_their_dequantised_weights():
         assert torch.equal(a, b), name
     x = torch.randn(6, HIDDEN)
     with torch.no_grad():
-        torch.testing.assert_close(block(x), hf(x[None])[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(block.run(x, "reference"), hf(x[None])[0][0], rtol=1e-5, atol=1e-5)
 
 
 def test_bad_checkpoint_tensors_are_named():

@@ -78,7 +78,7 @@ def _block_case(family: str, case: str, tokens: int, dtype: torch.dtype, tiles=N
         spec = ours.spec
         got = fused_experts(x, e.gate_up_proj, e.down_proj, weights, ids, spec.activation, spec.swiglu_alpha,
                             spec.swiglu_limit, e.gate_up_proj_bias, e.down_proj_bias, tiles=tiles)
-        block = ours(x, "triton")
+        block = ours.run(x, "triton")
     scale = expected.abs().max().item()
     return {
         "vs_reference": (got.float() - reference.float()).abs().max().item() / scale,
