@@ -327,6 +327,10 @@ class ModelRunner:
             return "eager: not on CUDA"
         if name != "triton":
             return f"eager: attention backend {name!r} is not captured (only triton is)"
+        model_problem = getattr(self.model, "graph_capture_problem", None)
+        problem = model_problem(self.device) if model_problem is not None else None
+        if problem:
+            return f"eager: {problem}"
         sizes = capture_sizes(max_batch)
         if not sizes:
             return "eager: no batch size to capture"

@@ -19,6 +19,7 @@ default, not graph-capturable), `triton` (the fused kernels, kernels/triton_moe.
 """
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -26,12 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from metronome.server.models.layers import GatedMLP
-from metronome.server.models.moe_config import MoeSpec
+from metronome.server.models.moe_config import MOE_BACKENDS, MoeSpec
 from metronome.server.models.moe_experts import ExpertWeights, experts_grouped_mm, experts_reference
 from metronome.server.models.moe_routing import route
 from metronome.server.models.mxfp4 import dequantize_mxfp4
 
-MOE_BACKENDS = ("auto", "reference", "triton", "grouped_mm")
 GRAPH_SAFE_BACKENDS = ("triton", "grouped_mm")  # no host reads: CUDA graphs can capture them
 
 
@@ -47,6 +47,9 @@ def resolve_moe_backend(requested: str, device: torch.device) -> str:
         return "triton" if on_cuda and triton_available() else "reference"
     if requested == "triton" and not triton_available():
         raise ValueError("MoE backend 'triton' needs the triton package, which is not installed")
+    if requested == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true"):
+        raise ValueError(f"MoE backend 'triton' runs on CUDA; on {torch.device(device).type} choose reference or "
+                         "grouped_mm (or set TRITON_INTERPRET=1 for Triton's slow interpreter)")
     if requested == "grouped_mm":
         from metronome.server.models.moe_experts import grouped_mm_available
 

@@ -12,6 +12,10 @@ from typing import Any
 
 from metronome.server.models.config import UnsupportedModelError
 
+# How the routed experts run (server/models/moe.py): auto = triton where the model runs its fused CUDA kernels,
+# else the reference loop; triton = the fused kernels; grouped_mm = torch's grouped GEMM; reference = a loop over
+# the experts (exact, reads the routing on the host: no CUDA graphs).
+MOE_BACKENDS = ("auto", "triton", "grouped_mm", "reference")
 SCORINGS = ("softmax", "sigmoid")
 ACTIVATIONS = ("silu", "swiglu_clamped")
 # "concatenated": [E, 2I, H] gate rows then up rows, or one tensor per expert (transformers 5 and the Hub files);

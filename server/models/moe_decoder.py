@@ -51,6 +51,13 @@ class MoeForCausalLM(LlamaForCausalLM):
     def moe_backend(self) -> str:
         return next(iter(self.moe_blocks().values())).backend
 
+    def graph_capture_problem(self, device: torch.device) -> str | None:
+        """Why a CUDA graph cannot capture this model's forward on `device`, or None."""
+        backend = self.moe_backend
+        if backend == "reference" or (backend == "auto" and not self.use_fused(device)):
+            return "the MoE reference backend reads each step's routing on the host (choose triton or grouped_mm)"
+        return None
+
     # ---- weights -------------------------------------------------------------------------------------------
 
     def load_own_tensor(self, name: str, tensor: torch.Tensor) -> list[tuple[str, int]] | None:

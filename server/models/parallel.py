@@ -68,6 +68,9 @@ def plan_shards(config: ModelConfig, world_size: int) -> ShardPlan:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidRequestError(f"tensor_parallel_size must be a positive integer, got {world_size!r}",
                                   param="tensor_parallel_size")
+    if config.moe is not None and world_size > 1:
+        raise InvalidRequestError(f"tensor parallelism does not shard experts: {config.architecture} runs with "
+                                  "tensor_parallel_size 1", param="tensor_parallel_size")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:
         raise InvalidRequestError(
