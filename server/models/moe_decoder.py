@@ -72,7 +72,14 @@ class MoeForCausalLM(LlamaForCausalLM):
         return [(prefix + target, shard) for target, shard in block.load_tensor(rest, tensor)]
 
     def load_weights(self, weights) -> None:
-        super().load_weights(weights)
+        try:
+            super().load_weights(weights)
+        except ValueError:
+            self._refuse_unpaired_mxfp4()  # the more telling reason for the missing experts
+            raise
+        self._refuse_unpaired_mxfp4()
+
+    def _refuse_unpaired_mxfp4(self) -> None:
         pending = [f"model.layers.{i}.mlp.experts.{part}" for i, block in self.moe_blocks().items()
                    for part in block.pending()]
         if pending:

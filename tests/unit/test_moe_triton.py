@@ -4,11 +4,12 @@ Triton's interpreter on the CPU.
 As in test_fused_kernels.py, the Triton side runs in a subprocess started with TRITON_INTERPRET=1 (this file run
 as a script) and hands back plain numbers; the checks are here. Each activation runs every routing case of
 metronome_testing.moe_cases in float32 (the hidden ones included: ties, every token on the same experts, fewer
-pairs than experts, one token), the other families the cases that shape the segments, and two cases run in bf16; the
-alignment kernels are checked on their own for invariants at real expert counts, several block sizes and several
-chunks. The epilogues round in integer arithmetic, so bf16 rounds here as on the GPU; it is compared with a
-one-step tolerance (the token's k outputs are summed in float32, see test_moe_block.py), and
-tests/gpu/test_moe_gpu.py repeats this on the H200.
+pairs than experts, one token), the other families the cases that shape the segments, and two cases run in bf16;
+the alignment kernels are checked on their own for invariants at real expert counts, several block sizes and
+several chunks; and whole tiny MoE models (gpt-oss: sinks, windows, float32-scaled norms; Qwen3-MoE: QK-norm, a
+dense layer) run their fused path against their torch path. The epilogues round in integer arithmetic, so bf16
+rounds here as on the GPU; it is compared with a one-step tolerance (the token's k outputs are summed in float32,
+see test_moe_block.py), and tests/gpu/test_moe_gpu.py repeats this on the H200.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ ALIGN_CASES = [(128, 1, 8, 16, "random"), (128, 50, 8, 16, "random"), (128, 3, 8
 FULL_FAMILIES = ("qwen3_moe", "gpt_oss")
 OTHER_CASES = ("random", "same_experts", "fewer_pairs_than_experts")
 BF16_CASES = ("random", "tied_logits")
+MODEL_PRESETS = ("tiny-gpt-oss", "tiny-qwen3-moe")
 
 
 def _align_case(num_experts, tokens, top_k, block_m, routing) -> dict:
@@ -88,11 +90,41 @@ def _block_case(family: str, case: str, tokens: int, dtype: torch.dtype, tiles=N
     }
 
 
+def _model_case(preset: str) -> dict:
+    """A whole MoE model on its fused path (Triton attention with sinks and windows, fused norms and rope, the
+    fused experts) against its torch path, same weights: a mixed batch (a 30-token chunk and a 5-token prompt),
+    then a decode step of both."""
+    from test_model_exact import PagedCache
+
+    from metronome.kernels import get_backend
+    from metronome.server.models import load_model
+
+    loaded = load_model(f"random:{preset}", dtype="float32", device="cpu", attention_backend="torch", seed=4)
+    model = loaded.model
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, loaded.config.vocab_size, (n,), generator=g) for n in (30, 5)]
+    logits = {}
+    for fused in (False, True):
+        model.fused = fused
+        model.set_attention_backend(get_backend("triton" if fused else "torch"))
+        cache = PagedCache(loaded.config, 2, 64)
+        with torch.inference_mode():
+            hidden = model(torch.cat(prompts), torch.cat([torch.arange(30), torch.arange(5)]), cache.kv,
+                           cache.metadata([0, 0], [30, 5]))
+            first = model.compute_logits(hidden)
+            nxt = first[[29, 34]].argmax(-1)
+            hidden = model(nxt, torch.tensor([30, 5]), cache.kv, cache.metadata([30, 5], [1, 1]))
+            logits[fused] = torch.cat([first, model.compute_logits(hidden)])
+    return {"rel": ((logits[True] - logits[False]).norm() / logits[False].norm()).item(),
+            "finite": bool(torch.isfinite(logits[True]).all())}
+
+
 def _run_all() -> dict:
     from metronome.kernels.triton_moe import MoeTiles
     from metronome_testing.moe_cases import CASES, FAMILIES
 
-    out: dict = {"align": [_align_case(*case) for case in ALIGN_CASES], "blocks": {}}
+    out: dict = {"align": [_align_case(*case) for case in ALIGN_CASES], "blocks": {},
+                 "models": {preset: _model_case(preset) for preset in MODEL_PRESETS}}
     for family in FAMILIES:
         for case, tokens in CASES:
             if family in FULL_FAMILIES or case in OTHER_CASES:
@@ -133,6 +165,12 @@ def test_fused_experts_match_transformers_and_the_reference(results):
         assert got["finite"] and got["dtype_kept"], name
         assert got["vs_reference"] < tol, (name, got)
         assert got["block_vs_transformers"] < tol, (name, got)
+
+
+@pytest.mark.parametrize("preset", MODEL_PRESETS)
+def test_whole_moe_model_on_the_fused_path_matches_its_torch_path(results, preset):
+    got = results["models"][preset]
+    assert got["finite"] and got["rel"] < 1e-5, got
 
 
 if __name__ == "__main__":
