@@ -1,14 +1,19 @@
-"""Bytes and FLOPs of a Llama-family decoder: the physical floors the engine benchmark compares against. Pure.
+"""Bytes and FLOPs of a decoder: the physical floors the engine benchmark compares against. Pure.
 
 - A decode step reads every weight once (the input embedding table is only gathered, B rows; when tied, the
-  table is read whole as the LM head) plus the KV of every context token of every sequence.
-- Prefill of a prompt of L tokens: 2 FLOPs per linear weight per token, causal attention 4·heads·head_dim per
-  (query, key) pair over L(L+1)/2 pairs per layer, and the LM head only for the sampled (last) token.
+  table is read whole as the LM head) plus the KV of every context token of every sequence. A mixture of
+  experts reads, in each sparse layer, only the experts its B tokens picked: under uniform routing
+  E·(1 - (1 - k/E)^B) of the E (k for one token, all of them for a large batch), plus everything else.
+- Prefill of a prompt of L tokens: 2 FLOPs per active linear weight per token (an MoE token runs its k experts
+  and the router), causal attention 4·heads·head_dim per (query, key) pair over L(L+1)/2 pairs per layer, and the
+  LM head only for the sampled (last) token.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+
+from metronome.server.models.moe_config import expected_distinct_experts
 
 
 def embedding_params(config: Any) -> int:
@@ -21,11 +26,32 @@ def linear_params_per_layer(config: Any) -> int:
     return h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
 
 
-def weights_read_per_decode_step(config: Any, dtype_bytes: int) -> int:
-    """Bytes of weights a decode step must read (all parameters but the gathered input embedding table)."""
+def active_linear_params(config: Any) -> int:
+    """Linear weights one token multiplies through, over all layers: each dense layer's, and in each sparse layer
+    the attention, the router, its k experts and any shared expert."""
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        return config.num_hidden_layers * linear_params_per_layer(config)
+    h = config.hidden_size
+    dense_mlp = 3 * h * config.intermediate_size
+    attention = linear_params_per_layer(config) - dense_mlp
+    sparse_mlp = h * moe.num_experts + moe.top_k * 3 * h * moe.intermediate_size \
+        + 3 * h * moe.shared_expert_intermediate_size
+    sparse = config.num_moe_layers
+    return config.num_hidden_layers * attention + sparse * sparse_mlp + (config.num_hidden_layers - sparse) * dense_mlp
+
+
+def weights_read_per_decode_step(config: Any, dtype_bytes: int, batch: float | None = None) -> int:
+    """Bytes of weights a decode step of `batch` sequences must read: all parameters but the gathered input
+    embedding table, and of an MoE's routed experts only those its tokens pick under uniform routing (batch None:
+    every expert, which a large batch reads anyway)."""
     params = config.num_parameters()
     if not config.tie_word_embeddings:
         params -= embedding_params(config)
+    moe = getattr(config, "moe", None)
+    if moe is not None and batch is not None:
+        unread = moe.num_experts - expected_distinct_experts(moe.num_experts, moe.top_k, batch)
+        params -= round(config.num_moe_layers * unread * moe.expert_parameters(config.hidden_size))
     return params * dtype_bytes
 
 
@@ -33,8 +59,9 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
 
 
-def decode_floor_bytes(config: Any, dtype_bytes: int, context_lens: Iterable[int]) -> int:
-    return weights_read_per_decode_step(config, dtype_bytes) + kv_bytes_per_token(config, dtype_bytes) * sum(
+def decode_floor_bytes(config: Any, dtype_bytes: int, context_lens: Iterable[int], batch: float | None = None) -> int:
+    """A decode step's weights (at `batch` sequences; None: every expert) plus the KV of these context tokens."""
+    return weights_read_per_decode_step(config, dtype_bytes, batch) + kv_bytes_per_token(config, dtype_bytes) * sum(
         context_lens)
 
 
@@ -47,7 +74,7 @@ def decode_floor_tokens_per_s(weight_bytes: int, kv_bytes_per_token: int, mean_b
 
 def prefill_flops(config: Any, prompt_lens: Iterable[int]) -> float:
     """FLOPs to prefill these prompts from scratch (one sampled token each)."""
-    linear = config.num_hidden_layers * linear_params_per_layer(config)
+    linear = active_linear_params(config)
     attn_per_pair = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
     lm_head = 2 * config.vocab_size * config.hidden_size
     total = 0.0

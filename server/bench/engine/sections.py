@@ -115,7 +115,7 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
         "cuda_graph_steps": graph_steps,
     }
     config = core.loaded.config
-    floor_bytes = model_math.decode_floor_bytes(config, dtype_bytes, [int(statistics.median(kv_tokens))])
+    floor_bytes = model_math.decode_floor_bytes(config, dtype_bytes, [int(statistics.median(kv_tokens))], batch)
     result["floor_bytes"] = floor_bytes
     if bandwidth:
         floor_s = floor_bytes / bandwidth
