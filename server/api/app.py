@@ -61,6 +61,9 @@ from metronome.server.api.protocol import (
     now_unix,
 )
 from metronome.server.api.responses import ChatShaper, CompletionShaper
+from metronome.server.api.responses_request import ResponsesRequest, input_messages
+from metronome.server.api.responses_shaper import ECHO_DEFAULTS, ResponsesShaper
+from metronome.server.api.responses_store import ResponseStore
 from metronome.server.api.state import ServerState
 from metronome.server.api.token_gaps import TokenGapTimer
 from metronome.server.api.tokenization import TokenizerPool
@@ -122,6 +125,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
     tokenizer_pool = TokenizerPool(engine.tokenizer, engine.max_model_len, workers=tokenizer_workers,
                                    max_pending=engine.max_waiting)
     ledger = ClientLedger(shares)
+    store = ResponseStore()
     limiter = RateLimiter.from_flags(rates)
 
     @contextlib.asynccontextmanager
@@ -271,7 +275,10 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
         with release_on_error(hold):
             return await _chat_completions(body, request, hold, client)
 
-    async def _chat_completions(body: ChatCompletionRequest, request: Request, hold: ClientHold, client: str):
+    async def _chat_completions(body: ChatCompletionRequest, request: Request, hold: ClientHold, client: str,
+                                shaper_for=None):
+        """`shaper_for(tools=..., forced=..., parallel_tool_calls=...)`: the shaper of another API served by
+        this chat completion (/v1/responses); by default a ChatShaper."""
         tools = body.active_tools()
         prompt = await tokenized(tokenizer_pool.render_chat(body.template_messages(), body.add_generation_prompt,
                                                             tools or None, body.chat_template_kwargs))
@@ -285,12 +292,37 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
         grammar = await compiled(grammar, param)
         jobs = [Job(prompt, sampling_params(body, max_tokens=max_tokens, logprobs=body.top_logprobs_count(),
                                             grammar=grammar, choice=choice)) for choice in range(body.n)]
-        shaper = ChatShaper(state.served_model_name, token_text, tools=tools, tool_format=tool_call_parser,
-                            forced=forced, parallel_tool_calls=body.parallel_tool_calls is not False)
+        shape = dict(tools=tools, forced=forced, parallel_tool_calls=body.parallel_tool_calls is not False)
+        shaper = (ChatShaper(state.served_model_name, token_text, tool_format=tool_call_parser, **shape)
+                  if shaper_for is None else shaper_for(**shape))
         charge = take_tokens(client, [prompt], body.n)
         return await run_request(engine, lifecycle, request, jobs, shaper, body.stream,
                                  body.include_usage_in_stream(), body.continuous_usage(), hold=hold,
                                  refund=charge.refund if charge is not None else None, gaps=gap_timer())
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        admit(body, "/v1/responses")
+        history = store.conversation(body.previous_response_id) if body.previous_response_id else []
+        chat = body.chat_request(history)
+        try:
+            chat.check_supported()
+        except InvalidRequestError:
+            metrics.on_rejected("invalid")
+            raise
+        client = client_of(request, body)
+        hold = take_share(client, 1)
+
+        def keep(response: dict, output: dict) -> None:
+            if body.keeps:
+                store.keep(response["id"], body.previous_response_id, [*input_messages(body.input), output])
+
+        def shaper_for(**shape) -> ResponsesShaper:
+            return ResponsesShaper(state.served_model_name, body.model_dump(include=set(ECHO_DEFAULTS)),
+                                   token_text, tool_format=tool_call_parser, on_done=keep, **shape)
+
+        with release_on_error(hold):
+            return await _chat_completions(chat, request, hold, client, shaper_for)
 
     @app.get("/v1/models")
     async def models() -> dict:

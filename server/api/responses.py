@@ -128,6 +128,13 @@ class _Shaper:
     def usage_chunk(self, usage: Usage) -> str:
         return sse(self._chunk([], usage))
 
+    def error_chunks(self, message: str) -> list[str]:
+        """What tells the client in-band that generation failed after the status line was sent."""
+        return [sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})]
+
+    def closing_chunks(self) -> list[str]:
+        return [DONE]
+
     def _chunk(self, choices: list, usage: Usage | None = None) -> dict:
         raise NotImplementedError
 
