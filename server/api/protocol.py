@@ -438,9 +438,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names():
             raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools",
                                       param="tool_choice")
-        grammar, param = self.constraint()
-        if self.forced_tool() is not None and grammar is not None:
-            raise InvalidRequestError(f"a forced tool call and {param} cannot both constrain the output", param=param)
+        self.constraint()  # one at most; a forced tool call overrides it (the output is calls, not text)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
