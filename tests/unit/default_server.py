@@ -85,7 +85,8 @@ def rendered_prompt(served: Served, body: dict) -> str:
         from metronome.server.api.responses_request import ResponsesRequest
 
         chat = ResponsesRequest.model_validate(body).chat_request([])
-        body = {"messages": [m.model_dump(exclude_none=True) for m in chat.messages], "tools": [t.as_dict() for t in chat.tools or []] or None}
+        body = {"messages": [m.model_dump(exclude_none=True) for m in chat.messages],
+                "tools": [t.as_dict() for t in chat.tools or []] or None}
     reply = httpx.post(served.url + "/tokenize", headers={"Authorization": f"Bearer {KEY}"}, timeout=60, json={
         "messages": body["messages"], "tools": body.get("tools"), "return_token_strs": True})
     assert reply.status_code == 200, reply.text

@@ -60,7 +60,8 @@ def check_last_prompt(served, recorder) -> str:
     assert calls and len(calls) == len(outputs)
     prompt = rendered_prompt(served, body)
     for call, output in zip(calls, outputs):
-        assert tool_call_text(call["name"], call["arguments"]) in prompt and tool_result_text(output["output"]) in prompt
+        assert tool_call_text(call["name"], call["arguments"]) in prompt
+        assert tool_result_text(output["output"]) in prompt
     return prompt
 
 

@@ -111,9 +111,9 @@ def test_streamed_forced_calls_and_a_cut_off_call(client):
     for delta in deltas:
         check_arguments(delta.function.name, delta.function.arguments)
     assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+    named = {"type": "function", "function": {"name": "get_weather"}}
     cut = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                         tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                         temperature=0, max_tokens=3)
+                                         tools=TOOLS, tool_choice=named, temperature=0, max_tokens=3)
     choice = cut.choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
     assert choice.message.tool_calls[0].function.name == "get_weather"

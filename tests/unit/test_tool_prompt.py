@@ -118,7 +118,8 @@ def test_qwen_style_template_gets_its_own_fields(qwen_style):
 
 def test_chat_template_kwargs_reach_the_template(qwen_style, smollm2):
     messages = [{"role": "user", "content": "hi"}]
-    assert rendered(qwen_style, messages, enable_thinking=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    no_thinking = rendered(qwen_style, messages, enable_thinking=False)
+    assert no_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert rendered(qwen_style, messages).endswith("<|im_start|>assistant\n")
     assert rendered(smollm2, messages, enable_thinking=False) == rendered(smollm2, messages)  # unused: ignored
 
