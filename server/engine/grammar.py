@@ -203,6 +203,7 @@ class Grammars:
 def advance(matcher: Any, token: int) -> bool:
     """Feed the sampled token; True when the grammar is complete (or broken) and the request must end."""
     if not matcher.consume_token(token):
-        log.warning("grammar refused sampled token %d: %s", token, matcher.get_error())
+        # The error quotes the whole grammar: its head says enough.
+        log.warning("grammar refused sampled token %d: %.300s", token, matcher.get_error())
         return True
     return matcher.is_stopped()
