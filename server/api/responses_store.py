@@ -50,7 +50,7 @@ class ResponseStore:
 
     def conversation(self, response_id: str) -> list[dict]:
         """The chat messages of the conversation up to and including `response_id`'s output."""
-        chain: list[Kept] = []
+        chain: list[tuple[str, Kept]] = []
         with self._lock:
             current: str | None = response_id
             while current is not None:
@@ -61,10 +61,12 @@ class ResponseStore:
                         f"previous response {response_id!r} {what} (responses are kept in memory, the most recent "
                         "ones only, by the server process that made them, unless store was false); send the whole "
                         "conversation as input instead", param="previous_response_id")
-                self._kept.move_to_end(current)
-                chain.append(kept)
+                chain.append((current, kept))
                 current = kept.previous
-        return [dict(message) for kept in reversed(chain) for message in kept.messages]
+            chain.reverse()
+            for kept_id, _ in chain:  # oldest first, so that the response named is the most recently used
+                self._kept.move_to_end(kept_id)
+        return [dict(message) for _, kept in chain for message in kept.messages]
 
 
 def _chars(message: dict) -> int:
