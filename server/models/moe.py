@@ -32,8 +32,6 @@ from metronome.server.models.moe_experts import ExpertWeights, experts_grouped_m
 from metronome.server.models.moe_routing import route
 from metronome.server.models.mxfp4 import dequantize_mxfp4
 
-GRAPH_SAFE_BACKENDS = ("triton", "grouped_mm")  # no host reads: CUDA graphs can capture them
-
 
 def resolve_moe_backend(requested: str, device: torch.device) -> str:
     """auto: triton on CUDA where it imports, else the reference. An explicit choice that cannot run here is a

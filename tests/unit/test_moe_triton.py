@@ -173,6 +173,19 @@ def test_whole_moe_model_on_the_fused_path_matches_its_torch_path(results, prese
     assert got["finite"] and got["rel"] < 1e-5, got
 
 
+def test_warm_up_token_counts_meet_every_tile_class_once():
+    from metronome.kernels.triton_moe import choose_tiles, representative_token_counts
+
+    for top_k, experts in ((8, 128), (4, 32), (2, 8), (4, 60), (1, 4)):
+        counts = representative_token_counts(top_k, experts)
+        classes = [choose_tiles(t, top_k, experts, True) for t in counts]
+        assert len(set(classes)) == len(classes)  # no class twice
+        every = {choose_tiles(t, top_k, experts, True) for t in range(1, 200 * experts // top_k)}
+        assert set(classes) == every  # and none missing
+        for tokens, tiles in zip(counts, classes):  # each the smallest of its class
+            assert tokens == 1 or choose_tiles(tokens - 1, top_k, experts, True) != tiles
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     print(json.dumps(_run_all()))
