@@ -183,10 +183,11 @@ def run(args) -> dict:
 def _sweep(shape, tokens, call, moved, flops, tiles_class, bench) -> list[dict]:
     rows, best = [], None
     for block_m in (16, 32, 64, 128):
-        for block_n, block_k, warps, stages in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4),
-                                                (64, 64, 8, 4)):
+        for block_n, block_k, warps, stages, down_n in ((64, 64, 4, 3, 64), (64, 128, 4, 3, 64),
+                                                        (64, 64, 4, 3, 128), (128, 64, 4, 3, 128),
+                                                        (64, 64, 8, 4, 128), (128, 64, 8, 4, 256)):
             tiles = tiles_class(block_m, block_n, block_k, group_m=1 if block_m == 16 else 8, num_warps=warps,
-                                num_stages=stages)
+                                num_stages=stages, down_block_n=down_n)
             try:
                 ms = bench(lambda tiles=tiles: call(tiles)) / ROUTINGS
             except Exception as exc:  # noqa: BLE001 - a tile that does not fit (shared memory) is skipped

@@ -227,11 +227,12 @@ def _moe_gemm(
 @dataclass(frozen=True)
 class MoeTiles:
     block_m: int  # pairs per row block (and the segment alignment)
-    block_n: int
+    block_n: int  # output columns of the up GEMM per program (each with a gate and an up accumulator)
     block_k: int
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    down_block_n: int | None = None  # output columns of the down GEMM per program (None: block_n)
 
 
 def choose_tiles(num_tokens: int, top_k: int, num_experts: int, on_cuda: bool) -> MoeTiles:
@@ -245,9 +246,10 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, on_cuda: bool) -
         return MoeTiles(16, 64, 128, group_m=1, num_warps=4, num_stages=3)
     if per_expert <= 48:
         return MoeTiles(32, 64, 128, group_m=8, num_warps=4, num_stages=3)
+    # Prefill-sized blocks: the down GEMM (one accumulator) takes twice the up GEMM's columns.
     if per_expert <= 128:
-        return MoeTiles(64, 64, 64, group_m=8, num_warps=4, num_stages=3)
-    return MoeTiles(128, 64, 64, group_m=8, num_warps=8, num_stages=3)
+        return MoeTiles(64, 64, 64, group_m=8, num_warps=4, num_stages=3, down_block_n=128)
+    return MoeTiles(128, 64, 64, group_m=8, num_warps=8, num_stages=3, down_block_n=128)
 
 
 def representative_token_counts(top_k: int, num_experts: int) -> list[int]:
@@ -264,9 +266,9 @@ def representative_token_counts(top_k: int, num_experts: int) -> list[int]:
 
 
 def _gemm(a, b, bias, out, route_weights, plan: RoutePlan, num_pairs: int, n: int, k: int, a_row_div: int,
-          activation: int, alpha: float, limit: float, tiles: MoeTiles) -> None:
+          activation: int, alpha: float, limit: float, tiles: MoeTiles, block_n: int) -> None:
     on_cuda = a.device.type == "cuda"
-    grid = (plan.num_m_blocks * triton.cdiv(n, tiles.block_n),)
+    grid = (plan.num_m_blocks * triton.cdiv(n, block_n),)
     _moe_gemm[grid](
         a, b, bias if bias is not None else b, out, route_weights if route_weights is not None else out,
         plan.sorted_pairs, plan.block_experts, plan.num_padded,
@@ -274,7 +276,7 @@ def _gemm(a, b, bias, out, route_weights, plan: RoutePlan, num_pairs: int, n: in
         a.stride(0), b.stride(0), b.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
         A_ROW_DIV=a_row_div, ACTIVATION=activation, ALPHA=alpha, LIMIT=limit,
         HAS_BIAS=bias is not None, MUL_WEIGHT=route_weights is not None, OUT_KIND=_OUT_KINDS[out.dtype],
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         # Triton's interpreter computes bf16 x bf16 dots wrongly; it upcasts the operands instead.
         UPCAST_DOT=not on_cuda and a.dtype == torch.bfloat16,
@@ -310,10 +312,11 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     plan = align_routes(topk_ids, num_experts, tiles.block_m)
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _gemm(x, gate_up, gate_up_bias, act, None, plan, num_pairs, inter, hidden, top_k, ACTIVATION_CODES[activation],
-          alpha, limit, tiles)
+          alpha, limit, tiles, tiles.block_n)
     out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1)
     if not weights.is_contiguous():
         weights = weights.contiguous()
-    _gemm(act, down, down_bias, out, weights, plan, num_pairs, hidden, inter, 1, 0, alpha, limit, tiles)
+    _gemm(act, down, down_bias, out, weights, plan, num_pairs, hidden, inter, 1, 0, alpha, limit, tiles,
+          tiles.down_block_n or tiles.block_n)
     return out.view(tokens, top_k, hidden).sum(dim=1) if top_k > 1 else out

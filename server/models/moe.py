@@ -10,7 +10,8 @@ Parameters: `gate.weight` [E, H] (+ `gate.bias` [E], `gate.e_score_correction_bi
 `shared_expert_gate.weight` [1, H]). `load_tensor` takes a checkpoint tensor named relative to the block in any of
 the layouts the Hub ships — one tensor per expert (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2), transformers 5's
 stacked [E, 2I, H], gpt-oss's transposed, interleaved [E, H, 2I], or gpt-oss's MXFP4 `_blocks` + `_scales` pairs
-(dequantised here) — and stacks it in place.
+(dequantised here), GGUF's experts stacked per projection (`experts.gate_proj.weight` [E, I, H], ...) — and
+stacks it in place.
 
 Backends for the routed experts (`MOE_BACKENDS`): `reference` (the exact per-expert loop, moe_experts.py; CPU
 default, not graph-capturable), `triton` (the fused kernels, kernels/triton_moe.py; CUDA default) and
@@ -167,6 +168,14 @@ class SparseMoeBlock(nn.Module):
             rows = self.experts.gate_up_proj[expert].narrow(0, (kind == "up") * spec.intermediate_size,
                                                             spec.intermediate_size)
             return self._copy(name, "experts.gate_up_proj", rows, tensor, shard)
+        stacked = _STACKED_PROJECTION.fullmatch(name)
+        if stacked:  # GGUF's experts: one [E, out, in] tensor per projection
+            if stacked.group(1) == "down":
+                return self._stacked("experts.down_proj", tensor)
+            up = stacked.group(1) == "up"
+            rows = self.experts.gate_up_proj.narrow(1, up * spec.intermediate_size, spec.intermediate_size)
+            self._copy(name, "experts.gate_up_proj", rows, tensor, -1)
+            return [("experts.gate_up_proj", 2 * e + up) for e in range(spec.num_experts)]
         packed = _MXFP4.fullmatch(name)
         if packed:
             return self._mxfp4_part(name, packed.group(1), packed.group(2), tensor)
@@ -246,5 +255,6 @@ def _deinterleave(gate_up: torch.Tensor) -> torch.Tensor:
 _EXPERT_ROLES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _PER_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
 _MXFP4 = re.compile(r"experts\.(gate_up_proj|down_proj)_(blocks|scales)")
+_STACKED_PROJECTION = re.compile(r"experts\.(gate|up|down)_proj\.weight")
 _SHARED = re.compile(r"shared_expert\.(gate|up|down)_proj\.weight")
 _ROUTER_NAMES = {"router.weight": "gate.weight", "router.bias": "gate.bias"}

@@ -131,7 +131,7 @@ def _run_all() -> dict:
                 out["blocks"][f"{family}/{case}/f32"] = _block_case(family, case, tokens, torch.float32)
             if family in FULL_FAMILIES and case in BF16_CASES:
                 out["blocks"][f"{family}/{case}/bf16"] = _block_case(family, case, tokens, torch.bfloat16)
-    wide = MoeTiles(64, 16, 16, group_m=4, num_stages=1)  # another alignment, a K loop of several steps
+    wide = MoeTiles(64, 16, 16, group_m=4, num_stages=1, down_block_n=32)  # another alignment, several K steps
     out["blocks"]["gpt_oss/many_tokens/f32/wide"] = _block_case("gpt_oss", "many_tokens", 40, torch.float32, wide)
     out["blocks"]["qwen3_moe/many_tokens/f32/wide"] = _block_case("qwen3_moe", "many_tokens", 40, torch.float32,
                                                                   wide)
