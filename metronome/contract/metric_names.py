@@ -1,7 +1,10 @@
 """Metric names, labels and buckets: the one list shared by the server (which exports them) and the operator
-(which queries them). Everything carries the `model` label.
+(which queries them). Everything carries the `model` label, but for the endpoint picker's aliases at the end
+(vLLM's names, with vLLM's `model_name`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 PREFIX = "metronome_"
 
@@ -37,6 +40,10 @@ REQUESTS_RUNNING = PREFIX + "requests_running"
 REQUESTS_WAITING = PREFIX + "requests_waiting"  # label: queue
 KV_CACHE_USAGE = PREFIX + "kv_cache_usage_ratio"
 KV_BLOCKS_LEAKED = PREFIX + "kv_blocks_leaked"
+# Value 1; labels block_size (tokens per KV block) and num_blocks (blocks the cache holds): the cache's shape.
+KV_CACHE_CONFIG_INFO = PREFIX + "kv_cache_config_info"
+KV_BLOCK_SIZE_LABEL = "block_size"
+KV_NUM_BLOCKS_LABEL = "num_blocks"
 PREEMPTIONS = PREFIX + "preemptions_total"
 REQUESTS_REJECTED = PREFIX + "requests_rejected_total"  # label: reason
 STEP_DURATION = PREFIX + "step_duration_seconds"
@@ -55,5 +62,36 @@ ALL_NAMES = (
     TIME_BETWEEN_TOKENS, TIME_TO_FIRST_TOKEN, REQUEST_E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_RUNNING,
     REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_LEAKED, PREEMPTIONS, REQUESTS_REJECTED, STEP_DURATION, STEP_TOKENS,
     SCHEDULER_OVERHEAD, CHUNK_SIZE, QUEUE_POLICY_INFO, CONFIG_GENERATION, CONFIG_RELOAD_ERRORS,
-    KERNEL_COMPILES_AFTER_READY, PROMPTS, CONFIG_APPLIED_TIME,
+    KERNEL_COMPILES_AFTER_READY, PROMPTS, CONFIG_APPLIED_TIME, KV_CACHE_CONFIG_INFO,
+)
+
+
+# --- the endpoint picker's names -----------------------------------------------------------------------------
+# The Gateway API Inference Extension's endpoint picker (and llm-d's router after it) scrapes each pod of an
+# InferencePool for its queue, running requests and KV usage, by default under vLLM's names; pods labelled
+# engine-type `vllm` (or unlabelled) are read that way. The server exports these as aliases: each is computed at
+# scrape time from the Metronome series named here, its labels renamed (`model` → vLLM's `model_name`) and every
+# other label summed away (the waiting queues add up to vLLM's one queue). vLLM's `vllm:lora_requests_info`
+# is not exported: Metronome serves no adapters, as vLLM without --enable-lora.
+PICKER_ENGINE_TYPE = "vllm"
+PICKER_MODEL_LABEL = "model_name"
+
+
+@dataclass(frozen=True)
+class PickerAlias:
+    name: str  # the picker's series
+    source: str  # Metronome's series it is computed from
+    labels: tuple[tuple[str, str], ...]  # (Metronome's label, the picker's label); other labels are summed away
+
+
+PICKER_ALIASES = (
+    PickerAlias("vllm:num_requests_waiting", REQUESTS_WAITING, ((MODEL_LABEL, PICKER_MODEL_LABEL),)),
+    PickerAlias("vllm:num_requests_running", REQUESTS_RUNNING, ((MODEL_LABEL, PICKER_MODEL_LABEL),)),
+    # A fraction in [0, 1], as vLLM's despite its name.
+    PickerAlias("vllm:kv_cache_usage_perc", KV_CACHE_USAGE, ((MODEL_LABEL, PICKER_MODEL_LABEL),)),
+    # The picker reads the cache's shape from these two labels (GIE's CacheConfigBlockSizeInfoMetricName and
+    # CacheConfigNumGPUBlocksMetricName).
+    PickerAlias("vllm:cache_config_info", KV_CACHE_CONFIG_INFO,
+                ((MODEL_LABEL, PICKER_MODEL_LABEL), (KV_BLOCK_SIZE_LABEL, "block_size"),
+                 (KV_NUM_BLOCKS_LABEL, "num_gpu_blocks"))),
 )
