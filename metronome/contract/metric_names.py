@@ -1,6 +1,6 @@
 """Metric names, labels and buckets: the one list shared by the server (which exports them) and the operator
-(which queries them). Everything carries the `model` label, but for the endpoint picker's aliases at the end
-(vLLM's names, with vLLM's `model_name`).
+(which queries them), the operator's own series, and the endpoint picker's aliases. Every server series carries
+the `model` label (the picker's aliases: vLLM's `model_name`); the operator's carry namespace and inferenceservice.
 """
 from __future__ import annotations
 
@@ -65,6 +65,23 @@ ALL_NAMES = (
     KERNEL_COMPILES_AFTER_READY, PROMPTS, CONFIG_APPLIED_TIME, KV_CACHE_CONFIG_INFO,
 )
 
+
+# --- the operator's own series (its /metrics, `metronome operator --metrics-port`) ------------------------------
+# Labelled with the InferenceService's namespace and name (`model` on the servers' series), which a scrape must
+# keep (honor_labels: the operator's own pod has a namespace too).
+OPERATOR_PREFIX = PREFIX + "operator_"
+SERVICE_NAMESPACE_LABEL = "namespace"
+SERVICE_LABEL = "inferenceservice"
+# The control loop's decisions, by action (the tuner's action kinds: chunk_down, chunk_up, policy_switch,
+# scale_up, slo_unreachable, hold, no_data) and whether they were applied or only advised (label `applied`).
+OPERATOR_DECISIONS = OPERATOR_PREFIX + "decisions_total"
+DECISION_ACTION_LABEL = "action"
+DECISION_APPLIED_LABEL = "applied"
+# The service's SLO targets, by objective (`tbt_p99`, `ttft_p99`), for dashboards to draw next to the servers'.
+OPERATOR_SLO_TARGET = OPERATOR_PREFIX + "slo_target_seconds"
+SLO_OBJECTIVE_LABEL = "objective"
+SLO_OBJECTIVES = ("tbt_p99", "ttft_p99")
+OPERATOR_NAMES = (OPERATOR_DECISIONS, OPERATOR_SLO_TARGET)
 
 # --- the endpoint picker's names -----------------------------------------------------------------------------
 # The Gateway API Inference Extension's endpoint picker (and llm-d's router after it) scrapes each pod of an
