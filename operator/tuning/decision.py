@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from metronome.contract.budget import prefill_budget
 from metronome.contract.config import QueuePolicy, SchedulerConfig
 
 
@@ -23,7 +24,8 @@ class CurrentConfig:
     """What the operator last wrote (the ConfigMap's scheduler fields and generation, the Deployment's replicas).
 
     `chunk_size` is the step's prefill budget, the one knob the controller tunes: `chunk_size` under fcfs and
-    sjf, max(short_chunk_size, long_chunk_size) under split (see `prefill_budget`, `scheduler_for`).
+    sjf, max(short_chunk_size, long_chunk_size) under split (metronome.contract.budget, which also lays a new
+    budget out: actuation.scheduler_for).
     """
 
     chunk_size: int
@@ -38,13 +40,6 @@ class CurrentConfig:
                        last_change_time: float | None = None) -> CurrentConfig:
         return cls(prefill_budget(scheduler), QueuePolicy(scheduler.queue_policy).value, replicas, generation,
                    last_change_time, scheduler.short_prompt_threshold)
-
-
-def prefill_budget(scheduler: SchedulerConfig) -> int:
-    """Prefill tokens one step may carry under the served policy (what bounds a step's length)."""
-    if QueuePolicy(scheduler.queue_policy) is QueuePolicy.SPLIT:
-        return max(scheduler.short_chunk_size, scheduler.long_chunk_size)
-    return scheduler.chunk_size
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
-"""What Prometheus saw of one service over one window, as plain data (built by metrics_source.py, read by the
-controller). No I/O here."""
+"""What Prometheus saw of one service over one window, as plain data (built by operator/metrics_source.py or by
+`metronome bench loop` from the servers' own scrapes, read by the controller), and why there is none when there is
+none (`MetricsUnavailable`). No I/O here."""
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from metronome.contract.errors import MetronomeError
 
 
 @dataclass(frozen=True)
@@ -42,3 +45,22 @@ class Observation:
     config_applied_at: Mapping[str, float] = field(default_factory=dict)  # pod → Unix time it applied its config
     waiting_requests: float | None = None  # mean requests waiting over the window, all pods
     waiting_growth: float | None = None  # waiting requests at the window's end minus at its start (> 0: growing)
+
+
+class MetricsUnavailable(MetronomeError):
+    """No usable observation. `reason` is CamelCase, ready for a condition's reason field."""
+
+    UNREACHABLE = "PrometheusUnreachable"
+    TIMEOUT = "PrometheusTimeout"
+    QUERY_FAILED = "QueryFailed"
+    BAD_RESPONSE = "BadResponse"
+    NO_SERIES = "NoSeries"
+    URL_NOT_ALLOWED = "PrometheusURLNotAllowed"
+    UNAUTHORIZED = "PrometheusUnauthorized"
+    CREDENTIALS = "PrometheusCredentials"
+    TLS = "PrometheusTLS"
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message

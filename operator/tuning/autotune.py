@@ -1,17 +1,21 @@
 """The autotune step of one InferenceService: a metrics reading → what status shows and what to actuate.
 
 Pure: `step(...)` takes the parsed service, the served config, the CR's status and the reading (an Observation,
-or why there is none) and returns a `TuneResult`. control_loop.tick reads Prometheus, calls `step` and carries the
-result out: a new scheduler becomes a new server.yaml generation (reconcile.serve_scheduler, with a ConfigUpdated
-Event naming the reason), a replica change becomes a patch of spec.replicas, lastDecision and Events are written
-as given. `TunerMemory` is the little state kept per object between readings.
+or why there is none), runs the one tuning step (actuation.tune) and returns a `TuneResult`. control_loop.tick
+reads Prometheus, calls `step` and carries the result out: a new server.yaml generation is written as given
+(reconcile.write_config, with a ConfigUpdated Event naming the reason), a replica change becomes a patch of
+spec.replicas, lastDecision and Events are written as given. `TunerMemory` is the little state kept per object
+between readings.
 
 Rules:
 - no reading (Prometheus down, no series, no URL) or too few TBT samples → change nothing; MetricsAvailable=False
   with the reason (the condition's transition is the Event, so it is posted once, not every interval);
 - mode off → metrics for status only; advise → decide, record the proposal in lastDecision (applied=false) and
-  an "Advice" Event when it is new; apply → decide and act; a decision that cannot help (chunk at its floor, no
-  replicas to add) turns SLOMet's reason into ChunkAtFloor;
+  an "Advice" Event when it is new; apply → decide and act, with a PolicySwitched Event whenever the queue policy
+  changes; a decision that cannot help (chunk at its floor, no replicas to add) turns SLOMet's reason into
+  ChunkAtFloor;
+- lastDecision's chunk sizes are prefill budgets (metronome.contract.budget): what the servers enforce before
+  the decision and after it is laid out, the numbers status.chunkSize and the metronome_chunk_size gauge show;
 - the time of the last applied change comes from status.lastDecision, so cooldowns survive operator restarts.
 """
 from __future__ import annotations
@@ -20,17 +24,19 @@ import datetime as dt
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from metronome.contract.config import ConfigError, SchedulerConfig, ServerConfigFile
+from metronome.contract.budget import prefill_budget
+from metronome.contract.config import ConfigError, ServerConfigFile
 from metronome.operator.changes import NORMAL, EventSpec
-from metronome.operator.configmap import scheduler_for
-from metronome.operator.controller import decide
-from metronome.operator.decision import CurrentConfig, Decision
-from metronome.operator.metrics_source import MetricsUnavailable
-from metronome.operator.observation import Observation
-from metronome.operator.spec import AutotuneMode, AutotuneSpec, InferenceService, SpecError
-from metronome.operator.status import ServingMetrics, decision_record
+from metronome.operator.spec_error import SpecError
+from metronome.operator.tuning.actuation import Tuned, scheduler_for, tune
+from metronome.operator.tuning.decision import CurrentConfig, Decision
+from metronome.operator.tuning.observation import MetricsUnavailable, Observation
+from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec
+
+if TYPE_CHECKING:
+    from metronome.operator.spec import InferenceService
 
 MIN_SAMPLES = AutotuneSpec.min_samples  # fewer TBT samples in the window = no data (the controller's own rule)
 
@@ -42,6 +48,20 @@ BAD_METRICS_SETTINGS = "InvalidMetricsSettings"
 CHUNK_AT_FLOOR = "ChunkAtFloor"
 ADVICE = "Advice"
 SCALED = "AutotuneScaled"
+POLICY_SWITCHED = "PolicySwitched"
+
+
+@dataclass(frozen=True)
+class ServingMetrics:
+    """What the metrics source saw for one service over its window (filled in by the control loop)."""
+
+    available: bool
+    reason: str = "MetricsRead"
+    message: str = ""
+    tbt_p99_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    throughput_tokens_per_second: float | None = None
+    pods_on_generation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +72,7 @@ class TuneResult:
     pod_generations: Mapping[str, int] | None = None  # config generation per pod; None = Prometheus did not answer
     decision: Decision | None = None
     current: CurrentConfig | None = None
-    scheduler: SchedulerConfig | None = None  # serve this as a new server.yaml generation
+    config: ServerConfigFile | None = None  # serve this next: a new server.yaml generation
     replicas: int | None = None  # patch spec.replicas to this
     last_decision: dict[str, Any] | None = None  # write status.lastDecision
     events: tuple[EventSpec, ...] = ()
@@ -65,8 +85,13 @@ class TuneResult:
         return f"autotune: {self.decision.reason}" if self.decision is not None else "autotune"
 
     @property
+    def scheduler(self):
+        """The scheduler of the config to serve next (None: nothing new to serve)."""
+        return self.config.scheduler if self.config is not None else None
+
+    @property
     def applied_change(self) -> bool:
-        return self.scheduler is not None or self.replicas is not None
+        return self.config is not None or self.replicas is not None
 
 
 # --- status fields from a reading ----------------------------------------------------------------------------
@@ -167,51 +192,77 @@ def step(
     if served is None:
         return reading  # nothing served to tune from; ConfigApplied says why
 
-    current = CurrentConfig.from_scheduler(
-        served.scheduler, service.spec.replicas, served.generation,
-        _latest(last_change_time(status), remembered_change_time),
-    )
     try:
-        decision = decide(observation if unavailable is None else None, current, spec, now)
+        tuned = tune(observation if unavailable is None else None, served, service.spec.replicas, spec, now,
+                     _latest(last_change_time(status), remembered_change_time))
     except SpecError as exc:
         return replace(reading, problem=f"autotune is {spec.mode.value} but cannot run: {exc}")
+    decision, current = tuned.decision, tuned.current
     slo_override = (CHUNK_AT_FLOOR, decision.reason) if decision.slo_unreachable else None
     result = replace(reading, decision=decision, current=current, slo_override=slo_override)
     if decision.changed:
-        return _apply(result, decision, current, served, spec, now)
+        return _apply(result, tuned, spec, now)
     if decision.advisory and decision.proposed_change:
-        return _advise(result, decision, current, status, now)
+        return _advise(result, decision, current, served, status, now)
     return result
 
 
-def _record(decision: Decision, current: CurrentConfig, now: float, applied: bool) -> dict[str, Any]:
+def decision_record(
+    *,
+    time: str,
+    before: tuple[int, str, int],
+    after: tuple[int, str, int],
+    reason: str,
+    policy: str,
+    applied: bool,
+) -> dict[str, Any]:
+    """status.lastDecision as the CRD defines it; `before`/`after` are (chunkSize, queuePolicy, replicas)."""
+
+    def settings(values: tuple[int, str, int]) -> dict[str, Any]:
+        chunk_size, queue_policy, replicas = values
+        return {"chunkSize": int(chunk_size), "queuePolicy": str(queue_policy), "replicas": int(replicas)}
+
+    return {
+        "time": time,
+        "from": settings(before),
+        "to": settings(after),
+        "reason": reason,
+        "policy": policy,
+        "applied": applied,
+    }
+
+
+def _record(decision: Decision, current: CurrentConfig, budget_after: int, now: float,
+            applied: bool) -> dict[str, Any]:
     return decision_record(
         time=format_time(now),
         before=(current.chunk_size, current.queue_policy, current.replicas),
-        after=(decision.chunk_size, decision.queue_policy, decision.replicas),
+        after=(budget_after, decision.queue_policy, decision.replicas),
         reason=decision.reason, policy=decision.policy_used, applied=applied,
     )
 
 
-def _apply(result: TuneResult, decision: Decision, current: CurrentConfig, served: ServerConfigFile,
-           spec: AutotuneSpec, now: float) -> TuneResult:
-    scheduler = None
-    if (decision.chunk_size, decision.queue_policy) != (current.chunk_size, current.queue_policy):
-        try:
-            scheduler = scheduler_for(decision, served.scheduler)
-        except ConfigError as exc:
-            return replace(result, problem=f"decision {decision.describe_change(current)} not applied: {exc}")
-    replicas, events = None, []
+def _apply(result: TuneResult, tuned: Tuned, spec: AutotuneSpec, now: float) -> TuneResult:
+    decision, current = tuned.decision, tuned.current
+    if tuned.problem is not None:
+        return replace(result, problem=tuned.problem)
+    events = []
+    if tuned.config is not None and decision.queue_policy != current.queue_policy:
+        events.append(EventSpec(NORMAL, POLICY_SWITCHED, (
+            f"queue policy {current.queue_policy} -> {decision.queue_policy}, prefill budget {current.chunk_size} -> "
+            f"{prefill_budget(tuned.config.scheduler)}: {decision.reason}")))
+    replicas = None
     if decision.replicas != current.replicas:
         replicas = max(spec.min_replicas, min(spec.max_replicas, decision.replicas))
         if replicas != current.replicas:
             events.append(EventSpec(NORMAL, SCALED, f"replicas {current.replicas} -> {replicas}: {decision.reason}"))
         else:
             replicas = None
-    if scheduler is None and replicas is None:
+    if tuned.config is None and replicas is None:
         return result
-    return replace(result, scheduler=scheduler, replicas=replicas, events=tuple(events),
-                    last_decision=_record(decision, current, now, applied=True))
+    budget = prefill_budget(tuned.config.scheduler) if tuned.config is not None else current.chunk_size
+    return replace(result, config=tuned.config, replicas=replicas, events=tuple(events),
+                   last_decision=_record(decision, current, budget, now, applied=True))
 
 
 def _same_proposal(a: Mapping[str, Any] | None, b: Mapping[str, Any]) -> bool:
@@ -220,13 +271,23 @@ def _same_proposal(a: Mapping[str, Any] | None, b: Mapping[str, Any]) -> bool:
     return (a.get("applied"), a.get("from"), a.get("to")) == (b["applied"], b["from"], b["to"])
 
 
-def _advise(result: TuneResult, decision: Decision, current: CurrentConfig, status: Mapping[str, Any] | None,
-            now: float) -> TuneResult:
-    record = _record(decision, current, now, applied=False)
+def _advise(result: TuneResult, decision: Decision, current: CurrentConfig, served: ServerConfigFile,
+            status: Mapping[str, Any] | None, now: float) -> TuneResult:
+    record = _record(decision, current, _proposed_budget(decision, current, served), now, applied=False)
     if _same_proposal((status or {}).get("lastDecision"), record):
         return result  # already recorded and announced
     event = EventSpec(NORMAL, ADVICE, f"would change {decision.describe_change(current)}: {decision.reason}")
     return replace(result, last_decision=record, events=(event,))
+
+
+def _proposed_budget(decision: Decision, current: CurrentConfig, served: ServerConfigFile) -> int:
+    """The budget the servers would enforce if the proposal were applied (its layout's)."""
+    if (decision.chunk_size, decision.queue_policy) == (current.chunk_size, current.queue_policy):
+        return current.chunk_size
+    try:
+        return prefill_budget(scheduler_for(decision, served.scheduler))
+    except ConfigError:
+        return decision.chunk_size
 
 
 # --- per-object memory between readings ----------------------------------------------------------------------

@@ -49,10 +49,11 @@ import math
 from dataclasses import dataclass, replace
 
 from metronome.contract.config import QueuePolicy
-from metronome.operator.decision import ActionKind, CurrentConfig, Decision
-from metronome.operator.observation import Observation
-from metronome.operator.spec import AutotuneMode, AutotuneSpec, SpecError, TuningPolicy
-from metronome.operator.step_model import (
+from metronome.operator.spec_error import SpecError
+from metronome.operator.tuning.decision import ActionKind, CurrentConfig, Decision
+from metronome.operator.tuning.observation import Observation
+from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec, TuningPolicy
+from metronome.operator.tuning.step_model import (
     FitError,
     StepFit,
     calibrate_p99_factor,
