@@ -114,3 +114,4 @@ PICKER_ALIASES = (
     PickerAlias("vllm:cache_config_info", KV_CACHE_CONFIG_INFO,
                 ((MODEL_LABEL, PICKER_MODEL_LABEL), (KV_BLOCK_SIZE_LABEL, "block_size"),
                  (KV_NUM_BLOCKS_LABEL, "num_gpu_blocks"))),
+)
