@@ -9,6 +9,8 @@
 #
 #   hack/build-picker.sh          build it if missing, then print its path
 #   hack/build-picker.sh --print  print the path, build nothing
+#   hack/build-picker.sh --crd    print the path of the same release's InferencePool CRD (inference.networking.k8s.io
+#                                 v1) in the Go module cache, downloading the module if needed
 set -euo pipefail
 
 BUILD_NAME=build-picker
@@ -21,7 +23,13 @@ WORK="$MOD_ROOT/epp-$PICKER_VERSION"
 MODULE=sigs.k8s.io/gateway-api-inference-extension
 
 if [[ "${1:-}" == "--print" ]]; then echo "$DEST"; exit 0; fi
-[[ -z "${1:-}" ]] || { echo "usage: $0 [--print]" >&2; exit 2; }
+if [[ "${1:-}" == "--crd" ]]; then
+    require_go
+    dir="$(go mod download -json "$MODULE@$PICKER_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')"
+    echo "$dir/config/crd/bases/inference.networking.k8s.io_inferencepools.yaml"
+    exit 0
+fi
+[[ -z "${1:-}" ]] || { echo "usage: $0 [--print|--crd]" >&2; exit 2; }
 if [[ -x "$DEST" ]]; then echo "$DEST"; exit 0; fi
 require_go
 take_build_lock  # a concurrent build finishes first; then the binary is there

@@ -94,6 +94,10 @@ OPERATOR_NAMES = (OPERATOR_DECISIONS, OPERATOR_SLO_TARGET)
 # other label summed away (the waiting queues add up to vLLM's one queue). vLLM's `vllm:lora_requests_info`
 # is not exported: Metronome serves no adapters, as vLLM without --enable-lora.
 PICKER_ENGINE_TYPE = "vllm"
+# The pod labels a picker reads the engine type from (the operator puts both on every server pod): the Gateway API
+# Inference Extension's picker (v1.x) reads the first, llm-d's router the second; both read an unlabelled pod as
+# vLLM.
+PICKER_ENGINE_TYPE_LABEL_KEYS = ("inference.networking.k8s.io/engine-type", "llm-d.ai/engine-type")
 PICKER_MODEL_LABEL = "model_name"
 
 
