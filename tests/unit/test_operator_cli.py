@@ -87,7 +87,8 @@ def test_conflicting_or_bad_flags_exit_with_usage(argv):
 
 
 @pytest.mark.parametrize("argv", [
-    ["--health-port", "70000"], ["--metrics-port", "-1"], ["--metrics-port", "8080"], ["--status-interval", "0"], ["--monitor-label", "release"],
+    ["--health-port", "70000"], ["--metrics-port", "-1"], ["--metrics-port", "8080"], ["--status-interval", "0"],
+    ["--monitor-label", "release"],
     ["--monitor-label", "bad key=x"], ["--prometheus-url", "prometheus:9090"],
     ["--allow-prometheus-url", "http://user:pw@prom:9090"], ["--scrape-interval", "0"],
     ["--prometheus-ca-file", "/ca.pem", "--prometheus-insecure-skip-verify"],
