@@ -70,10 +70,10 @@ ALL_NAMES = (
 
 
 # --- the operator's own series (its /metrics, `metronome operator --metrics-port`) ------------------------------
-# Labelled with the InferenceService's namespace and name (`model` on the servers' series), which a scrape must
-# keep (honor_labels: the operator's own pod has a namespace too).
+# Labelled with the InferenceService's namespace and name (`namespace` and `model` on the servers' series), under
+# names no scrape config gives its targets: the operator pod's own `namespace` would otherwise overwrite one.
 OPERATOR_PREFIX = PREFIX + "operator_"
-SERVICE_NAMESPACE_LABEL = "namespace"
+SERVICE_NAMESPACE_LABEL = "inferenceservice_namespace"
 SERVICE_LABEL = "inferenceservice"
 # The control loop's decisions, by action (the tuner's action kinds: chunk_down, chunk_up, policy_switch,
 # scale_up, slo_unreachable, hold, no_data) and whether they were applied or only advised (label `applied`).

@@ -40,8 +40,10 @@ def test_every_query_names_only_contract_metrics(dashboard):
 def test_every_query_selects_the_chosen_service(dashboard):
     for where, expr in queries(dashboard):
         for selector in re.findall(r"metronome_[a-z0-9_]+\{([^}]*)\}", expr):
-            service = "model" if 'model="$model"' in selector else names.SERVICE_LABEL
-            assert 'namespace="$namespace"' in selector and f'{service}="$model"' in selector, (where, selector)
+            server = 'model="$model"' in selector  # the servers' labels, else the operator's
+            namespace, service = ("namespace", "model") if server else (names.SERVICE_NAMESPACE_LABEL,
+                                                                         names.SERVICE_LABEL)
+            assert f'{namespace}="$namespace"' in selector and f'{service}="$model"' in selector, (where, selector)
 
 
 def test_panels_cover_what_the_dashboard_promises(dashboard):

@@ -23,8 +23,11 @@ def decision(*actions: ActionKind, advisory: bool = False) -> Decision:
                     actions=actions, advisory=advisory)
 
 
+CHAT = {names.SERVICE_NAMESPACE_LABEL: "ml", names.SERVICE_LABEL: "chat"}
+
+
 def value(metrics: OperatorMetrics, name: str, **labels) -> float | None:
-    return metrics.registry.get_sample_value(name, {"namespace": "ml", "inferenceservice": "chat", **labels})
+    return metrics.registry.get_sample_value(name, {**CHAT, **labels})
 
 
 def test_decisions_are_counted_by_action_and_whether_they_were_applied():
@@ -59,7 +62,7 @@ def test_a_deleted_service_leaves_no_series_and_others_keep_theirs():
     metrics.after_tick(service({"tbtP99Ms": 40}, name="other"), decision(ActionKind.HOLD))
     metrics.forget("ml", "chat")
     labelled = [s.labels for f in metrics.registry.collect() for s in f.samples]
-    assert all(labels.get("inferenceservice") == "other" for labels in labelled), labelled
+    assert all(labels.get(names.SERVICE_LABEL) == "other" for labels in labelled), labelled
     assert labelled
 
 
@@ -78,5 +81,4 @@ def test_served_as_prometheus_scrapes_it():
     families = {f.name: f for f in text_string_to_metric_families(text)}
     (sample,) = [s for s in families[names.OPERATOR_DECISIONS.removesuffix("_total")].samples
                  if s.name == names.OPERATOR_DECISIONS]
-    assert sample.labels == {"namespace": "ml", "inferenceservice": "chat", "action": "slo_unreachable",
-                             "applied": "true"} and sample.value == 1
+    assert sample.labels == {**CHAT, "action": "slo_unreachable", "applied": "true"} and sample.value == 1
