@@ -25,7 +25,6 @@ import torch
 from metronome.contract.errors import InvalidRequestError
 from metronome.server.models.config import ModelConfig
 
-
 # The Llama block with no per-head norms: what the shard plan and the row-parallel modules below cover.
 TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2")
 

@@ -132,3 +132,11 @@ def test_generation_outputs_become_records_on_one_clock():
     assert first.end_s == pytest.approx(0.8) and first.output_tokens == 3 and first.prompt_tokens == 50
     assert second.token_times_s == [] and second.end_s == pytest.approx(1.0) and second.output_tokens == 2
     assert failed.error == "transformers: out of blocks" and not failed.ok
+
+
+def test_effective_kv_tokens_turn_window_reads_into_every_layer_tokens():
+    gemma = preset_config("gemma-3-12b")
+    for context in (100, 1024, 5000):
+        assert model_math.kv_bytes_per_token(gemma, 2) * model_math.effective_kv_tokens(gemma, context) == \
+            pytest.approx(model_math.kv_bytes_read(gemma, 2, context))
+    assert model_math.effective_kv_tokens(LLAMA3_8B, 5000) == 5000

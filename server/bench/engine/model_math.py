@@ -41,6 +41,12 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
 
 
+def effective_kv_tokens(config: Any, context_len: int) -> float:
+    """The context a decode reads, in tokens of every layer: kv_bytes_per_token x this = kv_bytes_read."""
+    windows = layer_windows(config)
+    return sum(context_len if w is None else min(w, context_len) for w in windows) / len(windows)
+
+
 def kv_bytes_read(config: Any, dtype_bytes: int, context_len: int) -> int:
     """KV bytes one decode reads at this context: each layer its window's worth, or all of it."""
     per_layer_token = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes

@@ -36,7 +36,7 @@ class SatStep:
     prefill_tokens: int
     decode_tokens: int
     output_tokens: int  # tokens emitted (a prompt's first token or a decode's next one)
-    kv_tokens_read: int  # context tokens (KV entries) the step's decodes attended over
+    kv_tokens_read: float  # context tokens the step's decodes attended over (a window layer counts its window)
     forward: str  # "graph" | "piecewise" | "eager"
     preemptions: int = 0
 
@@ -116,6 +116,7 @@ def _graph_limits(core: Any) -> tuple[int | None, int | None]:
 def run_requests(core: Any, prompts: list[list[int]], output_len: int, max_steps: int) -> tuple[list[SatStep],
                                                                                                list[int]]:
     """Submit every prompt at once and step until all finish; the timed steps and each request's token count."""
+    config = core.loaded.config
     ids = [core.add_request(prompt, greedy_params(output_len)) for prompt in prompts]
     prompt_len = dict(zip(ids, (len(p) for p in prompts)))
     generated = dict.fromkeys(ids, 0)
@@ -133,7 +134,7 @@ def run_requests(core: Any, prompts: list[list[int]], output_len: int, max_steps
                     continue
                 before = generated[event.request_id]
                 if before:  # a decode: it attended over the prompt and every token generated before this one
-                    kv += prompt_len[event.request_id] + before
+                    kv += model_math.effective_kv_tokens(config, prompt_len[event.request_id] + before)
                 generated[event.request_id] = before + 1
                 emitted += 1
             steps.append(SatStep(seconds, stats.num_prefill_tokens, stats.num_decode_tokens, emitted, kv,
