@@ -124,3 +124,27 @@ def test_a_long_prompt_runs_in_a_cache_smaller_than_its_context(name, num_kv_blo
     assert_same_greedy(f"{name} long prompt", [want], [seq.output_token_ids])
     assert peak <= num_kv_blocks < len(core.block_manager.windows) * -(-(len(prompt) + NEW_TOKENS) // 16)
     core.check_no_leaks()
+
+
+def test_the_text_model_of_a_multimodal_gemma3_checkpoint_loads(tmp_path):
+    """A `gemma3` (image-text) folder: its text_config and `language_model.*` weights are served, the vision tower
+    is skipped; text-only logits equal Gemma3ForConditionalGeneration's."""
+    from family_models import gemma3_config, write_tokenizer
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=gemma3_config().to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=5, boi_token_index=6, eoi_token_index=7)
+    torch.manual_seed(0)
+    hf_model = Gemma3ForConditionalGeneration(config).eval()
+    hf_model.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    ours = load_model(f"hf-dir:{tmp_path}", dtype="float32", device="cpu", attention_backend="torch")
+    assert ours.config.architecture == "gemma3"
+    ids = list(range(10, 60))
+    cache = PagedCache(ours.config, 1, len(ids))
+    with torch.inference_mode():
+        hidden = ours.model(torch.tensor(ids), torch.arange(len(ids)), cache.kv, cache.metadata([0], [len(ids)]))
+        expected = hf_model(input_ids=torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(ours.model.compute_logits(hidden), expected, rtol=0, atol=1e-4)
