@@ -106,6 +106,17 @@ class DecoderForCausalLM(nn.Module):
             rotary.limit_positions(max_positions)
 
     @property
+    def long_rope_from(self) -> int | None:
+        """LongRoPE: the original context, past which a sequence turns with the long factors (None: no switch)."""
+        rotary = self.model.rotary
+        return rotary.original_context if rotary.long_offset else None
+
+    @property
+    def rope_long_offset(self) -> int:
+        """Added to the positions of a sequence past long_rope_from (its rows of the long factors)."""
+        return self.model.rotary.long_offset
+
+    @property
     def layer_windows(self) -> tuple[int | None, ...]:
         return self.config.layer_windows
 
