@@ -127,8 +127,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [max_positions (x 2 with LongRoPE), rotary_dim / 2] in dtype: the first half of transformers'
-        cat(freqs, freqs) angles, whose second half repeats it. Built on first use (outside any graph capture: the runner asks
-        first)."""
+        cat(freqs, freqs) angles, whose second half repeats it. Built on first use (outside any graph capture: the
+        runner asks first)."""
         key = (torch.device(device), dtype)
         found = self._tables.get(key)
         if found is None:
