@@ -100,6 +100,15 @@ class BlockManager:
         """Blocks a window group holds for a sequence at most between two one-token steps: the window and one."""
         return blocks_for_tokens(self.windows[group] - 1, self.block_size) + 2
 
+    def blocks_held(self, num_tokens: int, step_tokens: int = 1) -> int:
+        """Blocks a sequence of num_tokens tokens holds at most while steps compute step_tokens of it at a time:
+        every token in full groups, a window and a step in window groups (for capacity planning)."""
+        tokens = blocks_for_tokens(num_tokens, self.block_size)
+        held = len(self.full_groups) * tokens
+        for g in self.window_groups:
+            held += min(tokens, blocks_for_tokens(self.windows[g] - 1 + step_tokens, self.block_size) + 1)
+        return held
+
     def max_admissible_tokens(self) -> int:
         """Longest token run one sequence can ever hold (admission needs the watermark left free); window groups
         hold a window's worth, full groups every token. Without full groups, any length (the context limit is
