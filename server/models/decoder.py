@@ -101,10 +101,6 @@ class DecoderForCausalLM(nn.Module):
         for rotary in self.model.rotaries():
             rotary.tables(device, dtype)
 
-    def limit_positions(self, max_positions: int) -> None:
-        for rotary in self.model.rotaries():
-            rotary.limit_positions(max_positions)
-
     @property
     def long_rope_from(self) -> int | None:
         """LongRoPE: the original context, past which a sequence turns with the long factors (None: no switch)."""
