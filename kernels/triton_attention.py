@@ -289,6 +289,10 @@ def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: i
     """
     if not on_cuda:  # interpreter: big tiles mean few Python-level steps
         return TileConfig(max(64, group_pad), 128, num_stages=1, decode_block_n=128)
+    if d_pad > 128:  # head_dim 256 (Gemma 3): K and V tiles twice as wide; halve the keys per step to stay within
+        # shared memory (2 stages of [256 x 64] K and V tiles in bf16: 128 KB)
+        return TileConfig(max(64, group_pad), 32, num_warps=8 if not decode_only else 4, num_stages=2,
+                          decode_block_n=64)
     if decode_only:
         block_m = max(64, group_pad)  # unused by decode tiles, but must stay a multiple of the group
         return TileConfig(block_m, decode_block_n=64 if busy else 128, num_stages=2 if busy else 3)

@@ -25,6 +25,12 @@ from collections.abc import Iterable
 from metronome.server.engine.sequence import Sequence
 
 _ROOT_HASH = 0x6D6574726F6E6F6D  # parent hash of a sequence's first block
+_LONG_ROPE_ROOT_HASH = hash((_ROOT_HASH, "long rope"))  # ... of a sequence whose KV uses LongRoPE's long factors
+
+
+def _root(seq: Sequence) -> int:
+    """KV computed with another rope is another prefix: its chain starts from another root."""
+    return _LONG_ROPE_ROOT_HASH if seq.rope_long else _ROOT_HASH
 FREED = -1  # a window group's table entry for a block left behind the window
 
 
@@ -94,6 +100,15 @@ class BlockManager:
         """Blocks a window group holds for a sequence at most between two one-token steps: the window and one."""
         return blocks_for_tokens(self.windows[group] - 1, self.block_size) + 2
 
+    def blocks_held(self, num_tokens: int, step_tokens: int = 1) -> int:
+        """Blocks a sequence of num_tokens tokens holds at most while steps compute step_tokens of it at a time:
+        every token in full groups, a window and a step in window groups (for capacity planning)."""
+        tokens = blocks_for_tokens(num_tokens, self.block_size)
+        held = len(self.full_groups) * tokens
+        for g in self.window_groups:
+            held += min(tokens, blocks_for_tokens(self.windows[g] - 1 + step_tokens, self.block_size) + 1)
+        return held
+
     def max_admissible_tokens(self) -> int:
         """Longest token run one sequence can ever hold (admission needs the watermark left free); window groups
         hold a window's worth, full groups every token. Without full groups, any length (the context limit is
@@ -119,7 +134,7 @@ class BlockManager:
         bs = self.block_size
         tokens = seq.token_ids
         keys: list[tuple[int, tuple]] = []  # (chained hash, (parent, tokens)) per block
-        parent = _ROOT_HASH
+        parent = _root(seq)
         for i in range((seq.num_tokens - 1) // bs):
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             parent = hash(key)
@@ -199,7 +214,7 @@ class BlockManager:
 
     def _chain_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         bs, tokens, hashes = self.block_size, seq.token_ids, []
-        parent = _ROOT_HASH
+        parent = _root(seq)
         for i in range(num_blocks):
             parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
             hashes.append(parent)
@@ -303,7 +318,7 @@ class BlockManager:
         tokens = seq.token_ids
         while len(hashes) < full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else _root(seq)
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             h = hash(key)
             hashes.append(h)

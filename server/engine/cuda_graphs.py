@@ -192,12 +192,15 @@ class StaticBatch:
         """Write n real decodes (n <= size) and padding into the host buffers, upload; returns sample_rows on the
         device. slots [n] and tables [n, c] (c <= cols: the block-table columns the batch needs) per group."""
         n = len(token_ids)
+        slots, tables = per_group(slots), per_group(tables)
+        if len(slots) != self.groups or len(tables) != self.groups:
+            raise ValueError(f"a batch of {len(slots)} KV groups for graphs captured with {self.groups}")
         if self._copied is not None:
             self._copied.synchronize()  # the previous upload may still be reading these pinned buffers
         self._h_ids[:n] = token_ids
         self._h_pos[:n] = positions
         for host_slots, host_tables, group_slots, group_tables in zip(self._h_slots, self._h_tables,
-                                                                      per_group(slots), per_group(tables)):
+                                                                      slots, tables):
             host_slots[:n] = group_slots
             host_tables[:n, :group_tables.shape[1]] = group_tables
         self._h_seq_lens[:n] = seq_lens

@@ -115,7 +115,8 @@ class EngineCore:
             num_blocks = workers.agree_num_blocks(num_blocks)  # every rank allocates the same cache
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.watermark, self.kv_layout.group_windows)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager,
+                                   long_rope_from=getattr(loaded.model, "long_rope_from", None))
         runner_class = ModelRunner if workers is None else workers.runner_class
         self.runner = runner_class(loaded.model, model_config.num_hidden_layers, kv_heads,
                                    model_config.head_dim, num_blocks, config.block_size, self.max_model_len, dtype,

@@ -146,6 +146,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         cols = -(-max_model_len // block_size) + 1
         self.mirrors = [BlockTableMirror(cols, group=g) for g in range(self.layout.num_groups)]
+        self.rope_long_offset = getattr(model, "rope_long_offset", 0)
         self.mirror = self.mirrors[0]
         self._on_cuda = device.type == "cuda"
         # name -> (pinned staging buffer, event after the last upload from it: then it may be rewritten)
@@ -171,7 +172,7 @@ class ModelRunner:
         this one that are PENDING on the host (async scheduling)."""
         entries = batch.entries
         num_seqs = len(entries)
-        q_list, start_list, total_list = [], [], []
+        q_list, start_list, total_list, long_list = [], [], [], []
         group_rows: list[list[int]] = [[] for _ in self.mirrors]
         token_ids: list[int] = []
         pending: list[tuple[int, Sequence]] = []  # (row of this step's tokens, sequence) of PENDING tokens
@@ -193,6 +194,7 @@ class ModelRunner:
             q_list.append(n)
             start_list.append(c)
             total_list.append(len(tokens))
+            long_list.append(seq.rope_long)
             row_list.append(row_for(seq))
             for g, mirror in other_mirrors:
                 group_rows[g].append(mirror.row_for(seq))
@@ -210,6 +212,8 @@ class ModelRunner:
         positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - cu[:-1], q_lens)
         block_of, in_block = positions // self.block_size, positions % self.block_size
         slots = [table[seq_index, block_of].astype(np.int64) * self.block_size + in_block for table in tables]
+        if self.rope_long_offset and any(long_list):  # LongRoPE: a long sequence reads the long-factor rows
+            positions = positions + np.repeat(np.array(long_list, dtype=np.int64) * self.rope_long_offset, q_lens)
 
         sampling = seq_lens == np.array(total_list, dtype=np.int64)
         sample_rows = cu[1:][sampling] - 1

@@ -94,9 +94,12 @@ class StaticTokens:
             self._pos[n:stale] = 0
             for host in self._slots:
                 host[n:stale] = -1
+        slots = slots if isinstance(slots, (list, tuple)) else [slots]
+        if len(slots) != len(self._slots):
+            raise ValueError(f"a batch of {len(slots)} KV groups for pieces captured with {len(self._slots)}")
         self._ids[:n] = token_ids
         self._pos[:n] = positions
-        for host, group_slots in zip(self._slots, slots if isinstance(slots, (list, tuple)) else [slots]):
+        for host, group_slots in zip(self._slots, slots):
             host[:n] = group_slots
         self._rows[:len(sample_rows)] = sample_rows
         self._filled = n
@@ -199,7 +202,8 @@ class PiecewiseRunner:
         rng = np.random.default_rng(0)
         for bucket in reversed(self.buckets):
             vocab_ids = rng.integers(0, 100, size=bucket)  # small ids exist in every vocabulary
-            self.static.fill(vocab_ids, np.arange(bucket) % 64, np.full(bucket, -1), np.zeros(0, dtype=np.int64))
+            self.static.fill(vocab_ids, np.arange(bucket) % 64, [np.full(bucket, -1)] * self.num_groups,
+                             np.zeros(0, dtype=np.int64))
             meta = self._dummy_meta(bucket)
             with torch.inference_mode():
                 self._eager_chain(bucket, meta)  # warm-up: compiles, library handles, workspaces

@@ -45,9 +45,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, long_rope_from: int | None = None):
+        """long_rope_from: for a LongRoPE model, the original context; a longer sequence is computed with the long
+        factors, every position of it (a decode that crosses it is recomputed), as transformers does."""
         self.config = config
         self.block_manager = block_manager
+        self.long_rope_from = long_rope_from
         self.clock = clock
         self.queues = WaitingQueues(config)
         self.running: list[Sequence] = []  # admission order: the last one is the newest (first to preempt)
@@ -137,6 +140,8 @@ class Scheduler:
                 seq = lane.queue.peek(now)
                 if seq is None:
                     break
+                if self.long_rope_from is not None:
+                    seq.rope_long = seq.num_tokens > self.long_rope_from
                 hits = bm.lookup_prefix(seq)
                 to_compute = seq.num_tokens - hits.num_blocks * bm.block_size
                 if lane.admit_whole and to_compute > lane_left and lane_used > 0:
@@ -164,6 +169,10 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling or seq.num_tokens >= seq.max_num_tokens:
                 continue  # the last check: its final token is still being sampled (async scheduling), it ends then
+            if self.long_rope_from is not None and not seq.rope_long and seq.num_tokens > self.long_rope_from:
+                self._preempt(seq)  # past the original context: its KV is recomputed with the long factors
+                batch.preempted.append(seq)
+                continue
             while not self.block_manager.append_slots(seq):
                 victim = self.running[-1]  # newest; never one already scheduled (those are older than seq)
                 self._preempt(victim)

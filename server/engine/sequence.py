@@ -41,6 +41,9 @@ class Sequence:
         self.block_tables: list[list[int]] = []  # one per KV group (block_manager.py); empty: no blocks held
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
         self.num_cached_tokens = 0  # prefix-cache hit at the last admission
+        # Which rope its KV was computed with, for models whose rope depends on the sequence's length (LongRoPE:
+        # long factors for a sequence longer than the original context); set at admission.
+        self.rope_long = False
         self.lane: str | None = None  # the scheduler queue/lane this sequence belongs to
         self.finish_reason: str | None = None
         # Output bookkeeping, owned by the engine.

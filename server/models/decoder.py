@@ -101,9 +101,16 @@ class DecoderForCausalLM(nn.Module):
         for rotary in self.model.rotaries():
             rotary.tables(device, dtype)
 
-    def limit_positions(self, max_positions: int) -> None:
-        for rotary in self.model.rotaries():
-            rotary.limit_positions(max_positions)
+    @property
+    def long_rope_from(self) -> int | None:
+        """LongRoPE: the original context, past which a sequence turns with the long factors (None: no switch)."""
+        rotary = self.model.rotary
+        return rotary.original_context if rotary.long_offset else None
+
+    @property
+    def rope_long_offset(self) -> int:
+        """Added to the positions of a sequence past long_rope_from (its rows of the long factors)."""
+        return self.model.rotary.long_offset
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

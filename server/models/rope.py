@@ -8,11 +8,10 @@ position, into tables on the model's device (the same float32 products and cos/s
 computation, so the same values); a step only looks its positions up, and the fused kernel reads the tables
 directly.
 
-LongRoPE keeps two frequency sets: transformers picks the long one for a whole forward pass once the sequence is
-longer than the original context. Here the table row of a position < original context uses the short set and
-later rows the long one: the same numbers as transformers for any prompt that fits the original context (its
-cached prefix keeps the short set, later tokens get the long one), and chunking or prefix caching cannot change
-a position's rotation.
+LongRoPE keeps two frequency sets: a sequence no longer than the original context turns with the short one, a
+longer sequence with the long one at every position (transformers recomputes a generation's cache when it
+crosses; so does the engine: scheduler.py). The table holds both: rows [0, P) short, rows [P, 2P) long
+(`long_offset` = P); the runner adds P to the positions of a long sequence.
 """
 from __future__ import annotations
 
@@ -112,6 +111,11 @@ class RotaryEmbedding(torch.nn.Module):
             self.attention_factor = yarn_attention_factor(scaling)
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def long_offset(self) -> int:
+        """Added to a position to read its LongRoPE long-factor row (0: one set of rows)."""
+        return self.max_positions if self.long_inv_freq is not None else 0
+
     def set_freq_factors(self, freq_factors: torch.Tensor) -> None:
         """llama.cpp's `rope_freqs` tensor (Llama 3.1 GGUFs bake their rope scaling into it): divides the freqs."""
         factors = freq_factors.detach().to("cpu", torch.float32).reshape(-1)
@@ -127,17 +131,16 @@ class RotaryEmbedding(torch.nn.Module):
             self._tables.clear()
 
     def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [max_positions, rotary_dim / 2] in dtype: the first half of transformers' cat(freqs, freqs)
-        angles, whose second half repeats it. Built on first use (outside any graph capture: the runner asks
-        first)."""
+        """cos, sin [max_positions (x 2 with LongRoPE), rotary_dim / 2] in dtype: the first half of transformers'
+        cat(freqs, freqs) angles, whose second half repeats it. Built on first use (outside any graph capture: the
+        runner asks first)."""
         key = (torch.device(device), dtype)
         found = self._tables.get(key)
         if found is None:
             positions = torch.arange(self.max_positions, device=device, dtype=torch.int64).to(torch.float32)
             freqs = positions[:, None] * self.inv_freq.to(device)[None, :]
-            if self.long_inv_freq is not None and self.max_positions > self.original_context:
-                long = positions[self.original_context:, None] * self.long_inv_freq.to(device)[None, :]
-                freqs = torch.cat([freqs[:self.original_context], long])
+            if self.long_inv_freq is not None:
+                freqs = torch.cat([freqs, positions[:, None] * self.long_inv_freq.to(device)[None, :]])
             cos, sin = freqs.cos(), freqs.sin()
             if self.attention_factor != 1.0:
                 cos, sin = cos * self.attention_factor, sin * self.attention_factor

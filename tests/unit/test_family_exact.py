@@ -1,8 +1,8 @@
 """Qwen3, Gemma 3 (with and without logit softcapping) and Phi-3 (LongRoPE, partial rotary) against transformers,
 fp32 on the CPU: tiny random models made with transformers' config classes, saved as safetensors and loaded by
-both. Prompts cross the layers' sliding window (20 tokens; Phi-3's 24). Phi-3's sequences stay within its
-original context (64): past it transformers switches every position to LongRoPE's long factors, recomputing its
-cache, which this engine does not (rope.py turns each position by its own index; rope_test covers the tables).
+both. Prompts cross the layers' sliding window (20 tokens; Phi-3's 24). For Phi-3 they also cross its original
+context (64): prompts longer than it turn with LongRoPE's long factors from the start, and generations that cross
+it are recomputed with them, as transformers does.
 
 - logits of a whole prompt equal transformers' within 1e-4;
 - the engine's greedy tokens equal transformers' generate() for 8 prompts x 32 tokens, for chunk sizes that do
@@ -27,7 +27,6 @@ from metronome.server.models import load_model
 NEW_TOKENS = 32
 TIE = 1e-4
 PROMPT_LENS = [3, 9, 19, 21, 33, 47, 70, 90]
-LONGROPE_PROMPT_LENS = [3, 9, 19, 21, 25, 27, 30, 32]
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -45,8 +44,7 @@ def family(request, tmp_path_factory):
     hf_model = save_hf_model(folder, FAMILIES[request.param]())
     ours = load_model(f"hf-dir:{folder}", dtype="float32", device="cpu", attention_backend="torch")
     generator = torch.Generator().manual_seed(5)
-    lens = LONGROPE_PROMPT_LENS if request.param == "phi3" else PROMPT_LENS
-    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lens]
+    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENS]
     reference = [hf_generate(hf_model, p) for p in prompts]
     return request.param, hf_model, ours, prompts, reference
 
@@ -78,8 +76,12 @@ def test_prefill_logits_match_transformers(family):
     name, hf_model, ours, prompts, _ = family
     ids = prompts[-1]
     cache = PagedCache(ours.config, 1, len(ids))
+    positions = torch.arange(len(ids))
+    switch = ours.model.long_rope_from
+    if switch is not None and len(ids) > switch:  # LongRoPE: a sequence this long reads the long-factor rows
+        positions = positions + ours.model.rope_long_offset
     with torch.inference_mode():
-        hidden = ours.model(torch.tensor(ids), torch.arange(len(ids)), cache.kv, cache.metadata([0], [len(ids)]))
+        hidden = ours.model(torch.tensor(ids), positions, cache.kv, cache.metadata([0], [len(ids)]))
         mine = ours.model.compute_logits(hidden)
         expected = hf_model(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(mine, expected, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
@@ -96,7 +98,7 @@ def test_engine_greedy_matches_transformers(family, chunk, block_size, prefix):
         seqs = [core._seqs[core.add_request(p, GREEDY)] for p in prompts]
         while core.has_unfinished():
             core.step()
-        assert any(s.num_cached_tokens >= block_size for s in seqs)
+        assert any(s.num_cached_tokens >= 2 * block_size for s in seqs)
         assert_same_greedy(f"{name} chunk {chunk} block {block_size} warm", reference,
                            [s.output_token_ids for s in seqs])
         core.check_no_leaks()
@@ -124,3 +126,27 @@ def test_a_long_prompt_runs_in_a_cache_smaller_than_its_context(name, num_kv_blo
     assert_same_greedy(f"{name} long prompt", [want], [seq.output_token_ids])
     assert peak <= num_kv_blocks < len(core.block_manager.windows) * -(-(len(prompt) + NEW_TOKENS) // 16)
     core.check_no_leaks()
+
+
+def test_the_text_model_of_a_multimodal_gemma3_checkpoint_loads(tmp_path):
+    """A `gemma3` (image-text) folder: its text_config and `language_model.*` weights are served, the vision tower
+    is skipped; text-only logits equal Gemma3ForConditionalGeneration's."""
+    from family_models import gemma3_config, write_tokenizer
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=gemma3_config().to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=5, boi_token_index=6, eoi_token_index=7)
+    torch.manual_seed(0)
+    hf_model = Gemma3ForConditionalGeneration(config).eval()
+    hf_model.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    ours = load_model(f"hf-dir:{tmp_path}", dtype="float32", device="cpu", attention_backend="torch")
+    assert ours.config.architecture == "gemma3"
+    ids = list(range(10, 60))
+    cache = PagedCache(ours.config, 1, len(ids))
+    with torch.inference_mode():
+        hidden = ours.model(torch.tensor(ids), torch.arange(len(ids)), cache.kv, cache.metadata([0], [len(ids)]))
+        expected = hf_model(input_ids=torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(ours.model.compute_logits(hidden), expected, rtol=0, atol=1e-4)

@@ -121,10 +121,10 @@ def test_moe_backend_flag_is_checked_against_the_device():
     assert model.graph_capture_problem(torch.device("cuda")) is None
 
 
-def test_tensor_parallelism_refuses_experts_naming_the_flag():
+def test_tensor_parallelism_refuses_mixtures_of_experts_naming_the_flag():
     from metronome.server.models.parallel import plan_shards
 
-    with pytest.raises(InvalidRequestError, match="does not shard experts") as refused:
+    with pytest.raises(InvalidRequestError, match="mixtral runs with tensor_parallel_size 1") as refused:
         plan_shards(preset_config("tiny-mixtral"), 2)
     assert refused.value.param == "tensor_parallel_size"
     assert plan_shards(preset_config("tiny-mixtral"), 1) is not None

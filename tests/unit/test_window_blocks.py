@@ -193,3 +193,13 @@ def test_max_admissible_tokens_counts_full_groups_and_window_reserves(windows):
     bm = BlockManager(num_blocks=100, block_size=BS, watermark=0, group_windows=windows)
     reserve = sum(bm.window_reserve(g) for g in bm.window_groups)
     assert bm.max_admissible_tokens() == (100 - reserve) * BS
+
+
+def test_blocks_held_counts_every_token_in_full_groups_and_a_window_in_window_groups():
+    bm = BlockManager(num_blocks=200, block_size=BS, watermark=0, group_windows=(None, WINDOW, WINDOW))
+    assert bm.blocks_held(8) == 2 * 3  # shorter than the window: every group holds all of it
+    assert bm.blocks_held(400) == 100 + 2 * (-(-(WINDOW - 1 + 1) // BS) + 1)
+    assert bm.blocks_held(400, step_tokens=20) == 100 + 2 * (-(-(WINDOW - 1 + 20) // BS) + 1)
+    seq = make_seq(list(range(400)))
+    run_prefill(bm, seq, chunk=20)
+    assert sum(live(t) for t in seq.block_tables) <= bm.blocks_held(400, 20)

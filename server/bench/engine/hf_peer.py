@@ -21,17 +21,11 @@ class HFPeerError(MetronomeError):
     """transformers is missing, too old, or its continuous-batching API differs from what this code drives."""
 
 
-# The peer is transformers' Llama built at our model's shape: the same computation only for these families.
-LLAMA_SHAPED = ("llama", "mistral", "qwen2")
-
-
 def llama_config_for(model_config: Any, transformers: Any) -> Any:
-    """A transformers LlamaConfig with our model's shape (rope settings through whichever API this version has);
-    HFPeerError for a family a Llama of that shape would not compute (a mixture of experts, QK-norm, ...)."""
-    architecture = getattr(model_config, "architecture", "llama")
-    if architecture not in LLAMA_SHAPED:
-        raise HFPeerError(f"the transformers peer is a Llama of the model's shape, which {architecture} is not "
-                          "(pass --skip-hf)")
+    """A transformers LlamaConfig with our model's shape (rope settings through whichever API this version has)."""
+    if getattr(model_config, "architecture", "llama") not in ("llama", "mistral", "qwen2"):
+        raise HFPeerError(f"the transformers peer is a LlamaForCausalLM; {model_config.architecture} layers do other "
+                          "work (QK-norm, sandwich norms, windows), so no peer is built for it")
     shape = dict(
         vocab_size=model_config.vocab_size, hidden_size=model_config.hidden_size,
         intermediate_size=model_config.intermediate_size, num_hidden_layers=model_config.num_hidden_layers,
