@@ -122,3 +122,19 @@ def test_gemma3_270m_greedy_matches_transformers(gemma, prompt_ids, reference, c
         assert max(s.num_cached_tokens for s in seqs) > 512
         assert_same_greedy(f"chunk {chunk}, warm", reference, [s.output_token_ids for s in seqs])
         core.check_no_leaks()
+
+
+def test_the_converted_gguf_tokenizer_is_cached_and_tokenizes_the_same(gemma, prompt_ids):
+    """Gemma's SentencePiece vocabulary is converted once and kept in the model cache: a second load comes from
+    there and gives the same ids and text."""
+    from metronome.server.models import tokenizer as tokenizer_module
+    loaded, path = gemma
+    cached_dir = tokenizer_module.converted_tokenizer_dir(path, path.stat().st_mtime_ns)
+    assert (cached_dir / "tokenizer_config.json").is_file()  # the first load (the fixture's) saved it
+    tokenizer_module._cached_hf_tokenizer.cache_clear()
+    again = tokenizer_module.load_hf_tokenizer(path.parent, "again", loaded.config.eos_token_ids,
+                                               loaded.config.bos_token_id, gguf_file=path.name,
+                                               gguf_tokenizer_model="llama")
+    assert [again.encode(p) for p in PROMPTS] == prompt_ids
+    assert again.decode(prompt_ids[6]) == loaded.tokenizer.decode(prompt_ids[6])
+    assert again.eos_token_ids == loaded.tokenizer.eos_token_ids
