@@ -25,7 +25,8 @@ def check_write_kv_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch
 
 
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, window: int | None = None) -> None:
+                           meta: AttentionMetadata, window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> None:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive integer or None, got {window!r}")
     if q.dim() != 3:
@@ -39,6 +40,10 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if sinks is not None:
+        if tuple(sinks.shape) != (n_heads,):
+            raise ValueError(f"sinks must be [n_heads={n_heads}], got {tuple(sinks.shape)}")
+        _same_device(q=q, sinks=sinks)
     _same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
                  block_tables=meta.block_tables)
     key = (id(meta), q.shape[0])

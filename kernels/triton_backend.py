@@ -27,9 +27,10 @@ class TritonBackend:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, out: torch.Tensor | None = None, window: int | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
-        check_attention_inputs(q, k_cache, v_cache, meta, window)
-        return paged_attention(q, k_cache, v_cache, meta, scale, out=out, window=window, softcap=softcap)
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        check_attention_inputs(q, k_cache, v_cache, meta, window, sinks)
+        return paged_attention(q, k_cache, v_cache, meta, scale, out=out, window=window, softcap=softcap,
+                               sinks=sinks)
 
     # --- launch variants (CUDA graphs, warm-up) -----------------------------------------------------------
     def decode_variant(self, num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
@@ -43,11 +44,12 @@ class TritonBackend:
         return sorted({1, *range(MIN_SPLIT_KEYS, max_model_len + 1, MIN_SPLIT_KEYS), max_model_len})
 
     def warm_up(self, q_shape: tuple[int, int, int], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                max_model_len: int, windows: tuple[int | None, ...] = (None,), softcap: float | None = None) -> int:
+                max_model_len: int, windows: tuple[int | None, ...] = (None,), softcap: float | None = None,
+                sinks: bool = False) -> int:
         """Launch every (tile class, kv splits) variant a batch of these shapes can meet, for each of the model's
         layer windows, on the cache's last block with every slot skipped, so that Triton compiles them now rather
-        than in the middle of serving. q_shape: (any T, heads, head_dim) as the model produces q. Returns the
-        launches made."""
+        than in the middle of serving. q_shape: (any T, heads, head_dim) as the model produces q; sinks: whether the
+        model's attention has them (another compiled variant). Returns the launches made."""
         _, n_heads, head_dim = q_shape
         device = k_cache.device
         n_kv = k_cache.shape[2]
@@ -58,6 +60,7 @@ class TritonBackend:
         kv = torch.zeros((1, n_kv, head_dim), dtype=k_cache.dtype, device=device)
         self.write_kv(kv, kv, k_cache, v_cache, write)
         launches = 1
+        sink_logits = torch.zeros(n_heads, dtype=k_cache.dtype, device=device) if sinks else None
         for window in dict.fromkeys(windows):
             keys = split_keys(max_model_len, window)
             longest = keys if keys >= 1024 else 0  # choose_num_splits never splits below 1024 keys
@@ -70,7 +73,7 @@ class TritonBackend:
                 q = torch.zeros((sum(q_lens), n_heads, head_dim), dtype=k_cache.dtype, device=device)
                 for num_splits in split_counts:
                     paged_attention(q, k_cache, v_cache, meta, 1.0, num_splits=num_splits, window=window,
-                                    softcap=softcap)
+                                    softcap=softcap, sinks=sink_logits)
                     launches += 1
         return launches
 
