@@ -188,9 +188,17 @@ class EngineCore:
                 f"max concurrency {tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens "
                 "(max_model_len); "
                 f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}; "
-                f"mixed-step overlap {'on' if self.runner.overlap is not None else 'off'}"
+                f"mixed-step overlap {'on' if self.runner.overlap is not None else 'off'}; "
+                f"attention {self.attention_description}"
                 + (f"; warm-up burst of {self.warm_batch[0]} sequences in {self.warm_batch[1]} steps, "
                    f"{self.warm_batch[2]:.2f}s" if self.warm_batch[0] else ""))
+
+    @property
+    def attention_description(self) -> str:
+        """The attention backend ("auto" names its route per batch class)."""
+        backend = getattr(self.loaded.model, "attention_backend", None)
+        describe = getattr(backend, "describe", None)
+        return describe() if describe is not None else str(getattr(backend, "name", backend))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step afterwards)."""
