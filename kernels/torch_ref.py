@@ -51,6 +51,7 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 
 class TorchBackend:
     name = "torch"
+    graph_capture = "none"  # host lists steer its launches (the CPU path)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         check_write_kv_inputs(key, value, k_cache, v_cache, slot_mapping)

@@ -20,6 +20,7 @@ from .triton_kv_write import write_kv_triton
 
 class TritonBackend:
     name = "triton"
+    graph_capture = "all"
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         check_write_kv_inputs(key, value, k_cache, v_cache, slot_mapping)

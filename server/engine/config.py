@@ -8,6 +8,7 @@ from metronome.contract.errors import InvalidRequestError
 from metronome.server.models.moe_config import MOE_BACKENDS
 
 ASYNC_SCHEDULING = ("auto", "on", "off")
+MIXED_OVERLAP = ("off", "on")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA + triton only; False = --enforce-eager)
     async_scheduling: str = "auto"  # ASYNC_SCHEDULING: launch step n+1 before reading step n (auto: on for CUDA)
     moe_backend: str = "auto"  # MOE_BACKENDS: how a mixture of experts runs its experts (auto: triton on CUDA)
+    mixed_overlap: str = "off"  # MIXED_OVERLAP: a mixed step's decodes beside its chunk on two streams (CUDA graphs)
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -48,6 +50,9 @@ class EngineConfig:
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise InvalidRequestError(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}, got "
                                       f"{self.async_scheduling!r}", param="async_scheduling")
+        if self.mixed_overlap not in MIXED_OVERLAP:
+            raise InvalidRequestError(f"mixed_overlap must be one of {', '.join(MIXED_OVERLAP)}, got "
+                                      f"{self.mixed_overlap!r}", param="mixed_overlap")
         if self.moe_backend not in MOE_BACKENDS:
             raise InvalidRequestError(f"moe_backend must be one of {', '.join(MOE_BACKENDS)}, got "
                                       f"{self.moe_backend!r}", param="moe_backend")

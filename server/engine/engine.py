@@ -33,6 +33,7 @@ from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.grammar import Grammars, advance
 from metronome.server.engine.kv_cache import bytes_per_block, plan_num_blocks
 from metronome.server.engine.kv_layout import kv_layout
+from metronome.server.engine.mixed_overlap import MixedOverlap
 from metronome.server.engine.model_runner import InFlightTokens, ModelRunner
 from metronome.server.engine.output_text import OutputText
 from metronome.server.engine.outputs import EngineStats, GenerationResult, StepStats, TokenEvent
@@ -128,6 +129,8 @@ class EngineCore:
         if workers is not None:
             self.execution_mode = "eager: tensor parallel (graphs are not captured across ranks)"
         elif config.cuda_graphs:
+            if config.mixed_overlap == "on":
+                self.runner.overlap = MixedOverlap(device)
             self.execution_mode = self.runner.setup_cuda_graphs(scheduler_config.max_num_seqs, self.max_model_len)
         self._warm_up(device, workers is None)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids or ())
@@ -184,9 +187,18 @@ class EngineCore:
         return (f"KV cache {bm.num_blocks} blocks x {bm.block_size} tokens{windows} = {tokens} tokens; "
                 f"max concurrency {tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens "
                 "(max_model_len); "
-                f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}"
+                f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}; "
+                f"mixed-step overlap {'on' if self.runner.overlap is not None else 'off'}; "
+                f"attention {self.attention_description}"
                 + (f"; warm-up burst of {self.warm_batch[0]} sequences in {self.warm_batch[1]} steps, "
                    f"{self.warm_batch[2]:.2f}s" if self.warm_batch[0] else ""))
+
+    @property
+    def attention_description(self) -> str:
+        """The attention backend ("auto" names its route per batch class)."""
+        backend = getattr(self.loaded.model, "attention_backend", None)
+        describe = getattr(backend, "describe", None)
+        return describe() if describe is not None else str(getattr(backend, "name", backend))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step afterwards)."""

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig
 from metronome.server.cli_types import bounded, chunk_tokens, nonneg_int, open_fraction, positive_float, positive_int
-from metronome.server.engine.config import ASYNC_SCHEDULING, EngineConfig
+from metronome.server.engine.config import ASYNC_SCHEDULING, MIXED_OVERLAP, EngineConfig
 from metronome.server.models.moe_config import MOE_BACKENDS
 
 
@@ -76,6 +76,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--moe-backend", "moe_backend", "how a mixture-of-experts model runs its experts: auto (triton on CUDA, "
          "reference elsewhere), triton (fused kernels), grouped_mm (torch's grouped GEMM, bf16 on CUDA), reference "
          "(a loop over the experts: exact, no CUDA graphs)", choices=MOE_BACKENDS),
+    Flag("--mixed-overlap", "mixed_overlap", "run a mixed step's decodes (their decode CUDA graph, on a second "
+         "stream) beside its prompt chunk (piecewise graphs), so that the decodes' KV reads overlap the chunk's "
+         "matmuls; needs CUDA graphs", choices=MIXED_OVERLAP),
 )
 
 SCHEDULER_FLAGS: tuple[Flag, ...] = (

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -175,10 +176,22 @@ def attention_backend_for(requested: str, device: torch.device, block_size: int,
     """The kernels backend for this device and cache shape ("auto" = the best that fits)."""
     from metronome.kernels import get_backend, select_backend
 
+    if requested in ("auto", "flash_attn") and torch.device(device).type == "cuda":
+        _flash_attn_jit_cache()
     try:
         return get_backend(select_backend(device, block_size, head_dim, requested=requested))
     except ValueError as error:
         raise InvalidRequestError(str(error), param="attention_backend") from None
+
+
+def _flash_attn_jit_cache() -> None:
+    """FA4 compiles its kernels at run time: keep them beside the model cache where that is a mounted volume
+    ($METRONOME_MODEL_CACHE: the operator's pods), else in $TMPDIR; never in the image, which may be read-only."""
+    from metronome.contract.remote_source import CACHE_ENV
+    from metronome.kernels.flash_attn_backend import configure_jit_cache
+
+    root = os.environ.get(CACHE_ENV)
+    configure_jit_cache(Path(root).expanduser() / "jit" / "flash-attn-cute" if root else None)
 
 
 def read_model_config(spec: str | None) -> ModelConfig:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import httpx
+import pytest
 from api_helpers import k8s_config_dir
 
 from metronome.server.bench import cli
@@ -149,3 +150,21 @@ def test_run_and_sweep_against_metronome_serve(tmp_path):
         assert config.is_symlink() and os.readlink(config) == "..data/server.yaml"
         served = httpx.get(url + "/v1/config", timeout=5).json()
         assert served["generation"] == 3 and served["scheduler"]["chunk_size"] == 64
+
+
+def test_engine_longshort_interleaves_overlap_variants(tmp_path, capsys):
+    out = tmp_path / "engine.json"
+    rc = bench(["engine", *TINY, "--sections", "longshort", "--rates", "30,40", "--chunk-sizes", "16",
+                "--num-requests", "2", "--long-prompt-len", "40", "--short-prompt-len", "8", "--output-len", "3",
+                "--warmup-requests", "1", "--mixed-overlap-variants", "off,on", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    runs = doc["longshort"]["runs"]
+    assert [(r["params"]["rate"], r["params"]["mixed_overlap"]) for r in runs] == [
+        (30, "off"), (30, "on"), (40, "off"), (40, "on")]  # back to back per rate
+    assert [row["rate"] for row in doc["longshort"]["overlap_comparison"]] == [30, 40]
+    assert {row["label"] for row in doc["longshort"]["capacity"]} == {"16, overlap off", "16, overlap on"}
+    assert doc["model"]["mixed_overlap"] == "on"  # the variants need its graphs: the engine starts with it
+    assert "overlap: off vs on" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench(["engine", *TINY, "--mixed-overlap-variants", "off,sometimes"])

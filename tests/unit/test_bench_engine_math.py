@@ -9,7 +9,7 @@ import pytest
 from metronome.server.bench.engine import model_math
 from metronome.server.bench.engine.command import evaluate_targets
 from metronome.server.bench.engine.hf_peer import llama_config_for, records_from_outputs
-from metronome.server.bench.engine.sections import UNCHUNKED, capacity_table
+from metronome.server.bench.engine.sections import UNCHUNKED, capacity_table, overlap_comparison
 from metronome.server.bench.load.results import RunEntry
 from metronome.server.bench.load.stats import LatencySummary, RunSummary
 from metronome.server.models.presets import preset_config
@@ -81,6 +81,23 @@ def test_capacity_table_compares_every_chunk_with_unchunked():
     assert rows[512]["tbt_p99_ms_at_highest_rate"] == 60 and rows[512]["highest_rate"] == 16
     assert rows[256]["capacity_rate"] == 4 and rows[UNCHUNKED]["label"] == "unchunked"
     assert "capacity_ratio_vs_unchunked" not in rows[UNCHUNKED]
+
+
+def test_overlap_variants_get_rows_of_their_own_and_a_comparison():
+    def variant(entry, name):
+        entry.params["mixed_overlap"] = name
+        return entry
+
+    runs = [variant(run(512, 45, 900, 40), "off"), variant(run(512, 45, 920, 30), "on"),
+            variant(run(512, 60, 1000, 50), "off"), variant(run(512, 60, 990, 45, done=9), "on")]
+    rows = {r["label"]: r for r in capacity_table(runs, slo_tbt_ms=35)}
+    assert set(rows) == {"512, overlap off", "512, overlap on"}
+    assert rows["512, overlap on"]["capacity_rate"] == 45 and rows["512, overlap off"]["capacity_rate"] is None
+    pairs = {r["rate"]: r for r in overlap_comparison(runs)}
+    assert pairs[45]["tbt_p99_reduction"] == pytest.approx(0.25)
+    assert pairs[45]["throughput_change"] == pytest.approx(920 / 900 - 1)
+    assert pairs[60]["completed"] == (True, False)
+    assert overlap_comparison([run(512, 45, 900, 40)]) == []  # runs without variants: nothing to compare
 
 
 def test_capacity_ratio_when_unchunked_never_meets_the_slo():

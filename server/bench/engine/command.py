@@ -116,6 +116,8 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         # These send the same seeded prompts once per chunk size (and rate): with prefix caching every run after
         # the first finds them cached and measures the cache (the H200 batch at chunk 512 after 2048: TTFT 42 ms).
         args.enable_prefix_caching = False
+    if args.mixed_overlap_variants and "longshort" in chosen:
+        args.mixed_overlap = "on"  # its graphs are captured at start; each run switches it on or off
     core = EngineCore.from_config(engine_config_from_args(args), scheduler_from_args(args, max_num_seqs=startup_seqs))
     config = core.loaded.config
     dtype = core.loaded.dtype
@@ -135,6 +137,8 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         # decode batches above the largest size replay no decode graph (piecewise graphs or eager instead)
         "max_num_seqs_at_start": startup_seqs,
         "decode_graph_sizes": getattr(getattr(core.runner, "graphs", None), "sizes", None),
+        "mixed_overlap": "on" if getattr(core.runner, "overlap", None) is not None else "off",
+        "attention": core.attention_description if hasattr(core, "attention_description") else None,
     }
     device_info = doc.get("device") or {}
     bandwidth = device_info.get("copy", {}).get("bandwidth_bytes_per_s")
@@ -166,11 +170,14 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
             core, spec, sampler, args.chunk_sizes if "longshort" in chosen else [],
             args.rates if "longshort" in chosen else [], args.longshort_policy,
             max_num_seqs, stop, args.seed, args.slo_tbt_ms, progress,
-            args.hf_requests if "hf" in chosen else None, args.batch_chunk_size, args.warmup_requests))
+            args.hf_requests if "hf" in chosen else None, args.batch_chunk_size, args.warmup_requests,
+            args.mixed_overlap_variants))
         if "longshort" in chosen:
             doc["longshort"] = {"policy": args.longshort_policy, "slo_tbt_ms": args.slo_tbt_ms,
                                 "capacity": sections.capacity_table(runs, args.slo_tbt_ms),
                                 "runs": [r.to_dict(include_records=not args.no_records) for r in runs]}
+            if args.mixed_overlap_variants:
+                doc["longshort"]["overlap_comparison"] = sections.overlap_comparison(runs)
             doc["_runs"] = runs
         if batches:  # the first chunk size is the compared one (the throughput config); the others stand beside it
             doc["batch_comparison"] = {
@@ -261,6 +268,18 @@ def _print(doc: dict[str, Any]) -> None:
                           "-" if row["tbt_p99_ms_at_highest_rate"] is None else
                           f"{row['tbt_p99_ms_at_highest_rate']:.1f}",
                           "-" if cost is None else f"{100 * cost:.0f}%", "-" if ratio is None else f"{ratio:.2f}")
+        out.print(table)
+    comparison_rows = (doc.get("longshort") or {}).get("overlap_comparison")
+    if comparison_rows:
+        table = Table(title="mixed-step overlap: off vs on, each (chunk, rate) run back to back")
+        for name in ("chunk", "rate", "TBT p99 off", "TBT p99 on", "p99 drop", "tok/s off", "tok/s on"):
+            table.add_column(name, justify="right")
+        for row in comparison_rows:
+            drop = row["tbt_p99_reduction"]
+            table.add_row(sections.chunk_label(row["chunk_size"]), f"{row['rate']:g}",
+                          *(("-" if v is None else f"{v:.1f}") for v in (row["tbt_p99_ms_off"], row["tbt_p99_ms_on"])),
+                          "-" if drop is None else f"{100 * drop:.0f}%", f"{row['output_tokens_per_s_off']:.0f}",
+                          f"{row['output_tokens_per_s_on']:.0f}")
         out.print(table)
     if doc.get("saturation"):
         _print_saturation(out, doc["saturation"])
