@@ -2,6 +2,9 @@
 
 - `add_rms_norm`: residual += x (rounded to the model dtype), then out = weight * norm(residual); without x it
   is a plain RMSNorm. One program per token row.
+- `add_rms_norm_fp8`, `silu_mul_fp8`: the norm and SiLU * up with their output quantised to FP8 e4m3 in the same
+  launch (per token, per group of columns, or with a static scale) for the FP8 linear layers that read them;
+  one program per token row (a token's scale needs its whole row).
 - `rope_write_kv`: from the fused qkv projection, rotate q and k (rotate-half layout) with cos/sin read from a
   per-position table built once, write rotated q to its own buffer and k, v into their paged-cache slots
   (a negative slot skips the cache write). One program per token.
@@ -20,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention import require_runnable
+from .triton_fp8 import _fp8_of, _quantize_registers, _scale_of, check_quant_args, scale_buffer
 
 
 @triton.jit
@@ -61,6 +65,124 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     )
     return out
 
+
+
+@triton.jit
+def _add_rms_norm_fp8(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_r, stride_q,
+                      stride_s, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_X: tl.constexpr, GROUP: tl.constexpr,
+                      STATIC: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    if HAS_X:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        r = (r.to(tl.float32) + x.to(tl.float32)).to(residual_ptr.dtype.element_ty)
+        tl.store(residual_ptr + row * stride_r + cols, r, mask=mask)
+    r32 = r.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(r32 * r32, 0) / N + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ROUND:  # the norm's output in the model dtype, as add_rms_norm stores it, before it is quantised
+        y = _rounded(w * _rounded(r32 * inv, BF16), BF16)
+    else:
+        y = w * (r32 * inv)
+    _quantize_registers(y, cols, mask, q_ptr + row * stride_q, s_ptr + row * stride_s, static_ptr, N, BLOCK,
+                        GROUP, STATIC)
+
+
+def add_rms_norm_fp8(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     group: int | None = None, static_scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm whose output goes straight to FP8: residual [T, N] updated in place as add_rms_norm does;
+    returns (q e4m3 [T, N], scales) of weight * rmsnorm(residual) rounded to the model dtype, quantised per token
+    (group None), per `group` columns or with a static scale (triton_fp8.quantize_fp8's conventions)."""
+    rows, n = residual.shape
+    check_quant_args(n, group, static_scale)
+    q = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=residual.device)
+    scales = scale_buffer(rows, n, group, static_scale, residual.device)
+    if rows == 0:
+        return q, scales
+    for t in (residual,) + ((x,) if x is not None else ()):
+        if t.stride(-1) != 1:
+            raise ValueError("add_rms_norm_fp8 needs rows with a contiguous last axis")
+    require_runnable(residual.device)
+    block = triton.next_power_of_2(n)
+    _add_rms_norm_fp8[(rows,)](
+        x if x is not None else residual, residual, weight, q, scales,
+        static_scale if static_scale is not None else scales,
+        x.stride(0) if x is not None else 0, residual.stride(0), q.stride(0),
+        scales.stride(0) if scales.dim() == 2 else 0, eps,
+        N=n, BLOCK=block, HAS_X=x is not None, GROUP=min(group or 0, block), STATIC=static_scale is not None,
+        ROUND=residual.dtype in (torch.bfloat16, torch.float16), BF16=residual.dtype == torch.bfloat16,
+        num_warps=min(16, max(4, block // 512)),
+    )
+    return q, scales
+
+@triton.jit
+def _silu_mul_value(gate_up_row, cols, mask, N, ROUND: tl.constexpr, BF16: tl.constexpr):
+    g = tl.load(gate_up_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_row + N + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = g / (1.0 + tl.exp(-g))
+    if ROUND:  # silu(gate) and the product each rounded to the model dtype, as silu_mul stores them
+        return _rounded(_rounded(silu, BF16) * u, BF16)
+    else:
+        return silu * u
+
+
+@triton.jit
+def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, stride_s, N,
+                  CHUNK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr, ROUND: tl.constexpr,
+                  BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    gate_up_row = gate_up_ptr + row * stride_g
+    q_row = q_ptr + row * stride_q
+    s_row = s_ptr + row * stride_s
+    offs = tl.arange(0, CHUNK)
+    if STATIC or GROUP != 0:  # every chunk is self-contained (CHUNK == GROUP for groups)
+        for start in range(0, N, CHUNK):
+            cols = start + offs
+            mask = cols < N
+            y = _silu_mul_value(gate_up_row, cols, mask, N, ROUND, BF16)
+            _quantize_registers(y, cols, mask, q_row, s_row + start // CHUNK, static_ptr, N - start, CHUNK,
+                                GROUP, STATIC)
+    else:  # per token: the row's amax first, then quantise (the second read of gate_up mostly hits L2)
+        amax = tl.zeros((CHUNK,), dtype=tl.float32)
+        for start in range(0, N, CHUNK):
+            cols = start + offs
+            mask = cols < N
+            amax = tl.maximum(amax, tl.where(mask, tl.abs(_silu_mul_value(gate_up_row, cols, mask, N, ROUND, BF16)),
+                                             0.0))
+        scale = _scale_of(tl.max(amax, 0))
+        for start in range(0, N, CHUNK):
+            cols = start + offs
+            mask = cols < N
+            y = _silu_mul_value(gate_up_row, cols, mask, N, ROUND, BF16)
+            tl.store(q_row + cols, _fp8_of(y, scale), mask=mask)
+        tl.store(s_row, scale)
+
+
+def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
+                 chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [T, 2I] (gate columns first) → (q e4m3 [T, I], scales) of silu(gate) * up rounded to the model
+    dtype, quantised per token (group None), per `group` columns or with a static scale."""
+    rows, width = gate_up.shape
+    n = width // 2
+    check_quant_args(n, group, static_scale)
+    q = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scales = scale_buffer(rows, n, group, static_scale, gate_up.device)
+    if rows == 0:
+        return q, scales
+    if gate_up.stride(-1) != 1:
+        raise ValueError("silu_mul_fp8 needs rows with a contiguous last axis")
+    require_runnable(gate_up.device)
+    _silu_mul_fp8[(rows,)](
+        gate_up, q, scales, static_scale if static_scale is not None else scales, gate_up.stride(0), q.stride(0),
+        scales.stride(0) if scales.dim() == 2 else 0, n,
+        CHUNK=group if group is not None else min(chunk, triton.next_power_of_2(n)), GROUP=group or 0,
+        STATIC=static_scale is not None, ROUND=gate_up.dtype in (torch.bfloat16, torch.float16),
+        BF16=gate_up.dtype == torch.bfloat16, num_warps=4,
+    )
+    return q, scales
 
 @triton.jit
 def _rounded(x, BF16: tl.constexpr):
@@ -187,3 +309,4 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     _silu_mul[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block,
                                              num_warps=4)
     return out
+
