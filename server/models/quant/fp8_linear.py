@@ -4,14 +4,17 @@ to FP8 (dynamically per token / per group, or with a static per-tensor scale) be
 A layer may be a fusion of several checkpoint tensors (q, k, v → qkv_proj; gate, up → gate_up_proj), each a
 *shard* of rows with its own scales in the checkpoint. Loading fills shards one by one (`load`); `finalize` then
 brings the scales into the form the GEMM takes:
-- per-tensor weight scales with a static input scale: every shard is requantised to the largest shard scale
-  (vLLM's requantize_with_max_scale), so one scalar per operand remains and the GEMM is a plain per-tensor
-  scaled matmul (cuBLASLt, no epilogue; the fastest FP8 GEMM on Hopper). The input scale is the shards' max.
-  Requantising rounds a shard's weights a second time (measured in tests/unit/test_fp8_linear.py);
-- per-tensor weight scales with dynamic activations: each shard's scale is spread over its rows, i.e. the
-  layer becomes per-channel. Nothing is rounded again, and the GEMM needs row and column scales anyway;
+- per-tensor weight scales of a fused layer are spread over their shards' rows: the layer becomes per-channel,
+  with every value exactly as the checkpoint has it. vLLM instead requantises the shards to their largest scale
+  (requantize_with_max_scale) so that a static-activation layer keeps one scale per operand; on a tiny Llama
+  made by compressed-tensors (FP8 static scheme) that second rounding moved the logits by 0.068 where the whole
+  FP8 error against the bf16 model was 0.055, while per-shard scales give transformers' logits bit for bit
+  (tests/unit/test_fp8_ecosystem.py). The price is a column-scale epilogue in the fused layers' GEMM;
+- a single-shard per-tensor layer keeps one 0-d scale (with a static input scale: the plain per-tensor GEMM);
 - per-channel ([N]) and block scales ([N, ceil(K / bk)]: each row carries its block's scales, so fused shards
-  whose sizes are not multiples of the block height still line up) stay as they are.
+  whose sizes are not multiples of the block height still line up) stay as they are;
+- a static input scale is one value per layer: the largest of the shards' (they read the same input, so a
+  calibration gives them the same amax anyway).
 
 Forward: on CUDA the GEMM of quant/cuda_gemm.py; elsewhere `emulated_linear`, the exact FP8 math in float32
 (dequantised weight times dequantised activation), which is also the reference the CUDA path is tested against.
@@ -144,13 +147,12 @@ class Fp8Linear(nn.Module):
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} FP8 tensors, e.g. {missing[:3]}")
         with torch.no_grad():
-            if self.granularity == "tensor":
-                if self.static:
-                    self._requantize_to_max_scale()
-                else:
-                    self.weight_scale = torch.repeat_interleave(
-                        self.weight_scale, torch.tensor(self.shard_sizes, device=self.weight_scale.device))
-                    self.granularity = "channel"
+            if self.granularity == "tensor" and len(self.shard_sizes) > 1:
+                self.weight_scale = torch.repeat_interleave(
+                    self.weight_scale, torch.tensor(self.shard_sizes, device=self.weight_scale.device))
+                self.granularity = "channel"
+            elif self.granularity == "tensor":
+                self.weight_scale = self.weight_scale.reshape(())
             if self.static:
                 self.input_scale = self.input_scale.max().reshape(())
         self.activation_quant = ActivationQuant(group=self.activation_group,
@@ -160,15 +162,6 @@ class Fp8Linear(nn.Module):
         self.unit_scale = torch.ones((), dtype=torch.float32, device=self.weight.device)
         if self.granularity != "block":
             self.column_scale = self.weight_scale.expand(self.out_features).reshape(1, -1).contiguous()
-
-    def _requantize_to_max_scale(self) -> None:
-        largest = self.weight_scale.max()
-        for shard, scale in enumerate(self.weight_scale.tolist()):
-            if scale != largest.item():
-                start, stop = self._rows(shard)
-                values = fp8.dequantize(self.weight[start:stop], self.weight_scale[shard])
-                self.weight[start:stop] = fp8.to_fp8(values, largest)
-        self.weight_scale = largest.reshape(())
 
     @classmethod
     def from_float(cls, linear: nn.Linear, scheme: Fp8Scheme, shard_sizes: tuple[int, ...] | None = None

@@ -66,8 +66,9 @@ class Fp8Router:
             if name.endswith(KV_SCALE_NAMES):
                 self.kv_scales[name] = tensor.float()
                 continue
-            if tensor.dtype == fp8.FP8_DTYPE:
-                raise ValueError(f"checkpoint tensor {name!r} is FP8 but quantization_config leaves its layer "
+            if tensor.dtype == fp8.FP8_DTYPE or kind not in (None, "weight"):
+                what = "is FP8" if tensor.dtype == fp8.FP8_DTYPE else "is an FP8 scale"
+                raise ValueError(f"checkpoint tensor {name!r} {what} but quantization_config leaves its layer "
                                  "unquantised (or this model has no such FP8 layer)")
             yield name, tensor
 

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from metronome.contract.errors import ModelNotFoundError
+from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 
 QUANTIZATION_CHOICES = ("fp8",)
 
@@ -47,7 +47,8 @@ class Fp8Scheme:
     weights: str  # WEIGHT_GRANULARITIES
     activations: str  # ACTIVATION_SCHEMES
     block: tuple[int, int] | None = None  # (rows, columns) of a weight block; activation groups are block[1] wide
-    ignore: tuple[str, ...] = ("lm_head",)  # checkpoint module names, or "re:<pattern>", left unquantised
+    # checkpoint module names, or "re:<pattern>" matched from the start (compressed-tensors' rule), left unquantised
+    ignore: tuple[str, ...] = ("lm_head",)
     kv_cache: KVCacheScheme | None = None
 
     def __post_init__(self) -> None:
@@ -81,13 +82,8 @@ class Fp8Scheme:
 
     def ignores(self, module_name: str) -> bool:
         """Whether the checkpoint module `module_name` (e.g. 'model.layers.0.mlp.down_proj') stays unquantised."""
-        for pattern in self.ignore:
-            if pattern.startswith("re:"):
-                if re.fullmatch(pattern[3:], module_name) or re.search(pattern[3:] + "$", module_name):
-                    return True
-            elif module_name == pattern or module_name.endswith("." + pattern) and "." not in pattern:
-                return True
-        return False
+        return any(re.match(pattern[3:], module_name) if pattern.startswith("re:") else module_name == pattern
+                   for pattern in self.ignore)
 
 
 def online_scheme() -> Fp8Scheme:
@@ -100,8 +96,8 @@ def online_scheme() -> Fp8Scheme:
 def resolve_scheme(quantization_config: dict[str, Any] | None, requested: str | None) -> Fp8Scheme | None:
     """The scheme to serve: the checkpoint's own when it has one, else `requested` ('fp8' = on the fly)."""
     if requested is not None and requested not in QUANTIZATION_CHOICES:
-        raise QuantizationConfigError(f"unknown quantization {requested!r}; supported: "
-                                      f"{', '.join(QUANTIZATION_CHOICES)}")
+        raise InvalidRequestError(f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATION_CHOICES)}",
+                                  param="quantization")
     if quantization_config is not None:
         return scheme_from_config(quantization_config)
     return online_scheme() if requested == "fp8" else None
