@@ -139,6 +139,10 @@ def server_args(service: InferenceService) -> list[str]:
         args += ["--block-size", str(spec.engine.block_size)]
     if spec.engine.attention_backend != "auto":
         args += ["--attention-backend", spec.engine.attention_backend]
+    if spec.model.quantization is not None:
+        args += ["--quantization", spec.model.quantization]
+    if spec.engine.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", spec.engine.kv_cache_dtype]
     engine = spec.engine
     limits = (("--max-waiting", engine.max_waiting), ("--max-request-body-bytes", engine.max_request_body_bytes),
               ("--max-waiting-per-client", engine.max_waiting_per_client),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from metronome.contract.errors import InvalidRequestError
+from metronome.contract.precision import KV_CACHE_DTYPES, QUANTIZATIONS
 
 ASYNC_SCHEDULING = ("auto", "on", "off")
 
@@ -27,6 +28,8 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of KV blocks kept free at admission so running decodes can grow
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA + triton only; False = --enforce-eager)
     async_scheduling: str = "auto"  # ASYNC_SCHEDULING: launch step n+1 before reading step n (auto: on for CUDA)
+    quantization: str | None = None  # QUANTIZATIONS; None = as the checkpoint is (FP8 checkpoints load as FP8)
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -46,6 +49,14 @@ class EngineConfig:
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise InvalidRequestError(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}, got "
                                       f"{self.async_scheduling!r}", param="async_scheduling")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                                      f"{self.quantization!r}", param="quantization")
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise InvalidRequestError("FP8 quantization runs at tensor_parallel_size 1", param="quantization")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                                      f"{self.kv_cache_dtype!r}", param="kv_cache_dtype")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise InvalidRequestError("tensor_parallel_size must be an integer >= 1", param="tensor_parallel_size")

@@ -152,7 +152,8 @@ class EngineCore:
             return start_tensor_parallel(cls, config, scheduler_config or SchedulerConfig())
         started = time.perf_counter()
         loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                            attention_backend=config.attention_backend, seed=config.seed, block_size=config.block_size)
+                            attention_backend=config.attention_backend, seed=config.seed, block_size=config.block_size,
+                            quantization=config.quantization)
         loaded_at = time.perf_counter()
         log.info("model %s loaded in %.1fs: %s on %s", loaded.name, loaded_at - started,
                  str(loaded.dtype).removeprefix("torch."), loaded.device)

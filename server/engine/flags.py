@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig
+from metronome.contract.precision import KV_CACHE_DTYPES, QUANTIZATIONS
 from metronome.server.cli_types import bounded, chunk_tokens, nonneg_int, open_fraction, positive_float, positive_int
 from metronome.server.engine.config import ASYNC_SCHEDULING, EngineConfig
 
@@ -72,6 +73,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--async-scheduling", "async_scheduling", "launch each step before reading the previous step's tokens, so "
          "that scheduling and input preparation overlap the GPU (auto: on for CUDA, off for CPU; requests with "
          "penalties, grammars or logprobs, and tensor parallel, always run synchronously)", choices=ASYNC_SCHEDULING),
+    Flag("--quantization", "quantization", "fp8: quantise the decoder's linear layers to FP8 e4m3 on load "
+         "(per-channel weight scales, dynamic per-token activations); an FP8 checkpoint (quant_method fp8 or "
+         "compressed-tensors) is served in FP8 without it", choices=QUANTIZATIONS,
+         unset="the checkpoint's own"),
+    Flag("--kv-cache-dtype", "kv_cache_dtype", "KV cache element type: auto (the model dtype), bf16, or fp8 "
+         "(e4m3 with per-tensor or per-head scales from the checkpoint, else computed: half the bytes, twice the "
+         "blocks)", choices=KV_CACHE_DTYPES),
 )
 
 SCHEDULER_FLAGS: tuple[Flag, ...] = (

@@ -7,11 +7,10 @@ scale, GEMMs through `torch._scaled_mm` or Triton on CUDA and an exact float32 e
 - model_pass.py, loading.py: swapping the decoder's linears and loading checkpoints into them.
 """
 from metronome.server.models.quant.scheme import (
-    QUANTIZATION_CHOICES,
     Fp8Scheme,
     QuantizationConfigError,
     resolve_scheme,
     scheme_from_config,
 )
 
-__all__ = ["QUANTIZATION_CHOICES", "Fp8Scheme", "QuantizationConfigError", "resolve_scheme", "scheme_from_config"]
+__all__ = ["Fp8Scheme", "QuantizationConfigError", "resolve_scheme", "scheme_from_config"]

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
-
-QUANTIZATION_CHOICES = ("fp8",)
+from metronome.contract.precision import QUANTIZATIONS
 
 WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
 ACTIVATION_SCHEMES = ("static", "token", "group")  # static: one calibrated per-tensor scale per linear
@@ -95,8 +94,8 @@ def online_scheme() -> Fp8Scheme:
 
 def resolve_scheme(quantization_config: dict[str, Any] | None, requested: str | None) -> Fp8Scheme | None:
     """The scheme to serve: the checkpoint's own when it has one, else `requested` ('fp8' = on the fly)."""
-    if requested is not None and requested not in QUANTIZATION_CHOICES:
-        raise InvalidRequestError(f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATION_CHOICES)}",
+    if requested is not None and requested not in QUANTIZATIONS:
+        raise InvalidRequestError(f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}",
                                   param="quantization")
     if quantization_config is not None:
         return scheme_from_config(quantization_config)
