@@ -2,13 +2,37 @@
 
 - A decode step reads every weight once (the input embedding table is only gathered, B rows; when tied, the
   table is read whole as the LM head) plus the KV of every context token of every sequence.
+- Widths: every element is `dtype_bytes` wide, or with FP8 weights the decoder's linear weights take 1 byte each
+  (their per-channel or block scales add `scale_bytes_per_row` float32 values per output row) and with an FP8
+  KV cache each K/V element takes 1 byte: pass a `ByteWidths` where an int width is taken.
 - Prefill of a prompt of L tokens: 2 FLOPs per linear weight per token, causal attention 4·heads·head_dim per
   (query, key) pair over L(L+1)/2 pairs per layer, and the LM head only for the sampled (last) token.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class ByteWidths:
+    """Bytes per element of what a step reads: the model dtype (embeddings, norms, LM head), the decoder's
+    linear weights, and the KV cache; plus float32 weight scales per output row of each linear layer."""
+    dtype: int
+    linear: int
+    kv: int
+    scales_per_row: float = 0.0
+
+    @classmethod
+    def of(cls, widths: int | ByteWidths) -> ByteWidths:
+        return widths if isinstance(widths, ByteWidths) else cls(widths, widths, widths)
+
+
+def linear_rows_per_layer(config: Any) -> int:
+    """Output rows of a layer's linear weights (qkv, o, gate_up, down): where per-row scales are stored."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return q + 2 * kv + config.hidden_size + 2 * config.intermediate_size + config.hidden_size
 
 
 def embedding_params(config: Any) -> int:
@@ -21,19 +45,22 @@ def linear_params_per_layer(config: Any) -> int:
     return h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
 
 
-def weights_read_per_decode_step(config: Any, dtype_bytes: int) -> int:
+def weights_read_per_decode_step(config: Any, dtype_bytes: int | ByteWidths) -> int:
     """Bytes of weights a decode step must read (all parameters but the gathered input embedding table)."""
+    widths = ByteWidths.of(dtype_bytes)
     params = config.num_parameters()
     if not config.tie_word_embeddings:
         params -= embedding_params(config)
-    return params * dtype_bytes
+    linear = config.num_hidden_layers * linear_params_per_layer(config)
+    scales = config.num_hidden_layers * linear_rows_per_layer(config) * widths.scales_per_row * 4
+    return int((params - linear) * widths.dtype + linear * widths.linear + scales)
 
 
-def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+def kv_bytes_per_token(config: Any, dtype_bytes: int | ByteWidths) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * ByteWidths.of(dtype_bytes).kv
 
 
-def decode_floor_bytes(config: Any, dtype_bytes: int, context_lens: Iterable[int]) -> int:
+def decode_floor_bytes(config: Any, dtype_bytes: int | ByteWidths, context_lens: Iterable[int]) -> int:
     return weights_read_per_decode_step(config, dtype_bytes) + kv_bytes_per_token(config, dtype_bytes) * sum(
         context_lens)
 
