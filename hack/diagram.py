@@ -32,7 +32,7 @@ BOXES = {
     "prom": (0.2, 5.6, 2.2, 1.0, "Prometheus", "TBT p99, tok/s, step time", OUTSIDE),
     "source": (3.0, 2.4, 2.8, 1.0, "PromQL → Observation", "operator/metrics_source.py", OPERATOR),
     "loop": (6.4, 2.4, 3.2, 1.0, "control loop tick", "operator/control_loop.py", OPERATOR),
-    "controller": (6.4, 0.9, 3.2, 1.0, "decide() → Decision", "operator/controller.py", OPERATOR),
+    "controller": (6.4, 0.9, 3.2, 1.0, "tune(): decide → next server.yaml", "operator/tuning/", OPERATOR),
     "configmap": (10.2, 4.0, 2.8, 1.0, "ConfigMap server.yaml", "operator/configmap.py", OPERATOR),
     "status": (10.2, 2.4, 2.8, 1.0, "InferenceService status, Events", "operator/status.py", OPERATOR),
     "handlers": (10.2, 0.9, 2.8, 1.0, "kopf handlers (thin)", "operator/handlers.py", OPERATOR),
@@ -42,9 +42,9 @@ ARROWS = [  # (from, to, label, dashed)
     ("client", "api", "request", False), ("api", "engine", "add_request", False), ("engine", "kv", "blocks", False),
     ("engine", "kernels", "forward", False), ("api", "prom", "scrape /metrics", False),
     ("prom", "source", "query", False), ("source", "loop", "observation", False),
-    ("loop", "controller", "decide()", False),
-    ("loop", "configmap", "chunk, policy", False), ("loop", "status", "", False),
-    ("handlers", "loop", "timer", False), ("configmap", "watcher", "kubelet sync", False),
+    ("loop", "controller", "reading", False),
+    ("loop", "configmap", "budget, policy", False), ("loop", "status", "", False),
+    ("handlers", "loop", "refresh", False), ("configmap", "watcher", "kubelet sync", False),
     ("watcher", "engine", "step boundary", False),
     ("contract", "api", "", True), ("contract", "watcher", "", True), ("contract", "source", "imports", True),
 ]
@@ -65,7 +65,7 @@ def draw(path: Path) -> None:
     ax.axis("off")
     ax.text(0.2, 8.3, "Request path (every server pod: metronome.server, metronome.kernels)", fontsize=12,
             weight="bold")
-    ax.text(0.2, 1.2, "Control loop\n(metronome.operator,\none timer per\nInferenceService)", fontsize=11,
+    ax.text(0.2, 1.2, "Control loop\n(metronome.operator,\none thread for\nevery service)", fontsize=11,
             weight="bold", va="bottom")
     patches = {}
     for name, (x, y, w, h, title, where, colour) in BOXES.items():

@@ -1,6 +1,6 @@
 """Pure builders: an InferenceService → the objects that serve it (Deployment, Service, ConfigMap, PodMonitor,
 PodDisruptionBudget).
-What server.yaml holds and which generation comes next is configmap.py's.
+What server.yaml holds is configmap.py's, which generation comes next metronome.contract.config's.
 
 No API calls here. Two rules shape the output:
 - The pod template depends only on what needs a restart (model, image, resources, engine flags). The scheduler
@@ -15,9 +15,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from metronome.contract import serve_flags as flag
 from metronome.contract.config import ServerConfigFile
 from metronome.operator import model_fetch
-from metronome.operator.configmap import ANNOTATION_CONFIG_GENERATION, CONFIG_DIR, CONFIG_KEY, CONFIG_PATH
+from metronome.operator.configmap import (
+    ANNOTATION_CONFIG_GENERATION,
+    CONFIG_DIR,
+    CONFIG_KEY,
+    CONFIG_PATH,
+    Rendered,
+    render,
+)
 from metronome.operator.metrics_source import QueryWindow, podmonitor_relabelings
 from metronome.operator.pod_template import merge as merge_overlay
 from metronome.operator.spec import InferenceService, InferenceServiceSpec
@@ -86,15 +94,17 @@ def _metadata(service: InferenceService, name: str, **extra: Any) -> dict[str, A
 # --- the ConfigMap (its content: configmap.py) ----------------------------------------------------------
 
 
-def config_map(service: InferenceService, config: ServerConfigFile) -> dict[str, Any]:
+def config_map(service: InferenceService, config: ServerConfigFile | Rendered) -> dict[str, Any]:
+    """The ConfigMap serving `config` (or a rendering of it the caller keeps)."""
+    rendered = config if isinstance(config, Rendered) else render(config)
     names = child_names(service.name)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(
-            service, names.config_map, annotations={ANNOTATION_CONFIG_GENERATION: str(config.generation)}
+            service, names.config_map, annotations={ANNOTATION_CONFIG_GENERATION: str(rendered.config.generation)}
         ),
-        "data": {CONFIG_KEY: config.to_yaml()},
+        "data": {CONFIG_KEY: rendered.text},
     }
 
 
@@ -125,36 +135,30 @@ def model_argument_and_volume(spec: InferenceServiceSpec) -> tuple[str, dict[str
 
 
 def server_args(service: InferenceService) -> list[str]:
-    """`metronome serve` flags (server/api/serve_cli.py; a unit test parses them with that very parser). Clients
-    and metrics name the model after the InferenceService."""
+    """`metronome serve` flags (named in metronome.contract.serve_flags; a unit test parses them with the server's
+    own parser, server/api/serve_cli.py). Clients and metrics name the model after the InferenceService."""
     spec = service.spec
     model_argument, _, _ = model_argument_and_volume(spec)
     aliases = [name for name in spec.model.served_names if name != service.name]  # spec.model.servedNames
-    args = ["serve", "--model", model_argument, "--served-model-name", service.name, *aliases]
-    args += ["--config", CONFIG_PATH, "--host", "0.0.0.0", "--port", str(SERVER_PORT)]
-    args += ["--device", "cuda" if spec.resources.gpus > 0 else "cpu", "--dtype", spec.model.dtype]
-    if spec.model.max_model_len is not None:
-        args += ["--max-model-len", str(spec.model.max_model_len)]
-    if spec.engine.block_size is not None:
-        args += ["--block-size", str(spec.engine.block_size)]
-    if spec.engine.attention_backend != "auto":
-        args += ["--attention-backend", spec.engine.attention_backend]
-    if spec.model.quantization is not None:
-        args += ["--quantization", spec.model.quantization]
-    if spec.engine.kv_cache_dtype != "auto":
-        args += ["--kv-cache-dtype", spec.engine.kv_cache_dtype]
+    args = ["serve", flag.MODEL, model_argument, flag.SERVED_MODEL_NAME, service.name, *aliases]
+    args += [flag.CONFIG, CONFIG_PATH, flag.HOST, "0.0.0.0", flag.PORT, str(SERVER_PORT)]
+    args += [flag.DEVICE, "cuda" if spec.resources.gpus > 0 else "cpu", flag.DTYPE, spec.model.dtype]
     engine = spec.engine
-    limits = (("--max-waiting", engine.max_waiting), ("--max-request-body-bytes", engine.max_request_body_bytes),
-              ("--max-waiting-per-client", engine.max_waiting_per_client),
-              ("--max-running-per-client", engine.max_running_per_client),
-              ("--max-prompt-tokens-per-second-per-client", engine.max_prompt_tokens_per_second_per_client),
-              ("--prompt-token-burst-per-client", engine.prompt_token_burst_per_client))
-    for flag, value in limits:
+    optional = ((flag.MAX_MODEL_LEN, spec.model.max_model_len), (flag.BLOCK_SIZE, engine.block_size),
+                (flag.ATTENTION_BACKEND, None if engine.attention_backend == "auto" else engine.attention_backend),
+                (flag.QUANTIZATION, spec.model.quantization),
+                (flag.KV_CACHE_DTYPE, None if engine.kv_cache_dtype == "auto" else engine.kv_cache_dtype),
+                (flag.MAX_WAITING, engine.max_waiting), (flag.MAX_REQUEST_BODY_BYTES, engine.max_request_body_bytes),
+                (flag.MAX_WAITING_PER_CLIENT, engine.max_waiting_per_client),
+                (flag.MAX_RUNNING_PER_CLIENT, engine.max_running_per_client),
+                (flag.MAX_PROMPT_TOKENS_PER_SECOND_PER_CLIENT, engine.max_prompt_tokens_per_second_per_client),
+                (flag.PROMPT_TOKEN_BURST_PER_CLIENT, engine.prompt_token_burst_per_client))
+    for option, value in optional:
         if value is not None:
-            args += [flag, str(value)]
+            args += [option, str(value)]
     if spec.resources.gpus > 1:  # one tensor-parallel rank per GPU of the pod
-        args += ["--tensor-parallel-size", str(spec.resources.gpus)]
-    args += ["--drain-seconds", str(spec.shutdown.drain_seconds)]
+        args += [flag.TENSOR_PARALLEL_SIZE, str(spec.resources.gpus)]
+    args += [flag.DRAIN_SECONDS, str(spec.shutdown.drain_seconds)]
     return args + list(spec.engine.extra_args)
 
 

@@ -1,19 +1,15 @@
-"""server.yaml, the file the servers reload: which config a ConfigMap serves, the next generation to write, and
-the scheduler config that carries out a controller Decision. Pure; builders.config_map wraps it in the object and
-reconcile.serve_scheduler writes it."""
+"""server.yaml, the file the servers reload, in its ConfigMap: where it is mounted, its rendering, and which config
+a ConfigMap serves. Pure; builders.config_map wraps a rendering in the object and reconcile writes it.
+
+The operator keeps what it rendered (`Rendered`): reading a ConfigMap back compares its text with the kept one and
+parses only text the operator did not write itself (a hand edit, or a ConfigMap written before a restart).
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from metronome.contract.config import (
-    ConfigError,
-    QueuePolicy,
-    SchedulerConfig,
-    ServerConfigFile,
-    parse_server_config,
-    validate_scheduler,
-)
-from metronome.operator.decision import Decision
+from metronome.contract.config import ConfigError, ServerConfigFile, parse_server_config
 
 CONFIG_KEY = "server.yaml"
 CONFIG_DIR = "/etc/metronome"
@@ -21,42 +17,37 @@ CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 ANNOTATION_CONFIG_GENERATION = "metronome.dev/config-generation"
 
 
-def next_server_config(current: ServerConfigFile | None, scheduler: SchedulerConfig) -> ServerConfigFile:
-    """The config to serve `scheduler`: the current one if it already does, else a new generation."""
-    if current is None:
-        return ServerConfigFile(generation=1, scheduler=scheduler)
-    if current.scheduler == scheduler:
-        return current
-    return ServerConfigFile(generation=current.generation + 1, scheduler=scheduler)
+@dataclass(frozen=True)
+class Rendered:
+    """A config and the server.yaml text it renders to: what the operator writes, and keeps."""
+
+    config: ServerConfigFile
+    text: str
 
 
-def read_server_config(config_map: dict[str, Any] | None) -> ServerConfigFile | None:
-    """The config a ConfigMap serves; None when there is no ConfigMap or no server.yaml in it.
+def render(config: ServerConfigFile) -> Rendered:
+    return Rendered(config, config.to_yaml())
+
+
+def read_server_config(config_map: dict[str, Any] | None, kept: Rendered | None = None) -> ServerConfigFile | None:
+    """The config a ConfigMap serves; None when there is no ConfigMap or no server.yaml in it. `kept`: the
+    operator's own last rendering, returned as it is when the ConfigMap still holds its text.
     Raises ConfigError when server.yaml is there but invalid (someone edited it by hand)."""
     if not config_map:
         return None
     text = (config_map.get("data") or {}).get(CONFIG_KEY)
     if text is None:
         return None
+    if kept is not None and text == kept.text:
+        return kept.config
     name = (config_map.get("metadata") or {}).get("name", "configmap")
     return parse_server_config(text, source=f"ConfigMap {name} key {CONFIG_KEY}")
 
 
-def safe_read_server_config(config_map: dict[str, Any] | None) -> tuple[ServerConfigFile | None, str | None]:
+def safe_read_server_config(config_map: dict[str, Any] | None,
+                            kept: Rendered | None = None) -> tuple[ServerConfigFile | None, str | None]:
     """read_server_config, with an invalid file reported as (None, error) instead of raised."""
     try:
-        return read_server_config(config_map), None
+        return read_server_config(config_map, kept), None
     except ConfigError as exc:
         return None, str(exc)
-
-
-def scheduler_for(decision: Decision, served: SchedulerConfig) -> SchedulerConfig:
-    """The scheduler config that carries out a decision: its budget lands on the fields its policy reads
-    (split: long prompts advance by the budget, short ones are admitted whole within max(budget, threshold)).
-    `chunk_size` always holds the budget, so switching policy keeps it. Other fields stay as served.
-    Raises ConfigError when the result is not a valid scheduler config."""
-    fields = {**served.snake_dict(), "queue_policy": decision.queue_policy, "chunk_size": decision.chunk_size}
-    if QueuePolicy(decision.queue_policy) is QueuePolicy.SPLIT:
-        fields["long_chunk_size"] = decision.chunk_size
-        fields["short_chunk_size"] = max(decision.chunk_size, served.short_prompt_threshold)
-    return validate_scheduler(fields, source="the decision")

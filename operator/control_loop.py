@@ -2,10 +2,11 @@
 
 handlers.refresh_status (every --status-interval) and handlers.reconcile_service (create/update/resume) call
 `tick`. When a reading is due (every spec.autotune.intervalSeconds, and at once after a spec change) it reads
-Prometheus (reconcile.read_metrics), runs the pure step (autotune.step → controller.decide) and carries the result
-out: a new server.yaml generation (reconcile.serve_scheduler), the Deployment scaled, Events. What goes into the
-CR itself (spec.replicas, status.lastDecision) comes back in `Tick` for the handler to patch, so no kopf here.
-One reading at a time per object (TunerMemory.lock).
+Prometheus (reconcile.read_metrics), runs the pure step (tuning.autotune.step → tuning.actuation.tune) and carries
+the result out: the new server.yaml generation it rendered from the config observed this tick
+(reconcile.write_config; nothing is read back), the Deployment scaled, Events. What goes into the CR itself
+(spec.replicas, status.lastDecision) comes back in `Tick` for the handler to patch, so no kopf here. One reading
+at a time per object (TunerMemory.lock).
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from metronome.operator import autotune, reconcile
+from metronome.operator import reconcile
 from metronome.operator.k8s import Kube
 from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSettings
 from metronome.operator.spec import InferenceService
 from metronome.operator.status import Observed, rollout_of
+from metronome.operator.tuning import autotune
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,8 @@ class Tick:
 
 
 def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observed: Observed,
-         memory: autotune.TunerMemory, prometheus: PrometheusSettings) -> Tick:
+         memory: autotune.TunerMemory, prometheus: PrometheusSettings,
+         configs: reconcile.ConfigMemory | None = None) -> Tick:
     """Read the metrics and act on them when due; otherwise status gets the last reading."""
     replicas = last_decision = None
     with memory.lock:
@@ -43,7 +46,7 @@ def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observe
             ready = rollout_of(observed.deployment, service.spec.replicas).ready if observed.deployment else 0
             result = autotune.step(service, observed.served_config, body.get("status") or {}, observation,
                                    unavailable, now, memory.last_change_time, ready_pods=ready)
-            observed = _actuate(kube, service, body, observed, result)
+            observed = _actuate(kube, service, body, observed, result, configs)
             replicas, last_decision = result.replicas, result.last_decision
             problem = memory.remember(result, now, service.generation, service.spec.autotune.interval_seconds)
             if problem:
@@ -64,18 +67,19 @@ def _read(prometheus: PrometheusSettings, service: InferenceService, now: float)
 
 
 def _actuate(kube: Kube, service: InferenceService, body: Mapping[str, Any], observed: Observed,
-             result: autotune.TuneResult) -> Observed:
+             result: autotune.TuneResult, configs: reconcile.ConfigMemory | None) -> Observed:
     if result.decision is not None and result.current is not None and (result.applied_change or result.last_decision):
         log.info("%s/%s: %s (%s): %s", service.namespace, service.name,
                  result.decision.describe_change(result.current), "applied" if result.applied_change else "advice",
                  result.decision.reason)
-    if result.scheduler is not None:
-        config = reconcile.serve_scheduler(kube, service, body, result.scheduler, why=result.config_reason)
+    if result.config is not None:
+        config = reconcile.write_config(kube, service, body, observed.served_config, result.config,
+                                        why=result.config_reason, memory=configs)
         observed = dataclasses.replace(observed, served_config=config, config_error=None)
     if result.replicas is not None:
         # kopf counts the handler's own spec patch as handled (no update handler follows): scale the Deployment now.
         scaled = dataclasses.replace(service, spec=dataclasses.replace(service.spec, replicas=result.replicas))
-        reconcile.sync_children(kube, scaled, body, monitor=None)
+        reconcile.sync_children(kube, scaled, body, monitor=None, memory=configs)
     for event in result.events:
         kube.emit_event(body, event.type, event.reason, event.message)
     return observed

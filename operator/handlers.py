@@ -34,12 +34,13 @@ from typing import Any
 import kopf
 import urllib3
 
-from metronome.operator import autotune, builders, control_loop, reconcile
+from metronome.operator import builders, control_loop, reconcile
 from metronome.operator import status as status_mod
 from metronome.operator.changes import describe_transitions
 from metronome.operator.k8s import Kube, KubeError
 from metronome.operator.options import OperatorOptions
 from metronome.operator.spec import GROUP, PLURAL, VERSION, InferenceService, SpecError, parse_service
+from metronome.operator.tuning import autotune
 
 ANNOTATION_PREFIX = "metronome.dev"
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -59,7 +60,9 @@ log = logging.getLogger(__name__)
 class ServiceState:
     uid: str
     tuner: autotune.TunerMemory = field(default_factory=autotune.TunerMemory)
-    # One refresh at a time per service: the CR's handlers, its children's events and the loop run in threads.
+    configs: reconcile.ConfigMemory = field(default_factory=reconcile.ConfigMemory)  # the server.yaml it wrote
+    # One refresh or config write at a time per service: the CR's handlers, its children's events and the loop
+    # run in threads, and the loop writes the next server.yaml from the config it observed under this lock.
     # Reentrant: refresh_owner holds it from reading the owner to writing its status (so two refreshes never
     # announce the same transition), and refresh takes it again.
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -67,7 +70,8 @@ class ServiceState:
 
 class Services:
     """Every InferenceService this operator has reconciled: its tuner memory (when to read Prometheus next, the
-    last reading) and refresh lock. Lost on restart, which only means an early first reading."""
+    last reading), the server.yaml it last wrote, and its lock. Lost on restart, which only means an early first
+    reading and one parse of each ConfigMap."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -112,9 +116,6 @@ def configure_settings(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
-    # No handler needs a finalizer (no timers, the delete handler is optional); kopf removes this one from
-    # objects an earlier version of the operator marked.
-    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
     # We post our own Events for every change; kopf's only for warnings and errors.
     settings.posting.level = logging.WARNING
     # Re-establish watches now and then, so a silently dropped connection cannot stall the operator.
@@ -158,12 +159,12 @@ def refresh(memo: kopf.Memo, service: InferenceService, body: Mapping[str, Any],
     kube, options = memo.kube, memo.options
     state = _state(memo, body)
     with state.lock:
-        observed = reconcile.observe(kube, service)
+        observed = reconcile.observe(kube, service, state.configs)
         missing = observed.deployment is None or (observed.served_config is None and observed.config_error is None)
         if repair and missing:
-            reconcile.sync_children(kube, service, body, options.monitor)
-            observed = reconcile.observe(kube, service)
-        result = control_loop.tick(kube, service, body, observed, state.tuner, options.prometheus)
+            reconcile.sync_children(kube, service, body, options.monitor, state.configs)
+            observed = reconcile.observe(kube, service, state.configs)
+        result = control_loop.tick(kube, service, body, observed, state.tuner, options.prometheus, state.configs)
         current = body.get("status") or {}
         previous = current.get("conditions") or []
         desired = status_mod.compute_status(service, result.observed, now=reconcile.utc_now(),
@@ -232,15 +233,20 @@ def retried_through_outages(handler):
 @retried_through_outages
 def reconcile_service(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     service = _service(body, memo)
-    reconcile.sync_children(memo.kube, service, body, memo.options.monitor)
-    # A spec change (or a restart) reads the metrics at once: status keeps its measurements, autotune reacts.
-    _apply_to_kopf_patch(refresh(memo, service, body, repair=False), patch)
+    state = _state(memo, body)
+    with state.lock:
+        reconcile.sync_children(memo.kube, service, body, memo.options.monitor, state.configs)
+        # A spec change (or a restart) reads the metrics at once: status keeps its measurements, autotune reacts.
+        _apply_to_kopf_patch(refresh(memo, service, body, repair=False), patch)
 
 
 @retried_through_outages
 def serve_spec_server(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     service = _service(body, memo)
-    config = reconcile.serve_scheduler(memo.kube, service, body, service.spec.server, why="spec.server changed")
+    state = _state(memo, body)
+    with state.lock:
+        config = reconcile.serve_scheduler(memo.kube, service, body, service.spec.server, why="spec.server changed",
+                                           memory=state.configs)
     # Record the generation at once: it is where numbering resumes if the ConfigMap is ever lost.
     patch.status.update(status_mod.served_config_fields(config))
 

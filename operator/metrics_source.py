@@ -39,8 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from metronome.contract import metric_names as names
-from metronome.contract.errors import MetronomeError
-from metronome.operator.observation import Observation, StepSample
+from metronome.operator.tuning.observation import MetricsUnavailable, Observation, StepSample
 
 # Keys of build_queries' result; one PromQL expression each.
 TBT_P99 = "tbt_p99"
@@ -76,25 +75,6 @@ POD_RELABELING = (
 def podmonitor_relabelings() -> list[dict[str, Any]]:
     """`spec.podMetricsEndpoints[].relabelings` of a PodMonitor (prometheus-operator) that meets the contract."""
     return [{"sourceLabels": [source], "targetLabel": target, "action": "replace"} for source, target in POD_RELABELING]
-
-
-class MetricsUnavailable(MetronomeError):
-    """No usable observation. `reason` is CamelCase, ready for a condition's reason field."""
-
-    UNREACHABLE = "PrometheusUnreachable"
-    TIMEOUT = "PrometheusTimeout"
-    QUERY_FAILED = "QueryFailed"
-    BAD_RESPONSE = "BadResponse"
-    NO_SERIES = "NoSeries"
-    URL_NOT_ALLOWED = "PrometheusURLNotAllowed"
-    UNAUTHORIZED = "PrometheusUnauthorized"
-    CREDENTIALS = "PrometheusCredentials"
-    TLS = "PrometheusTLS"
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,27 @@
 """Reconciliation steps, each a few API calls around the pure builders: write the children, serve a scheduler
 config, observe what runs, read the service's metrics from Prometheus. The kopf handlers (handlers.py) call
-these; the control loop reuses `serve_scheduler` to actuate and `observe` to read the children.
+these; the control loop reuses `write_config` to actuate and `observe` to read the children.
+
+Each service's `ConfigMemory` keeps the server.yaml this process last wrote (configmap.Rendered), so reading the
+ConfigMap back (every refresh) parses only what someone else wrote.
 """
 from __future__ import annotations
 
 import datetime as dt
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from metronome.contract.config import SchedulerConfig, ServerConfigFile
+from metronome.contract.config import SchedulerConfig, ServerConfigFile, next_server_config
 from metronome.operator import builders, changes, configmap
-from metronome.operator.autotune import BAD_METRICS_SETTINGS
 from metronome.operator.k8s import Kube
 from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSettings, ServiceSelector, try_observe
 from metronome.operator.monitoring import MonitorSettings
-from metronome.operator.observation import Observation
 from metronome.operator.spec import InferenceService
 from metronome.operator.status import Observed
+from metronome.operator.tuning.autotune import BAD_METRICS_SETTINGS
+from metronome.operator.tuning.observation import Observation
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +37,17 @@ def _emit(kube: Kube, owner: Mapping[str, Any], event: changes.EventSpec | None)
         kube.emit_event(owner, event.type, event.reason, event.message)
 
 
-def _read_config(kube: Kube, service: InferenceService) -> tuple[dict | None, ServerConfigFile | None, str | None]:
+@dataclass
+class ConfigMemory:
+    """The server.yaml this process last wrote for one service (None: nothing yet, or a restart)."""
+
+    written: configmap.Rendered | None = None
+
+
+def _read_config(kube: Kube, service: InferenceService,
+                 memory: ConfigMemory | None) -> tuple[dict | None, ServerConfigFile | None, str | None]:
     existing = kube.get("v1", "ConfigMap", service.namespace, builders.child_names(service.name).config_map)
-    config, error = configmap.safe_read_server_config(existing)
+    config, error = configmap.safe_read_server_config(existing, memory.written if memory is not None else None)
     return existing, config, error
 
 
@@ -48,33 +60,41 @@ def _last_generation(existing: Mapping[str, Any] | None, owner: Mapping[str, Any
     return max(int(written) if written.isdigit() else 0, int(in_status))
 
 
-def serve_scheduler(
-    kube: Kube, service: InferenceService, owner: Mapping[str, Any], scheduler: SchedulerConfig, why: str
-) -> ServerConfigFile:
+def serve_scheduler(kube: Kube, service: InferenceService, owner: Mapping[str, Any], scheduler: SchedulerConfig,
+                    why: str, memory: ConfigMemory | None = None) -> ServerConfigFile:
     """Make the ConfigMap serve `scheduler`: a new generation if it differs from what is served, else nothing."""
-    existing, current, error = _read_config(kube, service)
+    existing, current, error = _read_config(kube, service, memory)
     if current is None:
         if error:
             _emit(kube, owner, changes.EventSpec(changes.WARNING, "InvalidConfig", f"{error}; rewriting it"))
         config = ServerConfigFile(generation=_last_generation(existing, owner) + 1, scheduler=scheduler)
     else:
-        config = configmap.next_server_config(current, scheduler)
-    kube.apply(builders.config_map(service, config))
-    _emit(kube, owner, changes.describe_config(current, config, why))
+        config = next_server_config(current, scheduler)
+    return write_config(kube, service, owner, current, config, why, memory)
+
+
+def write_config(kube: Kube, service: InferenceService, owner: Mapping[str, Any], before: ServerConfigFile | None,
+                 config: ServerConfigFile, why: str, memory: ConfigMemory | None = None) -> ServerConfigFile:
+    """Write `config` into the ConfigMap (`before`: what it served, for the Event) and keep its rendering."""
+    rendered = configmap.render(config)
+    kube.apply(builders.config_map(service, rendered))
+    if memory is not None:
+        memory.written = rendered
+    _emit(kube, owner, changes.describe_config(before, config, why))
     return config
 
 
 def sync_children(kube: Kube, service: InferenceService, owner: Mapping[str, Any],
-                  monitor: MonitorSettings | None = MonitorSettings()) -> ServerConfigFile:
+                  monitor: MonitorSettings | None = MonitorSettings(),
+                  memory: ConfigMemory | None = None) -> ServerConfigFile:
     """Create or repair every child. The ConfigMap keeps the config it serves (it may have been retuned); it is
     written from spec.server only when missing or invalid. `monitor` None leaves the PodMonitor as it is (a
     scale touches the Deployment only)."""
-    _, current, _ = _read_config(kube, service)
+    _, current, _ = _read_config(kube, service, memory)
     if current is None:
-        config = serve_scheduler(kube, service, owner, service.spec.server, why="from spec.server")
+        config = serve_scheduler(kube, service, owner, service.spec.server, why="from spec.server", memory=memory)
     else:
-        config = current
-        kube.apply(builders.config_map(service, config))  # repairs labels/owner; same content → no change
+        config = write_config(kube, service, owner, current, current, why="", memory=memory)  # repairs labels/owner
     for child in builders.workload_children(service, monitoring_available=False):
         applied = kube.apply(child)
         _emit(kube, owner, changes.describe_child(applied.action.value, applied.before, applied.after))
@@ -106,11 +126,11 @@ def remove_disruption_budget(kube: Kube, service: InferenceService, owner: Mappi
         _emit(kube, owner, changes.EventSpec(changes.NORMAL, "Deleted", f"deleted PodDisruptionBudget {name}"))
 
 
-def observe(kube: Kube, service: InferenceService) -> Observed:
+def observe(kube: Kube, service: InferenceService, memory: ConfigMemory | None = None) -> Observed:
     """Read the Deployment, the served config and, while pods are not all ready, the pods (for the reason)."""
     names = builders.child_names(service.name)
     deployment = kube.get("apps/v1", "Deployment", service.namespace, names.deployment)
-    _, config, error = _read_config(kube, service)
+    _, config, error = _read_config(kube, service, memory)
     ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
     pods: list[dict] = []
     if deployment is not None and ready < service.spec.replicas:

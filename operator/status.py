@@ -10,9 +10,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from metronome.contract.budget import prefill_budget, split_sizes
 from metronome.contract.config import ServerConfigFile
 from metronome.operator.builders import selector_string
 from metronome.operator.spec import InferenceService, SLOSpec
+from metronome.operator.tuning.autotune import ServingMetrics
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -23,19 +25,6 @@ CONDITION_TYPES = (READY, PROGRESSING, METRICS_AVAILABLE, SLO_MET, CONFIG_APPLIE
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 SLO_STATES = {TRUE: "Met", FALSE: "Violated", UNKNOWN: "Unknown"}
-
-
-@dataclass(frozen=True)
-class ServingMetrics:
-    """What the metrics source saw for one service over its window (filled in by the control loop)."""
-
-    available: bool
-    reason: str = "MetricsRead"
-    message: str = ""
-    tbt_p99_ms: float | None = None
-    ttft_p99_ms: float | None = None
-    throughput_tokens_per_second: float | None = None
-    pods_on_generation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -246,9 +235,11 @@ def slo_condition(
 
 
 def served_config_fields(config: ServerConfigFile | None) -> dict[str, Any]:
-    """The status fields that show what server.yaml serves (None clears them)."""
+    """The status fields that show what server.yaml serves (None clears them): chunkSize is the prefill budget the
+    servers enforce (metronome.contract.budget), splitChunkSizes split's short/long sizes where they differ."""
     return {
-        "chunkSize": config.scheduler.chunk_size if config else None,
+        "chunkSize": prefill_budget(config.scheduler) if config else None,
+        "splitChunkSizes": split_sizes(config.scheduler) if config else None,
         "queuePolicy": config.scheduler.queue_policy.value if config else None,
         "configGeneration": config.generation if config else None,
     }
@@ -305,28 +296,3 @@ def status_patch(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) 
     """The merge patch that turns `current` into `desired` for the keys `desired` names (None deletes)."""
     current = current or {}
     return {key: value for key, value in desired.items() if current.get(key) != value}
-
-
-def decision_record(
-    *,
-    time: str,
-    before: tuple[int, str, int],
-    after: tuple[int, str, int],
-    reason: str,
-    policy: str,
-    applied: bool,
-) -> dict[str, Any]:
-    """status.lastDecision as the CRD defines it; `before`/`after` are (chunkSize, queuePolicy, replicas)."""
-
-    def settings(values: tuple[int, str, int]) -> dict[str, Any]:
-        chunk_size, queue_policy, replicas = values
-        return {"chunkSize": int(chunk_size), "queuePolicy": str(queue_policy), "replicas": int(replicas)}
-
-    return {
-        "time": time,
-        "from": settings(before),
-        "to": settings(after),
-        "reason": reason,
-        "policy": policy,
-        "applied": applied,
-    }

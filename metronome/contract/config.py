@@ -32,7 +32,8 @@ class SchedulerConfig(_Schema):
     """The reloadable scheduler knobs. Changing any of them never needs a restart."""
 
     chunk_size: int = Field(
-        512, ge=1, le=1 << 20, description="Prefill tokens allowed per step, on top of one token per running decode."
+        512, ge=1, le=1 << 20,
+        description="fcfs, sjf: prefill tokens allowed per step, on top of one token per running decode."
     )
     max_num_seqs: int = Field(256, ge=1, le=65536, description="Most sequences running at once.")
     max_num_batched_tokens: int | None = Field(
@@ -83,6 +84,16 @@ class ServerConfigFile(_Schema):
         return yaml.safe_dump(
             {"generation": self.generation, "scheduler": self.scheduler.snake_dict()}, sort_keys=False
         )
+
+
+def next_server_config(current: ServerConfigFile | None, scheduler: SchedulerConfig) -> ServerConfigFile:
+    """The config file that serves `scheduler`: `current` if it already does, else the next generation (the first
+    is 1). How the operator and `metronome bench loop` number what they write."""
+    if current is None:
+        return ServerConfigFile(generation=1, scheduler=scheduler)
+    if current.scheduler == scheduler:
+        return current
+    return ServerConfigFile(generation=current.generation + 1, scheduler=scheduler)
 
 
 def _format_validation_error(err: ValidationError) -> str:

@@ -42,7 +42,10 @@ REQUESTS_REJECTED = PREFIX + "requests_rejected_total"  # label: reason
 STEP_DURATION = PREFIX + "step_duration_seconds"
 STEP_TOKENS = PREFIX + "step_tokens"
 SCHEDULER_OVERHEAD = PREFIX + "scheduler_overhead_seconds"
+# The step's prefill budget (metronome.contract.budget.prefill_budget: under split the larger lane), and per
+# prompt lane what a prompt of that lane may advance in one step (split's two sizes; fcfs/sjf: the budget).
 CHUNK_SIZE = PREFIX + "chunk_size"
+LANE_CHUNK_SIZE = PREFIX + "lane_chunk_size"  # label: lane
 QUEUE_POLICY_INFO = PREFIX + "queue_policy_info"  # label: policy
 CONFIG_GENERATION = PREFIX + "config_generation"
 # Unix time at which the server applied its current config: the controller's settling window starts when the
@@ -55,5 +58,5 @@ ALL_NAMES = (
     TIME_BETWEEN_TOKENS, TIME_TO_FIRST_TOKEN, REQUEST_E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_RUNNING,
     REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_LEAKED, PREEMPTIONS, REQUESTS_REJECTED, STEP_DURATION, STEP_TOKENS,
     SCHEDULER_OVERHEAD, CHUNK_SIZE, QUEUE_POLICY_INFO, CONFIG_GENERATION, CONFIG_RELOAD_ERRORS,
-    KERNEL_COMPILES_AFTER_READY, PROMPTS, CONFIG_APPLIED_TIME,
+    KERNEL_COMPILES_AFTER_READY, PROMPTS, CONFIG_APPLIED_TIME, LANE_CHUNK_SIZE,
 )

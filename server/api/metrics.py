@@ -5,8 +5,8 @@ it turns a request away (prometheus-client is thread-safe). Time between tokens 
 observe it as each token reaches its response (token_gaps.py), which is what clients and the SLO see; the
 engine's own gaps stay in its StepStats for the engine benchmarks. Gauges that describe engine state are also refreshed
 from an `EngineStats` snapshot at scrape time, so an idle engine still reports its current KV usage. The
-config gauges (chunk size, queue policy, generation) are set by the config path, from the config that was
-applied, so they never flip back to an older value reported by a step that was already in flight.
+config gauges (prefill budget and per-lane sizes, queue policy, generation) are set by the config path, from the
+config that was applied, so they never flip back to an older value reported by a step that was already in flight.
 
 With several API server processes (`serve --api-servers N`) every process holds a `ServerMetrics(multiprocess=
 True)` over prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR, set by api_servers.py before
@@ -26,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from metronome.contract import metric_names as names
+from metronome.contract.budget import lane_budgets, prefill_budget
 from metronome.contract.config import QueuePolicy, SchedulerConfig
 from metronome.server.api.client_rate import REJECT_REASON as CLIENT_RATE
 from metronome.server.api.client_share import REJECT_REASON as CLIENT_SHARE
@@ -101,7 +102,10 @@ class ServerMetrics:
         self.waiting = gauge(names.REQUESTS_WAITING, "Requests waiting, by queue.", model + ["queue"])
         self.kv_usage = gauge(names.KV_CACHE_USAGE, "Fraction of KV blocks in use.")
         self.kv_leaked = gauge(names.KV_BLOCKS_LEAKED, "KV blocks held by no live sequence.")
-        self.chunk_size = gauge(names.CHUNK_SIZE, "Effective chunk size (prefill tokens per step).")
+        self.chunk_size = gauge(names.CHUNK_SIZE, "Prefill tokens one step may carry under the applied config "
+                                "(split: the larger of its two lanes).")
+        self.lane_chunk_size = gauge(names.LANE_CHUNK_SIZE, "Prefill tokens a prompt of this lane may advance "
+                                     "in one step (split: short and long sizes).", model + [names.LANE_LABEL])
         self.queue_policy = gauge(names.QUEUE_POLICY_INFO, "1 for the effective queue policy.", model + ["policy"])
         self.generation = gauge(names.CONFIG_GENERATION, "Generation of the applied config file.")
         self.config_applied = gauge(names.CONFIG_APPLIED_TIME, "Unix time the current config was applied.")
@@ -117,6 +121,7 @@ class ServerMetrics:
         self._tbt_by_lane = {lane: self.tbt.labels(model_name, lane) for lane in names.LANES}
         for lane in names.LANES:
             self.prompts.labels(model_name, lane)
+            self.lane_chunk_size.labels(model_name, lane)
         for queue in KNOWN_QUEUES:
             self.waiting.labels(model_name, queue)
         for reason in KNOWN_REJECT_REASONS:
@@ -175,7 +180,9 @@ class ServerMetrics:
 
     def set_config(self, scheduler: SchedulerConfig, generation: int) -> None:
         m = self.model_name
-        self.chunk_size.labels(m).set(scheduler.chunk_size)
+        self.chunk_size.labels(m).set(prefill_budget(scheduler))
+        for lane, size in lane_budgets(scheduler).items():
+            self.lane_chunk_size.labels(m, lane).set(size)
         current = QueuePolicy(scheduler.queue_policy).value
         for policy in QueuePolicy:
             self.queue_policy.labels(m, policy.value).set(1 if policy.value == current else 0)

@@ -4,9 +4,9 @@ One command runs the same phased workload (loop_phases.py) several times, each t
 processes (loop_servers.py) started from the same initial config:
 - once per tuning policy (`--tuning-policies model,multiplicative`): every `--interval` seconds the servers'
   /metrics scrapes of the last `--window` seconds become an Observation through the operator's own queries and
-  parser (loop_scrape.py), the operator's `decide()` runs on it, and a changed decision is carried out as the
-  operator does it (configmap.scheduler_for, next_server_config), written to every server's config folder by the
-  `..data` swap;
+  parser (loop_scrape.py), the operator's own step runs on it (metronome.operator.tuning.actuation.tune: decide,
+  lay a changed budget out, the next server.yaml generation), and a new generation is written to every server's
+  config folder by the `..data` swap;
 - once per `--static CHUNK,POLICY`, with the config held: the oracle is the best of these per phase;
 - all of that `--repeats` times, round by round (repeated), each config then judged by its means over the repeats.
 Per interval it records the config, what the controller saw, the clients' TBT/TTFT p99, throughput and goodput, and
@@ -24,12 +24,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from metronome.contract.config import QueuePolicy, SchedulerConfig, ServerConfigFile, validate_scheduler
-from metronome.operator import configmap
+from metronome.contract.budget import prefill_budget, with_budget
+from metronome.contract.config import ConfigError, SchedulerConfig, ServerConfigFile
 from metronome.operator import metrics_source as ms
-from metronome.operator.controller import decide
-from metronome.operator.decision import CurrentConfig, Decision, prefill_budget
-from metronome.operator.spec import AutotuneMode, AutotuneSpec
+from metronome.operator.tuning.actuation import tune
+from metronome.operator.tuning.decision import CurrentConfig
+from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec
 from metronome.server.bench import loop_report
 from metronome.server.bench.clients import HttpClient
 from metronome.server.bench.loop_load import ClientPool, Load, LoadTarget
@@ -82,9 +82,7 @@ class LoopSettings:
 
 def initial_scheduler(base: SchedulerConfig, chunk: int, policy: str) -> SchedulerConfig:
     """The base scheduler with a prefill budget of `chunk` under `policy`, laid out as the operator would."""
-    decision = Decision(chunk_size=chunk, queue_policy=QueuePolicy(policy).value, replicas=1, reason="initial",
-                        changed=True)
-    return configmap.scheduler_for(decision, validate_scheduler(base.snake_dict()))
+    return with_budget(base, chunk, policy, source="the initial config")
 
 
 # --- one run -------------------------------------------------------------------------------------------------------
@@ -265,17 +263,20 @@ def _control(state: _Loop, settings: LoopSettings, servers: Sequence[LoopServer]
         reason = f"warm-up: the {settings.window.window_seconds:g} s window is not full yet"
     else:
         wall = time.time()  # the servers stamp config_applied in Unix time
-        decision = decide(observation, before, state.plan.autotune, wall)
+        tuned = tune(observation, state.config, before.replicas, state.plan.autotune, wall, before.last_change_time)
+        decision = tuned.decision
         changed, actions, reason = decision.changed, [a.value for a in decision.actions], decision.reason
         to = (decision.chunk_size, decision.queue_policy)
         summary = decision.describe_change(before) if changed else actions[0]
+        if tuned.problem is not None:
+            raise ConfigError(tuned.problem)
         if changed:
-            scheduler = configmap.scheduler_for(decision, state.config.scheduler)
-            state.config = configmap.next_server_config(state.config, scheduler)
+            if tuned.config is not None:  # None: the decision lays out as the config already served
+                state.config = tuned.config
             for server in servers:
                 server.write_config(state.config)
-            state.current = CurrentConfig.from_scheduler(scheduler, before.replicas, state.config.generation,
-                                                         last_change_time=wall)
+            state.current = CurrentConfig.from_scheduler(state.config.scheduler, before.replicas,
+                                                         state.config.generation, last_change_time=wall)
     generations = observation.pod_generations if observation else {}
     state.intervals.append({
         "t_start": round(due - settings.interval_s, 3), "t_end": round(due, 3),

@@ -128,7 +128,8 @@ def _main(args: argparse.Namespace) -> int:
 
     from metronome.contract.config import SchedulerConfig
     from metronome.operator import metrics_source as ms
-    from metronome.operator.spec import SLOSpec, SpecError, TuningPolicy, parse_autotune
+    from metronome.operator.spec import SLOSpec, SpecError, parse_autotune
+    from metronome.operator.tuning.settings import TuningPolicy
     from metronome.server.bench import loop
     from metronome.server.bench.loop_load import run_client_loop
     from metronome.server.bench.loop_phases import parse_phases, schedule

@@ -13,6 +13,7 @@ import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from metronome.contract.budget import prefill_budget
 from metronome.contract.config import QueuePolicy, SchedulerConfig
 from metronome.server.engine.sequence import Sequence, SequenceStatus
 
@@ -87,18 +88,17 @@ class WaitingQueues:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.policy = QueuePolicy(config.queue_policy)
+        # Prefill tokens one step may carry: the contract's number, which every view of the config reports.
+        self.prefill_budget = prefill_budget(config)
         if self.policy is QueuePolicy.SPLIT:
             self.lanes = [
                 Lane("short", ArrivalQueue(), config.short_chunk_size, admit_whole=True),
                 Lane("long", ArrivalQueue(), config.long_chunk_size, admit_whole=False),
             ]
-            self.prefill_budget = max(config.short_chunk_size, config.long_chunk_size)
         elif self.policy is QueuePolicy.SJF:
-            self.lanes = [Lane("sjf", ShortestFirstQueue(config.sjf_aging_seconds), config.chunk_size, False)]
-            self.prefill_budget = config.chunk_size
+            self.lanes = [Lane("sjf", ShortestFirstQueue(config.sjf_aging_seconds), self.prefill_budget, False)]
         else:
-            self.lanes = [Lane("fcfs", ArrivalQueue(), config.chunk_size, admit_whole=False)]
-            self.prefill_budget = config.chunk_size
+            self.lanes = [Lane("fcfs", ArrivalQueue(), self.prefill_budget, admit_whole=False)]
         self._by_name = {lane.name: lane for lane in self.lanes}
 
     def lane_of(self, seq: Sequence) -> str:

@@ -16,7 +16,8 @@ from s3_server import free_port, start_s3_server
 from standin.podspec import LocalMounts, local_argv, server_pod
 from standin.server_process import ServerProcess
 
-from metronome.operator import builders, configmap
+from metronome.contract.config import next_server_config
+from metronome.operator import builders
 from metronome.operator.spec import parse_service
 from metronome.server.models.default_model import default_model_path
 
@@ -56,7 +57,7 @@ def test_the_init_container_fills_the_cache_the_server_then_loads_offline(tmp_pa
                "spec": template["spec"]}
         config = tmp_path / "config"
         config.mkdir()
-        config_map = builders.config_map(service, configmap.next_server_config(None, service.spec.server))
+        config_map = builders.config_map(service, next_server_config(None, service.spec.server))
         (config / "server.yaml").write_text(config_map["data"]["server.yaml"])
         mounts = LocalMounts((("/models", str(tmp_path / "cache")), ("/tmp", str(tmp_path / "scratch")),
                               ("/etc/metronome", str(config))))

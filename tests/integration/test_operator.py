@@ -69,9 +69,10 @@ def _running_pods(cluster, ns) -> list[dict]:
     return [p for p in pods if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
 
 
-def _columns(cluster, ns) -> dict[str, str]:
+def _columns(cluster, ns, *flags: str) -> dict[str, str]:
     """The printed table row, cut at the header's column offsets (empty cells print as nothing)."""
-    header, row = cluster.kubectl("get", "inferenceservices.metronome.dev", NAME, "-n", ns).stdout.splitlines()[:2]
+    header, row = cluster.kubectl("get", "inferenceservices.metronome.dev", NAME, "-n", ns,
+                                  *flags).stdout.splitlines()[:2]
     starts = [m.start() for m in re.finditer(r"\S+", header)]
     bounds = list(zip(starts, starts[1:] + [None]))
     return {header[a:b].strip(): row[a:b].strip() for a, b in bounds}
@@ -111,7 +112,9 @@ def test_example_creates_children_running_pods_columns_and_conditions(cluster, o
 
     columns = _columns(cluster, ns)
     assert columns["READY"] == "2/2"
-    assert columns["CHUNK"] == "512" and columns["POLICY"] == "split"
+    # split: the step's budget is its larger lane (2048 short, 512 long), the number the servers enforce
+    assert columns["CHUNK"] == "2048" and columns["POLICY"] == "split"
+    assert _columns(cluster, ns, "-o", "wide")["SPLIT"] == "2048/512"
     assert list(columns) == ["NAME", "READY", "CHUNK", "POLICY", "TBT-P99", "SLO", "TOK/S", "AGE"]
     assert columns["TBT-P99"] == "" and columns["TOK/S"] == ""  # not measured yet
     assert columns["SLO"] == "Unknown"  # no Prometheus in this test: nothing to judge by

@@ -86,7 +86,9 @@ def test_counters_and_histograms_move_under_load(server):
     assert metric(idle, names.KV_CACHE_USAGE) == 0
     assert metric(idle, names.KV_BLOCKS_LEAKED) == 0
     assert metric(idle, names.REQUESTS_WAITING) == 0
-    assert metric(idle, names.CHUNK_SIZE) == 32
+    # split: the step's budget is its larger lane (short, 2048 by default), not chunk_size (32), which split never reads
+    assert metric(idle, names.CHUNK_SIZE) == 2048
+    assert metric(idle, names.LANE_CHUNK_SIZE, lane="long") == 512
     assert metric(idle, names.QUEUE_POLICY_INFO, policy="split") == 1
 
 

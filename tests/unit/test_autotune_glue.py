@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from metronome.contract.budget import prefill_budget
 from metronome.contract.config import SchedulerConfig, ServerConfigFile
-from metronome.operator.autotune import (
+from metronome.operator.changes import describe_transitions
+from metronome.operator.metrics_source import MetricsUnavailable
+from metronome.operator.spec import parse_service
+from metronome.operator.status import Observed, compute_status
+from metronome.operator.tuning.autotune import (
     ADVICE,
     AWAITING_PODS,
     CHUNK_AT_FLOOR,
     NO_SAMPLES,
     NOT_CONFIGURED,
+    POLICY_SWITCHED,
     SCALED,
     TunerMemory,
     format_time,
@@ -20,11 +26,7 @@ from metronome.operator.autotune import (
     serving_metrics,
     step,
 )
-from metronome.operator.changes import describe_transitions
-from metronome.operator.metrics_source import MetricsUnavailable
-from metronome.operator.observation import Observation, StepSample
-from metronome.operator.spec import parse_service
-from metronome.operator.status import Observed, compute_status
+from metronome.operator.tuning.observation import Observation, StepSample
 
 NOW = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 A, B = 0.008, 20e-6  # the plant behind the step samples: step seconds = a + b * tokens
@@ -179,6 +181,33 @@ def test_at_the_floor_with_scale_replicas_adds_a_replica_within_bounds():
     at_max = step(service(scaleReplicas=True, replicas=3), served(chunk=64), {}, observation(tbt_ms=90), None, NOW)
     assert at_max.replicas is None and at_max.slo_override[0] == CHUNK_AT_FLOOR
     assert "maximum 3" in at_max.slo_override[1]
+
+
+def test_last_decision_names_the_budgets_the_servers_enforce_under_split():
+    crd_defaults = ServerConfigFile(generation=3, scheduler=SchedulerConfig())  # split: short 2048, long 512
+    result = step(service(), crd_defaults, {}, observation(tbt_ms=60), None, NOW)
+    assert result.last_decision["from"]["chunkSize"] == 2048  # the short lane, not chunkSize 512
+    assert result.last_decision["to"]["chunkSize"] == prefill_budget(result.scheduler) == 1843
+    # A ceiling under the short-prompt threshold: the decision says 256, but split admits short prompts whole
+    # within 512, so 512 is what the servers run and what lastDecision says.
+    capped = step(service(minChunkSize=64, maxChunkSize=256), crd_defaults, {}, observation(tbt_ms=60), None, NOW)
+    assert capped.decision.chunk_size == 256 and prefill_budget(capped.scheduler) == 512
+    assert capped.last_decision["to"] == {"chunkSize": 512, "queuePolicy": "split", "replicas": 2}
+    advised = step(service(mode="advise", minChunkSize=64, maxChunkSize=256), crd_defaults, {},
+                   observation(tbt_ms=60), None, NOW)
+    assert advised.last_decision["to"]["chunkSize"] == 512 and advised.scheduler is None
+
+
+def test_a_queue_policy_switch_is_announced():
+    at_split_floor = ServerConfigFile(generation=3, scheduler=SchedulerConfig(short_chunk_size=512,
+                                                                              long_chunk_size=512))
+    result = step(service(policy="model", policySwitching=True), at_split_floor, {},
+                  observation(tbt_ms=40, long_prompt_share=0.3), None, NOW)
+    assert result.scheduler.queue_policy.value == "fcfs" and result.scheduler.chunk_size < 512
+    (event,) = result.events
+    assert (event.type, event.reason) == ("Normal", POLICY_SWITCHED)
+    assert event.message.startswith(f"queue policy split -> fcfs, prefill budget 512 -> {result.scheduler.chunk_size}")
+    assert "short-prompt threshold" in event.message
 
 
 # --- advise --------------------------------------------------------------------------------------------------

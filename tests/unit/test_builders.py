@@ -6,18 +6,19 @@ import copy
 
 import pytest
 
-from metronome.contract.config import QueuePolicy, ServerConfigFile, parse_server_config
+from metronome.contract.config import QueuePolicy, ServerConfigFile, next_server_config, parse_server_config
 from metronome.operator import builders, configmap
 from metronome.operator.changes import describe_child, describe_config
-from metronome.operator.decision import Decision
 from metronome.operator.spec import SpecError, parse_service, parse_source
+from metronome.operator.tuning.actuation import scheduler_for
+from metronome.operator.tuning.decision import Decision
 
 
 def retuned(config: ServerConfigFile, chunk_size: int, queue_policy: str | None = None) -> ServerConfigFile:
-    """What the control loop serves after a decision: configmap.scheduler_for, then the next generation."""
+    """What the control loop serves after a decision: actuation.scheduler_for, then the next generation."""
     decision = Decision(chunk_size=chunk_size, queue_policy=queue_policy or config.scheduler.queue_policy.value,
                         replicas=1, reason="test", changed=True)
-    return configmap.next_server_config(config, configmap.scheduler_for(decision, config.scheduler))
+    return next_server_config(config, scheduler_for(decision, config.scheduler))
 
 
 def make_body(**spec_overrides) -> dict:
@@ -204,7 +205,7 @@ def test_node_selector_and_tolerations_pass_through():
 
 def test_every_child_is_owned_by_the_inferenceservice_and_labelled():
     service = service_of()
-    config = configmap.next_server_config(None, service.spec.server)
+    config = next_server_config(None, service.spec.server)
     children = [*builders.workload_children(service, monitoring_available=True), builders.config_map(service, config)]
     assert {c["kind"] for c in children} == {"Deployment", "Service", "PodDisruptionBudget", "PodMonitor", "ConfigMap"}
     for child in children:
@@ -266,7 +267,7 @@ def test_service_and_deployment_select_the_same_pods():
 
 def test_config_map_round_trips_through_the_server_schema():
     service = service_of(server={"chunkSize": 256, "queuePolicy": "sjf", "maxNumSeqs": 32})
-    config = configmap.next_server_config(None, service.spec.server)
+    config = next_server_config(None, service.spec.server)
     cm = builders.config_map(service, config)
     parsed = parse_server_config(cm["data"]["server.yaml"])
     assert parsed == config
@@ -276,9 +277,9 @@ def test_config_map_round_trips_through_the_server_schema():
 
 
 def test_generation_moves_only_when_the_scheduler_changes():
-    first = configmap.next_server_config(None, service_of().spec.server)
-    assert configmap.next_server_config(first, service_of().spec.server) is first
-    second = configmap.next_server_config(first, service_of(server={"chunkSize": 256}).spec.server)
+    first = next_server_config(None, service_of().spec.server)
+    assert next_server_config(first, service_of().spec.server) is first
+    second = next_server_config(first, service_of(server={"chunkSize": 256}).spec.server)
     assert second.generation == first.generation + 1
     tuned = retuned(second, 128, "fcfs")
     assert (tuned.generation, tuned.scheduler.chunk_size, tuned.scheduler.queue_policy) == (3, 128, QueuePolicy.FCFS)
@@ -293,7 +294,7 @@ def test_invalid_server_yaml_in_the_configmap_is_reported_not_raised():
 
 
 def test_events_describe_what_changed():
-    first = configmap.next_server_config(None, service_of().spec.server)
+    first = next_server_config(None, service_of().spec.server)
     second = retuned(first, 256)
     event = describe_config(first, second, "spec.server changed")
     assert event.reason == "ConfigUpdated" and "chunkSize 512 -> 256" in event.message and "1 -> 2" in event.message
@@ -348,6 +349,6 @@ def test_a_deployment_never_carries_config_content():
 
 def test_server_config_file_is_the_shared_schema():
     service = service_of(server={"chunkSize": 300, "shortPromptThreshold": 256, "shortChunkSize": 1024})
-    config = configmap.next_server_config(None, service.spec.server)
+    config = next_server_config(None, service.spec.server)
     assert isinstance(config, ServerConfigFile)
     assert config.scheduler.short_prompt_threshold == 256

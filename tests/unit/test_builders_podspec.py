@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from metronome.contract.serve_flags import OPERATOR_OWNED
 from metronome.operator import builders, reconcile
 from metronome.operator.k8s import Action, Applied
-from metronome.operator.spec import OWNED_SERVER_FLAGS, ShutdownSpec, SpecError, StrategySpec, parse_service
+from metronome.operator.spec import ShutdownSpec, SpecError, StrategySpec, parse_service
 from metronome.operator.status import Rollout, ready_condition, rollout_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,13 +221,13 @@ def test_owned_flags_are_what_the_builder_writes_and_the_crd_refuses():
                               "maxRequestBodyBytes": 65536, "maxWaitingPerClient": 2, "maxRunningPerClient": 4,
                               "maxPromptTokensPerSecondPerClient": 1000, "promptTokenBurstPerClient": 4000})
     written = {a for a in builders.server_args(full) if a.startswith("--")}
-    assert written == set(OWNED_SERVER_FLAGS)
+    assert written == set(OPERATOR_OWNED)
     crd = yaml.safe_load((ROOT / "crds" / "inferenceservice.yaml").read_text())
     engine = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
     (rule,) = engine["properties"]["extraArgs"]["x-kubernetes-validations"]
     listed = re.findall(r"'(--[a-z-]+)'", rule["rule"])
-    assert listed == list(OWNED_SERVER_FLAGS)
-    assert re.findall(r"'(--[a-z-]+)='", rule["rule"]) == list(OWNED_SERVER_FLAGS)
+    assert listed == list(OPERATOR_OWNED)
+    assert re.findall(r"'(--[a-z-]+)='", rule["rule"]) == list(OPERATOR_OWNED)
 
 
 def test_precision_fields_become_server_flags_and_bad_values_name_the_field():

@@ -12,11 +12,12 @@ from metronome.contract.config import ConfigError, SchedulerConfig
 from metronome.server.api.config_watch import ConfigStatus, ConfigWatcher
 from metronome.server.api.metrics import ServerMetrics
 
-GOOD = "generation: 1\nscheduler:\n  chunk_size: 512\n  queue_policy: split\n"
+# fcfs: the budget these tests watch is chunk_size itself (under split it is the larger lane; test_prefill_budget.py)
+GOOD = "generation: 1\nscheduler:\n  chunk_size: 512\n  queue_policy: fcfs\n"
 
 
 def make_watcher(path, base=None):
-    base = base or SchedulerConfig(chunk_size=256, max_num_seqs=64)
+    base = base or SchedulerConfig(chunk_size=256, max_num_seqs=64, queue_policy="fcfs")
     applied: list[SchedulerConfig] = []
     metrics = ServerMetrics("m")
     status = ConfigStatus(config_file=str(path), generation=0, scheduler=base)

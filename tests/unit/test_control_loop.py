@@ -7,10 +7,11 @@ import pytest
 import yaml
 from test_reconcile import MemoryKube, body
 
-from metronome.operator import autotune, control_loop, reconcile
+from metronome.operator import control_loop, reconcile
 from metronome.operator.metrics_source import PrometheusSettings
-from metronome.operator.observation import Observation
 from metronome.operator.spec import parse_service
+from metronome.operator.tuning import autotune
+from metronome.operator.tuning.observation import Observation
 
 LOCAL = PrometheusSettings(url="http://127.0.0.1:1")
 
@@ -59,6 +60,21 @@ def test_a_due_reading_is_served_as_a_new_generation_and_recorded(prometheus):
     assert prometheus["reads"] == 1  # not due: status gets the last reading, nothing is decided
     assert again.last_decision is None and again.observed.metrics.tbt_p99_ms == pytest.approx(60.0)
     assert served(kube)["generation"] == 2
+
+
+def test_the_next_generation_is_written_from_the_config_observed_not_read_back(prometheus, monkeypatch):
+    kube, owner = MemoryKube(), apply_body()
+    service = parse_service(owner)
+    configs = reconcile.ConfigMemory()
+    reconcile.sync_children(kube, service, owner, memory=configs)
+    observed = reconcile.observe(kube, service, configs)
+    reads = []
+    real_get = kube.get
+    monkeypatch.setattr(kube, "get", lambda api, kind, ns, name: reads.append(kind) or real_get(api, kind, ns, name))
+    result = control_loop.tick(kube, service, owner, observed, autotune.TunerMemory(), LOCAL, configs)
+    assert reads == [] and served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 922
+    assert result.observed.served_config is configs.written.config
+    assert reconcile.observe(kube, service, configs).served_config is configs.written.config
 
 
 def test_a_chunk_at_its_floor_scales_and_hands_back_the_replica_patch(prometheus):

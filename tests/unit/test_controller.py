@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metronome.operator.controller import decide
-from metronome.operator.decision import ActionKind, CurrentConfig
-from metronome.operator.observation import Observation, StepSample
-from metronome.operator.spec import AutotuneMode, AutotuneSpec, SpecError, TuningPolicy, parse_spec
+from metronome.operator.spec import SpecError, parse_spec
+from metronome.operator.tuning.controller import decide
+from metronome.operator.tuning.decision import ActionKind, CurrentConfig
+from metronome.operator.tuning.observation import Observation, StepSample
+from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec, TuningPolicy
 
 A, B = 0.008, 20e-6  # step = a + b * tokens
 DECODES = 20
@@ -388,9 +389,9 @@ def test_spec_invariants():
 # --- the budget under each queue policy ----------------------------------------------------------------------
 
 def test_split_budget_is_the_larger_lane_and_decisions_land_on_the_lanes():
+    from metronome.contract.budget import prefill_budget
     from metronome.contract.config import SchedulerConfig
-    from metronome.operator.configmap import scheduler_for
-    from metronome.operator.decision import prefill_budget
+    from metronome.operator.tuning.actuation import scheduler_for
 
     served = SchedulerConfig(chunk_size=512, queue_policy="split", short_chunk_size=2048, long_chunk_size=512)
     current = CurrentConfig.from_scheduler(served, replicas=2, generation=5)
@@ -413,7 +414,7 @@ def test_split_budget_is_the_larger_lane_and_decisions_land_on_the_lanes():
 
 def test_split_floor_leaves_for_fcfs_when_the_slo_needs_a_smaller_budget():
     from metronome.contract.config import SchedulerConfig
-    from metronome.operator.configmap import scheduler_for
+    from metronome.operator.tuning.actuation import scheduler_for
 
     served = SchedulerConfig(chunk_size=512, queue_policy="split", short_chunk_size=512, long_chunk_size=512)
     current = CurrentConfig.from_scheduler(served, replicas=1, generation=6)

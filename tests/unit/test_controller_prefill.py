@@ -19,11 +19,11 @@ import pytest
 
 from metronome.contract.histogram import histogram_quantile
 from metronome.contract.metric_names import TBT_BUCKETS, TTFT_BUCKETS
-from metronome.operator.controller import decide
-from metronome.operator.decision import ActionKind, CurrentConfig
-from metronome.operator.observation import Observation, StepSample
-from metronome.operator.spec import AutotuneMode, AutotuneSpec, TuningPolicy
-from metronome.operator.step_model import fit_step_time, smallest_chunk_for_prefill
+from metronome.operator.tuning.controller import decide
+from metronome.operator.tuning.decision import ActionKind, CurrentConfig
+from metronome.operator.tuning.observation import Observation, StepSample
+from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec, TuningPolicy
+from metronome.operator.tuning.step_model import fit_step_time, smallest_chunk_for_prefill
 
 TARGET_S, TTFT_LIMIT_S = 0.050, 2.0
 INTERVAL_S, SUB_WINDOW_S = 20.0, 5.0

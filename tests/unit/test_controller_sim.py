@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from metronome.contract.metric_names import TBT_BUCKETS
-from metronome.operator.controller import decide
-from metronome.operator.decision import CurrentConfig, Decision
-from metronome.operator.observation import Observation, StepSample
-from metronome.operator.spec import AutotuneMode, AutotuneSpec, TuningPolicy
+from metronome.operator.tuning.controller import decide
+from metronome.operator.tuning.decision import CurrentConfig, Decision
+from metronome.operator.tuning.observation import Observation, StepSample
+from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec, TuningPolicy
 
 TARGET_S = 0.030
 INTERVAL_S = 20.0
@@ -245,7 +245,7 @@ def test_multiplicative_baseline_on_the_same_plant_is_slower():
 
 def test_plant_is_linear_in_tokens_so_the_fit_recovers_it():
     """The plant's own step points give back its a and b: the model policy is fitting the right thing."""
-    from metronome.operator.step_model import fit_step_time
+    from metronome.operator.tuning.step_model import fit_step_time
 
     plant = Plant(Load(), Hardware(noise=0.03), seed=7)
     plant.run(1024, 10.0)

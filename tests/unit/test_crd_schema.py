@@ -14,11 +14,11 @@ from metronome.operator.spec import (
     KIND,
     PLURAL,
     VERSION,
-    AutotuneSpec,
     SpecError,
     parse_source,
     parse_spec,
 )
+from metronome.operator.tuning.settings import AutotuneSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "inferenceservice.yaml"
@@ -169,7 +169,7 @@ def test_server_fields_mirror_the_scheduler_schema(schema):
 
 
 def test_decision_record_fits_the_status_schema(schema):
-    from metronome.operator.status import decision_record
+    from metronome.operator.tuning.autotune import decision_record
 
     record = decision_record(time="2026-01-01T00:00:00Z", before=(4096, "fcfs", 2), after=(1024, "split", 2),
                              reason="TBT p99 80 ms > 50 ms", policy="model", applied=True)

@@ -39,14 +39,36 @@ def test_unknown_subcommand_is_a_usage_error_naming_it():
 
 def test_operator_imports_only_the_contract_never_the_server():
     """The operator's side of the wall: every module under operator/ loads without metronome.server or torch."""
-    operator_dir = Path(__file__).resolve().parents[2] / "operator"
-    modules = sorted(f"metronome.operator.{p.stem}" for p in operator_dir.glob("*.py")
-                     if p.stem not in ("__init__", "__main__"))
+    modules = _operator_modules()
     probe = ("import importlib, sys\n"
              f"for name in {modules!r}: importlib.import_module(name)\n"
              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('metronome.server')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"the operator reached into the server: {out.stdout}"
+
+
+def _operator_modules(sub: str = "") -> list[str]:
+    """Every module under operator/ (or its folder `sub`), as `metronome.operator...` names."""
+    root = Path(__file__).resolve().parents[2] / "operator"
+    return sorted("metronome.operator." + ".".join(p.relative_to(root).with_suffix("").parts)
+                  for p in (root / sub).rglob("*.py") if p.stem not in ("__init__", "__main__"))
+
+
+def test_the_tuner_is_pure():
+    """operator/tuning/ loads no kopf, no Kubernetes or HTTP client, and none of the operator's API glue: the
+    operator modules it reaches are its own, the spec error and the Event vocabulary."""
+    modules = _operator_modules("tuning")
+    assert "metronome.operator.tuning.controller" in modules
+    probe = ("import importlib, sys\n"
+             f"for name in {modules!r}: importlib.import_module(name)\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kopf', 'kubernetes', 'urllib3', 'requests',"
+             " 'prometheus_api_client', 'torch')))\n"
+             "print(sorted(m for m in sys.modules if m.startswith('metronome.operator.')"
+             " and not m.startswith('metronome.operator.tuning')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd="/")
+    heavy, glue = out.stdout.strip().splitlines()
+    assert heavy == "[]", f"the tuner loaded I/O libraries: {heavy}"
+    assert glue == "['metronome.operator.changes', 'metronome.operator.spec_error']", glue
 
 
 def test_a_checkout_imports_from_its_root_without_an_install():

@@ -8,9 +8,10 @@ import copy
 import yaml
 
 from metronome.operator import builders, configmap, reconcile
-from metronome.operator.decision import Decision
 from metronome.operator.k8s import Action, Applied
 from metronome.operator.spec import parse_service
+from metronome.operator.tuning.actuation import scheduler_for
+from metronome.operator.tuning.decision import Decision
 
 
 class MemoryKube:
@@ -86,7 +87,7 @@ def test_sync_keeps_a_retuned_config_and_serve_scheduler_bumps_the_generation():
     service = parse_service(owner)
     first = reconcile.sync_children(kube, service, owner)
     decision = Decision(192, first.scheduler.queue_policy.value, 1, "test", changed=True)
-    tuned = configmap.scheduler_for(decision, first.scheduler)
+    tuned = scheduler_for(decision, first.scheduler)
     reconcile.serve_scheduler(kube, service, owner, tuned, why="autotune")
     assert served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 192
 
@@ -122,3 +123,24 @@ def test_observe_reads_deployment_and_config():
     observed = reconcile.observe(kube, service)
     assert observed.deployment["kind"] == "Deployment"
     assert observed.served_config.generation == 1 and observed.config_error is None
+
+
+def test_what_the_operator_wrote_is_read_back_without_parsing_and_a_hand_edit_is_parsed(monkeypatch):
+    kube, owner = MemoryKube(), body()
+    service = parse_service(owner)
+    memory = reconcile.ConfigMemory()
+    written = reconcile.sync_children(kube, service, owner, memory=memory)
+    assert memory.written.config == written
+
+    parsed = []
+    real_parse = configmap.parse_server_config
+    monkeypatch.setattr(configmap, "parse_server_config", lambda *a, **k: parsed.append(a) or real_parse(*a, **k))
+    assert reconcile.observe(kube, service, memory).served_config is written and parsed == []
+    reconcile.sync_children(kube, service, owner, memory=memory)
+    assert parsed == []
+
+    cm = kube.objects[("ConfigMap", "ml", "chat-config")]
+    cm["data"]["server.yaml"] = "generation: 1\nscheduler: {chunk_size: 96, queue_policy: fcfs}\n"
+    edited = reconcile.observe(kube, service, memory).served_config
+    assert edited.scheduler.chunk_size == 96 and len(parsed) == 1
+    assert reconcile.observe(kube, service).served_config == edited  # without memory: parsed, the same config

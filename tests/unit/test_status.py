@@ -1,10 +1,11 @@
 """Pure status: conditions, READY/SLO columns, lastTransitionTime, minimal patches, transition Events."""
 from __future__ import annotations
 
-from metronome.operator import configmap
+from metronome.contract.config import next_server_config
 from metronome.operator.changes import describe_transitions
 from metronome.operator.spec import parse_service
-from metronome.operator.status import Observed, ServingMetrics, compute_status, status_patch
+from metronome.operator.status import Observed, compute_status, status_patch
+from metronome.operator.tuning.autotune import ServingMetrics
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -35,7 +36,7 @@ def conditions_by_type(status: dict) -> dict:
 
 
 def served(svc):
-    return configmap.next_server_config(None, svc.spec.server)
+    return next_server_config(None, svc.spec.server)
 
 
 def test_all_ready_without_metrics():
@@ -48,7 +49,10 @@ def test_all_ready_without_metrics():
     assert cond["MetricsAvailable"]["status"] == "Unknown"
     assert cond["ConfigApplied"]["status"] == "Unknown"
     assert cond["SLOMet"]["status"] == "Unknown" and status["slo"] == "Unknown"
-    assert status["chunkSize"] == 512 and status["queuePolicy"] == "split" and status["configGeneration"] == 1
+    # The CRD's defaults: split with a short lane of 2048 and a long one of 512. CHUNK is the budget the servers
+    # enforce (the larger lane), not spec.server.chunkSize (512), which split never reads.
+    assert status["chunkSize"] == 2048 and status["queuePolicy"] == "split" and status["configGeneration"] == 1
+    assert status["splitChunkSizes"] == "2048/512"
     assert status["selector"] == "app.kubernetes.io/name=metronome-server,metronome.dev/inferenceservice=chat"
     for c in status["conditions"]:
         assert c["observedGeneration"] == 7 and c["lastTransitionTime"] == T0

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metronome.operator.step_model import (
+from metronome.operator.tuning.step_model import (
     MIXED_EXTRA_DROPPED,
     FitError,
     calibrate_p99_factor,
