@@ -168,6 +168,7 @@ class EngineCore:
         return (f"KV cache {bm.num_blocks} blocks x {bm.block_size} tokens = {tokens} tokens; max concurrency "
                 f"{tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens (max_model_len); "
                 f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}"
+                + (f"; {self.loaded.quantization.describe()}" if self.loaded.quantization is not None else "")
                 + (f"; warm-up burst of {self.warm_batch[0]} sequences in {self.warm_batch[1]} steps, "
                    f"{self.warm_batch[2]:.2f}s" if self.warm_batch[0] else ""))
 
