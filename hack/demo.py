@@ -3,17 +3,18 @@
 
     python hack/demo.py [--duration SECONDS] [--slo-ms MS] [--concurrency N] [--config-delay LOW-HIGH] [--state-dir DIR]
 
-1. the local control plane (hack/localcluster: etcd, kube-apiserver, controller-manager, scheduler, kwok GPU nodes);
+1. the local control plane (metronome_testing.localcluster: etcd, kube-apiserver, controller-manager, scheduler,
+   kwok GPU nodes);
 2. the chart, installed with helm. Its operator Pod is Running on a kwok node on paper only, so the real operator
    runs here as a process, with the chart's ServiceAccount token (the chart's RBAC is what it gets);
-3. the kubelet stand-in (hack/standin): a real `metronome serve` on 127.0.0.x for each Running server pod, its
-   config folder kept in sync with the pod's ConfigMap by the `..data` swap, each change landing after a kubelet-like
-   delay (--config-delay, default 5-15 s; a real node takes 30-90 s), printed as `[kubelet]` lines;
+3. the kubelet stand-in (metronome_testing.standin): a real `metronome serve` on 127.0.0.x for each Running server
+   pod, its config folder kept in sync with the pod's ConfigMap by the `..data` swap, each change landing after a
+   kubelet-like delay (--config-delay, default 5-15 s; a real node takes 30-90 s), printed as `[kubelet]` lines;
 4. Debian's Prometheus scraping those servers every second (file_sd targets written by the stand-in);
 5. examples/inferenceservice.yaml, then a merge patch that fits it to this CPU machine (fcfs from chunk 512, a
    short tuning interval and window, autotune off until a target is known) — printed before it is applied;
 6. long-short load against the servers (server/bench); after 20 s of it, a TBT target that chunk 512 violates,
-   chosen from those 20 s (hack/closedloop/slo.py; or --slo-ms), and autotune on;
+   chosen from those 20 s (metronome_testing.closedloop.slo; or --slo-ms), and autotune on;
 7. `kubectl get inferenceservices` every few seconds, so CHUNK, TBT-P99 and SLO visibly change as the operator
    retunes.
 --duration counts from the start of the load; 0 runs until Ctrl-C. Either way everything started here is stopped by
@@ -30,16 +31,14 @@ import threading
 import time
 from pathlib import Path
 
-HACK_DIR = Path(__file__).resolve().parent
-ROOT = HACK_DIR.parent
-sys.path.insert(0, str(HACK_DIR))
+from metronome_testing.chart import install_chart, service_account_kubeconfig
+from metronome_testing.checkout import EXAMPLE, ROOT
+from metronome_testing.closedloop import LoadDriver, LoadSpec
+from metronome_testing.closedloop.slo import CalibrationError, choose_tbt_target
+from metronome_testing.localcluster import ClusterError, KubeTools, LocalCluster, default_cache_dir
+from metronome_testing.operator_process import OperatorProcess
+from metronome_testing.standin import DelayRange, KubeletStandIn, StandInOptions, scrape_config
 
-from closedloop import LoadDriver, LoadSpec, OperatorProcess, install_chart, service_account_kubeconfig  # noqa: E402
-from closedloop.slo import CalibrationError, choose_tbt_target  # noqa: E402
-from localcluster import ClusterError, KubeTools, LocalCluster, default_cache_dir  # noqa: E402
-from standin import DelayRange, KubeletStandIn, StandInOptions, scrape_config  # noqa: E402
-
-EXAMPLE = ROOT / "examples" / "inferenceservice.yaml"
 NAME = "smollm2"  # metadata.name in the example
 NAMESPACE = "demo"
 RELEASE, RELEASE_NAMESPACE = "metronome", "metronome-system"
@@ -155,9 +154,9 @@ def run(args, stop: Stop, cluster: LocalCluster, started: list) -> int:
     say(f"Prometheus at {prometheus_url}, scraping the stand-in's servers every second")
 
     say("helm install of charts/metronome")
-    service_account = install_chart(kube, RELEASE, RELEASE_NAMESPACE)
+    service_account = install_chart(kube, RELEASE, RELEASE_NAMESPACE).service_account
     kubeconfig = service_account_kubeconfig(kube, RELEASE_NAMESPACE, service_account, work / "operator.kubeconfig")
-    operator = OperatorProcess(kubeconfig=kubeconfig, log_path=args.state_dir / "logs" / "operator.log",
+    operator = OperatorProcess(kubeconfig=kubeconfig, log_dir=args.state_dir / "logs",
                                prometheus_url=prometheus_url, status_interval_s=2.0)
     operator.start()
     started.append(operator)
@@ -244,7 +243,7 @@ def _patch(kube: KubeTools, patch: dict) -> None:
 
 
 def _calibrated_slo_ms(gaps: list[float]) -> int:
-    from metronome.server.bench.stats import percentile
+    from metronome.server.bench.load.stats import percentile
 
     try:
         calibration = choose_tbt_target(percentile(gaps, 50), percentile(gaps, 99), INITIAL_CHUNK, FLOOR_CHUNK)

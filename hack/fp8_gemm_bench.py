@@ -77,7 +77,7 @@ def _variants(wt: dict, x) -> dict:
 def measure(shapes: dict, rows: tuple[int, ...], reps: int, device) -> dict:
     import torch
 
-    from metronome.server.bench.device_peaks import time_op
+    from metronome.server.bench.engine.device_peaks import time_op
     from metronome.server.models.quant.cuda_gemm import ROWWISE_MIN_TOKENS
 
     g = torch.Generator(device=device).manual_seed(0)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `metronome bench isolation` on the GPU machine (issue 16), in one device call. Its 16 cores let the server run
+# `metronome bench isolation` on the GPU machine, in one device call. Its 16 cores let the server run
 # on cores of its own (taskset) while the steady streams and the hostile injector run on the others: on the
 # 2-vCPU development VM the injector takes the server's CPU, so "hostile requests slow the others" there mixes
 # what the server does with what the machine lacks. From the repository root, with .gpuwheels/ carried along:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `metronome bench loop` on the GPU machine (issue 12), in one device call: installs the wheels the image lacks
+# `metronome bench loop` on the GPU machine, in one device call: installs the wheels the image lacks
 # (.gpuwheels/: pydantic, fastapi, starlette, uvicorn, opentelemetry-api and their needs, carried along), runs the
 # loop benchmark with the arguments given, and brings back its JSON (rewritten after every run, so a run cut short
 # by LIMIT keeps the runs before it), its PNG, the log and a tarball of the servers' logs. From the repository root:

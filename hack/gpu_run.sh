@@ -54,13 +54,14 @@ limit() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; echo "$wa
 # --- imports. The checkout is importable from its root as it is (metronome/__init__.py maps server/, kernels/ and
 # operator/ into the package when run from a source tree): everything runs as `python3 -m` from the root, which puts
 # the root on sys.path only after start-up, when the standard library's `operator` is loaded (the root on
-# PYTHONPATH would let operator/ shadow it while `site` starts). Wheels the image lacks go to /tmp/metronome-wheels.
+# PYTHONPATH would let operator/ shadow it while `site` starts). Wheels the image lacks go to /tmp/metronome-wheels;
+# tests/support (the test support package, which the GPU tests import: nothing there shadows anything) joins them.
 WH=/tmp/metronome-wheels
 mkdir -p "$WH"
 if ls .gpuwheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install --no-deps --no-index -q --target "$WH" .gpuwheels/*.whl >> "$LOG" 2>&1
 fi
-export PYTHONPATH=$WH
+export PYTHONPATH=$WH:$ROOT/tests/support
 python3 - <<'EOF' 2>&1 | tee -a "$LOG"
 import importlib, sys
 for mod in ("torch", "triton", "transformers", "pydantic", "rich", "pytest", "matplotlib", "metronome.server.engine.engine"):

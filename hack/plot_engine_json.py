@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from metronome.server.bench.plots import PlotRun, plot_runs
+from metronome.server.bench.load.plots import PlotRun, plot_runs
 
 
 def runs_from_engine_json(doc: dict) -> list[PlotRun]:

@@ -51,7 +51,7 @@ def profile_step(core, torch) -> dict:
 
 
 def mixed_floor(config, decodes: int, context: int, chunk: int, chunk_start: int, peaks: dict, dtype_bytes: int):
-    from metronome.server.bench import model_math
+    from metronome.server.bench.engine import model_math
 
     layers, heads, d = config.num_hidden_layers, config.num_attention_heads, config.head_dim
     tokens = decodes + chunk
@@ -84,7 +84,7 @@ def main() -> int:
     import torch
 
     from metronome.contract.config import SchedulerConfig
-    from metronome.server.bench.device_peaks import device_section
+    from metronome.server.bench.engine.device_peaks import device_section
     from metronome.server.engine.config import EngineConfig
     from metronome.server.engine.engine import EngineCore
     from metronome.server.engine.sampling import SamplingParams

@@ -17,7 +17,7 @@ import time
 
 import httpx
 
-from metronome.server.bench.clients import sse_lines
+from metronome.server.bench.load.clients import sse_lines
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:

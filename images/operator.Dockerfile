@@ -1,7 +1,7 @@
 # Metronome operator image: kopf and the Kubernetes client, no torch (the operator imports only
 # metronome.operator and metronome.contract).
 #
-# Built by `make images` (hack/images): it stages the context this file expects (pins.txt with the venv's exact
+# Built by `make images` (hack/build_images.py): it stages the context this file expects (pins.txt with the venv's exact
 # versions, src/ with the sources), picks BASE_IMAGE (Debian's public slim image, or one made from Debian
 # packages where no registry is reachable) and tags the image by a hash of its inputs. Runs as UID 1000; needs
 # no writable path.

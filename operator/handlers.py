@@ -34,6 +34,7 @@ from typing import Any
 import kopf
 import urllib3
 
+from metronome.contract.rfc3339 import format_time
 from metronome.operator import builders, control_loop, reconcile
 from metronome.operator import status as status_mod
 from metronome.operator.changes import describe_transitions
@@ -167,7 +168,7 @@ def refresh(memo: kopf.Memo, service: InferenceService, body: Mapping[str, Any],
         result = control_loop.tick(kube, service, body, observed, state.tuner, options.prometheus, state.configs)
         current = body.get("status") or {}
         previous = current.get("conditions") or []
-        desired = status_mod.compute_status(service, result.observed, now=reconcile.utc_now(),
+        desired = status_mod.compute_status(service, result.observed, now=format_time(),
                                             previous_conditions=previous)
         patch = status_mod.status_patch(current, desired)
         if result.last_decision is not None:

@@ -6,7 +6,6 @@ setting are removed, and a restarted operator never creates duplicates (names ar
 """
 from __future__ import annotations
 
-import datetime as dt
 import enum
 import json
 import logging
@@ -14,6 +13,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from metronome.contract.rfc3339 import format_time
 
 FIELD_MANAGER = "metronome-operator"
 EVENT_COMPONENT = "metronome-operator"
@@ -165,7 +166,7 @@ class Kube:
         """Post a core/v1 Event about `owner` (a CR body). Best effort: an Event that cannot be posted is logged,
         never raised, so it cannot fail the change it reports."""
         meta = owner.get("metadata") or {}
-        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = format_time()
         event = {
             "apiVersion": "v1",
             "kind": "Event",

@@ -7,7 +7,6 @@ ConfigMap back (every refresh) parses only what someone else wrote.
 """
 from __future__ import annotations
 
-import datetime as dt
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,10 +23,6 @@ from metronome.operator.tuning.autotune import BAD_METRICS_SETTINGS
 from metronome.operator.tuning.observation import Observation
 
 log = logging.getLogger(__name__)
-
-
-def utc_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _emit(kube: Kube, owner: Mapping[str, Any], event: changes.EventSpec | None) -> None:

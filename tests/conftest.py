@@ -5,7 +5,7 @@ etcd + kube-apiserver + controller-manager + scheduler + kwok with two fake node
 It is started once per session and stopped at the end (only if this session started it). To use an existing
 cluster instead: KUBECONFIG=<path> METRONOME_USE_EXISTING_CLUSTER=1 pytest ...
 
-The object it yields (hack/localcluster/session.py: SessionCluster) offers
+The object it yields (metronome_testing.localcluster.session.SessionCluster) offers
   .kubeconfig .api_url .bin_dir .logs_dir .env .kubernetes_version .prometheus_url
   .kubectl(*args, input=None, check=True) -> CompletedProcess[str]    .kubectl_json(*args) -> dict
   .helm(*args, input=None, check=True) -> CompletedProcess[str]       .apply(manifest_text, namespace=None)
@@ -15,22 +15,15 @@ The object it yields (hack/localcluster/session.py: SessionCluster) offers
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-HACK_DIR = Path(__file__).resolve().parent.parent / "hack"
-if str(HACK_DIR) not in sys.path:
-    sys.path.append(str(HACK_DIR))  # tests import `localcluster` (hack/localcluster) by name
 
 
 def _localcluster():
     """Imported lazily so that unit-test-only runs never load the cluster code."""
-    import localcluster
-    import localcluster.session
+    import metronome_testing.localcluster
+    import metronome_testing.localcluster.session
 
-    return localcluster
+    return metronome_testing.localcluster
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -20,7 +20,6 @@ Rules:
 """
 from __future__ import annotations
 
-import datetime as dt
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from metronome.contract.budget import prefill_budget
 from metronome.contract.config import ConfigError, ServerConfigFile
+from metronome.contract.rfc3339 import format_time, parse_time
 from metronome.operator.changes import NORMAL, EventSpec
 from metronome.operator.spec_error import SpecError
 from metronome.operator.tuning.actuation import Tuned, scheduler_for, tune
@@ -133,23 +133,6 @@ def pods_on_generation(pod_generations: Mapping[str, int] | None, generation: in
 
 
 # --- times ---------------------------------------------------------------------------------------------------
-
-
-def format_time(epoch_seconds: float) -> str:
-    return dt.datetime.fromtimestamp(epoch_seconds, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(text: Any) -> float | None:
-    """RFC 3339 (as the API stores date-time) → seconds since the epoch; None when absent or unreadable."""
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=dt.timezone.utc)
-    return moment.timestamp()
 
 
 def last_change_time(status: Mapping[str, Any] | None) -> float | None:

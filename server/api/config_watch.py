@@ -1,4 +1,4 @@
-"""Live reload of the `--config` file (DESIGN §4).
+"""Live reload of the `--config` file.
 
 Kubernetes updates a mounted ConfigMap by writing a new timestamped directory and atomically renaming a `..data`
 symlink over the old one; `server.yaml` is itself a symlink through `..data`. An inotify watch on the file sees

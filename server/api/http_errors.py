@@ -84,10 +84,6 @@ def retry_after_header(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
-class ModelNameMismatch(ModelNotFoundError):
-    """The request names a model this server does not serve."""
-
-
 def install_error_handlers(app: FastAPI, on_reject=lambda reason: None) -> None:
     """`on_reject(reason)` counts API-level rejections the engine never saw."""
 

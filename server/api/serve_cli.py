@@ -45,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run the engine core in a process of its own, so that HTTP work never holds the GIL "
                              "an engine step needs (auto: on when the device is cuda, or with --api-servers > 1; "
                              "default: %(default)s)")
-    # Isolation between clients (issue 16): see docs/server.md "Limits".
+    # Isolation between clients: see docs/server.md "Limits".
     from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_TOKENIZER_WORKERS
     from metronome.server.cli_types import positive_int
 

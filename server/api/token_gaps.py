@@ -2,10 +2,10 @@
 
 The engine knows when it emitted a token; a client sees it later, after the token crossed the process boundary
 (engine_process.py), waited its turn on the event loop behind every other stream's tokens and requests, and was
-written to the socket. On the H200 at ~5,500 tokens/s the clients' TBT p99 was 2.5-8.4 ms above the engine's (22 ms
-target; docs/perf/loop-h200.md, call I), so a controller steering on the engine's gaps held a chunk whose
-streams missed the SLO. The gaps are taken when each event reaches the response: a streamed chunk is written
-right after (the response task pulls the next event only once the last one is sent), so this is the write time.
+written to the socket. On the H200 at ~5,500 tokens/s the clients' TBT p99 was 2.5-8.4 ms above the engine's (with
+a 22 ms target), so a controller steering on the engine's gaps held a chunk whose streams missed the SLO. The gaps
+are taken when each event reaches the response: a streamed chunk is written right after (the response task pulls
+the next event only once the last one is sent), so this is the write time.
 """
 from __future__ import annotations
 

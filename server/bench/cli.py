@@ -185,7 +185,7 @@ def _configure_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-attn", default="paged|sdpa", help="transformers attn_implementation (paged|sdpa)")
     g.add_argument("--hf-timeout", type=positive_float, default=900.0, help="transformers batch limit, s")
     g.add_argument("--slo-tbt-ms", type=positive_float, default=30.0, help="TBT SLO for capacity, ms (30)")
-    # saturation (server/bench/saturation.py)
+    # saturation (engine/saturation.py)
     g.add_argument("--saturation-prompt-len", type=positive_int, default=1000, help="saturation prompt tokens (1000)")
     g.add_argument("--saturation-output-len", type=positive_int, default=1000, help="saturation output tokens (1000)")
     g.add_argument("--saturation-max-requests", type=positive_int, default=None,
@@ -214,7 +214,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _configure_loop(sub)
 
 
-    _configure_issue16(sub)
+    _configure_robustness(sub)
     _configure_stream_cost(sub.add_parser(
         "stream-cost", help="CPU per streamed token of a local server's API and engine processes",
         description="Start `metronome serve --engine-process on`, stream tokens, and read both processes' CPU "
@@ -231,9 +231,9 @@ def _configure_stream_cost(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="PATH", help="write the results JSON here")
 
 
-def _configure_issue16(sub) -> None:
-    """The robustness benchmarks (issue 16); their flags live in robustness_cli.py."""
-    from metronome.server.bench import robustness_cli
+def _configure_robustness(sub) -> None:
+    """The robustness benchmarks; their flags live in robustness/cli.py."""
+    from metronome.server.bench.robustness import cli as robustness_cli
 
     robustness_cli.configure_isolation(sub.add_parser(
         "isolation", help="steady streams with hostile requests injected: TBT p99 and max gap with and without",
@@ -244,8 +244,8 @@ def _configure_issue16(sub) -> None:
 
 
 def _configure_loop(sub) -> None:
-    """The closed-loop benchmark (issue 12); its flags live in loop_cli.py."""
-    from metronome.server.bench import loop_cli
+    """The closed-loop benchmark; its flags live in loop/cli.py."""
+    from metronome.server.bench.loop import cli as loop_cli
 
     loop_cli.configure(sub.add_parser(
         "loop", help="the operator's control loop against real servers, vs static configs",
@@ -255,17 +255,17 @@ def _configure_loop(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "loop":
-        from metronome.server.bench.loop_cli import main as loop_main
+        from metronome.server.bench.loop.cli import main as loop_main
 
         return loop_main(args)
     if args.bench_command == "stream-cost":
-        from metronome.server.bench.stream_cost import main as stream_cost_main
+        from metronome.server.bench.robustness.stream_cost import main as stream_cost_main
 
         return stream_cost_main(args)
     if args.bench_command in ("isolation", "fuzz"):
-        from metronome.server.bench import robustness_cli
+        from metronome.server.bench.robustness import cli as robustness_cli
 
         return (robustness_cli.run_isolation if args.bench_command == "isolation" else robustness_cli.run_fuzz)(args)
-    from metronome.server.bench.commands import main
+    from metronome.server.bench.load.commands import main
 
     return main(args)

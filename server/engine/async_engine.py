@@ -2,43 +2,40 @@
 
 The thread runs steps while there is work and sleeps on a condition when idle (no busy-spin). Requests,
 aborts and reconfigurations from the event loop are queued as commands and applied by the thread between steps.
-Token events travel back through loop.call_soon_threadsafe, one call per step. Closing a request's stream early
-(client disconnect, cancel) aborts the request, which frees its KV blocks.
+Token events travel back through loop.call_soon_threadsafe, one call per step. The request path (validation,
+refusals counted, the stream, the abort of a stream left early) is the front ends' common one (front_end.py).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-import time
-import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from metronome.contract.config import SchedulerConfig
-from metronome.contract.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError
+from metronome.contract.errors import EngineDrainingError
 from metronome.server.engine.engine import EngineCore
-from metronome.server.engine.observers import EngineObserver, notify_rejected, notify_step
-from metronome.server.engine.outputs import EngineStats, TokenEvent
+from metronome.server.engine.front_end import EngineFrontEnd
+from metronome.server.engine.observers import EngineObserver, notify_step
+from metronome.server.engine.outputs import TokenEvent
 from metronome.server.engine.request_limits import check_waiting
 from metronome.server.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class AsyncEngine:
+class AsyncEngine(EngineFrontEnd):
     def __init__(self, core: EngineCore, observers: Seq[EngineObserver] = ()):
+        super().__init__(core, core.stats(), observers)
         self.core = core
-        self.observers = list(observers)
         self._cond = threading.Condition()
         self._commands: deque[Callable[[], None]] = deque()
         self._pending_adds = 0
-        self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._stats = core.stats()
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -66,73 +63,10 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    # --- requests ------------------------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[TokenEvent]:
-        """Token events of one request. Validation and overload errors raise before any event; leaving the
-        iteration early aborts the request."""
-        arrival = time.monotonic()
-        request_id = request_id or uuid.uuid4().hex
-        if self._thread is None or self._stopping:
-            raise EngineDrainingError("the engine is not running")
-        try:
-            token_ids = self.core.prepare_request(prompt, params)
-            if request_id in self._streams:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-            self._check_capacity()
-        except InvalidRequestError:
-            notify_rejected(self.observers, "invalid")
-            raise
-        except EngineOverloadedError:
-            notify_rejected(self.observers, "overloaded")
-            raise
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
-        with self._cond:
-            self._pending_adds += 1
-        self._submit(lambda: self._add(token_ids, params, request_id, arrival))
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._submit(lambda: self.core.abort(request_id))
-
-    async def abort(self, request_id: str) -> None:
-        self._submit(lambda: self.core.abort(request_id))
-
+    # --- requests (generate, abort, stats: front_end.py) ---------------------------------------------------
     def reconfigure(self, cfg: SchedulerConfig) -> None:
         """Thread-safe; applied by the engine thread at the next step boundary."""
         self._submit(lambda: self.core.reconfigure(cfg))
-
-    def stats(self) -> EngineStats:
-        """The snapshot taken by the engine thread after its last step or command."""
-        return self._stats
-
-    @property
-    def tokenizer(self):
-        return self.core.tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self.core.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.core.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.core.vocab_size
 
     @property
     def max_waiting(self) -> int:
@@ -143,8 +77,24 @@ class AsyncEngine:
         self.core.check_grammar(grammar)
 
     # --- plumbing ------------------------------------------------------------------------------------------
+    def _refusal(self) -> EngineDrainingError | None:
+        if self._thread is None or self._stopping:
+            return EngineDrainingError("the engine is not running")
+        return None
+
+    def _prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        return self.core.prepare_request(prompt, params)
+
     def _check_capacity(self) -> None:
         check_waiting(self.core.scheduler.num_waiting + self._pending_adds, self.core.config.max_waiting)
+
+    def _enqueue(self, token_ids: list[int], params: SamplingParams, request_id: str, arrival: float) -> None:
+        with self._cond:
+            self._pending_adds += 1
+        self._submit(lambda: self._add(token_ids, params, request_id, arrival))
+
+    def _abort(self, request_id: str) -> None:
+        self._submit(lambda: self.core.abort(request_id))
 
     def _submit(self, command: Callable[[], None]) -> None:
         with self._cond:

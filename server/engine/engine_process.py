@@ -4,11 +4,12 @@ client storming the server with requests does not stretch the other streams' ste
 
 The API process never loads weights: the engine process (engine_proc_main.py, started with "spawn": CUDA cannot
 fork) builds the core and reports what the API side needs (ReadyInfo), the tokenizer included. Requests are
-validated here with the same checks the core runs (request_limits.py), so refusals raise before any event with
-the same messages; the queue bound is checked against the last stats snapshot plus the adds the engine has not
-acknowledged yet. A writer thread pickles and sends commands (a long prompt never blocks the event loop on a
-full pipe); a reader thread receives one message per step and hands it to the event loop with one
-call_soon_threadsafe, which delivers the tokens, fails streams, updates the snapshot and calls the observers.
+validated here with the same checks the core runs (request_limits.py), on the front ends' common request path
+(front_end.py), so refusals raise before any event with the same messages; the queue bound is checked against
+the last stats snapshot plus the adds the engine has not acknowledged yet. A writer thread pickles and sends
+commands (a long prompt never blocks the event loop on a full pipe); a reader thread receives one message per step
+and hands it to the event loop with one call_soon_threadsafe, which delivers the tokens, fails streams, updates the
+snapshot and calls the observers.
 
 If the engine process dies, every open stream fails with EngineProcessExited (a 503), is_running turns False
 (/health fails, so the kubelet restarts the pod) and new requests are refused.
@@ -30,14 +31,11 @@ import logging
 import multiprocessing
 import queue
 import threading
-import time
-import uuid
 from collections import deque
-from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 
 from metronome.contract.config import SchedulerConfig
-from metronome.contract.errors import EngineDrainingError, EngineOverloadedError, InvalidRequestError
+from metronome.contract.errors import EngineDrainingError, InvalidRequestError
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine_proc_main import (
     ABORT,
@@ -49,8 +47,9 @@ from metronome.server.engine.engine_proc_main import (
     ReadyInfo,
     child_main,
 )
-from metronome.server.engine.observers import notify_rejected, notify_step
-from metronome.server.engine.outputs import EngineStats, TokenEvent
+from metronome.server.engine.front_end import EngineFrontEnd
+from metronome.server.engine.observers import notify_step
+from metronome.server.engine.outputs import TokenEvent
 from metronome.server.engine.request_limits import RequestLimits, check_grammar, check_waiting
 from metronome.server.engine.sampling import SamplingParams
 
@@ -77,18 +76,16 @@ def engine_process_mode(mode: str, device_type: str) -> tuple[bool, str]:
     return mode == "on", mode
 
 
-class ProcessEngine:
+class ProcessEngine(EngineFrontEnd):
     def __init__(self, info: ReadyInfo, process, commands, replies, observers: Seq = ()):
         """Use `launch` or `attach`; this wires an engine process that has reported ready (`process` is None
         in an API worker, which did not start it)."""
+        super().__init__(info, info.stats, observers)
         self.info = info
-        self.observers = list(observers)
         self.limits = RequestLimits(info.vocab_size, info.max_model_len, info.kv_capacity_tokens)
         self._process = process
         self._commands = commands
         self._replies = replies
-        self._stats: EngineStats = info.stats
-        self._streams: dict[str, asyncio.Queue] = {}
         self._unacked: deque[int] = deque()  # seqs of adds the engine has not reported applying yet
         self._seq = 0
         self._send_lock = threading.Lock()  # seq order == send order, whichever thread sends
@@ -213,83 +210,40 @@ class ProcessEngine:
     def pid(self) -> int:
         return self.info.pid
 
-    # --- requests ------------------------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[TokenEvent]:
-        """Token events of one request. Validation and overload errors raise before any event; leaving the
-        iteration early aborts the request."""
-        arrival = time.monotonic()
-        request_id = request_id or uuid.uuid4().hex
-        if not self._running:
-            raise self._exit_error or EngineDrainingError("the engine is not running")
-        try:
-            token_ids = self.limits.prepare(prompt, params, self.tokenizer.encode)
-            if params.grammar is not None:
-                self.check_grammar(params.grammar)
-            if request_id in self._streams:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-            check_waiting(sum(self._stats.num_waiting.values()) + len(self._unacked), self.info.max_waiting)
-        except InvalidRequestError:
-            notify_rejected(self.observers, "invalid")
-            raise
-        except EngineOverloadedError:
-            notify_rejected(self.observers, "overloaded")
-            raise
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._unacked.append(self._send(ADD, token_ids, params, request_id, arrival))
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._send(ABORT, request_id)
-
-    async def abort(self, request_id: str) -> None:
-        self._send(ABORT, request_id)
-
+    # --- requests (generate, abort, stats: front_end.py) ---------------------------------------------------
     def reconfigure(self, cfg: SchedulerConfig) -> None:
         """Thread-safe; the engine applies it at its next step boundary."""
         self._send(RECONFIGURE, cfg)
-
-    def stats(self) -> EngineStats:
-        """The snapshot the engine sent after its last step or command."""
-        return self._stats
 
     def check_grammar(self, grammar) -> None:
         """Compile a grammar into this process's cache (any thread); InvalidRequestError when it does not."""
         check_grammar(self.grammars, grammar)
 
     @property
-    def tokenizer(self):
-        return self.info.tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self.info.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
-
-    @property
     def max_waiting(self) -> int:
         return self.info.max_waiting
 
     # --- plumbing ------------------------------------------------------------------------------------------
+    def _refusal(self) -> EngineDrainingError | None:
+        if not self._running:
+            return self._exit_error or EngineDrainingError("the engine is not running")
+        return None
+
+    def _prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        token_ids = self.limits.prepare(prompt, params, self.tokenizer.encode)
+        if params.grammar is not None:
+            self.check_grammar(params.grammar)
+        return token_ids
+
+    def _check_capacity(self) -> None:
+        check_waiting(sum(self._stats.num_waiting.values()) + len(self._unacked), self.info.max_waiting)
+
+    def _enqueue(self, token_ids: list[int], params: SamplingParams, request_id: str, arrival: float) -> None:
+        self._unacked.append(self._send(ADD, token_ids, params, request_id, arrival))
+
+    def _abort(self, request_id: str) -> None:
+        self._send(ABORT, request_id)
+
     def _send(self, kind: str, *args) -> int:
         with self._send_lock:
             if self._closed:

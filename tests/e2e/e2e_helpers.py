@@ -11,12 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from localcluster.api import http_ok
-from localcluster.components import prometheus_argv
-from localcluster.procs import free_port, start_process, stop_process
-from polling import wait_for
-
 from metronome.operator.metrics_source import PrometheusMetricsSource, QueryWindow, ServiceSelector
+from metronome.server.bench.processes import free_port, http_ok
+from metronome_testing.localcluster.components import prometheus_argv
+from metronome_testing.localcluster.procs import start_process, stop_process
+from metronome_testing.polling import wait_for
 
 SCRAPE_INTERVAL_S = 1  # every e2e Prometheus scrapes each second; the operator's windows are read at that step
 

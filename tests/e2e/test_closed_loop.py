@@ -1,9 +1,9 @@
-"""The closed loop, end to end (issue 7 item 5): control plane + the operator (a local process under the chart's
+"""The closed loop, end to end: control plane + the operator (a local process under the chart's
 ServiceAccount) + Debian's Prometheus scraping two real `metronome serve` processes with the default model
 (SmolLM2-135M on CPU) on 127.0.0.x + the kubelet stand-in syncing their ConfigMap by the `..data` swap.
 
 1. The service starts at chunk 512 (fcfs) with autotune off; long-short load runs against both servers.
-2. The TBT target is chosen from the token gaps measured at chunk 512 (hack/closedloop/slo.py, docs/e2e.md):
+2. The TBT target is chosen from the token gaps measured at chunk 512 (metronome_testing.closedloop.slo, docs/e2e.md):
    a bound of the TBT histogram that chunk 512 clearly violates and the floor chunk reaches with slack — a fixed
    number of milliseconds would be trivial on an idle machine and unreachable on a busy one.
 3. With the SLO set and autotune on, the operator lowers the chunk size; both servers report the new config
@@ -19,8 +19,6 @@ import json
 
 import pytest
 import yaml
-from closedloop import LoadDriver, LoadSpec
-from closedloop.slo import Calibration, CalibrationError, choose_tbt_target
 from e2e_helpers import (
     config_map_generation,
     isvc,
@@ -30,9 +28,11 @@ from e2e_helpers import (
     server_config,
     service_namespace,
 )
-from polling import wait_for
 
-from metronome.server.bench.stats import percentile
+from metronome.server.bench.load.stats import percentile
+from metronome_testing.closedloop import LoadDriver, LoadSpec
+from metronome_testing.closedloop.slo import Calibration, CalibrationError, choose_tbt_target
+from metronome_testing.polling import wait_for
 
 NAME = "smollm2"
 INITIAL_CHUNK = 512

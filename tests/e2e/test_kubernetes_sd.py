@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from closedloop import service_account_kubeconfig
 from e2e_helpers import (
     SCRAPE_INTERVAL_S,
     get_json,
@@ -31,8 +30,10 @@ from e2e_helpers import (
     prom_query,
     service_namespace,
 )
-from polling import wait_for
-from standin.standin import ADDRESS_ANNOTATION
+
+from metronome_testing.chart import service_account_kubeconfig
+from metronome_testing.polling import wait_for
+from metronome_testing.standin.standin import ADDRESS_ANNOTATION
 
 pytestmark = pytest.mark.timeout(2400)  # a cold build of the Kubernetes-SD Prometheus included
 

@@ -16,12 +16,12 @@ import httpx
 import pytest
 import yaml
 from e2e_helpers import config_map_generation, server_config, service_namespace
-from polling import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from metronome.contract import metric_names as names
 from metronome.contract.budget import lane_budgets, prefill_budget, split_sizes
 from metronome.contract.config import SchedulerConfig
+from metronome_testing.polling import wait_for
 
 NAME = "views"
 SPLIT_1024_256 = {"queuePolicy": "split", "shortChunkSize": 1024, "longChunkSize": 256, "maxNumSeqs": 16}

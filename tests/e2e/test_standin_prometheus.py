@@ -13,7 +13,8 @@ import signal
 import pytest
 import yaml
 from e2e_helpers import config_map_generation, operator_view, pod_generations, server_config, service_namespace
-from polling import wait_for
+
+from metronome_testing.polling import wait_for
 
 NAME = "tiny"
 LABEL = f"metronome.dev/inferenceservice={NAME}"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from metronome.kernels import get_backend, select_backend
-from metronome.kernels.random_batch import make_paged_batch
+from metronome_testing.random_batch import make_paged_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -1,8 +1,8 @@
 """Fixtures of the integration tests that the shared tests/conftest.py does not hold.
 
-`container_images` (session) builds both images through hack/images, the code path of `make images` (cached by
-content: an unchanged input set reuses the existing tags). A cold build takes minutes, so when a collected test
-needs the images they are built once before any test runs, outside per-test timeouts, with progress shown; the
+`container_images` (session) builds both images through metronome_testing.images, the code path of `make images`
+(cached by content: an unchanged input set reuses the existing tags). A cold build takes minutes, so when a collected
+test needs the images they are built once before any test runs, outside per-test timeouts, with progress shown; the
 fixture hands out that build (sources edited meanwhile do not trigger a second one).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ _FAILED: list[Exception] = []
 
 
 def _build(echo: bool) -> dict:
-    from images.build import IMAGES, build_images  # hack/images; tests/conftest.py puts hack/ on sys.path
+    from metronome_testing.images.build import IMAGES, build_images
 
     if not _BUILT:
         _BUILT.update({image.name: image for image in build_images(list(IMAGES), echo=echo)})

@@ -14,8 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from operator_harness import EXAMPLE, OperatorProcess, chart_release, condition, get_json, service_account_kubeconfig
-from polling import wait_for
+
+from metronome_testing.chart import chart_release, service_account_kubeconfig
+from metronome_testing.checkout import EXAMPLE
+from metronome_testing.kube_objects import condition, get_json
+from metronome_testing.operator_process import OperatorProcess
+from metronome_testing.polling import wait_for
 
 NAME = "smollm2"  # examples/inferenceservice.yaml
 LABEL = f"metronome.dev/inferenceservice={NAME}"
@@ -27,8 +31,8 @@ def _stop_and_restart_apiserver(cluster, outage_s: float) -> None:
     names the new process, so the cluster's teardown stops it. kwok (the fake kubelets) is restarted with it: kwok
     v0.8's pod watch does not come back after its API server went away (a real kubelet's does), and the session's
     later tests need new pods to start."""
-    from localcluster.procs import start_process, stop_process
-    from localcluster.state import load_state, save_state
+    from metronome_testing.localcluster.procs import start_process, stop_process
+    from metronome_testing.localcluster.state import load_state, save_state
 
     if cluster.local is None or not cluster.owns_control_plane:
         pytest.fail("this test restarts kube-apiserver: it needs the local control plane this session started "
@@ -81,9 +85,9 @@ def _deployment_says(cluster, ns) -> tuple[int, str]:
 def cluster(tmp_path_factory):
     """A control plane of this module's own (it overrides the session's `cluster`): stopping kube-apiserver leaves
     nodes tainted and the scheduler backing off for minutes, which the session's later tests must not inherit."""
-    from localcluster.local import LocalCluster
-    from localcluster.session import SessionCluster
-    from localcluster.tools import ToolSet
+    from metronome_testing.localcluster.local import LocalCluster
+    from metronome_testing.localcluster.session import SessionCluster
+    from metronome_testing.localcluster.tools import ToolSet
 
     local = LocalCluster(tmp_path_factory.mktemp("outage-cluster"), tools=ToolSet.default())
     info = local.up()

@@ -6,17 +6,12 @@ import json
 
 import pytest
 import yaml
-from operator_harness import (
-    CHART,
-    CRD_NAME,
-    EXAMPLE,
-    OperatorProcess,
-    chart_release,
-    condition,
-    get_json,
-    service_account_kubeconfig,
-    wait_for,
-)
+
+from metronome_testing.chart import chart_release, service_account_kubeconfig
+from metronome_testing.checkout import CHART, CRD_NAME, EXAMPLE
+from metronome_testing.kube_objects import condition, get_json
+from metronome_testing.operator_process import OperatorProcess
+from metronome_testing.polling import wait_for
 
 MONITORING_APIS = ("monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PrometheusRule")
 

@@ -6,7 +6,8 @@ import re
 import textwrap
 
 import pytest
-from localcluster.tools import ToolSet
+
+from metronome_testing.localcluster.tools import ToolSet
 
 GPU = "nvidia.com/gpu"
 

@@ -10,11 +10,11 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from localcluster import LocalCluster
-from localcluster.local import default_scrape_config
-from localcluster.pki import Pki
-from localcluster.procs import is_running
-from localcluster.state import load_state
+from metronome_testing.localcluster import LocalCluster
+from metronome_testing.localcluster.local import default_scrape_config
+from metronome_testing.localcluster.pki import Pki
+from metronome_testing.localcluster.procs import is_running
+from metronome_testing.localcluster.state import load_state
 
 CLUSTER_PY = Path(__file__).resolve().parents[2] / "hack" / "cluster.py"
 

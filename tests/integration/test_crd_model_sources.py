@@ -7,7 +7,9 @@ import json
 
 import pytest
 import yaml
-from operator_harness import EXAMPLE, ROOT, ensure_crd
+
+from metronome_testing.chart import ensure_crd
+from metronome_testing.checkout import EXAMPLE, ROOT
 
 VALID = yaml.safe_load(EXAMPLE.read_text())
 

@@ -11,15 +11,15 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from polling import wait_for
-from s3_server import free_port, start_s3_server
-from standin.podspec import LocalMounts, local_argv, server_pod
-from standin.server_process import ServerProcess
-
 from metronome.contract.config import next_server_config
 from metronome.operator import builders
 from metronome.operator.spec import parse_service
+from metronome.server.bench.processes import free_port
 from metronome.server.models.default_model import default_model_path
+from metronome_testing.polling import wait_for
+from metronome_testing.s3_server import start_s3_server
+from metronome_testing.standin.podspec import LocalMounts, local_argv, server_pod
+from metronome_testing.standin.server_process import ServerProcess
 
 METRONOME = str(Path(sys.executable).parent / "metronome")
 

@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from s3_server import start_s3_server
 
 from metronome.contract.errors import ModelNotFoundError
 from metronome.server.models.default_model import default_model_path
 from metronome.server.models.fetch import fetch_model
+from metronome_testing.s3_server import start_s3_server
 
 METRONOME = str(Path(sys.executable).parent / "metronome")
 

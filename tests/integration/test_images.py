@@ -1,5 +1,5 @@
-"""The container images, built by the code path of `make images` (hack/images, cached by content) and run with
-podman on the host network, bound to 127.0.0.1 only:
+"""The container images, built by the code path of `make images` (metronome_testing.images, cached by content) and
+run with podman on the host network, bound to 127.0.0.1 only:
 
 - the server image pins the venv's versions, runs as UID 1000 on a read-only root filesystem with only /tmp
   writable (as in the pod), can build Triton's launcher module there, and answers a streamed /v1/completions
@@ -21,9 +21,12 @@ from importlib import metadata
 from pathlib import Path
 
 import httpx
-from images.podman import Podman
-from operator_harness import CRD_FILE, CRD_NAME, EXAMPLE, condition, free_port, get_json
-from polling import wait_for
+
+from metronome.server.bench.processes import free_port
+from metronome_testing.checkout import CRD_FILE, CRD_NAME, EXAMPLE
+from metronome_testing.images.podman import Podman
+from metronome_testing.kube_objects import condition, get_json
+from metronome_testing.polling import wait_for
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8

@@ -13,8 +13,12 @@ import uuid
 
 import pytest
 import yaml
-from operator_harness import EXAMPLE, OperatorProcess, chart_release, condition, get_json, service_account_kubeconfig
-from polling import wait_for
+
+from metronome_testing.chart import chart_release, service_account_kubeconfig
+from metronome_testing.checkout import EXAMPLE
+from metronome_testing.kube_objects import condition, get_json
+from metronome_testing.operator_process import OperatorProcess
+from metronome_testing.polling import wait_for
 
 NAME = "smollm2"  # examples/inferenceservice.yaml
 LABEL = f"metronome.dev/inferenceservice={NAME}"

@@ -10,16 +10,12 @@ import re
 
 import pytest
 import yaml
-from operator_harness import (
-    EXAMPLE,
-    OperatorProcess,
-    chart_release,
-    condition,
-    events_for,
-    get_json,
-    service_account_kubeconfig,
-    wait_for,
-)
+
+from metronome_testing.chart import chart_release, service_account_kubeconfig
+from metronome_testing.checkout import EXAMPLE
+from metronome_testing.kube_objects import condition, events_for, get_json
+from metronome_testing.operator_process import OperatorProcess
+from metronome_testing.polling import wait_for
 
 NAME = "smollm2"  # examples/inferenceservice.yaml
 LABEL = f"metronome.dev/inferenceservice={NAME}"

@@ -11,17 +11,12 @@ import json
 
 import pytest
 import yaml
-from operator_harness import (
-    ROOT,
-    OperatorProcess,
-    chart_release,
-    condition,
-    ensure_crd,
-    events_for,
-    get_json,
-    service_account_kubeconfig,
-    wait_for,
-)
+
+from metronome_testing.chart import chart_release, ensure_crd, service_account_kubeconfig
+from metronome_testing.checkout import ROOT
+from metronome_testing.kube_objects import condition, events_for, get_json
+from metronome_testing.operator_process import OperatorProcess
+from metronome_testing.polling import wait_for
 
 EXAMPLE = ROOT / "examples" / "inferenceservice-podtemplate.yaml"
 VALID = yaml.safe_load(EXAMPLE.read_text())

@@ -1,8 +1,6 @@
 """Shared pieces of the API tests: a real uvicorn server in a thread, Kubernetes-style config dirs, scraping."""
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -11,42 +9,20 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from metronome.server.bench.configfile import project
+from metronome.server.bench.processes import free_port
+
 TINY = "random:tiny"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------ Kubernetes volume
 
 
 def k8s_config_dir(root: Path, text: str) -> Path:
-    """Lay out a ConfigMap volume as the kubelet does; return the path of `server.yaml` (a symlink)."""
-    root.mkdir(parents=True, exist_ok=True)
-    first = _write_timestamped(root, text, 0)
-    os.symlink(first.name, root / "..data")
-    os.symlink("..data/server.yaml", root / "server.yaml")
+    """Lay out a ConfigMap volume as the kubelet does; return the path of `server.yaml` (a symlink through `..data`).
+    Later versions: `atomic_configmap_write(path, text)`, the kubelet's `..data` swap."""
+    project(root, {"server.yaml": text})
     return root / "server.yaml"
-
-
-def k8s_swap(config_file: Path, text: str) -> None:
-    """Update the volume the kubelet's way: a new timestamped dir, then rename a new `..data` link over the old."""
-    root = config_file.parent
-    serial = len(list(root.glob("..20*")))
-    new_dir = _write_timestamped(root, text, serial)
-    tmp_link = root / "..data_tmp"
-    os.symlink(new_dir.name, tmp_link)
-    os.rename(tmp_link, root / "..data")  # atomic replace
-
-
-def _write_timestamped(root: Path, text: str, serial: int) -> Path:
-    directory = root / f"..2026_11_29_13_00_{serial:02d}.{os.getpid()}"
-    directory.mkdir()
-    (directory / "server.yaml").write_text(text)
-    return directory
 
 
 # ------------------------------------------------------------------------------------------ engine + server

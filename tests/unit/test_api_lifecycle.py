@@ -10,9 +10,10 @@ import threading
 from pathlib import Path
 
 import httpx
-from api_helpers import ServerThread, build_server_parts, free_port, scrape, wait_until
+from api_helpers import ServerThread, build_server_parts, scrape, wait_until
 
 from metronome.server.api.lifecycle import Lifecycle
+from metronome.server.bench.processes import free_port
 
 METRONOME = Path(sys.executable).with_name("metronome")  # the venv's console script
 

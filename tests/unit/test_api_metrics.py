@@ -1,4 +1,5 @@
-"""/metrics: every DESIGN §4 name with the `model` label, millisecond buckets, and values that follow the load."""
+"""/metrics: every metric name of the contract with the `model` label, millisecond buckets, and values that follow
+the load."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_helpers import TINY, ServerThread, build_server_parts, free_port, k8s_config_dir, k8s_swap, wait_until
+from api_helpers import TINY, ServerThread, build_server_parts, k8s_config_dir, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from metronome.contract import metric_names as mn
 from metronome.server.api.api_servers import SERVER_HEADER, check_api_servers
+from metronome.server.bench.configfile import atomic_configmap_write
+from metronome.server.bench.processes import free_port
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine_process import ProcessEngine
 from metronome.server.engine.sampling import SamplingParams
@@ -272,7 +274,7 @@ def test_forty_streams_over_two_servers_match_one_server_and_both_metrics_agree(
 def test_a_config_reload_in_server_0_reaches_both_servers(serve):
     for index in ("0", "1"):
         assert total(scrape_from(serve, index), mn.CHUNK_SIZE) == 256
-    k8s_swap(serve.config, "generation: 2\nscheduler:\n  chunk_size: 128\n  short_prompt_threshold: 64\n")
+    atomic_configmap_write(serve.config, "generation: 2\nscheduler:\n  chunk_size: 128\n  short_prompt_threshold: 64\n")
     for index in ("0", "1"):
         wait_until(lambda index=index: total(scrape_from(serve, index), mn.CHUNK_SIZE) == 128, timeout=30,
                    what=f"chunk size 128 from server {index}")

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from metronome.server.bench import cli
-from metronome.server.bench.engine_bench import compare_batches
+from metronome.server.bench.engine.command import compare_batches
 
 TINY = ["--model", "random:tiny", "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
         "--max-model-len", "1024", "--no-progress"]

@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 
 import httpx
+from api_helpers import k8s_config_dir
 
 from metronome.server.bench import cli
-from metronome.server.bench.local_server import local_server
+from metronome.server.bench.robustness.local_server import local_server
 
 TINY = ["--model", "random:tiny", "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
         "--max-model-len", "1024", "--no-progress"]
@@ -93,7 +94,7 @@ def test_engine_cpu_smoke_writes_one_json(tmp_path, capsys):
                 "--batch-chunk-size", "32", "--warmup-requests", "2", "--skip-hf",
                 "--out", str(out), "--plot", str(plot)])
     assert rc == 0
-    assert "issue 4 targets" in capsys.readouterr().out
+    assert "engine targets" in capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["kind"] == "engine" and doc["model"]["name"] == "random:tiny"
     assert doc["device"]["copy"]["bandwidth_bytes_per_s"] > 0 and doc["device"]["matmul_tflops"] > 0
@@ -125,7 +126,7 @@ def test_engine_cpu_smoke_with_fp8_weights_reports_fp8_floors(tmp_path, capsys):
     assert model["bytes_per_element"]["kv"] == model["bytes_per_element"]["dtype"] == 4  # fp32 on the CPU
     assert doc["prefill"]["matmul_peak"] == "fp8_matmul_tflops"  # measured on FP8 GPUs only: no share on the CPU
     assert "share_of_matmul_peak" not in doc["prefill"] and "fp8_matmul" not in doc["device"]
-    from metronome.server.bench import model_math
+    from metronome.server.bench.engine import model_math
     from metronome.server.models.presets import preset_config
 
     widths = model_math.ByteWidths(4, 1, 4, 1.0)
@@ -144,18 +145,8 @@ def test_engine_refuses_cuda_without_a_gpu(capsys, monkeypatch):
 # --- against a real server -------------------------------------------------------------------------------------
 
 
-def k8s_config(folder: Path, text: str) -> Path:
-    """A ConfigMap volume as the kubelet lays it out: server.yaml -> ..data/server.yaml, ..data -> ..<stamp>."""
-    data = folder / "..2026_01_01_00_00_00.000"
-    data.mkdir(parents=True)
-    (data / "server.yaml").write_text(text)
-    os.symlink(data.name, folder / "..data")
-    os.symlink("..data/server.yaml", folder / "server.yaml")
-    return folder / "server.yaml"
-
-
 def test_run_and_sweep_against_metronome_serve(tmp_path):
-    config = k8s_config(tmp_path / "cm", "generation: 1\nscheduler:\n  chunk_size: 256\n  queue_policy: fcfs\n")
+    config = k8s_config_dir(tmp_path / "cm", "generation: 1\nscheduler:\n  chunk_size: 256\n  queue_policy: fcfs\n")
     serve_args = ["--model", "random:tiny", "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
                   "--max-model-len", "1024", "--config", str(config), "--config-poll-seconds", "0.1"]
     with local_server(serve_args, ready_timeout_s=240) as url:

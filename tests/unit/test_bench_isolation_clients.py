@@ -8,8 +8,8 @@ import random
 import httpx
 import pytest
 
-from metronome.server.bench import isolation
-from metronome.server.bench.isolation import HOSTILE_USER, STEADY_USER, IsolationConfig
+from metronome.server.bench.robustness import isolation
+from metronome.server.bench.robustness.isolation import HOSTILE_USER, STEADY_USER, IsolationConfig
 
 
 def recorded_users(cfg: IsolationConfig, kind: str) -> list[str]:
@@ -62,7 +62,7 @@ def test_an_unknown_hostile_client_mode_is_refused():
 
 def test_server_counters_read_rejections_compiles_and_long_steps_from_a_real_scrape():
     from metronome.server.api.metrics import ServerMetrics
-    from metronome.server.bench.isolation import LONG_STEP_S, server_counters
+    from metronome.server.bench.robustness.isolation import LONG_STEP_S, server_counters
 
     metrics = ServerMetrics("m")
     for seconds, kind in [(0.004, "decode"), (0.05, "mixed"), (LONG_STEP_S, "decode"), (0.2, "decode"),

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from metronome.server.api.metrics import ServerMetrics
-from metronome.server.bench.isolation_server import (
+from metronome.server.bench.robustness.isolation_server import (
     format_server_table,
     phase_delta,
     phase_deltas,

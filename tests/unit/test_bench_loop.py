@@ -11,11 +11,11 @@ from metronome.contract.config import SchedulerConfig
 from metronome.contract.histogram import histogram_quantile
 from metronome.operator import metrics_source as ms
 from metronome.server.api.metrics import ServerMetrics
-from metronome.server.bench.loop_phases import Phase, parse_phases, phase_bounds, schedule
-from metronome.server.bench.loop_report import good_requests, loop_targets, oracle, window_stats
-from metronome.server.bench.loop_scrape import observe, parse_scrape, query_results
-from metronome.server.bench.records import RequestRecord
-from metronome.server.bench.workloads import LongShortSpec, TokenSampler, WorkloadError, WorkloadSpec
+from metronome.server.bench.load.records import RequestRecord
+from metronome.server.bench.load.workloads import LongShortSpec, TokenSampler, WorkloadError, WorkloadSpec
+from metronome.server.bench.loop.phases import Phase, parse_phases, phase_bounds, schedule
+from metronome.server.bench.loop.report import good_requests, loop_targets, oracle, window_stats
+from metronome.server.bench.loop.scrape import observe, parse_scrape, query_results
 from metronome.server.engine.outputs import EngineStats, StepStats
 
 ENGINE = EngineStats(num_running=2, num_waiting={}, kv_usage_ratio=0.1, kv_blocks_total=10, kv_blocks_free=9,
@@ -145,7 +145,7 @@ def test_the_oracle_is_the_best_static_config_per_phase():
 
 
 def test_the_summary_says_when_the_oracle_is_a_single_static_config():
-    from metronome.server.bench.loop_cli import _over_statics
+    from metronome.server.bench.loop.cli import _over_statics
 
     one = oracle({"static 512/split": [{"goodput_tok_s": 80.0}]}, durations=[60.0])
     assert _over_statics(one) == " of 1 static config: a comparison with that config, not an oracle"

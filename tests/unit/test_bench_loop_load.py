@@ -13,10 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from metronome.server.bench.clients import BenchClientError
-from metronome.server.bench.loop_load import ClientPool, Load, LoadTarget, deal
-from metronome.server.bench.loop_phases import Scheduled
-from metronome.server.bench.workloads import BenchRequest
+from metronome.server.bench.load.clients import BenchClientError
+from metronome.server.bench.load.workloads import BenchRequest
+from metronome.server.bench.loop.load import ClientPool, Load, LoadTarget, deal
+from metronome.server.bench.loop.phases import Scheduled
 
 TOKEN_GAP_S = 0.01
 

@@ -10,9 +10,10 @@ import json
 import pytest
 
 from metronome.contract.config import SchedulerConfig
-from metronome.server.bench import loop, loop_cli
-from metronome.server.bench.loop_report import config_stats, oracle, oracle_by_mean, spread, versus
-from metronome.server.bench.records import RequestRecord
+from metronome.server.bench.load.records import RequestRecord
+from metronome.server.bench.loop import cli as loop_cli
+from metronome.server.bench.loop import runner as loop
+from metronome.server.bench.loop.report import config_stats, oracle, oracle_by_mean, spread, versus
 
 
 def run(label, goodputs, repeat=1, static=True):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from metronome.server.bench import loop, loop_cli
+from metronome.server.bench.loop import cli as loop_cli
+from metronome.server.bench.loop import runner as loop
 
 
 def test_the_loop_retunes_real_servers_and_a_static_run_holds(tmp_path, monkeypatch):

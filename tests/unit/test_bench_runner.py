@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from metronome.server.bench.runner import LoadPattern, StopRule, run_load
-from metronome.server.bench.workloads import (
+from metronome.server.bench.load.runner import LoadPattern, StopRule, run_load
+from metronome.server.bench.load.workloads import (
     BenchRequest,
     TokenSampler,
     WorkloadError,

@@ -8,9 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from metronome.server.bench import model_math
-from metronome.server.bench.engine_sections import EngineBenchError
-from metronome.server.bench.saturation import SatStep, plan_requests, requests_that_fit, saturation_section, summarize
+from metronome.server.bench.engine import model_math
+from metronome.server.bench.engine.saturation import (
+    SatStep,
+    plan_requests,
+    requests_that_fit,
+    saturation_section,
+    summarize,
+)
+from metronome.server.bench.engine.sections import EngineBenchError
 from metronome.server.models.presets import preset_config
 
 
@@ -87,7 +93,7 @@ def tiny_core():
 
 
 def _sampler(core):
-    from metronome.server.bench.inprocess import sampler_for_engine
+    from metronome.server.bench.load.inprocess import sampler_for_engine
 
     return sampler_for_engine(core)
 

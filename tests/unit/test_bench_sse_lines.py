@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from metronome.server.bench.clients import sse_lines
+from metronome.server.bench.load.clients import sse_lines
 
 
 def _lines_of(body: bytes, piece: int) -> list[str]:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from metronome.server.bench.records import RequestRecord
-from metronome.server.bench.stats import gaps, is_good, percentile, summarize, ttft
+from metronome.server.bench.load.records import RequestRecord
+from metronome.server.bench.load.stats import gaps, is_good, percentile, summarize, ttft
 
 
 def rec(index, sent, times, error=None, kind="short"):

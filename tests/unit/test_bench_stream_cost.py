@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from metronome.contract.errors import MetronomeError
-from metronome.server.bench.stream_cost import (
+from metronome.server.bench.robustness.stream_cost import (
     CpuTimes,
     is_spawned_worker,
     process_cpu_seconds,

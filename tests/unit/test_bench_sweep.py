@@ -7,9 +7,9 @@ import pytest
 
 from metronome.contract.config import SchedulerConfig, load_server_config
 from metronome.server.bench.configfile import ConfigFileError, atomic_configmap_write
-from metronome.server.bench.results import RunEntry
-from metronome.server.bench.stats import LatencySummary, RunSummary
-from metronome.server.bench.sweep import SweepConfig, SweepError, grid, parse_policies, recommend, scheduler_for
+from metronome.server.bench.load.results import RunEntry
+from metronome.server.bench.load.stats import LatencySummary, RunSummary
+from metronome.server.bench.load.sweep import SweepConfig, SweepError, grid, parse_policies, recommend, scheduler_for
 
 
 def entry(chunk, policy, rate, tput, p99, completed=10):

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from metronome.server.bench.workloads import (
+from metronome.server.bench.load.workloads import (
     ChatSpec,
     LongShortSpec,
     ShiftSpec,

@@ -1,15 +1,10 @@
-"""hack/closedloop/slo.py: the CPU run's TBT target from the gaps measured at the initial chunk size."""
+"""metronome_testing.closedloop.slo: the CPU run's TBT target from the gaps measured at the initial chunk size."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hack"))
-
-from closedloop.load import require_loopback  # noqa: E402
-from closedloop.slo import CalibrationError, choose_tbt_target  # noqa: E402
+from metronome_testing.closedloop.load import require_loopback
+from metronome_testing.closedloop.slo import CalibrationError, choose_tbt_target
 
 
 def test_an_idle_machine_gets_a_tight_bucket_bound():

@@ -5,12 +5,13 @@ import os
 
 import httpx
 import pytest
-from api_helpers import ServerThread, build_server_parts, k8s_config_dir, k8s_swap, metric, scrape, wait_until
+from api_helpers import ServerThread, build_server_parts, k8s_config_dir, metric, scrape, wait_until
 
 from metronome.contract import metric_names as names
 from metronome.contract.config import ConfigError, SchedulerConfig
 from metronome.server.api.config_watch import ConfigStatus, ConfigWatcher
 from metronome.server.api.metrics import ServerMetrics
+from metronome.server.bench.configfile import atomic_configmap_write
 
 # fcfs: the budget these tests watch is chunk_size itself (under split it is the larger lane; test_prefill_budget.py)
 GOOD = "generation: 1\nscheduler:\n  chunk_size: 512\n  queue_policy: fcfs\n"
@@ -38,7 +39,7 @@ def test_kubernetes_symlink_swap_is_picked_up(tmp_path):
     assert watcher.load_initial().chunk_size == 512
     assert not watcher.poll_once()  # unchanged content: nothing to do
 
-    k8s_swap(path, "generation: 2\nscheduler:\n  chunk_size: 128\n  queue_policy: fcfs\n")
+    atomic_configmap_write(path, "generation: 2\nscheduler:\n  chunk_size: 128\n  queue_policy: fcfs\n")
     assert os.path.islink(path) and os.path.islink(path.parent / "..data")
     assert watcher.poll_once()
     assert applied[-1].chunk_size == 128 and applied[-1].queue_policy.value == "fcfs"
@@ -53,7 +54,7 @@ def test_invalid_file_keeps_last_good_config_and_counts_once(tmp_path):
     path = k8s_config_dir(tmp_path / "vol", GOOD)
     watcher, applied, metrics = make_watcher(path)
     watcher.load_initial()
-    k8s_swap(path, "generation: 3\nscheduler:\n  chunk_size: -5\n")
+    atomic_configmap_write(path, "generation: 3\nscheduler:\n  chunk_size: -5\n")
     assert not watcher.poll_once()
     assert not watcher.poll_once()  # the same bad file is reported once, not every poll
     assert gauge(metrics, names.CONFIG_RELOAD_ERRORS) == 1
@@ -62,11 +63,11 @@ def test_invalid_file_keeps_last_good_config_and_counts_once(tmp_path):
     assert "chunk_size" in watcher.status.last_reload_error
     assert len(applied) == 1
 
-    k8s_swap(path, "generation: 4\nscheduler: [not, a, mapping]\n")
+    atomic_configmap_write(path, "generation: 4\nscheduler: [not, a, mapping]\n")
     watcher.poll_once()
     assert gauge(metrics, names.CONFIG_RELOAD_ERRORS) == 2
 
-    k8s_swap(path, "generation: 5\nscheduler:\n  chunk_size: 64\n")
+    atomic_configmap_write(path, "generation: 5\nscheduler:\n  chunk_size: 64\n")
     assert watcher.poll_once()
     assert watcher.status.last_reload_error is None
     assert gauge(metrics, names.CHUNK_SIZE) == 64
@@ -77,7 +78,7 @@ def test_file_fields_override_flags_and_removed_fields_fall_back(tmp_path):
     watcher, applied, _ = make_watcher(path, base=SchedulerConfig(chunk_size=300, max_num_seqs=8))
     first = watcher.load_initial()
     assert (first.chunk_size, first.max_num_seqs, first.queue_policy.value) == (300, 8, "sjf")
-    k8s_swap(path, "generation: 2\nscheduler:\n  chunk_size: 100\n")
+    atomic_configmap_write(path, "generation: 2\nscheduler:\n  chunk_size: 100\n")
     watcher.poll_once()
     assert (applied[-1].chunk_size, applied[-1].max_num_seqs) == (100, 8)
     assert applied[-1].queue_policy.value == SchedulerConfig().queue_policy.value  # removed: back to the flag value
@@ -102,7 +103,7 @@ def test_an_empty_or_partial_file_never_resets_the_server(tmp_path, text, reason
     path = k8s_config_dir(tmp_path / "vol", "generation: 4\nscheduler:\n  chunk_size: 96\n")
     watcher, applied, metrics = make_watcher(path)
     watcher.load_initial()
-    k8s_swap(path, text)
+    atomic_configmap_write(path, text)
     assert not watcher.poll_once()
     assert reason in watcher.status.last_reload_error
     assert (watcher.status.generation, applied[-1].chunk_size, len(applied)) == (4, 96, 1)
@@ -122,14 +123,14 @@ def test_the_generation_never_goes_backwards(tmp_path):
     path = k8s_config_dir(tmp_path / "vol", "generation: 7\nscheduler:\n  chunk_size: 96\n")
     watcher, applied, metrics = make_watcher(path)
     watcher.load_initial()
-    k8s_swap(path, "generation: 6\nscheduler:\n  chunk_size: 32\n")
+    atomic_configmap_write(path, "generation: 6\nscheduler:\n  chunk_size: 32\n")
     assert not watcher.poll_once()
     assert "older than the applied generation 7" in watcher.status.last_reload_error
     assert (watcher.status.generation, applied[-1].chunk_size) == (7, 96)
     assert gauge(metrics, names.CONFIG_RELOAD_ERRORS) == 1
-    k8s_swap(path, "generation: 7\nscheduler:\n  chunk_size: 48\n")  # the same generation again: allowed
+    atomic_configmap_write(path, "generation: 7\nscheduler:\n  chunk_size: 48\n")  # the same generation again: allowed
     assert watcher.poll_once() and applied[-1].chunk_size == 48
-    k8s_swap(path, "generation: 8\nscheduler:\n  chunk_size: 64\n")
+    atomic_configmap_write(path, "generation: 8\nscheduler:\n  chunk_size: 64\n")
     assert watcher.poll_once() and watcher.status.generation == 8 and watcher.status.last_reload_error is None
 
 
@@ -153,7 +154,7 @@ def test_engine_rejection_is_a_reload_error(tmp_path):
         raise ValueError("engine says no")
 
     watcher.apply = refuse
-    k8s_swap(path, "generation: 2\nscheduler:\n  chunk_size: 100\n")
+    atomic_configmap_write(path, "generation: 2\nscheduler:\n  chunk_size: 100\n")
     assert not watcher.poll_once()
     assert watcher.status.last_reload_error == "engine says no"
     assert watcher.status.generation == 1
@@ -167,7 +168,7 @@ def test_live_server_follows_the_swap_within_two_seconds(tmp_path):
         assert metric(samples, names.CHUNK_SIZE) == 512
         assert metric(samples, names.CONFIG_GENERATION) == 1
 
-        k8s_swap(path, "generation: 7\nscheduler:\n  chunk_size: 96\n  queue_policy: sjf\n")
+        atomic_configmap_write(path, "generation: 7\nscheduler:\n  chunk_size: 96\n  queue_policy: sjf\n")
         wait_until(lambda: metric(scrape(server.url), names.CHUNK_SIZE) == 96, timeout=2.0,
                    what="chunk_size 96 on /metrics")
         samples = scrape(server.url)
@@ -181,7 +182,7 @@ def test_live_server_follows_the_swap_within_two_seconds(tmp_path):
         assert reply.status_code == 200
         wait_until(lambda: state_effective_chunk(server.url) == 96, timeout=10, what="engine applies chunk 96")
 
-        k8s_swap(path, "generation: 8\nscheduler:\n  chunk_size: lots\n")
+        atomic_configmap_write(path, "generation: 8\nscheduler:\n  chunk_size: lots\n")
         wait_until(lambda: httpx.get(server.url + "/v1/config").json()["last_reload_error"], timeout=10,
                    what="reload error on /v1/config")
         samples = scrape(server.url)

@@ -1,4 +1,4 @@
-"""The controller keeps prefill fed (issue 12): TTFT p99 and queue growth are constraints, the step model sees a
+"""The controller keeps prefill fed: TTFT p99 and queue growth are constraints, the step model sees a
 mixed step's fixed cost, and a change is judged only after the last pod applied it.
 
 The simulated plant is a GPU-like chunked-prefill engine: a step costs a + b·tokens, plus a fixed m when it
@@ -272,7 +272,7 @@ def test_without_a_fit_prefill_grows_the_budget_only_while_the_step_up_stays_und
 
 
 def test_without_a_fit_the_model_grows_only_within_its_margin():
-    # The H200 loop run at 22 ms (call I): fcfs 256, TBT p99 19.5 ms, the queue 37 longer: ×1.1 to 282 aimed at 97 %
+    # An H200 loop run at 22 ms: fcfs 256, TBT p99 19.5 ms, the queue 37 longer: ×1.1 to 282 aimed at 97 %
     # of the target and gave 24.5 ms (111 %) one interval later, and the next shrink lost the phase's goodput.
     queue = Observation(window_seconds=6, sample_count=8000, tbt_p99_s=0.0195, ttft_p99_s=1.18,
                         output_tokens_per_s=5000.0, pod_generations={"a": 3}, waiting_requests=23.6,
@@ -323,7 +323,7 @@ def test_under_target_with_first_tokens_on_time_the_budget_holds():
 
 
 def test_prefill_headroom_sets_how_close_to_its_prefill_limit_the_model_shrinks():
-    # The H200 loop run (call I3) at 22 ms: fcfs 512, p99 24.9 ms, first tokens on time, the queue steady; the fit
+    # An H200 loop run at 22 ms: fcfs 512, p99 24.9 ms, first tokens on time, the queue steady; the fit
     # through points at 512 (a = 5.9 ms, b = 20.6 µs/token), ~100 decodes, 21,400 prompt tokens/s arriving.
     points = tuple(StepSample(t, 0.0059 + 20.6e-6 * t, 200, "pod-0", kind)
                    for kind, tokens in (("decode", (90, 100, 110)), ("mixed", (560, 600, 640))) for t in tokens)

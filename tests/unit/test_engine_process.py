@@ -16,12 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
-from api_helpers import TINY, ServerThread, free_port, metric, scrape, wait_until
+from api_helpers import TINY, ServerThread, metric, scrape, wait_until
 from engine_fakes import RecordingObserver
 
 from metronome.contract import metric_names as mn
 from metronome.contract.config import SchedulerConfig
 from metronome.contract.errors import EngineOverloadedError, InvalidRequestError, ModelNotFoundError
+from metronome.server.bench.processes import free_port
 from metronome.server.engine.async_engine import AsyncEngine
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore

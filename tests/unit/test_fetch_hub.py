@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from hub_server import FakeHub
 from test_loaders import SMALL, save_hf_model
 
 from metronome.cli import main
 from metronome.contract.errors import ModelNotFoundError
 from metronome.server.models.fetch import fetch_model
 from metronome.server.models.loader import ModelSource, parse_model_spec
+from metronome_testing.hub_server import FakeHub
 
 
 @pytest.fixture

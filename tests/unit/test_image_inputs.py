@@ -1,11 +1,12 @@
-"""hack/images without podman: the pins' dependency closure, the wheel-cache check, the content tag."""
+"""metronome_testing.images without podman: the pins' dependency closure, the wheel-cache check, the content tag."""
 from __future__ import annotations
 
 import pytest
-from images.context import stage
-from images.pins import PinError, Pins, closure, image_pins
-from images.wheels import missing
 from packaging.requirements import Requirement
+
+from metronome_testing.images.context import stage
+from metronome_testing.images.pins import PinError, Pins, closure, image_pins
+from metronome_testing.images.wheels import missing
 
 INSTALLED = {
     "metronome": ("0.1.0", ["pyyaml>=6", 'torch>=2.4; extra == "server"', 'kopf>=1.37; extra == "operator"']),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from metronome.kernels import AttentionMetadata, available_backends, get_backend, select_backend
-from metronome.kernels.random_batch import PagedBatch, make_paged_batch
+from metronome_testing.random_batch import PagedBatch, make_paged_batch
 
 
 @dataclass(frozen=True)

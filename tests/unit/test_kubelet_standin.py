@@ -1,23 +1,18 @@
-"""The kubelet stand-in's pure parts (hack/standin): a server Pod as the operator builds it → the local
+"""The kubelet stand-in's pure parts (metronome_testing.standin): a server Pod as the operator builds it → the local
 `metronome serve` command line; ConfigMap projection by the `..data` swap; Prometheus file_sd targets."""
 from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hack"))
-
-from standin.podspec import LocalMounts, PodSpecError, is_running, local_argv, server_pod  # noqa: E402
-from standin.projection import DATA_LINK, current_files, project  # noqa: E402
-from standin.targets import Target, file_sd_groups, scrape_config, write_file_sd  # noqa: E402
-
-from metronome.operator import builders  # noqa: E402
-from metronome.operator.spec import parse_service  # noqa: E402
-from metronome.server.api.serve_cli import configure  # noqa: E402
+from metronome.operator import builders
+from metronome.operator.spec import parse_service
+from metronome.server.api.serve_cli import configure
+from metronome.server.bench.configfile import DATA_LINK, current_files, project
+from metronome_testing.standin.podspec import LocalMounts, PodSpecError, is_running, local_argv, server_pod
+from metronome_testing.standin.targets import Target, file_sd_groups, scrape_config, write_file_sd
 
 
 def pod_for(spec: dict, phase: str = "Running", name: str = "chat-abc") -> dict:
@@ -164,7 +159,7 @@ class Clock:
 
 
 def test_delay_range_parses_ranges_and_names_bad_input():
-    from standin.propagation import ENV, KUBELET_DEFAULT, DelayRange
+    from metronome_testing.standin.propagation import ENV, KUBELET_DEFAULT, DelayRange
 
     assert DelayRange.parse("30-90") == DelayRange(30, 90) == KUBELET_DEFAULT
     assert DelayRange.parse("5") == DelayRange(5, 5) and DelayRange.parse("0").describe() == "immediate"
@@ -179,7 +174,7 @@ def test_delay_range_parses_ranges_and_names_bad_input():
 def test_a_change_lands_after_its_drawn_delay_with_the_newest_content():
     import random
 
-    from standin.propagation import DelayRange, Propagation
+    from metronome_testing.standin.propagation import DelayRange, Propagation
 
     clock = Clock()
     propagation = Propagation(DelayRange(30, 90), random.Random(7), clock)
@@ -204,7 +199,7 @@ def test_a_change_lands_after_its_drawn_delay_with_the_newest_content():
 def test_each_pod_draws_its_own_delay_and_a_revert_cancels():
     import random
 
-    from standin.propagation import DelayRange, Propagation
+    from metronome_testing.standin.propagation import DelayRange, Propagation
 
     clock = Clock()
     propagation = Propagation(DelayRange(30, 90), random.Random(1), clock)

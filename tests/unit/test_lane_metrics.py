@@ -1,4 +1,4 @@
-"""The series policy switching and the settling window read (issue 12): TBT and prompt counts by prompt lane
+"""The series policy switching and the settling window read: TBT and prompt counts by prompt lane
 (short: at most the scheduler's short_prompt_threshold tokens, whatever the policy), and the time the current
 config was applied."""
 from __future__ import annotations

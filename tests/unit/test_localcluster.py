@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from localcluster import components as comp
-from localcluster.errors import ClusterError
-from localcluster.nodes import FakeNodeSpec, default_nodes, is_ready, node_manifest
-from localcluster.pki import Pki
-from localcluster.procs import ProcessRecord
-from localcluster.state import ClusterState, load_state, save_state
-from localcluster.tools import ToolSet, parse_versions, tool_versions
 
-HACK = Path(__file__).resolve().parents[2] / "hack"
+from metronome_testing.checkout import HACK
+from metronome_testing.localcluster import components as comp
+from metronome_testing.localcluster.errors import ClusterError
+from metronome_testing.localcluster.local import STAGES_FILE
+from metronome_testing.localcluster.nodes import FakeNodeSpec, default_nodes, is_ready, node_manifest
+from metronome_testing.localcluster.pki import Pki
+from metronome_testing.localcluster.procs import ProcessRecord
+from metronome_testing.localcluster.state import ClusterState, load_state, save_state
+from metronome_testing.localcluster.tools import ToolSet, parse_versions, tool_versions
 
 
 def _staging_module():
@@ -91,7 +92,7 @@ def _all_argv(tmp_path: Path) -> list[list[str]]:
         comp.apiserver_argv(tools, pki, ports),
         comp.controller_manager_argv(tools, pki, layout.kubeconfig, ports),
         comp.scheduler_argv(tools, layout.kubeconfig, ports),
-        comp.kwok_argv(tools, layout.kubeconfig, HACK / "kwok-stages.yaml", ports),
+        comp.kwok_argv(tools, layout.kubeconfig, STAGES_FILE, ports),
         comp.prometheus_argv(Path("/usr/bin/prometheus"), tmp_path / "p.yml", tmp_path / "pd", 2007),
     ]
 
@@ -129,7 +130,7 @@ def test_fake_nodes_offer_eight_gpus_and_are_handed_to_kwok():
 
 
 def test_stage_file_defines_node_and_pod_lifecycles():
-    stages = list(yaml.safe_load_all((HACK / "kwok-stages.yaml").read_text()))
+    stages = list(yaml.safe_load_all(STAGES_FILE.read_text()))
     kinds = {s["metadata"]["name"]: s["spec"]["resourceRef"]["kind"] for s in stages}
     assert kinds == {"node-ready": "Node", "node-renew": "Node", "pod-running": "Pod", "pod-succeed": "Pod",
                      "pod-remove": "Pod"}
@@ -150,7 +151,7 @@ def test_state_file_round_trips_and_rejects_garbage(tmp_path):
 
 
 def test_process_records_follow_the_process_they_started(tmp_path):
-    from localcluster.procs import is_running, start_process, stop_process
+    from metronome_testing.localcluster.procs import is_running, start_process, stop_process
 
     record = start_process("sleeper", ["/bin/sleep", "30"], tmp_path / "sleeper.log")
     assert is_running(record)
@@ -164,7 +165,7 @@ def test_process_records_follow_the_process_they_started(tmp_path):
 def test_reaping_removes_only_sessions_whose_owner_died(tmp_path):
     import os
 
-    from localcluster.session import reap_dead_sessions
+    from metronome_testing.localcluster.session import reap_dead_sessions
 
     live = tmp_path / f"pytest-{os.getpid()}"
     dead = tmp_path / "pytest-999999999"  # above any pid_max: no such process

@@ -1,6 +1,6 @@
-"""The series issue 12 added to the operator's queries: short requests' TBT and the long-prompt share from the
-server's prompt lanes (no more fixed assumed means), step points per kind, each pod's config-applied time, and
-the waiting queue with its growth."""
+"""The operator's queries of the servers' prompt lanes and steps: short requests' TBT and the long-prompt share
+from the server's prompt lanes (no more fixed assumed means), step points per kind, each pod's config-applied
+time, and the waiting queue with its growth."""
 from __future__ import annotations
 
 import pytest

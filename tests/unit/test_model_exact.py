@@ -4,7 +4,7 @@ Both models read the same GGUF; transformers dequantises and un-permutes Q/K its
 GGUF reader. Our model runs over a paged KV cache written here (contiguous block tables, the torch attention
 backend), all prompts in one batch: one prefill pass, then one pass per decode step.
 
-Divergence rule (issue 2): greedy ids must be equal, except that a mismatch is accepted at a position where
+Divergence rule: greedy ids must be equal, except that a mismatch is accepted at a position where
 transformers' two top logits are within 1e-4 of each other (a tie that float summation order may break
 either way); the test then prints that it accepted one, and compares nothing after it.
 """

@@ -11,7 +11,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from api_helpers import TINY, ServerThread, build_engine, free_port, wait_until
+from api_helpers import TINY, ServerThread, build_engine, wait_until
+
+from metronome.server.bench.processes import free_port
 
 KEY = "sk-test-metronome"
 NAMES = ["tiny-chat", "tiny-alias"]

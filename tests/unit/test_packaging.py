@@ -1,5 +1,4 @@
-"""The package layout promises of DESIGN §1: three code folders as sub-packages, a light CLI, no top-level
-`operator`."""
+"""The package layout's promises: three code folders as sub-packages, a light CLI, no top-level `operator`."""
 from __future__ import annotations
 
 import subprocess
@@ -83,3 +82,16 @@ def test_a_checkout_imports_from_its_root_without_an_install():
     package, folders = out.stdout.strip().splitlines()
     assert Path(package) == root / "metronome" / "__init__.py"
     assert [Path(f) for f in folders.split()] == [root / m / "__init__.py" for m in ("server", "kernels", "operator")]
+
+
+def test_the_test_support_is_a_distribution_of_its_own():
+    """tests/support installs as `metronome-testing`, so the product's wheel (and the images built from it) carries
+    no test code; tests and hack/ scripts import it by name, with no sys.path edits."""
+    root = Path(__file__).resolve().parents[2]
+    probe = ("import importlib.metadata as md, metronome_testing; print(metronome_testing.__file__); "
+             "print(md.distribution('metronome').read_text('top_level.txt').split()); "
+             "print(md.distribution('metronome-testing').read_text('top_level.txt').split())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd="/")
+    location, product, support = out.stdout.strip().splitlines()
+    assert Path(location) == root / "tests" / "support" / "metronome_testing" / "__init__.py"
+    assert product == "['metronome']" and support == "['metronome_testing']"
