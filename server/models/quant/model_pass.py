@@ -111,7 +111,9 @@ def fuse_activation_quant(model: nn.Module, config: ModelConfig) -> int:
                  (layer.post_attention_layernorm, RMSNorm, Fp8OutputRMSNorm, layer.mlp.gate_up_proj),
                  (layer.mlp, GatedMLP, Fp8OutputGatedMLP, layer.mlp.down_proj))
         for producer, base, fused_class, consumer in pairs:
-            if type(producer) is base and isinstance(consumer, Fp8Linear):
+            # the fused FP8 kernels are Llama's: weight x norm (not Gemma's 1 + weight), SiLU (not GELU)
+            llama_style = not getattr(producer, "plus_one", False) and getattr(producer, "act", "silu") == "silu"
+            if type(producer) is base and llama_style and isinstance(consumer, Fp8Linear):
                 producer.__class__ = fused_class
                 producer.output_quant = consumer.activation_quant
                 changed += 1
