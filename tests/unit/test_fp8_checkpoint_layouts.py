@@ -63,6 +63,22 @@ def test_layout_loads_into_fused_fp8_layers_and_matches_the_fp8_reference(tmp_pa
     torch.testing.assert_close(our_prefill_logits(loaded, PROMPT), expected, rtol=0, atol=2e-5)
 
 
+def test_an_fp8_checkpoint_from_a_hub_loads_as_fp8(tmp_path, monkeypatch):
+    from metronome_testing.hub_server import FakeHub
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    write_fp8_checkpoint(folder, _llama(folder), "ct-channel")
+    with FakeHub() as hub:
+        hub.add_folder("test-org/tiny-llama-fp8", folder)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("METRONOME_MODEL_CACHE", str(tmp_path / "cache"))
+        fetched = load_model("hf://test-org/tiny-llama-fp8", dtype="float32", attention_backend="torch")
+    local = load_model(f"hf-dir:{folder}", dtype="float32", attention_backend="torch")
+    assert fetched.quantization == local.quantization and fetched.quantization.weights == "channel"
+    torch.testing.assert_close(our_prefill_logits(fetched, PROMPT), our_prefill_logits(local, PROMPT), rtol=0, atol=0)
+
+
 def test_qkv_bias_loads_beside_fp8_weights(tmp_path):
     from transformers import Qwen2Config
 
