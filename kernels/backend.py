@@ -17,15 +17,18 @@ class AttentionBackend(Protocol):
     name: str
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
         """key/value [T, n_kv_heads, head_dim] into caches [num_blocks, block_size, n_kv_heads, head_dim] at
-        slot_mapping [T] (block * block_size + offset; negative = skip)."""
+        slot_mapping [T] (block * block_size + offset; negative = skip). An FP8 (e4m3) cache takes
+        e4m3(x / scale) with float32 scales [n_kv_heads] (torch and triton backends only)."""
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float, out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, n_heads, head_dim] of the batch's new tokens, whose K/V are already in the cache → [T, n_heads,
         head_dim] in q's dtype (written into `out` when given). Causal, bottom-right aligned; query head h reads
-        kv head h // (n_heads // n_kv)."""
+        kv head h // (n_heads // n_kv). An FP8 cache is read back times its scales."""
 
     def decode_variant(self, num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
         """Which launch variant a decode-only batch of num_seqs sequences gets at this longest context: a CUDA

@@ -12,7 +12,8 @@ One launch covers the whole batch. The grid is (query tile, kv head, kv split):
   fill the GPU (decode of a few long sequences); a second small kernel merges the parts.
 Keys are read through the block table one token at a time (block id = table[pos // PAGE]), so any page size
 works, and the causal mask is aligned bottom-right (new token i of a sequence sits at seq_len - q_len + i).
-Softmax is online in fp32 with exp2; fp32 inputs use exact ("ieee") dots.
+Softmax is online in fp32 with exp2; fp32 inputs use exact ("ieee") dots. An FP8 (e4m3) cache is read as is and
+converted to q's dtype in registers (exact); its per-kv-head scales multiply the scores (K's) and the output (V's).
 
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported): tests only.
 """
@@ -35,7 +36,7 @@ def _attend_kv_tile(
     q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_end, scale_log2,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One online-softmax step over keys [kv_tile * BLOCK_N, +BLOCK_N). MASKED: the tile crosses the causal
     diagonal or the end of the context; otherwise every row sees every key and loads need no bounds."""
@@ -58,6 +59,9 @@ def _attend_kv_tile(
     else:
         k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
         v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    if KV_FP8:  # e4m3 → q's dtype is exact; the per-head scales are folded into scale_log2 and the output
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if UPCAST_DOT:
         k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
@@ -78,12 +82,12 @@ def _attend_kv_tile(
 @triton.jit
 def _attention_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, block_tables_ptr,
-    seq, q_start, q_len, first_q, kv_head, split, num_tokens, n_heads, scale_log2,
+    k_scale_ptr, v_scale_ptr, seq, q_start, q_len, first_q, kv_head, split, num_tokens, n_heads, scale_log2,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """New tokens first_q .. first_q + BLOCK_Q - 1 of sequence `seq`, all GROUP query heads of `kv_head`."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -98,6 +102,9 @@ def _attention_tile(
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
+
+    if KV_FP8:  # K's scale multiplies every score of this kv head, V's the output
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     q_pos = seq_len - q_len + q_idx  # absolute position of each row's token
@@ -122,13 +129,15 @@ def _attention_tile(
         acc, m_i, l_i = _attend_kv_tile(
             q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_end, scale_log2,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            False, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT)
+            False, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, KV_FP8)
     for kv_tile in range(tl.maximum(tile_lo, n_full), tile_hi):
         acc, m_i, l_i = _attend_kv_tile(
             q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_end, scale_log2,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT)
+            True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, KV_FP8)
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -144,14 +153,14 @@ def _attention_tile(
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_lead_decodes", "num_chunk_tiles", "stride_bt"])
 def _paged_attention(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, num_tokens, num_lead_decodes, num_chunk_tiles, n_heads, scale_log2,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE_BLOCK_M: tl.constexpr, DECODE_BLOCK_N: tl.constexpr, HAS_CHUNKS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """The first num_chunk_tiles programs cover the sequences after the leading decodes in tiles of BLOCK_Q tokens,
     heaviest (latest) tiles first so that they do not start last; the remaining programs are the batch's leading
@@ -163,11 +172,12 @@ def _paged_attention(
         decode = tile - num_chunk_tiles
         _attention_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr,
-            block_tables_ptr, decode, decode, 1, 0, kv_head, split, num_tokens, n_heads, scale_log2,
+            block_tables_ptr, k_scale_ptr, v_scale_ptr, decode, decode, 1, 0, kv_head, split, num_tokens, n_heads,
+            scale_log2,
             stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_ot, stride_oh, stride_bt,
             GROUP, GROUP_PAD, HEAD_DIM, D_PAD, PAGE, 1, DECODE_BLOCK_M, DECODE_BLOCK_N, NUM_SPLITS,
-            DOT_PRECISION, UPCAST_DOT)
+            DOT_PRECISION, UPCAST_DOT, KV_FP8)
     elif HAS_CHUNKS:
         # Sequence b (>= num_lead_decodes) owns tiles from (cu_q[b] - D) // BLOCK_Q + (b - D) on (D leading
         # decodes, which hold tokens 0 .. D-1): an upper bound on the tiles before it. Find the last b whose first
@@ -189,11 +199,12 @@ def _paged_attention(
         if first_q < q_len:  # spare tiles past the sequence's end do nothing
             _attention_tile(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr,
-                block_tables_ptr, seq, q_start, q_len, first_q, kv_head, split, num_tokens, n_heads, scale_log2,
+                block_tables_ptr, k_scale_ptr, v_scale_ptr, seq, q_start, q_len, first_q, kv_head, split, num_tokens,
+                n_heads, scale_log2,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 stride_ot, stride_oh, stride_bt,
                 GROUP, GROUP_PAD, HEAD_DIM, D_PAD, PAGE, BLOCK_Q, BLOCK_M, BLOCK_N, NUM_SPLITS,
-                DOT_PRECISION, UPCAST_DOT)
+                DOT_PRECISION, UPCAST_DOT, KV_FP8)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -292,9 +303,11 @@ def _batch_shape(meta: AttentionMetadata) -> tuple[int, bool]:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, config: TileConfig | None = None, num_splits: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the batch's new tokens over the paged cache (their K/V already written). Returns [T, H, D]
-    (`out` when given: [T, H, D] with contiguous heads, e.g. rows of a static buffer)."""
+    (`out` when given: [T, H, D] with contiguous heads, e.g. rows of a static buffer). An FP8 cache needs
+    k_scale and v_scale, float32 [n_kv_heads]."""
     num_tokens, n_heads, head_dim = q.shape
     page, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
@@ -335,10 +348,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # never touched
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale")
     require_runnable(q.device)
     _paged_attention[(grid_tiles, n_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+        k_scale if kv_fp8 else meta.seq_lens, v_scale if kv_fp8 else meta.seq_lens,
         num_seqs, num_tokens, lead_decodes, chunk_tiles, n_heads, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
@@ -348,7 +365,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DECODE_BLOCK_N=cfg.decode_block_n, HAS_CHUNKS=has_chunks, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton's interpreter (3.9) computes bf16 x bf16 dots wrongly; it upcasts the operands instead.
-        UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16,
+        UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16, KV_FP8=kv_fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:

@@ -7,7 +7,8 @@
   one program per token row (a token's scale needs its whole row).
 - `rope_write_kv`: from the fused qkv projection, rotate q and k (rotate-half layout) with cos/sin read from a
   per-position table built once, write rotated q to its own buffer and k, v into their paged-cache slots
-  (a negative slot skips the cache write). One program per token.
+  (a negative slot skips the cache write; an FP8 cache gets them quantised with their kv head's scale). One
+  program per token.
 - `silu_mul`: silu(gate) * up from the fused gate_up projection.
 
 Every rounding step of the torch path (models/layers.py, models/rope.py) is reproduced: each product or sum
@@ -214,9 +215,11 @@ def _rotate(x_ptr, cos, sin, heads, offs, HALF: tl.constexpr, mask, ROUND: tl.co
 
 @triton.jit
 def _rope_write_kv(qkv_ptr, positions_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                   k_scale_ptr, v_scale_ptr,
                    stride_qkv, stride_qo, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
                    N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,
-                   HALF: tl.constexpr, PAGE: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr):
+                   HALF: tl.constexpr, PAGE: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr,
+                   KV_FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs = tl.arange(0, HALF)
@@ -240,21 +243,33 @@ def _rope_write_kv(qkv_ptr, positions_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr
         k_row = row + N_HEADS * 2 * HALF
         k1, k2 = _rotate(k_row, cos, sin, kv_heads, offs, HALF, kmask, ROUND, BF16)
         k_dst = k_cache_ptr + block * stride_kcb + in_page * stride_kct + kv_heads[:, None] * stride_kch + offs[None, :]
-        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
-        tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
         v_row = k_row + N_KV_HEADS * 2 * HALF
         offs_d = tl.arange(0, 2 * HALF)
         v = tl.load(v_row + kv_heads[:, None] * (2 * HALF) + offs_d[None, :], mask=kmask, other=0.0)
         v_dst = (v_cache_ptr + block * stride_vcb + in_page * stride_vct + kv_heads[:, None] * stride_vch
                  + offs_d[None, :])
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kmask)
+        if KV_FP8:  # rotated k in the model dtype (as the torch path holds it), then e4m3 with its head's scale
+            k_scale = tl.load(k_scale_ptr + kv_heads, mask=kv_heads < N_KV_HEADS, other=1.0)[:, None]
+            v_scale = tl.load(v_scale_ptr + kv_heads, mask=kv_heads < N_KV_HEADS, other=1.0)[:, None]
+            if ROUND:
+                k1 = _rounded(k1, BF16)
+                k2 = _rounded(k2, BF16)
+            tl.store(k_dst, _fp8_of(k1, k_scale), mask=kmask)
+            tl.store(k_dst + HALF, _fp8_of(k2, k_scale), mask=kmask)
+            tl.store(v_dst, _fp8_of(v.to(tl.float32), v_scale), mask=kmask)
+        else:
+            tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+            tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kmask)
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                  num_kv_heads: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                  num_kv_heads: int, q_out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) * D] → rotated q [T, H, D] (into q_out if given); rotated k and v into the cache at
-    slot_mapping [T]. cos/sin: [max_position, D / 2] tables in qkv's dtype (RotaryEmbedding.tables)."""
+    slot_mapping [T]. cos/sin: [max_position, D / 2] tables in qkv's dtype (RotaryEmbedding.tables). An FP8 cache
+    stores e4m3(k / k_scale[head]) and e4m3(v / v_scale[head]) (scales float32 [KVH])."""
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     half = head_dim // 2
@@ -270,14 +285,19 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torc
         return q_out
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q_out.stride(-1) != 1 or q_out.stride(1) != head_dim:
         raise ValueError("rope_write_kv needs contiguous heads in q_out and the KV cache")
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale")
     require_runnable(qkv.device)
     _rope_write_kv[(tokens,)](
         qkv, positions, slot_mapping, cos, sin, q_out, k_cache, v_cache,
+        k_scale if kv_fp8 else positions, v_scale if kv_fp8 else positions,
         qkv.stride(0), q_out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         N_HEADS=num_heads, N_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(num_heads),
         KV_PAD=triton.next_power_of_2(num_kv_heads), HALF=half, PAGE=k_cache.shape[1],
-        ROUND=qkv.dtype in (torch.bfloat16, torch.float16), BF16=qkv.dtype == torch.bfloat16, num_warps=4,
+        ROUND=qkv.dtype in (torch.bfloat16, torch.float16), BF16=qkv.dtype == torch.bfloat16, KV_FP8=kv_fp8,
+        num_warps=4,
     )
     return q_out
 

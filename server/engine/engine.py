@@ -31,7 +31,7 @@ from metronome.kernels import compile_watch
 from metronome.server.engine.block_manager import BlockManager
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.grammar import Grammars, advance
-from metronome.server.engine.kv_cache import bytes_per_block, plan_num_blocks
+from metronome.server.engine.kv_cache import bytes_per_block, kv_cache_dtype, plan_num_blocks
 from metronome.server.engine.model_runner import InFlightTokens, ModelRunner
 from metronome.server.engine.output_text import OutputText
 from metronome.server.engine.outputs import EngineStats, GenerationResult, StepStats, TokenEvent
@@ -41,6 +41,7 @@ from metronome.server.engine.sampling import SamplingParams
 from metronome.server.engine.scheduler import ScheduledBatch, Scheduler
 from metronome.server.engine.sequence import PENDING, Sequence, SequenceStatus
 from metronome.server.engine.warm_batch import run_warm_batch
+from metronome.server.models.quant.kv_scales import install_kv_scales
 
 if TYPE_CHECKING:
     from metronome.server.engine.tp_launch import WorkerPool
@@ -95,8 +96,12 @@ class EngineCore:
         device = torch.device(loaded.device)
         dtype = loaded.dtype if isinstance(loaded.dtype, torch.dtype) else getattr(torch, str(loaded.dtype))
         kv_heads = model_config.num_key_value_heads if workers is None else workers.kv_heads_per_rank
+        backend_name = getattr(getattr(loaded.model, "attention_backend", None), "name", config.attention_backend)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, backend_name, config.tensor_parallel_size)
+        # an FP8 cache's scales: the checkpoint's, else calibrated on the model (before any cache exists)
+        self.kv_scales = install_kv_scales(loaded, config.block_size) if kv_dtype == torch.float8_e4m3fn else None
         per_block = bytes_per_block(model_config.num_hidden_layers, config.block_size,
-                                    kv_heads, model_config.head_dim, dtype)
+                                    kv_heads, model_config.head_dim, kv_dtype)
         num_blocks = plan_num_blocks(config, per_block, device)
         if workers is not None:
             num_blocks = workers.agree_num_blocks(num_blocks)  # every rank allocates the same cache
@@ -106,7 +111,7 @@ class EngineCore:
         runner_class = ModelRunner if workers is None else workers.runner_class
         self.runner = runner_class(loaded.model, model_config.num_hidden_layers, kv_heads,
                                    model_config.head_dim, num_blocks, config.block_size, self.max_model_len, dtype,
-                                   device, seed=config.seed)
+                                   device, seed=config.seed, kv_dtype=kv_dtype)
         if device.type == "cuda":
             compile_watch.install()  # before the first kernel: start-up compiles are counted too
         # "cuda_graphs" (decode steps replay captured graphs) or "eager: <why>"; reported in stats().
@@ -165,7 +170,10 @@ class EngineCore:
         """KV cache size, the concurrency it allows at full context, and how steps run (graphs or eager)."""
         bm = self.block_manager
         tokens = bm.num_blocks * bm.block_size
-        return (f"KV cache {bm.num_blocks} blocks x {bm.block_size} tokens = {tokens} tokens; max concurrency "
+        kv_dtype = str(self.runner.kv_caches[0][0].dtype).removeprefix("torch.")
+        scales = f", scales {self.kv_scales.source}" if self.kv_scales is not None else ""
+        return (f"KV cache {bm.num_blocks} blocks x {bm.block_size} tokens = {tokens} tokens ({kv_dtype}{scales}); "
+                f"max concurrency "
                 f"{tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens (max_model_len); "
                 f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}"
                 + (f"; {self.loaded.quantization.describe()}" if self.loaded.quantization is not None else "")

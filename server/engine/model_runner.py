@@ -126,16 +126,18 @@ class BlockTableMirror:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, max_model_len: int, dtype: torch.dtype, device: torch.device,
-                 seed: int = 0):
+                 seed: int = 0, kv_dtype: torch.dtype | None = None):
+        """dtype: the model's (activations, q); kv_dtype: the cache's (default the model's; FP8 e4m3 possible)."""
         self.model = model
         self.device = device
+        self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         # One block more than the block manager hands out: the scratch block that padding rows of a captured
         # graph point at (never written: their slot is -1).
         self.scratch_block = num_blocks
-        self.kv_caches = allocate_kv_cache(num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype,
-                                           device)
+        self.kv_caches = allocate_kv_cache(num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim,
+                                           kv_dtype or dtype, device)
         self.sampler = Sampler(device, seed)
         self.mirror = BlockTableMirror(-(-max_model_len // block_size) + 1)
         self._on_cuda = device.type == "cuda"
@@ -286,7 +288,7 @@ class ModelRunner:
         """Piecewise graphs of this runner's model (one with `piece`/`attend`, e.g. LlamaForCausalLM)."""
         k_cache = self.kv_caches[0][0]
         heads = self.model.config.num_attention_heads  # this rank's heads under tensor parallelism
-        return PiecewiseRunner(self.model, self.kv_caches, buckets, (heads, k_cache.shape[3]), k_cache.dtype,
+        return PiecewiseRunner(self.model, self.kv_caches, buckets, (heads, k_cache.shape[3]), self.dtype,
                                self.scratch_block, self.device, capture, pool)
 
     def setup_cuda_graphs(self, max_batch: int, max_model_len: int, max_tokens: int = 4096) -> str:
@@ -307,7 +309,7 @@ class ModelRunner:
         pool = None
         try:
             with torch.cuda.device(self.device):
-                self.model.model.rotary.tables(self.device, self.kv_caches[0][0].dtype)  # never inside a capture
+                self.model.model.rotary.tables(self.device, self.dtype)  # never inside a capture
                 num_kv_heads = self.kv_caches[0][0].shape[2]
                 pool = cuda_graph_pool()
                 graphs = GraphRunner(self.graph_forward, sizes, self.mirror.cols, self.scratch_block, self.device,
@@ -359,7 +361,8 @@ class ModelRunner:
         launches = 0
         with torch.inference_mode():
             if backend is not None and heads is not None:
-                launches += backend.warm_up((1, heads, k_cache.shape[3]), k_cache, v_cache, max_model_len)
+                dtype = {"dtype": self.dtype} if k_cache.dtype != self.dtype else {}  # an FP8 cache
+                launches += backend.warm_up((1, heads, k_cache.shape[3]), k_cache, v_cache, max_model_len, **dtype)
             meta = scratch_metadata([1], self.scratch_block, self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             self.model.forward(zero, zero, self.kv_caches, meta)

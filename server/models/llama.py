@@ -42,6 +42,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
         self.attention = attention
+        self.kv_scales: dict[str, torch.Tensor] = {}  # an FP8 KV cache's k_scale / v_scale [n_kv_heads] (engine-set)
 
     def project_and_cache(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                           rotary: RotaryEmbedding, kv_cache: KVCache, fused: bool,
@@ -53,14 +54,14 @@ class LlamaAttention(nn.Module):
             from metronome.kernels.triton_fused import rope_write_kv
             cos, sin = rotary.tables(qkv.device, qkv.dtype)
             return rope_write_kv(qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, self.num_heads,
-                                 self.num_kv_heads, q_out)
+                                 self.num_kv_heads, q_out, **self.kv_scales)
         tokens = x.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.contiguous().view(tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        self.attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        self.attention.write_kv(k, v, k_cache, v_cache, slot_mapping, **self.kv_scales)
         if q_out is None:
             return q
         q_out.copy_(q)
@@ -69,7 +70,7 @@ class LlamaAttention(nn.Module):
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H, D] attention of q over the cache (the one launch a captured piece leaves out)."""
-        return self.attention.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, out=out)
+        return self.attention.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, out=out, **self.kv_scales)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -82,17 +82,6 @@ def quantize_per_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
     return to_fp8(weight, expand_blocks(scale, (rows, cols), block)), scale
 
 
-def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """K or V [T, n_kv_heads, head_dim] → e4m3 with one scale per kv head ([n_kv_heads]): the FP8 KV cache's
-    writes."""
-    return to_fp8(x, scale.float()[:, None])
-
-
-def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Cache rows [..., n_kv_heads, head_dim] in e4m3 → float32 values (the FP8 KV cache's reads)."""
-    return q.float() * scale.float()[:, None]
-
-
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """q * scale in float32 (scale already broadcastable: 0-d, [N, 1], [T, 1] or element-wise)."""
     return q.float() * scale

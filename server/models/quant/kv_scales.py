@@ -122,3 +122,22 @@ def calibrate(model, config, tokenizer, device: torch.device, dtype: torch.dtype
         raise RuntimeError(f"KV calibration saw {len(recorder.k_amax)} K/V writes for {layers} layers")
     return KVScales([scales_from_amax(a) for a in recorder.k_amax], [scales_from_amax(a) for a in recorder.v_amax],
                     "calibrated")
+
+
+def install_kv_scales(loaded, block_size: int = 16) -> KVScales:
+    """Give every attention layer of a loaded model its FP8 KV-cache scales (`kv_scales`, passed to the kernels):
+    the checkpoint's when it has them, else calibrated now. ModelNotFoundError when the checkpoint's do not fit."""
+    from metronome.contract.errors import ModelNotFoundError
+
+    model, config = loaded.model, loaded.config
+    try:
+        scales = from_checkpoint(getattr(model, "fp8_kv_scales", None) or {}, config.num_hidden_layers,
+                                 config.num_key_value_heads)
+    except ValueError as error:
+        raise ModelNotFoundError(f"the KV-cache scales of {loaded.name} do not fit its config: {error}") from None
+    if scales is None:
+        scales = calibrate(model, config, loaded.tokenizer, loaded.device, loaded.dtype, block_size)
+    scales = scales.to(loaded.device)
+    for layer, k_scale, v_scale in zip(model.model.layers, scales.k, scales.v):
+        layer.self_attn.kv_scales = {"k_scale": k_scale, "v_scale": v_scale}
+    return scales
