@@ -188,6 +188,7 @@ def test_fp8_kv_attention_matches_the_reference_and_the_bf16_cache():
         assert _rel(got, bf16) < 0.1
 
 
+NEW_TOKENS = 64
 SUBJECTS = ["the ocean", "a lighthouse", "prime numbers", "the French revolution", "photosynthesis", "a rainy city",
             "black holes", "the history of tea"]
 FORMS = ["Write a short story about {}.", "Explain {} to a child.", "List three facts about {}:",
@@ -218,7 +219,7 @@ def _sequence_logprobs(engine: EngineCore, ids: list[int]) -> torch.Tensor:
 
 
 def test_fp8_accuracy_against_bf16_on_smollm2():
-    new_tokens = 64
+    new_tokens = NEW_TOKENS
     bf16 = _engine(None, cuda_graphs=True, model=None)
     prompts_text = [form.format(subject) for subject in SUBJECTS for form in FORMS]
     prompts = [bf16.tokenizer.encode(text) for text in prompts_text]
