@@ -196,3 +196,37 @@ def test_kv_cache_dtype_refusals():
 if __name__ == "__main__":
     torch.set_num_threads(1)
     print(json.dumps(_run_all()))
+
+
+def test_checkpoint_kv_scales_are_the_caches(tmp_path):
+    import json as json_module
+
+    from fp8_checkpoints import write_fp8_checkpoint
+    from safetensors.torch import load_file, save_file
+    from test_fp8_checkpoint_layouts import TINY
+    from test_loaders import save_hf_model
+    from transformers import LlamaConfig
+
+    from metronome.contract.config import SchedulerConfig
+    from metronome.server.engine.config import EngineConfig
+    from metronome.server.engine.engine import EngineCore
+
+    hf_model = save_hf_model(tmp_path, LlamaConfig(**TINY, tie_word_embeddings=False, bos_token_id=1,
+                                                   eos_token_id=2))
+    write_fp8_checkpoint(tmp_path, hf_model, "ct-channel")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for layer in range(TINY["num_hidden_layers"]):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.01 * (layer + 1))
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([0.02, 0.03])  # per kv head
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json_module.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False, "symmetric": True}
+    (tmp_path / "config.json").write_text(json_module.dumps(config))
+    engine = EngineCore.from_config(
+        EngineConfig(model=f"hf-dir:{tmp_path}", device="cpu", dtype="float32", attention_backend="torch",
+                     num_kv_blocks=64, kv_cache_dtype="fp8"), SchedulerConfig(chunk_size=16))
+    assert "scales checkpoint" in engine.startup_summary()
+    scales = engine.loaded.model.model.layers[1].self_attn.kv_scales
+    assert torch.equal(scales["k_scale"], torch.tensor([0.02, 0.02]))
+    assert torch.equal(scales["v_scale"], torch.tensor([0.02, 0.03]))
