@@ -44,7 +44,7 @@ mkdir -p "$WH"
 if ls .gpuwheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install --no-deps --no-index -q --target "$WH" .gpuwheels/*.whl >> "$LOG" 2>&1
 fi
-export PYTHONPATH=$WH
+export PYTHONPATH=$WH:$ROOT/tests/support  # the test support package the GPU tests import (as hack/gpu_run.sh)
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   2>&1 | tee -a "$LOG"
 BENCH=(python3 -m metronome.cli bench engine --model random:llama-3-8b --device cuda --no-progress --skip-hf
