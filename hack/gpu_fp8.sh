@@ -18,7 +18,8 @@
 #          → bf16-engine.json
 #   gemm   hack/fp8_gemm_bench.py: bf16 vs each FP8 GEMM path at Llama-3-8B shapes and M = 1 … 8,192 → fp8-gemm.json
 #   then   fp8-summary.json (the issue's targets from the above), gpu_fp8.log
-# Knobs (environment): PARTS, BUDGET, KV (fp8|auto), RATES, DURATION, CHUNKS, SAT_MAX, METRONOME_FP8_GEMM.
+# Knobs (environment): PARTS, BUDGET, KV (fp8|auto), RATES, DURATION, CHUNKS, SAT_MAX, METRONOME_FP8_GEMM, and
+# SMOKE=1 (the bench parts on the CPU with a tiny model: checks this script's plumbing, not the GPU).
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -45,11 +46,21 @@ if ls .gpuwheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install --no-deps --no-index -q --target "$WH" .gpuwheels/*.whl >> "$LOG" 2>&1
 fi
 export PYTHONPATH=$WH:$ROOT/tests/support  # the test support package the GPU tests import (as hack/gpu_run.sh)
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
-  2>&1 | tee -a "$LOG"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')" 2>&1 | tee -a "$LOG"
 BENCH=(python3 -m metronome.cli bench engine --model random:llama-3-8b --device cuda --no-progress --skip-hf
        --no-records --context 2048 --batch-sizes 1,64 --decode-steps 20 --prefill-prompts 8 --prefill-prompt-len 2048
        --prefill-chunk 8192)
+if [ "${SMOKE:-0}" = 1 ]; then  # the plumbing on the CPU with a tiny model (no tests, no GEMM paths)
+  BENCH=(python3 -m metronome.cli bench engine --model random:tiny --device cpu --dtype float32 --no-progress
+         --skip-hf --no-records --context 48 --batch-sizes 1,3 --decode-steps 3 --prefill-prompts 2
+         --prefill-prompt-len 40 --prefill-chunk 128 --copy-mb 4 --matmul-size 64 --reps 2 --long-prompt-len 100
+         --short-prompt-len 10 --output-len 5 --saturation-prompt-len 20 --saturation-output-len 8
+         --saturation-chunk-size 64 --kv-cache-memory-gb 0.05)
+  PARTS=${PARTS_SMOKE:-fp8 bf16}
+  SAT_MAX=6
+  DURATION=1
+fi
 
 if has tests; then
   stamp "tests/gpu/test_fp8_gpu.py (limit $(limit 170)s)"
