@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The FP8 GPU call: tests, the GEMM choice per shape and batch, and `metronome bench engine` on random:llama-3-8b
-# with FP8 weights and an FP8 KV cache against bf16 — one command, at most BUDGET seconds (default 530), every result
+# with FP8 weights and an FP8 KV cache against bf16 — one command, at most BUDGET seconds (default 540), every result
 # as JSON in $OUT. Run from the repository root on the GPU machine (as hack/gpu_run.sh, with .gpuwheels/ carried):
 #
 #     bash hack/gpu_fp8.sh                       # everything (~9 min)
@@ -18,7 +18,8 @@
 #          → bf16-engine.json
 #   gemm   hack/fp8_gemm_bench.py: bf16 vs each FP8 GEMM path at Llama-3-8B shapes and M = 1 … 8,192 → fp8-gemm.json
 #   then   fp8-summary.json (the issue's targets from the above), gpu_fp8.log
-# Knobs (environment): PARTS, BUDGET, KV (fp8|auto), RATES, DURATION, CHUNKS, SAT_MAX, METRONOME_FP8_GEMM, and
+# Knobs (environment): PARTS, BUDGET, KV (fp8|auto), RATES, DURATION, CHUNKS, SAT_MAX, GEMM_ROWS, METRONOME_FP8_GEMM,
+# and
 # SMOKE=1 (the bench parts on the CPU with a tiny model: checks this script's plumbing, not the GPU).
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,12 +28,13 @@ OUT=${OUT:-$ROOT/out}
 WORK=$(mktemp -d /tmp/gpu_fp8.XXXX)
 mkdir -p "$OUT"
 PARTS=${PARTS:-tests fp8 bf16 gemm}
-BUDGET=${BUDGET:-530}
+BUDGET=${BUDGET:-540}
 KV=${KV:-fp8}
 RATES=${RATES:-16,48}
 DURATION=${DURATION:-3}
 CHUNKS=${CHUNKS:-256,512,1024,unchunked}
 SAT_MAX=${SAT_MAX:-512}
+GEMM_ROWS=${GEMM_ROWS:-1,16,64,256,512,2048,8192}
 START=$SECONDS
 LOG=$OUT/gpu_fp8.log
 stamp() { echo "[gpu_fp8 +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
@@ -70,9 +72,9 @@ if has tests; then
 fi
 
 if has fp8; then
-  stamp "bench fp8 (weights fp8, kv $KV; limit $(limit 250)s)"
+  stamp "bench fp8 (weights fp8, kv $KV; limit $(limit 230)s)"
   PLOT=(); python3 -c "import matplotlib" 2>/dev/null && PLOT=(--plot "$OUT/fp8-tbt-vs-throughput.png")
-  timeout -k 10 "$(limit 250)" "${BENCH[@]}" --quantization fp8 --kv-cache-dtype "$KV" \
+  timeout -k 10 "$(limit 230)" "${BENCH[@]}" --quantization fp8 --kv-cache-dtype "$KV" \
     --sections device,decode,prefill,saturation,longshort --saturation-max-requests "$SAT_MAX" \
     --rates "$RATES" --duration "$DURATION" --chunk-sizes "$CHUNKS" --warmup-requests 8 --drain-timeout 10 \
     --no-prefix-caching "${PLOT[@]}" --out "$OUT/fp8-engine.json" > "$WORK/bench-fp8.log" 2>&1
@@ -80,15 +82,16 @@ if has fp8; then
 fi
 
 if has bf16; then
-  stamp "bench bf16 (limit $(limit 90)s)"
-  timeout -k 10 "$(limit 90)" "${BENCH[@]}" --sections device,decode,prefill --out "$OUT/bf16-engine.json" \
+  stamp "bench bf16 (limit $(limit 85)s)"
+  timeout -k 10 "$(limit 85)" "${BENCH[@]}" --sections device,decode,prefill --out "$OUT/bf16-engine.json" \
     > "$WORK/bench-bf16.log" 2>&1
   stamp "bench bf16 rc=$?"; grep -E "^(device|prefill)" "$WORK/bench-bf16.log" | tee -a "$LOG"
 fi
 
 if has gemm && [ "$(left)" -gt 15 ]; then
   stamp "GEMM paths (limit $(limit 90)s)"
-  timeout -k 5 "$(limit 90)" python3 -m hack.fp8_gemm_bench --out "$OUT/fp8-gemm.json" > "$WORK/gemm.log" 2>&1
+  timeout -k 5 "$(limit 90)" python3 -m hack.fp8_gemm_bench --rows "$GEMM_ROWS" --reps 10 --out "$OUT/fp8-gemm.json" \
+    > "$WORK/gemm.log" 2>&1
   stamp "GEMM paths rc=$?"; tail -n 4 "$WORK/gemm.log" | tee -a "$LOG"
 fi
 
