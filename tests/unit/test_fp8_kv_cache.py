@@ -92,8 +92,33 @@ def _rope_case() -> dict:
                          for a, b in ((caches[0], caches[2]), (caches[1], caches[3])))}
 
 
+def _greedy_tokens(attention_backend: str) -> list[list[int]]:
+    """An engine with FP8 weights and an FP8 KV cache; with triton, the fused kernels too (norm and SiLU·mul
+    quantising for the next layer, rope + FP8 K/V write, FP8 attention)."""
+    from metronome.contract.config import SchedulerConfig
+    from metronome.server.engine.config import EngineConfig
+    from metronome.server.engine.engine import EngineCore
+    from metronome.server.engine.sampling import SamplingParams
+
+    engine = EngineCore.from_config(
+        EngineConfig(model="random:tiny", device="cpu", dtype="float32", attention_backend=attention_backend,
+                     num_kv_blocks=64, kv_cache_dtype="fp8", quantization="fp8"),
+        SchedulerConfig(chunk_size=16, queue_policy="fcfs"))
+    engine.loaded.model.fused = attention_backend == "triton"
+    ids = [engine.add_request(list(range(5, 5 + n)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+           for n in (5, 21)]
+    tokens = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        events, _ = engine.step()
+        for event in events:
+            if event.token_id >= 0:
+                tokens[event.request_id].append(event.token_id)
+    return [tokens[rid] for rid in ids]
+
+
 def _run_all() -> dict:
-    return {"cases": {c[0]: _triton_case(c) for c in CASES}, "rope": _rope_case()}
+    return {"cases": {c[0]: _triton_case(c) for c in CASES}, "rope": _rope_case(),
+            "engine": {"torch": _greedy_tokens("torch"), "triton": _greedy_tokens("triton")}}
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +168,11 @@ def test_triton_fp8_cache_matches_the_torch_reference(results, case):
 
 def test_fused_rope_write_quantises_like_the_reference(results):
     assert results["rope"]["equal"]
+
+
+def test_triton_engine_with_fp8_weights_and_kv_equals_the_torch_path(results):
+    assert results["engine"]["triton"] == results["engine"]["torch"]
+    assert all(len(tokens) == 4 for tokens in results["engine"]["torch"])
 
 
 def _engine(kv_cache_dtype: str, dtype: str = "bfloat16"):
