@@ -88,7 +88,8 @@ def test_invalid_objects_are_rejected_naming_the_field(cluster, ns, obj, expecte
     assert expected in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("path", ["examples/inferenceservice.yaml", "examples/llama-3-8b.yaml"])
+@pytest.mark.parametrize("path", ["examples/inferenceservice.yaml", "examples/llama-3-8b.yaml",
+                                  "examples/llama-3-8b-fp8.yaml"])
 def test_examples_are_accepted(cluster, ns, path):
     obj = yaml.safe_load((ROOT / path).read_text())
     result = _dry_run(cluster, ns, obj)
