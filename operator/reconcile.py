@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metronome.contract.config import SchedulerConfig, ServerConfigFile, next_server_config
-from metronome.operator import builders, changes, configmap
+from metronome.operator import builders, changes, configmap, routing_sync
 from metronome.operator.k8s import Kube
 from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSettings, ServiceSelector, try_observe
 from metronome.operator.monitoring import MonitorSettings
@@ -95,6 +95,7 @@ def sync_children(kube: Kube, service: InferenceService, owner: Mapping[str, Any
         _emit(kube, owner, changes.describe_child(applied.action.value, applied.before, applied.after))
     if not service.spec.disruption.enabled:
         remove_disruption_budget(kube, service, owner)
+    routing_sync.sync_inference_pool(kube, service, owner)
     if monitor is not None:
         sync_pod_monitor(kube, service, owner, monitor)
     return config
