@@ -64,7 +64,7 @@ def _observe_weight(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Ten
     return blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
 
 
-def _compressed_tensors_checkpoint(folder, preset: str) -> None:
+def _compressed_tensors_checkpoint(folder, preset: str, targets: tuple[str, ...] = ("Linear",)) -> None:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
@@ -72,7 +72,7 @@ def _compressed_tensors_checkpoint(folder, preset: str) -> None:
 
     model = _tiny_llama(128, 256)  # transformers runs activation groups of 128 only on whole groups
     apply_quantization_config(model, QuantizationConfig(
-        config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])}, ignore=["lm_head"]))
+        config_groups={"group_0": preset_name_to_scheme(preset, list(targets))}, ignore=["lm_head"]))
     quantised = {name: m for name, m in model.named_modules() if getattr(m, "quantization_scheme", None)}
     amax: dict[str, torch.Tensor] = {}
     hooks = []
@@ -121,6 +121,22 @@ def test_compressed_tensors_checkpoint_matches_transformers(tmp_path, preset, we
         with torch.inference_mode():
             expected = theirs(torch.tensor([prompt])).logits[0].float()
         torch.testing.assert_close(our_prefill_logits(ours, prompt), expected, rtol=0, atol=1e-5)
+
+
+def test_compressed_tensors_targets_leave_the_other_linears_in_bf16(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from metronome.server.models.quant.fp8_linear import Fp8Linear
+
+    _compressed_tensors_checkpoint(tmp_path, "FP8_DYNAMIC", targets=("re:.*mlp.*",))
+    ours = load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
+    layer = ours.model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj, Fp8Linear) and isinstance(layer.mlp.down_proj, Fp8Linear)
+    assert type(layer.self_attn.qkv_proj) is torch.nn.Linear
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.inference_mode():
+        expected = theirs(torch.tensor([PROMPTS[1]])).logits[0].float()
+    torch.testing.assert_close(our_prefill_logits(ours, PROMPTS[1]), expected, rtol=0, atol=1e-5)
 
 
 def test_transformers_finegrained_fp8_checkpoint_matches_its_dequantised_model(tmp_path):

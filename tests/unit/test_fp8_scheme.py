@@ -55,6 +55,17 @@ def test_ignore_lists_match_checkpoint_module_names():
     assert scheme_from_config({"quant_method": "fp8"}).ignores("lm_head")
 
 
+def test_targets_choose_the_quantised_linears():
+    raw = _ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True})
+    raw["config_groups"]["group_0"]["targets"] = ["re:.*mlp\\..*_proj$"]
+    scheme = scheme_from_config(raw)
+    assert not scheme.ignores("model.layers.3.mlp.down_proj")
+    assert scheme.ignores("model.layers.3.self_attn.o_proj")  # no target covers it: stays bf16
+    raw["config_groups"]["group_0"]["targets"] = ["Embedding"]
+    with pytest.raises(QuantizationConfigError, match="only Linear layers"):
+        scheme_from_config(raw)
+
+
 def test_kv_cache_scheme_is_read():
     raw = _ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True},
               kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,

@@ -49,6 +49,8 @@ class Fp8Scheme:
     # checkpoint module names, or "re:<pattern>" matched from the start (compressed-tensors' rule), left unquantised
     ignore: tuple[str, ...] = ("lm_head",)
     kv_cache: KVCacheScheme | None = None
+    # which linear layers are quantised: "Linear" = every one; "re:<pattern>" = the checkpoint modules it matches
+    targets: tuple[str, ...] = ("Linear",)
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_GRANULARITIES:
@@ -80,9 +82,14 @@ class Fp8Scheme:
         return f"fp8 e4m3 ({self.source}): weights {weights}, activations {activations}"
 
     def ignores(self, module_name: str) -> bool:
-        """Whether the checkpoint module `module_name` (e.g. 'model.layers.0.mlp.down_proj') stays unquantised."""
-        return any(re.match(pattern[3:], module_name) if pattern.startswith("re:") else module_name == pattern
-                   for pattern in self.ignore)
+        """Whether the checkpoint linear `module_name` (e.g. 'model.layers.0.mlp.down_proj') stays unquantised:
+        no target covers it, or the ignore list names it."""
+        targeted = any(t == "Linear" or re.match(t[3:], module_name) for t in self.targets)
+        return not targeted or _matches(self.ignore, module_name)
+
+
+def _matches(patterns: tuple[str, ...], module_name: str) -> bool:
+    return any(re.match(p[3:], module_name) if p.startswith("re:") else module_name == p for p in patterns)
 
 
 def online_scheme() -> Fp8Scheme:
@@ -150,19 +157,22 @@ def _from_compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
     fmt = raw.get("format")
     if fmt not in (None, "float-quantized", "naive-quantized", "mixed-precision"):
         raise QuantizationConfigError(f"compressed-tensors format {fmt!r} is not FP8 (float-quantized)")
-    schemes = set()
+    schemes, targets = set(), []
     for name, group in groups.items():
         if not isinstance(group, dict):
             raise QuantizationConfigError(f"config_groups.{name} must be an object")
-        targets = group.get("targets") or []
-        if any(t != "Linear" and not str(t).startswith("re:") for t in targets):
-            raise QuantizationConfigError(f"config_groups.{name}.targets {targets!r}: only Linear layers are served")
+        group_targets = group.get("targets") or []
+        if not group_targets or any(t != "Linear" and not str(t).startswith("re:") for t in group_targets):
+            raise QuantizationConfigError(f"config_groups.{name}.targets {group_targets!r}: only Linear layers "
+                                          "(\"Linear\" or \"re:<module pattern>\") are served")
+        targets += group_targets
         schemes.add(_ct_group(name, group))
     if len(schemes) != 1:
         raise QuantizationConfigError("compressed-tensors config_groups with different FP8 schemes are not served")
     weights, activations, block = schemes.pop()
     ignore = tuple(raw.get("ignore") or ())
-    return Fp8Scheme("compressed-tensors", weights, activations, block, ignore, _kv_scheme(raw.get("kv_cache_scheme")))
+    return Fp8Scheme("compressed-tensors", weights, activations, block, ignore, _kv_scheme(raw.get("kv_cache_scheme")),
+                     tuple(dict.fromkeys(targets)))
 
 
 def _ct_args(group: dict[str, Any], key: str, where: str) -> dict[str, Any] | None:
