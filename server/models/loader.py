@@ -315,7 +315,9 @@ class _HFFolderSource:
         return self._config
 
     def quantization_config(self) -> dict | None:
-        return self._hf.read_json(self.folder / "config.json").get("quantization_config")
+        raw = self._hf.read_json(self.folder / "config.json")
+        # compressed-tensors checkpoints of 2024 keep theirs under compression_config
+        return raw.get("quantization_config") or raw.get("compression_config")
 
     def weights(self, config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
         return self._hf.hf_weights(self.folder)

@@ -79,6 +79,17 @@ def test_an_fp8_checkpoint_from_a_hub_loads_as_fp8(tmp_path, monkeypatch):
     torch.testing.assert_close(our_prefill_logits(fetched, PROMPT), our_prefill_logits(local, PROMPT), rtol=0, atol=0)
 
 
+def test_older_compressed_tensors_config_key_is_read(tmp_path):
+    hf_model = _llama(tmp_path)
+    write_fp8_checkpoint(tmp_path, hf_model, "ct-channel")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["compression_config"] = config.pop("quantization_config")
+    del config["compression_config"]["quant_method"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
+    assert (loaded.quantization.source, loaded.quantization.weights) == ("compressed-tensors", "channel")
+
+
 def test_qkv_bias_loads_beside_fp8_weights(tmp_path):
     from transformers import Qwen2Config
 

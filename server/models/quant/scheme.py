@@ -113,7 +113,7 @@ def scheme_from_config(raw: Any) -> Fp8Scheme:
     """A config.json `quantization_config` → Fp8Scheme; QuantizationConfigError naming the field otherwise."""
     if not isinstance(raw, dict):
         raise QuantizationConfigError("config.json quantization_config must be an object")
-    method = raw.get("quant_method")
+    method = raw.get("quant_method", "compressed-tensors" if "config_groups" in raw else None)
     if method == "fp8":
         return _from_fp8(raw)
     if method == "compressed-tensors":
