@@ -38,9 +38,9 @@ class AttentionBackend(Protocol):
         """Context lengths (ascending, max_model_len last) among which every decode variant occurs."""
 
     def warm_up(self, q_shape: tuple[int, int, int], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                max_num_tokens: int) -> int:
+                max_num_tokens: int, dtype: torch.dtype | None = None) -> int:
         """Compile every kernel variant this backend can launch for these shapes (before a server is ready);
-        returns how many launches it made."""
+        returns how many launches it made. dtype: q's, when the cache's is another (FP8)."""
 
 
 @cache

@@ -53,7 +53,7 @@ class FlashAttnBackend:
     def variant_lengths(self, max_model_len: int) -> list[int]:
         return [max_model_len]
 
-    def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int) -> int:
+    def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int, dtype: torch.dtype | None = None) -> int:
         from .triton_kv_write import write_kv_triton  # its K/V writes are Triton's
         slots = torch.full((1,), -1, dtype=torch.int64, device=k_cache.device)
         kv = torch.zeros((1, *k_cache.shape[2:]), dtype=k_cache.dtype, device=k_cache.device)

@@ -102,7 +102,7 @@ class TorchBackend:
     def variant_lengths(self, max_model_len: int) -> list[int]:
         return [max_model_len]
 
-    def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int) -> int:
+    def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int, dtype: torch.dtype | None = None) -> int:
         return 0
 
     @staticmethod
