@@ -25,9 +25,10 @@ import torch
 
 from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 from metronome.server.models.config import ModelConfig
+from metronome.server.models.decoder import DecoderForCausalLM
 from metronome.server.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from metronome.server.models.device import auto_dtype, resolve_device
-from metronome.server.models.llama import LlamaForCausalLM
+from metronome.server.models.families import build_model
 from metronome.server.models.presets import preset_config, preset_names
 from metronome.server.models.quant.scheme import Fp8Scheme, resolve_scheme
 from metronome.server.models.random_weights import init_random_weights
@@ -49,7 +50,7 @@ _DTYPES = {
 class LoadedModel:
     name: str
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
@@ -145,7 +146,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def build_empty_model(config: ModelConfig, attention, device: torch.device, dtype: torch.dtype,
-                      quantization: Fp8Scheme | None = None) -> LlamaForCausalLM:
+                      quantization: Fp8Scheme | None = None) -> DecoderForCausalLM:
     """The module with uninitialised weights of the right dtype, allocated once, on the target device; with
     `quantization`, the decoder's linear layers are FP8 ones (quant/model_pass.py) before anything is allocated.
 
@@ -154,7 +155,7 @@ def build_empty_model(config: ModelConfig, attention, device: torch.device, dtyp
     embedding). Materialised with torch.empty per tensor rather than to_empty, whose empty_like on meta
     tensors pays the same first-call cost."""
     with _no_init(), torch.device("meta"):
-        model = LlamaForCausalLM(config, attention)
+        model = build_model(config, attention)
     model = model.to(dtype)
     if quantization is not None:
         from metronome.server.models.quant.loading import prepare_model

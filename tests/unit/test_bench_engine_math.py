@@ -55,6 +55,28 @@ def test_prefill_flops_by_hand_for_a_toy_shape():
     assert model_math.prefill_flops(LLAMA3_8B, [2048]) / 2048 == pytest.approx(14.5e9, rel=0.01)
 
 
+def test_window_layers_read_only_their_window_and_head_dim_is_the_configs():
+    gemma = preset_config("gemma-3-12b")  # 48 layers: 40 with a 1,024-token window, 8 global; head_dim 256
+    per_layer_token = 2 * 8 * 256 * 2
+    assert model_math.kv_bytes_per_token(gemma, 2) == 48 * per_layer_token
+    assert model_math.kv_bytes_read(gemma, 2, 800) == 48 * 800 * per_layer_token  # within every window
+    assert model_math.kv_bytes_read(gemma, 2, 8192) == (40 * 1024 + 8 * 8192) * per_layer_token
+    floor = model_math.decode_floor_bytes(gemma, 2, [8192] * 64)
+    assert floor == model_math.weights_read_per_decode_step(gemma, 2) + 64 * (40 * 1024 + 8 * 8192) * per_layer_token
+    # q is 16 heads x 256 = 4,096 wide on a 3,840 hidden: linear params use head_dim, not hidden / heads
+    assert model_math.linear_params_per_layer(gemma) == 3840 * (4096 + 2 * 2048) + 4096 * 3840 + 3 * 3840 * 15360
+    qwen = preset_config("qwen3-8b")
+    assert model_math.weights_read_per_decode_step(qwen, 2) == pytest.approx(15.14e9, rel=0.001)  # 8.19 B - input table
+
+
+def test_prefill_pairs_of_a_window_layer():
+    toy = SimpleNamespace(vocab_size=10, hidden_size=4, intermediate_size=8, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=2, layer_windows=(2, None))
+    linear = 2 * (4 * (4 + 2 * 2) + 4 * 4 + 3 * 4 * 8)
+    pairs = (1 + 2 + 2) + (1 + 2 + 3)  # window 2: queries see 1, 2, 2 keys; full: 1, 2, 3
+    assert model_math.prefill_flops(toy, [3]) == pytest.approx(2 * linear * 3 + 4 * 2 * 2 * pairs + 2 * 10 * 4)
+
+
 def run(chunk, rate, tput, p99, done=10):
     summary = RunSummary(num_requests=10, num_completed=done, output_tokens_per_s=tput,
                          tbt=LatencySummary(count=50, p99_ms=p99), ttft=LatencySummary(count=10, p99_ms=p99 * 3))
@@ -123,3 +145,11 @@ def test_generation_outputs_become_records_on_one_clock():
     assert first.end_s == pytest.approx(0.8) and first.output_tokens == 3 and first.prompt_tokens == 50
     assert second.token_times_s == [] and second.end_s == pytest.approx(1.0) and second.output_tokens == 2
     assert failed.error == "transformers: out of blocks" and not failed.ok
+
+
+def test_effective_kv_tokens_turn_window_reads_into_every_layer_tokens():
+    gemma = preset_config("gemma-3-12b")
+    for context in (100, 1024, 5000):
+        assert model_math.kv_bytes_per_token(gemma, 2) * model_math.effective_kv_tokens(gemma, context) == \
+            pytest.approx(model_math.kv_bytes_read(gemma, 2, context))
+    assert model_math.effective_kv_tokens(LLAMA3_8B, 5000) == 5000

@@ -186,3 +186,24 @@ def test_bad_quantization_requests_are_refused(monkeypatch):
     monkeypatch.setenv("METRONOME_FP8_GEMM", "cublas")
     with pytest.raises(InvalidRequestError, match="METRONOME_FP8_GEMM='cublas'"):
         load_model("random:tiny", attention_backend="torch", quantization="fp8")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
+def test_every_family_quantises_on_the_fly(tmp_path, family):
+    """--quantization fp8 on the other families (QK-norm, Gemma's norms and GELU, Phi-3's fused checkpoint
+    tensors): their decoder linears in FP8, the logits those of transformers with the same FP8 weights and
+    fake-quantised inputs; in a prompt shorter than the families' sliding windows."""
+    from family_models import FAMILIES
+    from family_models import save_hf_model as save_family_model
+
+    hf_model = save_family_model(tmp_path, FAMILIES[family]())
+    loaded = load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch", quantization="fp8")
+    dequantised = {}
+    for name, module in hf_model.named_modules():
+        if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+            q, scale = fp8.quantize_per_channel(module.weight.detach())
+            dequantised[name] = fp8.dequantize(q, scale[:, None])
+    assert sum(isinstance(m, Fp8Linear) for m in loaded.model.modules()) == 4 * len(hf_model.model.layers)
+    prompt = PROMPT[:16]
+    expected = fp8_reference_logits(hf_model, dequantised, "token", prompt)
+    torch.testing.assert_close(our_prefill_logits(loaded, prompt), expected, rtol=0, atol=5e-5)

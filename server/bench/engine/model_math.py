@@ -1,12 +1,15 @@
-"""Bytes and FLOPs of a Llama-family decoder: the physical floors the engine benchmark compares against. Pure.
+"""Bytes and FLOPs of a decoder (any family of server/models): the physical floors the engine benchmark compares
+against. Pure.
 
 - A decode step reads every weight once (the input embedding table is only gathered, B rows; when tied, the
-  table is read whole as the LM head) plus the KV of every context token of every sequence.
+  table is read whole as the LM head) plus, per sequence and layer, the KV of the context tokens that layer's
+  attention sees: all of them, or the last `window` on a sliding-window layer (Gemma 3: 5 of 6 layers).
 - Widths: every element is `dtype_bytes` wide, or with FP8 weights the decoder's linear weights take 1 byte each
-  (their per-channel or block scales add `scale_bytes_per_row` float32 values per output row) and with an FP8
-  KV cache each K/V element takes 1 byte: pass a `ByteWidths` where an int width is taken.
-- Prefill of a prompt of L tokens: 2 FLOPs per linear weight per token, causal attention 4·heads·head_dim per
-  (query, key) pair over L(L+1)/2 pairs per layer, and the LM head only for the sampled (last) token.
+  (their per-channel or block scales add `scales_per_row` float32 values per output row) and with an FP8 KV
+  cache each K/V element takes 1 byte: pass a `ByteWidths` where an int width is taken.
+- Prefill of a prompt of L tokens: 2 FLOPs per linear weight per token, attention 4·heads·head_dim per
+  (query, key) pair — L(L+1)/2 pairs on a full layer, fewer on a window layer — and the LM head only for the
+  sampled (last) token. head_dim is the config's (256 for Gemma 3, not hidden / heads).
 """
 from __future__ import annotations
 
@@ -56,13 +59,30 @@ def weights_read_per_decode_step(config: Any, dtype_bytes: int | ByteWidths) -> 
     return int((params - linear) * widths.dtype + linear * widths.linear + scales)
 
 
+def layer_windows(config: Any) -> tuple[int | None, ...]:
+    return getattr(config, "layer_windows", None) or (None,) * config.num_hidden_layers
+
+
 def kv_bytes_per_token(config: Any, dtype_bytes: int | ByteWidths) -> int:
+    """KV bytes of one token in every layer (what a context within every window costs per token)."""
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * ByteWidths.of(dtype_bytes).kv
 
 
+def effective_kv_tokens(config: Any, context_len: int) -> float:
+    """The context a decode reads, in tokens of every layer: kv_bytes_per_token x this = kv_bytes_read."""
+    windows = layer_windows(config)
+    return sum(context_len if w is None else min(w, context_len) for w in windows) / len(windows)
+
+
+def kv_bytes_read(config: Any, dtype_bytes: int | ByteWidths, context_len: int) -> int:
+    """KV bytes one decode reads at this context: each layer its window's worth, or all of it."""
+    per_layer_token = 2 * config.num_key_value_heads * config.head_dim * ByteWidths.of(dtype_bytes).kv
+    return per_layer_token * sum(context_len if w is None else min(w, context_len) for w in layer_windows(config))
+
+
 def decode_floor_bytes(config: Any, dtype_bytes: int | ByteWidths, context_lens: Iterable[int]) -> int:
-    return weights_read_per_decode_step(config, dtype_bytes) + kv_bytes_per_token(config, dtype_bytes) * sum(
-        context_lens)
+    return weights_read_per_decode_step(config, dtype_bytes) + sum(
+        kv_bytes_read(config, dtype_bytes, n) for n in context_lens)
 
 
 def decode_floor_tokens_per_s(weight_bytes: int, kv_bytes_per_token: int, mean_batch: float, mean_kv_tokens: float,
@@ -75,9 +95,17 @@ def decode_floor_tokens_per_s(weight_bytes: int, kv_bytes_per_token: int, mean_b
 def prefill_flops(config: Any, prompt_lens: Iterable[int]) -> float:
     """FLOPs to prefill these prompts from scratch (one sampled token each)."""
     linear = config.num_hidden_layers * linear_params_per_layer(config)
-    attn_per_pair = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    attn_per_pair = 4 * config.num_attention_heads * config.head_dim  # per layer
     lm_head = 2 * config.vocab_size * config.hidden_size
     total = 0.0
     for length in prompt_lens:
-        total += 2.0 * linear * length + attn_per_pair * length * (length + 1) / 2 + lm_head
+        pairs = sum(_attended_pairs(length, w) for w in layer_windows(config))
+        total += 2.0 * linear * length + attn_per_pair * pairs + lm_head
     return total
+
+
+def _attended_pairs(length: int, window: int | None) -> float:
+    """(query, key) pairs of causal attention over a prompt: query i sees min(i + 1, window) keys."""
+    if window is None or window >= length:
+        return length * (length + 1) / 2
+    return window * (window + 1) / 2 + (length - window) * window

@@ -64,7 +64,7 @@ def fp8_layers(model: nn.Module) -> Iterator[tuple[str, Fp8Linear]]:
 
 # ---- fused producers ------------------------------------------------------------------------------------------
 
-FUSABLE_ARCHITECTURES = ("llama", "mistral", "qwen2")
+FUSABLE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # the pre-norm block (llama.py)
 
 
 class Fp8OutputRMSNorm(RMSNorm):
