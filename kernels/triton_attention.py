@@ -154,7 +154,7 @@ def _attention_tile(
             acc, m_i, l_i = _attend_kv_tile(
                 q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end,
                 scale_log2, softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP)
+                True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, KV_FP8)
     for kv_tile in range(edge_end, full_end):
         acc, m_i, l_i = _attend_kv_tile(
             q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end,
