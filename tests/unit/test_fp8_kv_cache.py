@@ -21,13 +21,14 @@ from metronome.kernels.torch_ref import TorchBackend, from_cache, to_cache
 from metronome_testing.random_batch import make_paged_batch
 
 FP8 = torch.float8_e4m3fn
-# (name, q_lens, ctx_lens, block_size, n_kv_heads, group, head_dim, num_splits)
-CASES = [("mixed", (1, 37, 1, 5), (300, 20, 0, 63), 16, 2, 4, 64, None),
-         ("decodes_split", (1, 1), (700, 90), 32, 1, 8, 128, 2)]
+# (name, q_lens, ctx_lens, block_size, n_kv_heads, group, head_dim, num_splits, window)
+CASES = [("mixed", (1, 37, 1, 5), (300, 20, 0, 63), 16, 2, 4, 64, None, None),
+         ("decodes_split", (1, 1), (700, 90), 32, 1, 8, 128, 2, None),
+         ("window", (1, 30, 1), (200, 50, 9), 16, 2, 2, 64, None, 40)]
 
 
 def _fp8_batch(case):
-    name, q_lens, ctx_lens, block_size, n_kv_heads, group, head_dim, _ = case
+    name, q_lens, ctx_lens, block_size, n_kv_heads, group, head_dim, _, _ = case
     batch = make_paged_batch(list(q_lens), list(ctx_lens), block_size, n_kv_heads, group, head_dim,
                              seed=zlib.crc32(name.encode()))
     g = torch.Generator().manual_seed(len(name))
@@ -43,7 +44,8 @@ def _torch_fp8(case):
     batch, k8, v8, k_scale, v_scale = _fp8_batch(case)
     backend = TorchBackend()
     backend.write_kv(batch.key, batch.value, k8, v8, batch.meta.slot_mapping, k_scale, v_scale)
-    out = backend.attention(batch.q, k8, v8, batch.meta, case[6] ** -0.5, k_scale=k_scale, v_scale=v_scale)
+    out = backend.attention(batch.q, k8, v8, batch.meta, case[6] ** -0.5, window=case[8], k_scale=k_scale,
+                            v_scale=v_scale)
     return batch, k8, v8, k_scale, v_scale, out
 
 
@@ -54,8 +56,8 @@ def _triton_case(case) -> dict:
     batch, k8, v8, k_scale, v_scale, expected = _torch_fp8(case)
     _, tk8, tv8, _, _ = _fp8_batch(case)
     write_kv_triton(batch.key, batch.value, tk8, tv8, batch.meta.slot_mapping, k_scale, v_scale)
-    got = paged_attention(batch.q, tk8, tv8, batch.meta, case[6] ** -0.5, num_splits=case[7], k_scale=k_scale,
-                          v_scale=v_scale)
+    got = paged_attention(batch.q, tk8, tv8, batch.meta, case[6] ** -0.5, num_splits=case[7], window=case[8],
+                          k_scale=k_scale, v_scale=v_scale)
     return {"cache_equal": torch.equal(tk8.view(torch.uint8), k8.view(torch.uint8))
             and torch.equal(tv8.view(torch.uint8), v8.view(torch.uint8)),
             "rel": ((got.double() - expected.double()).norm() / expected.double().norm()).item(),
@@ -138,7 +140,7 @@ def test_torch_fp8_cache_is_the_dequantised_cache(case):
     flat = (-1, k8.shape[2], k8.shape[3])
     k_deq = from_cache(k8.view(flat), k_scale).view(k8.shape)
     v_deq = from_cache(v8.view(flat), v_scale).view(v8.shape)
-    expected = TorchBackend().attention(batch.q, k_deq, v_deq, batch.meta, case[6] ** -0.5)
+    expected = TorchBackend().attention(batch.q, k_deq, v_deq, batch.meta, case[6] ** -0.5, window=case[8])
     assert torch.equal(out, expected)
     # every K/V value came back within e4m3's rounding of what was written (3 mantissa bits, or the subnormal step)
     for cache, rows, scale in ((k_deq, batch.key, k_scale), (v_deq, batch.value, v_scale)):
