@@ -42,7 +42,8 @@ def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale
 
 
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, window: int | None = None, k_scale: torch.Tensor | None = None,
+                           meta: AttentionMetadata, window: int | None = None,
+                           sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None) -> None:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive integer or None, got {window!r}")
@@ -57,6 +58,10 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
     if q.dtype != k_cache.dtype and k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if sinks is not None:
+        if tuple(sinks.shape) != (n_heads,):
+            raise ValueError(f"sinks must be [n_heads={n_heads}], got {tuple(sinks.shape)}")
+        _same_device(q=q, sinks=sinks)
     check_kv_scales(k_cache, k_scale, v_scale)
     _same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
                  block_tables=meta.block_tables)

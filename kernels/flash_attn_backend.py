@@ -30,8 +30,10 @@ class FlashAttnBackend:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, out: torch.Tensor | None = None, window: int | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
-        check_attention_inputs(q, k_cache, v_cache, meta, window)
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        check_attention_inputs(q, k_cache, v_cache, meta, window, sinks)
+        if sinks is not None:
+            raise ValueError("flash_attn (flash-attn 2) has no attention sinks; use the triton backend for this model")
         if not flash_attn_fits(k_cache.shape[1], q.shape[2]):
             raise ValueError(f"flash_attn needs block_size % 256 == 0 and head_dim % 8 == 0 (<= 256), got "
                              f"block_size {k_cache.shape[1]}, head_dim {q.shape[2]}")
@@ -56,7 +58,7 @@ class FlashAttnBackend:
         return [max_model_len]
 
     def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int, windows=(None,), softcap=None,
-                dtype: torch.dtype | None = None) -> int:
+                sinks=False, dtype: torch.dtype | None = None) -> int:
         from .triton_kv_write import write_kv_triton  # its K/V writes are Triton's
         slots = torch.full((1,), -1, dtype=torch.int64, device=k_cache.device)
         kv = torch.zeros((1, *k_cache.shape[2:]), dtype=k_cache.dtype, device=k_cache.device)

@@ -7,8 +7,9 @@ blocks may have been freed and reused) are zeroed after the gather, so garbage o
 into the result through `0 * NaN`. An FP8 (e4m3) cache holds `e4m3(x / scale)` with one float32 scale per kv head
 for K and one for V (`k_scale`, `v_scale`): writes quantise, reads multiply back.
 
-Per-layer options are parameters of the call: `window` (a query at position p sees keys p - window + 1 .. p)
-and `softcap` (scores become softcap * tanh(scores / softcap) before the mask, as transformers applies it).
+Per-layer options are parameters of the call: `window` (a query at position p sees keys p - window + 1 .. p),
+`softcap` (scores become softcap * tanh(scores / softcap) before the mask, as transformers applies it) and
+`sinks` (a learned logit per head that joins every row's softmax denominator and attends to nothing: gpt-oss).
 """
 from __future__ import annotations
 
@@ -81,9 +82,9 @@ class TorchBackend:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, out: torch.Tensor | None = None, window: int | None = None,
-                  softcap: float | None = None, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        check_attention_inputs(q, k_cache, v_cache, meta, window, k_scale, v_scale)
+                  softcap: float | None = None, sinks: torch.Tensor | None = None,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        check_attention_inputs(q, k_cache, v_cache, meta, window, sinks, k_scale, v_scale)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q_lens = meta.q_lens_host
@@ -92,12 +93,14 @@ class TorchBackend:
         for n in q_lens:
             starts.append(starts[-1] + n)
         if decodes:
-            self._decodes(q, k_cache, v_cache, meta, scale, decodes, starts, out, window, softcap, k_scale, v_scale)
+            self._decodes(q, k_cache, v_cache, meta, scale, decodes, starts, out, window, softcap, sinks, k_scale,
+                          v_scale)
         for b, q_len in enumerate(q_lens):
             if q_len > 1:
                 rows = slice(starts[b], starts[b + 1])
                 out[rows] = self._one_sequence(q[rows], k_cache, v_cache, meta.block_tables[b],
-                                               meta.seq_lens_host[b], scale, window, softcap, k_scale, v_scale)
+                                               meta.seq_lens_host[b], scale, window, softcap, sinks, k_scale,
+                                               v_scale)
         return out
 
     # Launches that depend on nothing but the shapes: one variant, nothing to compile.
@@ -108,14 +111,14 @@ class TorchBackend:
         return [max_model_len]
 
     def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int, windows=(None,), softcap=None,
-                dtype: torch.dtype | None = None) -> int:
+                sinks=False, dtype: torch.dtype | None = None) -> int:
         return 0
 
     @staticmethod
     def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_len: int, scale: float, window: int | None = None,
-                      softcap: float | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         q_len, n_heads, _ = q.shape
         block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
         num_blocks = -(-seq_len // block_size)
@@ -138,8 +141,8 @@ class TorchBackend:
         group = n_heads // n_kv_heads
         k, v = _expand_kv_heads(k, group), _expand_kv_heads(v, group)  # [H, S, D]
         qh = q.float().transpose(0, 1)  # [H, L, D]
-        if softcap is not None:
-            o = _softcapped(qh, k, v, mask, scale, softcap)
+        if softcap is not None or sinks is not None:
+            o = _explicit(qh, k, v, mask, scale, softcap, sinks)
         elif q_len == seq_len and window is None:  # plain causal: SDPA aligns top-left = bottom-right here
             o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
         else:
@@ -149,7 +152,8 @@ class TorchBackend:
     @staticmethod
     def _decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, decodes: list[int], starts: list[int],
                  out: torch.Tensor, window: int | None = None, softcap: float | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
         """All q_len-1 sequences at once: pad their contexts to the longest and mask the padding."""
         n_heads = q.shape[1]
         block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -174,8 +178,8 @@ class TorchBackend:
         group = n_heads // n_kv_heads
         k, v = _expand_kv_heads(k, group), _expand_kv_heads(v, group)  # [B, H, S, D]
         qh = qd.float()[:, :, None, :]  # [B, H, 1, D]
-        if softcap is not None:
-            o = _softcapped(qh, k, v, valid[:, None, None, :], scale, softcap)
+        if softcap is not None or sinks is not None:
+            o = _explicit(qh, k, v, valid[:, None, None, :], scale, softcap, sinks)
         else:
             o = F.scaled_dot_product_attention(qh, k, v, attn_mask=valid[:, None, None, :], scale=scale)
         o = o[:, :, 0, :].to(q.dtype)
@@ -185,10 +189,19 @@ class TorchBackend:
             out[rows] = o
 
 
-def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                softcap: float) -> torch.Tensor:
-    """softmax(softcap * tanh(q k^T * scale / softcap), masked) v, in float32."""
+def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+              softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax(scores, masked) v in float32, where scores = q k^T * scale, softcapped (softcap * tanh(scores /
+    softcap)) when given; with sinks [H], each head's sink logit joins the softmax as one more column, which
+    is then dropped (transformers' order: the row's max over keys and sink subtracted first). q is [..., H, L, D]."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+    sink = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.matmul(probs, v)

@@ -27,11 +27,11 @@ class TritonBackend:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, out: torch.Tensor | None = None, window: int | None = None,
-                  softcap: float | None = None, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        check_attention_inputs(q, k_cache, v_cache, meta, window, k_scale, v_scale)
+                  softcap: float | None = None, sinks: torch.Tensor | None = None,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        check_attention_inputs(q, k_cache, v_cache, meta, window, sinks, k_scale, v_scale)
         return paged_attention(q, k_cache, v_cache, meta, scale, out=out, window=window, softcap=softcap,
-                               k_scale=k_scale, v_scale=v_scale)
+                               sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
     # --- launch variants (CUDA graphs, warm-up) -----------------------------------------------------------
     def decode_variant(self, num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
@@ -46,11 +46,12 @@ class TritonBackend:
 
     def warm_up(self, q_shape: tuple[int, int, int], k_cache: torch.Tensor, v_cache: torch.Tensor,
                 max_model_len: int, windows: tuple[int | None, ...] = (None,), softcap: float | None = None,
-                dtype: torch.dtype | None = None) -> int:
+                sinks: bool = False, dtype: torch.dtype | None = None) -> int:
         """Launch every (tile class, kv splits) variant a batch of these shapes can meet, for each of the model's
         layer windows, on the cache's last block with every slot skipped, so that Triton compiles them now rather
         than in the middle of serving. q_shape: (any T, heads, head_dim) as the model produces q, in `dtype`
-        (default: the cache's; an FP8 cache's model dtype must be given). Returns the launches made."""
+        (default: the cache's; an FP8 cache's model dtype must be given); sinks: whether the model's attention has
+        them (another compiled variant). Returns the launches made."""
         dtype = dtype or k_cache.dtype
         _, n_heads, head_dim = q_shape
         device = k_cache.device
@@ -66,6 +67,7 @@ class TritonBackend:
             scales = {"k_scale": ones, "v_scale": ones}
         self.write_kv(kv, kv, k_cache, v_cache, write, **scales)
         launches = 1
+        sink_logits = torch.zeros(n_heads, dtype=dtype, device=device) if sinks else None
         for window in dict.fromkeys(windows):
             keys = split_keys(max_model_len, window)
             longest = keys if keys >= 1024 else 0  # choose_num_splits never splits below 1024 keys
@@ -78,7 +80,7 @@ class TritonBackend:
                 q = torch.zeros((sum(q_lens), n_heads, head_dim), dtype=dtype, device=device)
                 for num_splits in split_counts:
                     paged_attention(q, k_cache, v_cache, meta, 1.0, num_splits=num_splits, window=window,
-                                    softcap=softcap, **scales)
+                                    softcap=softcap, sinks=sink_logits, **scales)
                     launches += 1
         return launches
 

@@ -31,7 +31,8 @@ from .triton_fp8 import _fp8_of, _quantize_registers, _scale_of, check_quant_arg
 
 @triton.jit
 def _add_rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, eps,
-                  N: tl.constexpr, BLOCK: tl.constexpr, HAS_X: tl.constexpr, PLUS_ONE: tl.constexpr):
+                  N: tl.constexpr, BLOCK: tl.constexpr, HAS_X: tl.constexpr, PLUS_ONE: tl.constexpr,
+                  FLOAT_SCALE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -45,15 +46,17 @@ def _add_rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if PLUS_ONE:  # Gemma: scaled by (1 + w) in float32, rounded once
         out = r32 * inv * (1.0 + w)
+    elif FLOAT_SCALE:  # gpt-oss: scaled by w in float32, rounded once
+        out = w * (r32 * inv)
     else:  # Llama: rounded to the model dtype, then times w
         out = w * (r32 * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None, plus_one: bool = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None, plus_one: bool = False, float_scale: bool = False) -> torch.Tensor:
     """residual [T, N] (updated in place to residual + x when x is given); returns weight * rmsnorm(residual)
-    ((1 + weight) * rmsnorm(residual) with plus_one)."""
+    ((1 + weight) * rmsnorm(residual) with plus_one; scaled in float32 before rounding with float_scale)."""
     rows, n = residual.shape
     if out is None:
         out = torch.empty_like(residual)
@@ -67,14 +70,16 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     _add_rms_norm[(rows,)](
         x if x is not None else residual, residual, weight, out,
         x.stride(0) if x is not None else 0, residual.stride(0), out.stride(0), eps,
-        N=n, BLOCK=block, HAS_X=x is not None, PLUS_ONE=plus_one, num_warps=min(16, max(4, block // 512)),
+        N=n, BLOCK=block, HAS_X=x is not None, PLUS_ONE=plus_one, FLOAT_SCALE=float_scale,
+        num_warps=min(16, max(4, block // 512)),
     )
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False,
+             float_scale: bool = False) -> torch.Tensor:
     """RMSNorm of the rows of x [T, N] (x is not changed)."""
-    return add_rms_norm(None, x, weight, eps, plus_one=plus_one)
+    return add_rms_norm(None, x, weight, eps, plus_one=plus_one, float_scale=float_scale)
 
 
 

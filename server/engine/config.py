@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from metronome.contract.errors import InvalidRequestError
 from metronome.contract.precision import KV_CACHE_DTYPES, QUANTIZATIONS
+from metronome.server.models.moe_config import MOE_BACKENDS
 
 ASYNC_SCHEDULING = ("auto", "on", "off")
 
@@ -28,6 +29,7 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of KV blocks kept free at admission so running decodes can grow
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA + triton only; False = --enforce-eager)
     async_scheduling: str = "auto"  # ASYNC_SCHEDULING: launch step n+1 before reading step n (auto: on for CUDA)
+    moe_backend: str = "auto"  # MOE_BACKENDS: how a mixture of experts runs its experts (auto: triton on CUDA)
     quantization: str | None = None  # QUANTIZATIONS; None = as the checkpoint is (FP8 checkpoints load as FP8)
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
@@ -49,6 +51,9 @@ class EngineConfig:
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise InvalidRequestError(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}, got "
                                       f"{self.async_scheduling!r}", param="async_scheduling")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise InvalidRequestError(f"moe_backend must be one of {', '.join(MOE_BACKENDS)}, got "
+                                      f"{self.moe_backend!r}", param="moe_backend")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                                       f"{self.quantization!r}", param="quantization")

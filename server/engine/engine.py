@@ -95,6 +95,14 @@ class EngineCore:
                 param="max_model_len")
         self.max_model_len: int = config.max_model_len or model_max
         device = torch.device(loaded.device)
+        set_moe_backend = getattr(loaded.model, "set_moe_backend", None)
+        if set_moe_backend is not None:  # a mixture of experts: how its experts run (a dense model has none)
+            from metronome.server.models.moe import resolve_moe_backend
+            try:
+                resolve_moe_backend(config.moe_backend, device)  # an explicit choice must run on this device
+            except ValueError as error:
+                raise InvalidRequestError(str(error), param="moe_backend") from None
+            set_moe_backend(config.moe_backend)
         dtype = loaded.dtype if isinstance(loaded.dtype, torch.dtype) else getattr(torch, str(loaded.dtype))
         kv_heads = model_config.num_key_value_heads if workers is None else workers.kv_heads_per_rank
         backend_name = getattr(getattr(loaded.model, "attention_backend", None), "name", config.attention_backend)

@@ -333,6 +333,10 @@ class ModelRunner:
             return "eager: not on CUDA"
         if name != "triton":
             return f"eager: attention backend {name!r} is not captured (only triton is)"
+        model_problem = getattr(self.model, "graph_capture_problem", None)
+        problem = model_problem(self.device) if model_problem is not None else None
+        if problem:
+            return f"eager: {problem}"
         sizes = capture_sizes(max_batch)
         if not sizes:
             return "eager: no batch size to capture"
@@ -396,7 +400,10 @@ class ModelRunner:
                 dtype = {"dtype": self.dtype} if k_cache.dtype != self.dtype else {}  # an FP8 cache
                 launches += backend.warm_up((1, heads, k_cache.shape[3]), k_cache, v_cache, max_model_len,
                                             windows=windows, softcap=getattr(config, "attn_logit_softcapping", None),
-                                            **dtype)
+                                            sinks=getattr(config, "attention_sinks", False), **dtype)
+            warm_kernels = getattr(self.model, "warm_up_kernels", None)
+            if warm_kernels is not None:  # kernels of the model's own (the MoE tile classes)
+                launches += warm_kernels(self.device)
             meta = scratch_metadata([1], self.scratch_block, self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             self.model.forward(zero, zero, self.kv_caches, meta)

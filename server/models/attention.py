@@ -2,8 +2,9 @@
 to the paged cache, attention through a `metronome.kernels` backend, o_proj.
 
 The per-layer options are the layer's own constants, given to the kernels as parameters of the attention call:
-its sliding window (None: full causal attention), its scale, its logit softcap, and with an FP8 KV cache its
-per-kv-head K and V scales (`kv_scales`, set by the engine). On CUDA the QK-norm, rope and
+its sliding window (None: full causal attention), its scale, its logit softcap, its learned sinks (gpt-oss:
+`self_attn.sinks`, one logit per head in the softmax denominator), and with an FP8 KV cache its per-kv-head K and
+V scales (`kv_scales`, set by the engine). On CUDA the QK-norm, rope and
 K/V write are one fused Triton kernel; elsewhere torch ops in transformers' order.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_plus_one)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_plus_one)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
         self.attention = attention
         self.kv_scales: dict[str, torch.Tensor] = {}  # an FP8 KV cache's k_scale / v_scale [n_kv_heads] (engine-set)
 
@@ -76,5 +78,8 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H, D] attention of q over the cache (the one launch a captured piece leaves out)."""
+        if self.sinks is None:
+            return self.attention.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, out=out,
+                                            window=self.window, softcap=self.softcap)
         return self.attention.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, out=out, window=self.window,
-                                        softcap=self.softcap, **self.kv_scales)
+                                        softcap=self.softcap, sinks=self.sinks, **self.kv_scales)

@@ -1,19 +1,26 @@
-"""The shape of a decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3), read from a Hugging Face `config.json`
-(hf_config.py), GGUF metadata (gguf_loader.py) or a preset.
+"""The shape of a decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, and the mixtures of experts Qwen2-MoE,
+Qwen3-MoE, Mixtral, gpt-oss), read from a Hugging Face `config.json` (hf_config.py), GGUF metadata
+(gguf_loader.py) or a preset.
 
 One dataclass for every family: the family picks the block (`architecture`), and the per-layer attention options
-(sliding windows, QK-norm, rope bases, softcapping) are fields here, so an attention call gets them as parameters.
+(sliding windows, QK-norm, rope bases, softcapping, sinks) are fields here, so an attention call gets them as
+parameters. An MoE model carries its expert block's spec (`moe`, moe_config.MoeSpec) and which layers have it.
 No torch here: the operator and the CLI may want model shapes without paying for torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from metronome.contract.errors import ModelNotFoundError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+if TYPE_CHECKING:
+    from metronome.server.models.moe_config import MoeSpec
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen2_moe", "qwen3_moe",
+                           "mixtral", "gpt_oss")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
@@ -57,6 +64,10 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None  # per layer FULL_ or SLIDING_ATTENTION; None: all sliding if a window
     rope_local_theta: float | None = None  # rope base of the sliding layers, which use plain rope (Gemma 3)
     partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims only (Phi-4-mini)
+    norm_float_scale: bool = False  # RMSNorm scales by weight in float32 and casts once (gpt-oss)
+    attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss)
+    moe: MoeSpec | None = None  # the expert block of the MoE layers (None: a dense model)
+    moe_layers: tuple[int, ...] | None = None  # the layers with the expert block (None: all, when moe is set)
     notes: tuple[str, ...] = field(default=(), compare=False)  # what the loader adapted, for logs and reports
 
     def __post_init__(self) -> None:
@@ -90,6 +101,13 @@ class ModelConfig:
     def layer_windows(self) -> tuple[int | None, ...]:
         return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and (self.moe_layers is None or layer in self.moe_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
     def num_parameters(self) -> int:
         """Parameter count (embedding counted once when tied); handy for memory planning without building."""
         h, layers = self.hidden_size, self.num_hidden_layers
@@ -100,10 +118,14 @@ class ModelConfig:
             attn += h
         if self.qk_norm:
             attn += 2 * self.head_dim
+        if self.attention_sinks:
+            attn += self.num_attention_heads
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
         norms = (4 if self.sandwich_norm else 2) * h
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return layers * (attn + mlp + norms) + h + embeddings
+        sparse = self.num_moe_layers
+        moe = sparse * self.moe.block_parameters(h) if self.moe is not None else 0
+        return layers * (attn + norms) + (layers - sparse) * mlp + moe + h + embeddings
 
 
 def validate(config: ModelConfig) -> None:
@@ -147,6 +169,15 @@ def validate(config: ModelConfig) -> None:
             raise UnsupportedModelError(f"{name} must be positive when set, got {value!r}")
     if config.rope_scaling is not None:
         _validate_rope_scaling(config)
+    if config.architecture in MOE_ARCHITECTURES and config.moe is None:
+        raise UnsupportedModelError(f"architecture {config.architecture!r} needs its MoE block (moe)")
+    if config.moe_layers is not None:
+        if config.moe is None:
+            raise UnsupportedModelError("moe_layers is set but the model has no MoE block")
+        outside = [i for i in config.moe_layers if not 0 <= i < config.num_hidden_layers]
+        if outside:
+            raise UnsupportedModelError(f"moe_layers {outside} are not layers of a {config.num_hidden_layers}-layer "
+                                        "model")
 
 
 def _validate_rope_scaling(config: ModelConfig) -> None:
@@ -158,7 +189,8 @@ def _validate_rope_scaling(config: ModelConfig) -> None:
         )
     required = {"linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+                "yarn": ("factor", "original_max_position_embeddings")}
     for key in required.get(rope_type, ()):
         if key not in scaling:
             raise UnsupportedModelError(f"rope scaling {rope_type!r} needs {key!r}")

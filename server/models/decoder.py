@@ -57,7 +57,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_plus_one)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_plus_one, config.norm_float_scale)
         self.rotary = RotaryEmbedding(config)
         # Sliding layers turn on a base of their own where the config gives one (Gemma 3).
         self.rotary_local = RotaryEmbedding(config, local=True) if config.rope_local_theta is not None else None
@@ -208,6 +208,10 @@ class DecoderForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # some tied checkpoints still carry a copy of the embedding
+            own = self.load_own_tensor(name, tensor)
+            if own is not None:  # a tensor the family stores its own way (e.g. stacked experts)
+                filled.update(own)
+                continue
             target, shard = _fused_target(name)
             param = params.get(target)
             if param is None:
@@ -226,6 +230,11 @@ class DecoderForCausalLM(nn.Module):
                    for shard in shards if (name, shard) not in filled]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
+
+    def load_own_tensor(self, name: str, tensor: torch.Tensor) -> list[tuple[str, int]] | None:
+        """A family that stores some tensors its own way loads them here and returns the (parameter, shard) pairs
+        they filled; None: the generic path loads it."""
+        return None
 
     def _shard_view(self, param: torch.Tensor, target: str, shard: int | None) -> torch.Tensor:
         if shard is None:

@@ -36,8 +36,11 @@ from metronome.server.models.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
-# GGUF architectures we read, and whether their Q/K rows were permuted by llama.cpp's converter.
-GGUF_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma3": False, "phi3": False}
+# GGUF architectures we read, and whether their Q/K rows were permuted by llama.cpp's converter. A llama file with
+# experts is Mixtral; qwen3moe is Qwen3-MoE.
+GGUF_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "gemma3": False, "phi3": False,
+                      "qwen3moe": False}
+_MODEL_ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -59,6 +62,9 @@ _ARCH_LAYER_TENSORS = {
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused, gate rows first
 }
+# The expert block: the router and the experts stacked per projection, [E, out, in] (moe.py reads them).
+_MOE_LAYER_TENSORS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                      "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
 _ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -131,8 +137,10 @@ def gguf_config(reader, metadata: dict[str, Any]) -> ModelConfig:
     family = _family_fields(reader, metadata, arch, layers, hidden, head_dim, tensor_names)
     if rope_dims != head_dim:
         family["partial_rotary_factor"] = rope_dims / head_dim
+    family.update(_moe_fields(metadata, arch, layers, tensor_names))
+    architecture = family.pop("architecture", _MODEL_ARCHITECTURES.get(arch, arch))
     return ModelConfig(
-        architecture=arch,
+        architecture=architecture,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -161,7 +169,7 @@ def _family_fields(reader, metadata: dict[str, Any], arch: str, layers: int, hid
     """The ModelConfig fields a family reads beyond the common shape."""
     window = metadata.get(f"{arch}.attention.sliding_window")
     window = int(window) if window else None
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         return {"qk_norm": True}
     if arch == "phi3":
         fields: dict[str, Any] = {"sliding_window": window}
@@ -187,6 +195,30 @@ def _family_fields(reader, metadata: dict[str, Any], arch: str, layers: int, hid
     return {}
 
 
+def _moe_fields(metadata: dict[str, Any], arch: str, layers: int, tensor_names: set[str]) -> dict[str, Any]:
+    """The expert block of a file with experts: Qwen3-MoE (qwen3moe; llama.cpp always renormalises its top-k) or
+    Mixtral (a llama file with `llama.expert_count`). The sparse layers are those with a router tensor."""
+    experts = metadata.get(f"{arch}.expert_count")
+    if not experts:
+        return {}
+    from metronome.server.models.moe_config import MoeSpec
+
+    top_k = int(metadata[f"{arch}.expert_used_count"])
+    sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
+    fields: dict[str, Any] = {"moe_layers": None if len(sparse) == layers else sparse}
+    if arch == "qwen3moe":
+        size = int(metadata[f"{arch}.expert_feed_forward_length"])
+        fields["moe"] = MoeSpec(num_experts=int(experts), top_k=top_k, intermediate_size=size,
+                                weights_in_model_dtype=True)
+    elif arch == "llama":
+        size = int(metadata[f"{arch}.feed_forward_length"])
+        fields["architecture"] = "mixtral"
+        fields["moe"] = MoeSpec(num_experts=int(experts), top_k=top_k, intermediate_size=size)
+    else:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not read")
+    return fields
+
+
 def _small_tensor(reader: GGUFFile, name: str) -> torch.Tensor:
     tensor = next(t for t in reader.tensors if t.name == name)
     raw = reader.raw(tensor, tensor_nbytes(tensor.ggml_type, prod(tensor.shape)))
@@ -209,9 +241,10 @@ def gguf_weights(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, t
 
     On one intra-op thread: dequantising is memory-bound, and on a busy machine torch's OpenMP threads spin
     waiting for each other (measured on 2 shared cores: 14.8 s with two threads, 0.7 s with one)."""
-    permuted = GGUF_ARCHITECTURES[config.architecture]
+    permuted = GGUF_ARCHITECTURES[reader.metadata.get("general.architecture")]
     plus_one_norms = config.norm_plus_one
-    names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(config.architecture, {})}
+    names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(config.architecture, {}),
+             **(_MOE_LAYER_TENSORS if config.moe is not None else {})}
     started = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

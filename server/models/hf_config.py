@@ -3,7 +3,9 @@
 Reads both the classic keys (`rope_theta`, `rope_scaling`, `rope_local_base_freq`) and transformers 5's
 `rope_parameters` (flat, or per layer type for Gemma 3). Sliding windows are read as the model defines them
 (Mistral and Phi-3: every layer; Qwen2/Qwen3: layers from `max_window_layers` on when `use_sliding_window`;
-Gemma 3: `layer_types` or every `sliding_window_pattern`-th layer global) and never cap the context.
+Gemma 3: `layer_types` or every `sliding_window_pattern`-th layer global; gpt-oss: `layer_types`) and never cap
+the context. The mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss) add their expert block
+(moe_config.moe_spec_from_hf) and which layers carry it.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from metronome.server.models.config import (
     UnsupportedModelError,
 )
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "phi3")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "phi3", "qwen2_moe", "qwen3_moe",
+                  "mixtral", "gpt_oss")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -181,9 +184,38 @@ def _gemma3(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _moe(raw: dict[str, Any]) -> dict[str, Any]:
+    from metronome.server.models.moe_config import moe_layer_indices, moe_spec_from_hf
+
+    layers = int(raw["num_hidden_layers"])
+    sparse = moe_layer_indices(raw, layers)
+    return {"moe": moe_spec_from_hf(raw), "moe_layers": None if len(sparse) == layers else sparse}
+
+
+def _qwen2_moe(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    bias = bool(raw.get("qkv_bias", True))  # Qwen2-MoE: biases on q/k/v, none on o_proj
+    return {"attention_bias": bias, "attention_output_bias": False, **_qwen_windows(raw), **_moe(raw)}
+
+
+def _qwen3_moe(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    return {"qk_norm": True, **_qwen_windows(raw), **_moe(raw)}
+
+
+def _mixtral(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    return {"sliding_window": _window(raw), **_moe(raw)}
+
+
+def _gpt_oss(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types") or [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(layers)]
+    return {"sliding_window": _window(raw), "layer_types": tuple(types), "attention_sinks": True,
+            "norm_float_scale": True, **_moe(raw)}
+
+
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
 _FAMILY_READERS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "gemma3_text": _gemma3,
-                   "phi3": _phi3}
+                   "phi3": _phi3, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral,
+                   "gpt_oss": _gpt_oss}

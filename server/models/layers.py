@@ -20,14 +20,16 @@ from metronome.server.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) scaled by weight, normalised in float32. Llama style (plus_one False): cast back to the model
-    dtype, then times weight. Gemma style (plus_one True): times (1 + weight) in float32, then cast once."""
+    """x / rms(x) scaled by weight, normalised in float32. Llama style: cast back to the model dtype, then times
+    weight. Gemma style (plus_one): times (1 + weight) in float32, then cast once. gpt-oss style (float_scale):
+    times weight in float32, then cast once."""
 
-    def __init__(self, hidden_size: int, eps: float, plus_one: bool = False):
+    def __init__(self, hidden_size: int, eps: float, plus_one: bool = False, float_scale: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.plus_one = plus_one
+        self.float_scale = float_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
@@ -35,6 +37,8 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.plus_one:
             return (x32 * (1.0 + self.weight.float())).to(input_dtype)
+        if self.float_scale:
+            return (self.weight.float() * x32).to(input_dtype)
         return self.weight * x32.to(input_dtype)
 
     def add_forward(self, delta: torch.Tensor | None, residual: torch.Tensor, fused: bool
@@ -43,7 +47,8 @@ class RMSNorm(nn.Module):
         updates residual in place."""
         if fused:
             from metronome.kernels.triton_fused import add_rms_norm
-            return add_rms_norm(delta, residual, self.weight, self.eps, plus_one=self.plus_one), residual
+            return add_rms_norm(delta, residual, self.weight, self.eps, plus_one=self.plus_one,
+                                float_scale=self.float_scale), residual
         if delta is not None:
             residual = residual + delta
         return self(residual), residual
@@ -52,7 +57,7 @@ class RMSNorm(nn.Module):
         """norm(x) of [T, N] rows (no residual)."""
         if fused:
             from metronome.kernels.triton_fused import rms_norm
-            return rms_norm(x, self.weight, self.eps, plus_one=self.plus_one)
+            return rms_norm(x, self.weight, self.eps, plus_one=self.plus_one, float_scale=self.float_scale)
         return self(x)
 
 

@@ -26,9 +26,11 @@ if TYPE_CHECKING:
 class PreNormDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, attention: AttentionBackend, parts: ModelParts):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_plus_one)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_plus_one,
+                                       config.norm_float_scale)
         self.self_attn = Attention(config, index, attention, parts.linear)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_plus_one)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_plus_one,
+                                                config.norm_float_scale)
         self.mlp = parts.mlp(config, index, parts.linear)
 
     def begin(self, delta: torch.Tensor | None, residual: torch.Tensor, positions: torch.Tensor,

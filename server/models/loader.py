@@ -210,7 +210,7 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
     started = time.perf_counter()
     reader = _SOURCE_READERS[source.kind](source)
     config = reader.config()
-    scheme, gemm = _quantization(reader, quantization, tensor_parallel)
+    scheme, gemm = _quantization(reader, config, quantization, tensor_parallel)
     # The tokenizer (transformers' import, the vocabulary) builds on a second thread while the weights load: both
     # are on a cold start's critical path and the weights' torch ops release the GIL.
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="metronome-load-tokenizer")
@@ -252,7 +252,8 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
     return LoadedModel(source.name, config, model, tokenizer, torch_dtype, torch_device, scheme)
 
 
-def _quantization(reader, requested: str | None, tensor_parallel: TPContext | None) -> tuple[Fp8Scheme | None, str]:
+def _quantization(reader, config: ModelConfig, requested: str | None, tensor_parallel: TPContext | None
+                  ) -> tuple[Fp8Scheme | None, str]:
     """The FP8 scheme to load with (the checkpoint's, or on the fly when requested) and the CUDA GEMM choice."""
     from metronome.server.models.quant.cuda_gemm import gemm_from_environment
 
@@ -265,6 +266,9 @@ def _quantization(reader, requested: str | None, tensor_parallel: TPContext | No
         raise InvalidRequestError(str(error), param="quantization") from None
     if scheme is not None and tensor_parallel is not None:
         raise InvalidRequestError("FP8 models are served at tensor_parallel_size 1", param="quantization")
+    if scheme is not None and getattr(config, "moe", None) is not None:
+        raise InvalidRequestError("FP8 weights are served for dense models; this one is a mixture of experts",
+                                  param="quantization")
     return scheme, gemm
 
 

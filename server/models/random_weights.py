@@ -20,7 +20,7 @@ def random_init_std(name: str, num_layers: int) -> float | None:
     """The standard deviation of a random parameter; None for norms (filled with norm_fill)."""
     if name.endswith("norm.weight"):
         return None
-    if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         return INIT_STD / math.sqrt(2 * num_layers)
     return INIT_STD
 

@@ -1,6 +1,6 @@
-"""Rotary position embeddings in Hugging Face's layout (rotate-half, not interleaved): plain, linear, Llama 3 and
-LongRoPE (Phi-3) scaling, partial rotary (the first `rotary_dim` dims of a head turn, the rest pass through), and
-one rope per layer kind (Gemma 3's sliding layers turn on their own base).
+"""Rotary position embeddings in Hugging Face's layout (rotate-half, not interleaved): plain, linear, Llama 3,
+LongRoPE (Phi-3) and YaRN (gpt-oss; rope_yarn.py) scaling, partial rotary (the first `rotary_dim` dims of a head
+turn, the rest pass through), and one rope per layer kind (Gemma 3's sliding layers turn on their own base).
 
 The frequencies are computed once on the CPU in float32 the way transformers computes them, so that greedy
 outputs match it bit for bit where the arithmetic allows. cos/sin are computed once per model, for every
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from metronome.server.models.config import ModelConfig
+from metronome.server.models.rope_yarn import yarn_attention_factor, yarn_inv_freq
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -56,6 +57,8 @@ def scaled_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | Non
         return llama3_inv_freq(inv_freq, scaling)
     if scaling["rope_type"] == "linear":
         return inv_freq / float(scaling["factor"])
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(rotary_dim, theta, scaling)
     if scaling["rope_type"] == "longrope":
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
@@ -104,6 +107,8 @@ class RotaryEmbedding(torch.nn.Module):
             self.long_inv_freq = scaled_inv_freq(self.rotary_dim, theta, scaling, long=True)
             self.original_context = int(scaling["original_max_position_embeddings"])
             self.attention_factor = longrope_attention_factor(scaling, config.max_position_embeddings)
+        if scaling is not None and scaling["rope_type"] == "yarn":
+            self.attention_factor = yarn_attention_factor(scaling)
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property

@@ -54,8 +54,48 @@ def mistral_config():
     return MistralConfig(**_base(head_dim=16, sliding_window=WINDOW, rope_theta=10000.0, tie_word_embeddings=False))
 
 
+def qwen3_moe_config():
+    from transformers import Qwen3MoeConfig
+
+    # Layer 1 keeps a dense MLP (mlp_only_layers); the others route to 2 of 8 experts, renormalised.
+    return Qwen3MoeConfig(**_base(head_dim=16, rope_theta=10000.0, tie_word_embeddings=False),
+                          moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                          mlp_only_layers=[1])
+
+
+def qwen2_moe_config():
+    from transformers import Qwen2MoeConfig
+
+    # Only layer 1 is sparse (decoder_sparse_step 2), with a gated shared expert; top-3 not renormalised.
+    return Qwen2MoeConfig(**_base(rope_theta=10000.0, tie_word_embeddings=False), moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
+                          decoder_sparse_step=2)
+
+
+def mixtral_config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**_base(head_dim=16, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=WINDOW),
+                         num_local_experts=4, num_experts_per_tok=2)
+
+
+def gpt_oss_config():
+    from transformers import GptOssConfig
+
+    # Window and full layers alternating, YaRN, sinks, biases; 4 experts of 96 (MXFP4 rows are 32 wide).
+    return GptOssConfig(**_base(head_dim=16, tie_word_embeddings=False, sliding_window=WINDOW),
+                        num_local_experts=4, num_experts_per_tok=2,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+
+
 FAMILIES = {"qwen3": qwen3_config, "mistral": mistral_config, "gemma3": gemma3_config,
-            "gemma3-softcap": lambda: gemma3_config(softcap=True), "phi3": phi3_config}
+            "gemma3-softcap": lambda: gemma3_config(softcap=True), "phi3": phi3_config,
+            "qwen3_moe": qwen3_moe_config, "qwen2_moe": qwen2_moe_config, "mixtral": mixtral_config,
+            "gpt_oss": gpt_oss_config}
+# Routers are scaled up so that experts win by clear margins: a near tie in routing would flip on float noise.
+ROUTER_WEIGHTS = ("mlp.gate.weight", "mlp.router.weight")
 
 
 def write_tokenizer(folder: Path) -> None:
@@ -78,11 +118,14 @@ def save_hf_model(folder: Path, config, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                             experts_implementation="eager").eval()
     with torch.no_grad():  # norms and biases start at 1/0: randomise them so a mix-up would show
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith("norm.weight") or name.endswith(".bias") or name.endswith(".sinks"):
                 param.add_(torch.randn_like(param) * 0.1)
+            if name.endswith(ROUTER_WEIGHTS):
+                param.mul_(10.0)
     model.save_pretrained(folder)
     write_tokenizer(folder)
     return model

@@ -153,3 +153,43 @@ def test_effective_kv_tokens_turn_window_reads_into_every_layer_tokens():
         assert model_math.kv_bytes_per_token(gemma, 2) * model_math.effective_kv_tokens(gemma, context) == \
             pytest.approx(model_math.kv_bytes_read(gemma, 2, context))
     assert model_math.effective_kv_tokens(LLAMA3_8B, 5000) == 5000
+
+
+def test_moe_decode_floor_reads_only_the_experts_the_batch_picks():
+    qwen = preset_config("qwen3-30b-a3b")  # 48 sparse layers of 128 experts (3 x 2048 x 768 each), top-8
+    expert_bytes = 3 * 2048 * 768 * 2
+    every_expert = model_math.weights_read_per_decode_step(qwen, 2)
+    others = every_expert - 48 * 128 * expert_bytes  # attention, norms, routers, the LM head
+    assert others == pytest.approx(2 * (48 * (2048 * (4096 + 1024) + 4096 * 2048 + 2 * 128 + 2 * 2048
+                                              + 128 * 2048) + 2048 + 151936 * 2048), rel=1e-9)
+    assert model_math.weights_read_per_decode_step(qwen, 2, batch=1) == pytest.approx(
+        others + 48 * 8 * expert_bytes, rel=1e-9)
+    at_64 = model_math.weights_read_per_decode_step(qwen, 2, batch=64)
+    assert at_64 == pytest.approx(others + 48 * 128 * (1 - (1 - 8 / 128) ** 64) * expert_bytes, rel=1e-9)
+    assert model_math.weights_read_per_decode_step(qwen, 2, batch=4096) == pytest.approx(every_expert, rel=1e-6)
+    floors_ms = {b: model_math.decode_floor_bytes(qwen, 2, [2048] * b) / H200_COPY * 1000
+                 for b in (1, 64, 256)}
+    assert floors_ms[1] < 0.1 * floors_ms[64] < floors_ms[256]
+    dense = preset_config("llama-3-8b")  # a dense model reads the same weights at any batch
+    assert model_math.weights_read_per_decode_step(dense, 2, batch=1) == model_math.weights_read_per_decode_step(
+        dense, 2)
+
+
+def test_moe_prefill_counts_the_active_experts_only():
+    qwen = preset_config("qwen3-30b-a3b")
+    active = 48 * (2048 * 5120 + 4096 * 2048 + 2048 * 128 + 8 * 3 * 2048 * 768)  # attention, router, 8 experts
+    assert model_math.active_linear_params(qwen) == active
+    assert model_math.active_linear_params(LLAMA3_8B) == 32 * model_math.linear_params_per_layer(LLAMA3_8B)
+    mixed = preset_config("tiny-qwen3-moe")  # layer 1 is dense
+    dense_mlp = 3 * 64 * 128
+    sparse_mlp = 64 * 8 + 2 * 3 * 64 * 64
+    attention = model_math.linear_params_per_layer(mixed) - dense_mlp
+    assert model_math.active_linear_params(mixed) == 3 * attention + 2 * sparse_mlp + dense_mlp
+
+
+def test_the_transformers_peer_refuses_the_mixtures_of_experts():
+    from metronome.server.bench.engine.hf_peer import HFPeerError
+
+    for preset in ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b"):
+        with pytest.raises(HFPeerError, match="no peer is built"):
+            llama_config_for(preset_config(preset), None)

@@ -19,7 +19,7 @@ import torch
 
 # (name, tokens, hidden, heads, kv_heads, head_dim, block_size, variant, dtype). Variants: "llama"; "qwen3"
 # (QK-norm); "gemma" (QK-norm and norms scaling by 1 + w, GELU-tanh gate); "phi" (rope over 3/4 of each head:
-# 12 of 16 dims, a rotary half that is no power of two).
+# 12 of 16 dims, a rotary half that is no power of two); "gpt_oss" (norms scaling by w in float32).
 CASES = [
     ("f32_pow2", 7, 64, 4, 2, 16, 4, "llama", "float32"),
     ("f32_odd_hidden_gqa3", 5, 96, 3, 1, 32, 16, "llama", "float32"),
@@ -28,10 +28,11 @@ CASES = [
     ("f32_gemma_d256", 4, 64, 2, 1, 256, 16, "gemma", "float32"),
     ("f32_phi_partial_rotary", 5, 64, 4, 4, 16, 8, "phi", "float32"),
     ("bf16_gemma", 6, 128, 4, 2, 32, 8, "gemma", "bfloat16"),
+    ("bf16_gpt_oss", 5, 64, 8, 1, 16, 16, "gpt_oss", "bfloat16"),
 ]
 VARIANTS = {"llama": {}, "qwen3": dict(qk_norm=True),
             "gemma": dict(qk_norm=True, norm_plus_one=True, hidden_act="gelu_tanh"),
-            "phi": dict(partial_rotary_factor=0.75)}
+            "phi": dict(partial_rotary_factor=0.75), "gpt_oss": dict(norm_float_scale=True)}
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 
 
@@ -55,19 +56,20 @@ def _case_results(name, tokens, hidden, heads, kv_heads, head_dim, block_size, v
     out: dict = {}
     features = VARIANTS[variant]
     plus_one = features.get("norm_plus_one", False)
+    float_scale = features.get("norm_float_scale", False)
     # --- norm with and without the residual add
-    norm = RMSNorm(hidden, 1e-5, plus_one).to(dtype)
+    norm = RMSNorm(hidden, 1e-5, plus_one, float_scale).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(1.0 + 0.1 * randn(hidden).float())
     x, residual = randn(tokens, hidden), randn(tokens, hidden)
     expected_residual = residual + x
     expected = norm(expected_residual)
     got_residual = residual.clone()
-    got = add_rms_norm(x, got_residual, norm.weight, norm.eps, plus_one=plus_one)
+    got = add_rms_norm(x, got_residual, norm.weight, norm.eps, plus_one=plus_one, float_scale=float_scale)
     out["residual_equal"] = torch.equal(got_residual, expected_residual)
     out["norm_add"] = _rel(got, expected)
-    out["norm_plain"] = _rel(add_rms_norm(None, residual.clone(), norm.weight, norm.eps, plus_one=plus_one),
-                             norm(residual))
+    out["norm_plain"] = _rel(add_rms_norm(None, residual.clone(), norm.weight, norm.eps, plus_one=plus_one,
+                                          float_scale=float_scale), norm(residual))
 
     # --- rope + K/V write
     config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=heads * head_dim, intermediate_size=8,

@@ -123,7 +123,8 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
         "kv_tokens_read_median": statistics.median(kv_tokens), "non_decode_steps": mixed,
         "cuda_graph_steps": graph_steps,
     }
-    floor_bytes = model_math.weights_read_per_decode_step(config, dtype_bytes) + int(statistics.median(kv_bytes))
+    floor_bytes = model_math.weights_read_per_decode_step(config, dtype_bytes, batch) + int(
+        statistics.median(kv_bytes))
     result["floor_bytes"] = floor_bytes
     if bandwidth:
         floor_s = floor_bytes / bandwidth
