@@ -80,6 +80,6 @@ class Attention(nn.Module):
         """[T, H, D] attention of q over the cache (the one launch a captured piece leaves out)."""
         if self.sinks is None:
             return self.attention.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, out=out,
-                                            window=self.window, softcap=self.softcap)
+                                            window=self.window, softcap=self.softcap, **self.kv_scales)
         return self.attention.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, out=out, window=self.window,
                                         softcap=self.softcap, sinks=self.sinks, **self.kv_scales)
