@@ -133,10 +133,12 @@ class FlashAttnBackend:
         return [max_model_len]
 
     def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int, windows=(None,), softcap=None,
-                sinks=False, batches: tuple[tuple[int, ...], ...] | None = None) -> int:
+                sinks=False, batches: tuple[tuple[int, ...], ...] | None = None,
+                dtype: torch.dtype | None = None) -> int:
         """Compile FA4's variants for these shapes and every layer window, softcap and sinks: a batch of short
         rows (one query tile: decodes) and one of longer rows, each at up to and above FA4_LARGE_BATCH sequences
-        (its compile key changes with these), or the given `batches` (q_lens each). Returns the launches made."""
+        (its compile key changes with these), or the given `batches` (q_lens each); q in `dtype` (default: the
+        cache's). Returns the launches made."""
         from .triton_kv_write import write_kv_triton  # its K/V writes are Triton's
 
         device = k_cache.device
@@ -151,7 +153,7 @@ class FlashAttnBackend:
         for window in dict.fromkeys(windows):
             for q_lens in batches:
                 meta = _scratch_pages(list(q_lens), scratch, k_cache.shape[1], device)
-                q = torch.zeros((sum(q_lens), n_heads, head_dim), dtype=k_cache.dtype, device=device)
+                q = torch.zeros((sum(q_lens), n_heads, head_dim), dtype=dtype or k_cache.dtype, device=device)
                 self.attention(q, k_cache, v_cache, meta, 1.0, window=window, softcap=softcap, sinks=sink_logits)
                 launches += 1
         return launches

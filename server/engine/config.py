@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from metronome.contract.errors import InvalidRequestError
+from metronome.contract.precision import KV_CACHE_DTYPES, QUANTIZATIONS
 from metronome.server.models.moe_config import MOE_BACKENDS
 
 ASYNC_SCHEDULING = ("auto", "on", "off")
@@ -31,6 +32,8 @@ class EngineConfig:
     async_scheduling: str = "auto"  # ASYNC_SCHEDULING: launch step n+1 before reading step n (auto: on for CUDA)
     moe_backend: str = "auto"  # MOE_BACKENDS: how a mixture of experts runs its experts (auto: triton on CUDA)
     mixed_overlap: str = "off"  # MIXED_OVERLAP: a mixed step's decodes beside its chunk on two streams (CUDA graphs)
+    quantization: str | None = None  # QUANTIZATIONS; None = as the checkpoint is (FP8 checkpoints load as FP8)
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -56,6 +59,14 @@ class EngineConfig:
         if self.moe_backend not in MOE_BACKENDS:
             raise InvalidRequestError(f"moe_backend must be one of {', '.join(MOE_BACKENDS)}, got "
                                       f"{self.moe_backend!r}", param="moe_backend")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                                      f"{self.quantization!r}", param="quantization")
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise InvalidRequestError("FP8 quantization runs at tensor_parallel_size 1", param="quantization")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                                      f"{self.kv_cache_dtype!r}", param="kv_cache_dtype")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise InvalidRequestError("tensor_parallel_size must be an integer >= 1", param="tensor_parallel_size")

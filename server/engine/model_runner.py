@@ -134,10 +134,12 @@ class BlockTableMirror:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, max_model_len: int, dtype: torch.dtype, device: torch.device,
-                 seed: int = 0, layout: KVLayout | None = None):
-        """layout: how the layers share the cache (kv_layout.py); None: one group of every layer."""
+                 seed: int = 0, layout: KVLayout | None = None, kv_dtype: torch.dtype | None = None):
+        """layout: how the layers share the cache (kv_layout.py); None: one group of every layer. dtype: the
+        model's (activations, q); kv_dtype: the cache's (default the model's; FP8 e4m3 possible)."""
         self.model = model
         self.device = device
+        self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layout = layout or kv_layout((None,) * num_layers)
@@ -146,8 +148,8 @@ class ModelRunner:
         # One block more than the block manager hands out: the scratch block that padding rows of a captured
         # graph point at (never written: their slot is -1).
         self.scratch_block = num_blocks
-        pairs = allocate_kv_cache(self.layout.group_size, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype,
-                                  device)
+        pairs = allocate_kv_cache(self.layout.group_size, num_blocks + 1, block_size, num_kv_heads, head_dim,
+                                  kv_dtype or dtype, device)
         self.kv_caches = [pairs[slot] for slot in self.layout.layer_slot]
         self.sampler = Sampler(device, seed)
         cols = -(-max_model_len // block_size) + 1
@@ -369,7 +371,7 @@ class ModelRunner:
         """Piecewise graphs of this runner's model (one with `piece`/`attend`, e.g. LlamaForCausalLM)."""
         k_cache = self.kv_caches[0][0]
         heads = self.model.config.num_attention_heads  # this rank's heads under tensor parallelism
-        return PiecewiseRunner(self.model, self.kv_caches, buckets, (heads, k_cache.shape[3]), k_cache.dtype,
+        return PiecewiseRunner(self.model, self.kv_caches, buckets, (heads, k_cache.shape[3]), self.dtype,
                                self.scratch_block, self.device, capture, pool, self.layer_groups)
 
     @property
@@ -402,7 +404,7 @@ class ModelRunner:
             return "eager: no batch size to capture"
         pool = None
         with torch.cuda.device(self.device):
-            self.model.prepare_rope_tables(self.device, self.kv_caches[0][0].dtype)  # never inside a capture
+            self.model.prepare_rope_tables(self.device, self.dtype)  # never inside a capture
         if allowed == "all":
             try:
                 with torch.cuda.device(self.device):
@@ -468,9 +470,10 @@ class ModelRunner:
             if backend is not None and heads is not None:
                 config = self.model.config
                 windows = tuple(dict.fromkeys(getattr(config, "layer_windows", None) or (None,)))
+                dtype = {"dtype": self.dtype} if k_cache.dtype != self.dtype else {}  # an FP8 cache
                 launches += backend.warm_up((1, heads, k_cache.shape[3]), k_cache, v_cache, max_model_len,
                                             windows=windows, softcap=getattr(config, "attn_logit_softcapping", None),
-                                            sinks=getattr(config, "attention_sinks", False))
+                                            sinks=getattr(config, "attention_sinks", False), **dtype)
             warm_kernels = getattr(self.model, "warm_up_kernels", None)
             if warm_kernels is not None:  # kernels of the model's own (the MoE tile classes)
                 launches += warm_kernels(self.device)

@@ -27,6 +27,19 @@ def test_llama3_8b_decode_floor_matches_the_reference_arithmetic():
     assert floors_ms[256] == pytest.approx(19.5, abs=0.05)
 
 
+def test_fp8_floors_count_fp8_linear_weights_their_scales_and_an_fp8_kv_cache():
+    fp8 = model_math.ByteWidths(dtype=2, linear=1, kv=1, scales_per_row=1.0)  # per-channel scales
+    linear = LLAMA3_8B.num_hidden_layers * model_math.linear_params_per_layer(LLAMA3_8B)
+    rows = LLAMA3_8B.num_hidden_layers * model_math.linear_rows_per_layer(LLAMA3_8B)
+    bf16 = model_math.weights_read_per_decode_step(LLAMA3_8B, 2)
+    assert model_math.weights_read_per_decode_step(LLAMA3_8B, fp8) == bf16 - linear + 4 * rows
+    assert model_math.weights_read_per_decode_step(LLAMA3_8B, fp8) == pytest.approx(8.04e9, rel=0.002)
+    assert rows == 32 * (4096 + 2 * 1024 + 4096 + 2 * 14336 + 4096)
+    assert model_math.kv_bytes_per_token(LLAMA3_8B, fp8) == 64 * 1024
+    assert model_math.decode_floor_bytes(LLAMA3_8B, fp8, [2048] * 64) / model_math.decode_floor_bytes(
+        LLAMA3_8B, 2, [2048] * 64) == pytest.approx(0.52, abs=0.01)
+
+
 def test_tied_embeddings_are_read_once_as_the_lm_head():
     smol = preset_config("smollm2-135m")
     assert smol.tie_word_embeddings

@@ -1,10 +1,12 @@
 """`metronome bench engine`: the in-process engine against the hardware floor and against transformers.
 
-One run, one JSON: device copy bandwidth and matmul peak (measured), decode step time per batch size vs the
-HBM floor, prefill tokens/s vs the matmul peak, host/scheduler share of a step, output tokens/s with the KV cache
-full vs its floor (saturation.py), the long-short workload per chunk size and rate (capacity = highest rate with
-TBT p99 <= SLO), and transformers' continuous batching on the same batch of requests. `targets` compares the
-numbers with the engine's goals (TARGETS); it reports, it does not assert.
+One run, one JSON: device copy bandwidth and matmul peak (measured; bf16, and FP8 on GPUs with FP8 tensor
+cores), decode step time per batch size vs the HBM floor, prefill tokens/s vs the matmul peak, host/scheduler share
+of a step, output tokens/s with the KV cache full vs its floor (saturation.py), the long-short workload per chunk
+size and rate (capacity = highest rate with TBT p99 <= SLO), and transformers' continuous batching on the same
+batch of requests. `targets` compares the numbers with the engine's goals (TARGETS); it reports, it does not assert.
+With `--quantization fp8` / `--kv-cache-dtype fp8` the floors count FP8 weights (and their scales) and an FP8 KV
+cache at their byte widths, and prefill is held against the FP8 matmul peak measured in the same run.
 
 Every size is a flag, so `--model random:tiny --device cpu` with tiny sizes runs in seconds (the CPU smoke test).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import os
 import sys
@@ -121,13 +124,16 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
     core = EngineCore.from_config(engine_config_from_args(args), scheduler_from_args(args, max_num_seqs=startup_seqs))
     config = core.loaded.config
     dtype = core.loaded.dtype
-    dtype_bytes = dtype.itemsize
+    dtype_bytes = byte_widths(core)
     sampler = sampler_for_engine(core)
     doc["model"] = {
         "name": core.model_name, "dtype": str(dtype).replace("torch.", ""), "device": str(core.loaded.device),
         "tensor_parallel_size": core.config.tensor_parallel_size,
         "prefix_caching": core.config.enable_prefix_caching,
         "parameters": config.num_parameters(), "kv_blocks": core.block_manager.num_blocks,
+        "quantization": None if core.loaded.quantization is None else core.loaded.quantization.describe(),
+        "kv_cache_dtype": str(core.runner.kv_caches[0][0].dtype).replace("torch.", ""),
+        "bytes_per_element": dataclasses.asdict(dtype_bytes),
         "block_size": core.block_manager.block_size, "max_model_len": core.max_model_len,
         "weights_read_per_decode_step_bytes": sections.model_math.weights_read_per_decode_step(config, dtype_bytes),
         "kv_bytes_per_token": sections.model_math.kv_bytes_per_token(config, dtype_bytes),
@@ -146,10 +152,11 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
     if "decode" in chosen:
         doc["decode"] = sections.decode_section(core, args.batch_sizes, args.context, args.decode_steps, sampler,
                                                 args.seed, args.prefill_chunk, bandwidth, dtype_bytes)
-    if "prefill" in chosen:
+    if "prefill" in chosen:  # against the peak of the GEMMs this model runs: FP8 layers, FP8 tensor cores
+        peak_key = "fp8_matmul_tflops" if core.loaded.quantization is not None else "matmul_tflops"
         doc["prefill"] = sections.prefill_section(core, args.prefill_prompt_len, args.prefill_prompts,
-                                                  args.prefill_chunk, sampler, args.seed,
-                                                  device_info.get("matmul_tflops"))
+                                                  args.prefill_chunk, sampler, args.seed, device_info.get(peak_key))
+        doc["prefill"]["matmul_peak"] = peak_key
     if "saturation" in chosen:
         from metronome.server.bench.engine.saturation import saturation_section
 
@@ -186,6 +193,20 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
     doc["model"]["kernel_compiles_after_ready"] = core.stats().kernel_compiles_after_ready  # 0: no stall
     core.close()  # tensor-parallel workers, if any
     del core
+
+
+def byte_widths(core: Any) -> sections.model_math.ByteWidths:
+    """Bytes per element of what this engine's decode step reads (FP8 linear weights and their scales, an FP8 KV
+    cache), from the loaded model and the allocated cache."""
+    from metronome.server.models.quant.fp8_linear import Fp8Linear
+
+    dtype = core.loaded.dtype.itemsize
+    kv = core.runner.kv_caches[0][0].element_size()
+    layers = [m for m in core.loaded.model.modules() if isinstance(m, Fp8Linear)]
+    if not layers:
+        return sections.model_math.ByteWidths(dtype, dtype, kv)
+    rows = sum(layer.out_features for layer in layers)
+    return sections.model_math.ByteWidths(dtype, 1, kv, sum(layer.weight_scale.numel() for layer in layers) / rows)
 
 
 def _hf_section(args: argparse.Namespace, doc: dict[str, Any]) -> None:
@@ -235,8 +256,9 @@ def _print(doc: dict[str, Any]) -> None:
     out = console()
     if "device" in doc:
         d = doc["device"]
+        fp8 = f", fp8 {d['fp8_matmul_tflops']:.1f} TFLOP/s" if "fp8_matmul_tflops" in d else ""
         out.print(f"device: copy {d['bandwidth_gb_per_s']:.1f} GB/s (read+write), "
-                  f"matmul {d['matmul']['dtype']} {d['matmul']['size']}³ {d['matmul_tflops']:.1f} TFLOP/s")
+                  f"matmul {d['matmul']['dtype']} {d['matmul']['size']}³ {d['matmul_tflops']:.1f} TFLOP/s{fp8}")
     if doc.get("decode"):
         table = Table(title="decode step (pure decode, context as given)")
         for name in ("batch", "step ms", "floor ms", "ratio", "tok/s", "host ms", "host share"):

@@ -150,7 +150,8 @@ def run_requests(core: Any, prompts: list[list[int]], output_len: int, max_steps
 
 
 def saturation_section(core: Any, prompt_len: int, output_len: int, max_requests: int, chunk: int,
-                       sampler: TokenSampler, seed: int, bandwidth: float | None, dtype_bytes: int) -> dict[str, Any]:
+                       sampler: TokenSampler, seed: int, bandwidth: float | None,
+                       dtype_bytes: int | model_math.ByteWidths) -> dict[str, Any]:
     if prompt_len + output_len > core.max_model_len:
         raise EngineBenchError(f"--saturation-prompt-len {prompt_len} + --saturation-output-len {output_len} exceeds "
                                f"max_model_len {core.max_model_len}")

@@ -65,7 +65,8 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def decode_point(core: Any, batch: int, context: int, steps: int, sampler: TokenSampler, seed: int,
-                 prefill_chunk: int, bandwidth: float | None, dtype_bytes: int, warmup_steps: int = 3) -> dict:
+                 prefill_chunk: int, bandwidth: float | None, dtype_bytes: int | model_math.ByteWidths,
+                 warmup_steps: int = 3) -> dict:
     prefill_steps = math.ceil(batch * context / prefill_chunk) + batch + 2  # worst case: one admission per step
     max_tokens = prefill_steps + warmup_steps + steps + 4
     need = kv_blocks_needed(core, batch, context + max_tokens, prefill_chunk)
@@ -133,7 +134,7 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
 
 
 def decode_section(core: Any, batch_sizes: list[int], context: int, steps: int, sampler: TokenSampler, seed: int,
-                   prefill_chunk: int, bandwidth: float | None, dtype_bytes: int) -> list[dict]:
+                   prefill_chunk: int, bandwidth: float | None, dtype_bytes: int | model_math.ByteWidths) -> list[dict]:
     return [decode_point(core, b, context, steps, sampler, seed, prefill_chunk, bandwidth, dtype_bytes)
             for b in batch_sizes]
 
