@@ -1,7 +1,7 @@
 """The kinds of object the operator writes or reads, each named once: API version, REST plural and, for the kinds
 of other projects, the CRD that must be served before it writes one (prometheus-operator's PodMonitor and
-PrometheusRule). The watches (handlers.py), the REST paths (k8s.py), the children's sync (reconcile.py) and the
-chart's RBAC follow this table.
+PrometheusRule, the Gateway API Inference Extension's InferencePool). The watches (handlers.py), the REST paths
+(k8s.py), the children's sync (reconcile.py) and the chart's RBAC follow this table.
 """
 from __future__ import annotations
 
@@ -33,12 +33,14 @@ DISRUPTION_BUDGET = Kind("PodDisruptionBudget", "policy/v1", "poddisruptionbudge
 POD_MONITOR = Kind("PodMonitor", "monitoring.coreos.com/v1", "podmonitors", crd="podmonitors.monitoring.coreos.com")
 PROMETHEUS_RULE = Kind("PrometheusRule", "monitoring.coreos.com/v1", "prometheusrules",
                        crd="prometheusrules.monitoring.coreos.com")
+INFERENCE_POOL = Kind("InferencePool", "inference.networking.k8s.io/v1", "inferencepools",
+                      crd="inferencepools.inference.networking.k8s.io")
 POD = Kind("Pod", "v1", "pods")
 EVENT = Kind("Event", "v1", "events")
 CRD = Kind("CustomResourceDefinition", "apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
 
 # What the operator writes for an InferenceService (the ConfigMap first: the pods mount it).
-CHILDREN = (CONFIG_MAP, DEPLOYMENT, SERVICE, DISRUPTION_BUDGET, POD_MONITOR, PROMETHEUS_RULE)
+CHILDREN = (CONFIG_MAP, DEPLOYMENT, SERVICE, DISRUPTION_BUDGET, POD_MONITOR, PROMETHEUS_RULE, INFERENCE_POOL)
 # What it watches besides the InferenceServices: every child (a deletion or an edit is put right) and the server
 # pods (why they are not ready), all selected on the server by the operator's own label.
 WATCHED = (*CHILDREN, POD)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from metronome.contract.config import ServerConfigFile, next_server_config
-from metronome.operator import builders, changes, configmap, drift, kinds, refusals
+from metronome.operator import builders, changes, configmap, drift, inference_pool, kinds, refusals
 from metronome.operator.alerts import RuleSettings
 from metronome.operator.cache import ObjectCache
 from metronome.operator.k8s import Kube, KubeError
@@ -53,15 +53,24 @@ class ConfigMemory:
 
 
 @dataclass
-class RefusalMemory:
-    """The change the API server last refused for one service (what it was, why, when it was tried)."""
+class SyncMemory:
+    """What the children's sync remembers of one service: the change the API server last refused (what it was,
+    why, when it was tried), and the notices already given for a generation (each said once, not per reconcile)."""
 
     refusal: refusals.Refusal | None = None
     fingerprint: str | None = None
     tried_at: float = 0.0
+    announced: set[tuple[str, int]] = field(default_factory=set)
 
     def clear(self) -> None:
         self.refusal, self.fingerprint = None, None
+
+    def first_time(self, reason: str, generation: int) -> bool:
+        if (reason, generation) in self.announced:
+            return False
+        self.announced = {(r, g) for r, g in self.announced if g == generation}
+        self.announced.add((reason, generation))
+        return True
 
 
 @dataclass(frozen=True)
@@ -163,10 +172,34 @@ def desired_children(ctx: Children, service: InferenceService) -> tuple[list[dic
     children = builders.workload_children(
         service, scrape_annotations=ctx.monitor.annotate_pods(monitored), pod_monitor_labels=dict(ctx.monitor.labels),
         scrape_interval_seconds=ctx.monitor.interval_seconds, monitored=monitored, rules=rules)
+    if service.spec.routing.inference_pool.enabled and ctx.crd_served(kinds.INFERENCE_POOL.crd):
+        children.append(inference_pool.inference_pool(service))
     kept = {child["kind"] for child in children}
-    retired = [kind for kind in (kinds.DISRUPTION_BUDGET, kinds.POD_MONITOR, kinds.PROMETHEUS_RULE)
-               if kind.kind not in kept]
+    retired = [kind for kind in (kinds.DISRUPTION_BUDGET, kinds.POD_MONITOR, kinds.PROMETHEUS_RULE,
+                                 kinds.INFERENCE_POOL) if kind.kind not in kept]
     return [drift.stamped(child) for child in children], retired
+
+
+def _pool_notice(ctx: Children, service: InferenceService, children: list[dict[str, Any]]) -> changes.EventSpec | None:
+    """Why spec.routing.inferencePool is not served: the cluster lacks the API, or a pool of that name is someone
+    else's (the picker's own Helm chart makes one): that one is never overwritten or deleted, so it is dropped
+    from `children` (a pool the watch has not delivered is looked up: the watch sees only the operator's own)."""
+    if not service.spec.routing.inference_pool.enabled:
+        return None
+    if not ctx.crd_served(kinds.INFERENCE_POOL.crd):
+        return changes.EventSpec(
+            changes.WARNING, "InferencePoolUnavailable",
+            f"spec.routing.inferencePool is enabled but the cluster does not serve {kinds.INFERENCE_POOL.crd} "
+            "(install the Gateway API Inference Extension's CRDs); no InferencePool written")
+    pool = next(c for c in children if c["kind"] == kinds.INFERENCE_POOL.kind)
+    existing = _cached(ctx.cache, pool) or ctx.kube.get(pool["apiVersion"], pool["kind"], service.namespace,
+                                                        pool["metadata"]["name"])
+    if existing is None or inference_pool.owned_by(existing, service):
+        return None
+    children.remove(pool)
+    return changes.EventSpec(changes.WARNING, "InferencePoolConflict",
+                             f"InferencePool {pool['metadata']['name']} exists and is not this InferenceService's; "
+                             "left as it is")
 
 
 def _refused(exc: KubeError, obj: Mapping[str, Any]) -> refusals.Refusal:
@@ -186,13 +219,20 @@ def _dry_run(kube: Kube, writes: list[dict[str, Any]]) -> refusals.Refusal | Non
 
 
 def sync_children(ctx: Children, service: InferenceService, owner: Mapping[str, Any], memory: ConfigMemory,
-                  refused: RefusalMemory, now: float) -> SyncOutcome:
+                  refused: SyncMemory, now: float) -> SyncOutcome:
     """Write what differs from the spec (the ConfigMap first: the pods mount it), delete the children the spec no
     longer asks for; or, when the API server refuses the change, write nothing and say why."""
     kube, cache = ctx.kube, ctx.cache
     plan = plan_config(cache, service, owner, memory)
     children, retired = desired_children(ctx, service)
-    writes = ([plan.obj] if plan.write else []) + [c for c in children if drift.needs_write(_cached(cache, c), c)]
+    stale = [c for c in children if drift.needs_write(_cached(cache, c), c)]
+    if any(c["kind"] == kinds.INFERENCE_POOL.kind for c in stale) or (
+            service.spec.routing.inference_pool.enabled and not ctx.crd_served(kinds.INFERENCE_POOL.crd)):
+        notice = _pool_notice(ctx, service, children)
+        if notice is not None and refused.first_time(notice.reason, service.generation):
+            _emit(kube, owner, notice)
+        stale = [c for c in stale if c in children]
+    writes = ([plan.obj] if plan.write else []) + stale
     if writes:
         fingerprint = drift.fingerprint({"writes": writes})
         if refused.fingerprint == fingerprint and now - refused.tried_at < RETRY_REFUSED_S:
@@ -208,11 +248,10 @@ def sync_children(ctx: Children, service: InferenceService, owner: Mapping[str, 
     try:
         if plan.write:
             _write_planned_config(kube, owner, plan, memory)
-        for child in children:
+        for child in stale:
             before = _cached(cache, child)
-            if drift.needs_write(before, child):
-                applied = kube.apply(child)
-                _emit(kube, owner, changes.describe_child(applied.created, before, applied.obj))
+            applied = kube.apply(child)
+            _emit(kube, owner, changes.describe_child(applied.created, before, applied.obj))
     except KubeError as exc:  # refused after all (a quota filled up since the dry run)
         if exc.status not in refusals.REFUSAL_STATUSES:
             raise

@@ -27,6 +27,7 @@ from metronome.operator.cache import LABEL_SERVICE, ObjectCache
 from metronome.operator.changes import WARNING, describe_transitions
 from metronome.operator.control_loop import tick
 from metronome.operator.k8s import Kube, KubeError, LeadershipLost
+from metronome.operator.operator_metrics import OperatorMetrics
 from metronome.operator.options import OperatorOptions
 from metronome.operator.spec import InferenceService, SpecError, parse_service
 from metronome.operator.tuning import autotune
@@ -47,7 +48,7 @@ class ServiceState:
     uid: str
     tuner: autotune.TunerMemory = field(default_factory=autotune.TunerMemory)
     configs: reconcile.ConfigMemory = field(default_factory=reconcile.ConfigMemory)  # the server.yaml it wrote
-    refused: reconcile.RefusalMemory = field(default_factory=reconcile.RefusalMemory)
+    refused: reconcile.SyncMemory = field(default_factory=reconcile.SyncMemory)
     invalid_generation: int | None = None  # the generation whose InvalidSpec was announced
     failures: int = 0  # reconciles failed in a row (the retry back-off)
 
@@ -85,8 +86,9 @@ class Services:
 
 class Runtime:
     def __init__(self, kube: Kube, options: OperatorOptions, cache: ObjectCache | None = None,
-                 workers: int = WORKERS):
+                 workers: int = WORKERS, metrics: OperatorMetrics | None = None):
         self.kube, self.options = kube, options
+        self.metrics = metrics  # the operator's own series (decisions, SLO targets), when served
         self.cache = cache or ObjectCache()
         self.queue = WorkQueue()
         self.services = Services()
@@ -130,6 +132,8 @@ class Runtime:
         if kind is kinds.INFERENCE_SERVICE:
             if event_type == "DELETED":
                 self.services.forget(meta.get("namespace"), meta.get("name"))
+                if self.metrics is not None:
+                    self.metrics.forget(meta.get("namespace"), meta.get("name"))
                 log.info("InferenceService %s/%s deleted; its children are garbage-collected",
                          meta.get("namespace"), meta.get("name"))
                 return
@@ -207,6 +211,8 @@ class Runtime:
         outcome = reconcile.sync_children(children, service, owner, state.configs, state.refused, time.time())
         observed = reconcile.observe(self.cache, service, state.configs, outcome.refusal)
         result = tick(self.kube, service, owner, observed, state.tuner, self.options.prometheus, state.configs)
+        if self.metrics is not None:
+            self.metrics.after_tick(service, result.decision)
         self._write_status(service, owner, result.observed, result.last_decision)
         if result.replicas is not None:  # the autotuner scaled: the next reconcile scales the Deployment
             self._patch_owner(service, {"spec": {"replicas": result.replicas}})

@@ -66,14 +66,20 @@ class MemoryKube:
         self.cache.put(obj["kind"], copy.deepcopy(self.objects[key]))
         return Applied(created=before is None, obj=copy.deepcopy(self.objects[key]))
 
-    def put(self, obj: Mapping[str, Any]) -> dict:
-        """An object someone else wrote (and the watch delivered)."""
+    def put(self, obj: Mapping[str, Any], watched: bool = True) -> dict:
+        """An object someone else wrote; `watched`: the operator's watches deliver it (it carries their label)."""
         key = (obj["kind"], obj["metadata"].get("namespace") or "", obj["metadata"]["name"])
         stored = copy.deepcopy(dict(obj))
         self._bump(stored)
         self.objects[key] = stored
-        self.cache.put(obj["kind"], copy.deepcopy(stored))
+        if watched:
+            self.cache.put(obj["kind"], copy.deepcopy(stored))
         return stored
+
+    def get(self, api_version, kind, namespace, name):
+        self.requests.append(("get", kind))
+        obj = self.objects.get((kind, namespace or "", name))
+        return copy.deepcopy(obj) if obj is not None else None
 
     def patch(self, api_version, kind, namespace, name, body, subresource=None):
         self.requests.append(("patch", kind))

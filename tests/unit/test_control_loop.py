@@ -43,7 +43,7 @@ def apply_body(**autotune_fields) -> dict:
 
 def sync(kube: MemoryKube, service, owner, configs: reconcile.ConfigMemory | None = None) -> None:
     reconcile.sync_children(kube.children(), service, owner, configs or reconcile.ConfigMemory(),
-                            reconcile.RefusalMemory(), 0.0)
+                            reconcile.SyncMemory(), 0.0)
 
 
 def served(kube: MemoryKube) -> dict:

@@ -33,9 +33,9 @@ def served(kube: MemoryKube) -> dict:
 
 
 def sync(kube: MemoryKube, owner: dict, memory: reconcile.ConfigMemory | None = None,
-         refused: reconcile.RefusalMemory | None = None, now: float = 0.0, **settings) -> reconcile.SyncOutcome:
+         refused: reconcile.SyncMemory | None = None, now: float = 0.0, **settings) -> reconcile.SyncOutcome:
     return reconcile.sync_children(kube.children(**settings), parse_service(owner), owner,
-                                   memory or reconcile.ConfigMemory(), refused or reconcile.RefusalMemory(), now)
+                                   memory or reconcile.ConfigMemory(), refused or reconcile.SyncMemory(), now)
 
 
 def test_first_sync_dry_runs_then_creates_every_child_with_events():
@@ -100,7 +100,7 @@ def test_a_child_the_spec_stops_asking_for_is_rewritten_without_the_field():
 
 def test_a_refused_change_writes_nothing_is_announced_once_and_is_not_retried_until_it_changes():
     kube = MemoryKube()
-    memory, refused = reconcile.ConfigMemory(), reconcile.RefusalMemory()
+    memory, refused = reconcile.ConfigMemory(), reconcile.SyncMemory()
     sync(kube, body(), memory, refused)
     before = copy.deepcopy(kube.objects)
     cause = {"field": "spec.template.spec.tolerations[0].value", "message": "Invalid value: \"present\": value "

@@ -38,10 +38,12 @@ What the operator does inside the namespaces it manages — every verb is used:
 - inferenceservices: kopf lists/watches them; patch: spec.replicas when the autotuner scales.
 - inferenceservices/status: status patches. inferenceservices/finalizers update: children set
   blockOwnerDeletion on their owner reference (enforced where OwnerReferencesPermissionEnforcement is on).
-- every child kind (configmaps, deployments, services, poddisruptionbudgets, podmonitors, prometheusrules):
-  list/watch (selected by the operator's label: a deleted or edited child is put back), create + patch (server-side
-  apply, and its dry run before a change). delete only for the children a spec change or a flag retires (the PDB,
-  the PodMonitor, the SLO PrometheusRule); the rest is garbage-collected through owner references.
+- every child kind (configmaps, deployments, services, poddisruptionbudgets, podmonitors, prometheusrules,
+  inferencepools): list/watch (selected by the operator's label: a deleted or edited child is put back), create +
+  patch (server-side apply, and its dry run before a change). delete only for the children a spec change or a flag
+  retires (the PDB, the PodMonitor, the SLO PrometheusRule, the service's own InferencePool); the rest is
+  garbage-collected through owner references. inferencepools get: a pool of the same name the watch does not show
+  (someone else's, never overwritten) is looked up before the service's own is written.
 - pods list/watch (selected by the operator's label): why pods are not ready, in the Ready condition.
 - events create: an Event for every change.
 */}}
@@ -73,6 +75,9 @@ What the operator does inside the namespaces it manages — every verb is used:
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch, delete]
 {{- end -}}
 
 {{/*
