@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from decimal import Decimal
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,21 +36,39 @@ def stamped(obj: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+_SUFFIX = {None: 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6,
+           "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+           "Pi": 2**50, "Ei": 2**60}
+
+
+def _quantity(text: str) -> Decimal | None:
+    match = _QUANTITY.match(text)
+    return Decimal(match.group(1)) * _SUFFIX[match.group(2)] if match else None
+
+
 def _same_scalar(actual: Any, desired: Any) -> bool:
     if isinstance(desired, bool) or isinstance(actual, bool):
         return actual is desired
-    if isinstance(desired, (int, float)) and isinstance(actual, (int, float)):
-        return actual == desired
+    if isinstance(desired, str) and isinstance(actual, str) and actual != desired:
+        # The API server writes quantities in its canonical form ("0.5" is stored as "500m").
+        ours, theirs = _quantity(desired), _quantity(actual)
+        return ours is not None and ours == theirs
     return actual == desired
 
 
+def _zero(value: Any) -> bool:
+    """A value the API server leaves out when it stores an object (`readOnly: false`, an empty map)."""
+    return value is False or value == 0 or value in ("", None) or value == {} or value == []
+
+
 def contains(actual: Any, desired: Any) -> bool:
-    """Every field `desired` sets has that value in `actual`. Maps: the desired keys. Lists of objects (containers,
-    ports, env: merged by key under server-side apply): every desired item is in the list, and items others added
-    are theirs. Other lists (args, command): equal."""
+    """Every field `desired` sets has that value in `actual`. Maps: the desired keys (a zero value may be left
+    out). Lists of objects (containers, ports, env: merged by key under server-side apply): every desired item is
+    in the list, and items others added are theirs. Other lists (args, command): equal."""
     if isinstance(desired, Mapping):
         return isinstance(actual, Mapping) and all(
-            key in actual and contains(actual[key], value) for key, value in desired.items())
+            contains(actual[key], value) if key in actual else _zero(value) for key, value in desired.items())
     if isinstance(desired, list):
         if not isinstance(actual, list):
             return False

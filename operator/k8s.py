@@ -185,8 +185,16 @@ class Kube:
             self._call("POST", resource_path("v1", "Event", meta.get("namespace")), body=event)
         except LeadershipLost:
             raise
+        except KubeError as exc:
+            level = logging.DEBUG if namespace_terminating(exc) else logging.WARNING
+            log.log(level, "could not post Event %s for %s: %s", reason, meta.get("name"), exc)
         except Exception as exc:  # noqa: BLE001 - reporting must never break acting
             log.warning("could not post Event %s for %s: %s", reason, meta.get("name"), exc)
+
+
+def namespace_terminating(exc: KubeError) -> bool:
+    """The API server refuses anything new in a namespace being deleted: nothing to act on or report there."""
+    return exc.status == 403 and "because it is being terminated" in exc.message
 
 
 def _json_or_text(text: str) -> Any:

@@ -203,10 +203,11 @@ def _leader_election(args: argparse.Namespace) -> LeaderElection:
     return LeaderElection(namespace=namespace, name=args.lease_name, identity=identity, times=times)
 
 
-def _quiet_status_refresh(record) -> bool:
-    """kopf logs every child event handled at INFO; one line per Deployment status change would flood the log."""
+def _quiet_watches(record) -> bool:
+    """kopf logs every watch event handled at INFO; one line per pod or Deployment status change would flood the
+    log (what the reconciles do is logged by the operator itself)."""
     message = record.getMessage()
-    return not (message.startswith("Handler 'child_changed") and message.endswith("succeeded."))
+    return not (message.startswith("Handler 'watch/") and message.endswith("succeeded."))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -224,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     kopf.configure(debug=options.log_level == "DEBUG")
     logging.getLogger().setLevel(options.log_level)
     if options.log_level != "DEBUG":
-        logging.getLogger("kopf.objects").addFilter(_quiet_status_refresh)
+        logging.getLogger("kopf.objects").addFilter(_quiet_watches)
     k8s.load_config()
 
     stop = threading.Event()

@@ -25,7 +25,7 @@ from metronome.contract.config import ServerConfigFile, next_server_config
 from metronome.operator import builders, changes, configmap, drift, inference_pool, kinds, refusals
 from metronome.operator.alerts import RuleSettings
 from metronome.operator.cache import ObjectCache
-from metronome.operator.k8s import Kube, KubeError
+from metronome.operator.k8s import Kube, KubeError, namespace_terminating
 from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSettings, ServiceSelector, try_observe
 from metronome.operator.monitoring import MonitorSettings
 from metronome.operator.spec import InferenceService
@@ -61,6 +61,25 @@ class SyncMemory:
     fingerprint: str | None = None
     tried_at: float = 0.0
     announced: set[tuple[str, int]] = field(default_factory=set)
+    # (kind, name) -> (fingerprint, resourceVersion) of each child as this process last wrote it
+    written: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+
+    def stale(self, cached: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> bool:
+        """`desired` must be written: the child differs (drift.needs_write), unless it is exactly what this
+        process wrote and nobody changed it since — a difference then is only how the API server stores it
+        (a canonical form, a default), and writing it again would change nothing, at every reconcile."""
+        if not drift.needs_write(cached, desired):
+            return False
+        if cached is None:
+            return True
+        key = (desired["kind"], desired["metadata"]["name"])
+        stamp = desired["metadata"]["annotations"][drift.ANNOTATION_APPLIED]
+        return self.written.get(key) != (stamp, (cached.get("metadata") or {}).get("resourceVersion"))
+
+    def wrote(self, desired: Mapping[str, Any], stored: Mapping[str, Any]) -> None:
+        key = (desired["kind"], desired["metadata"]["name"])
+        stamp = desired["metadata"]["annotations"][drift.ANNOTATION_APPLIED]
+        self.written[key] = (stamp, (stored.get("metadata") or {}).get("resourceVersion"))
 
     def clear(self) -> None:
         self.refusal, self.fingerprint = None, None
@@ -206,13 +225,18 @@ def _refused(exc: KubeError, obj: Mapping[str, Any]) -> refusals.Refusal:
     return refusals.explain(obj["kind"], obj["metadata"]["name"], exc.status, exc.message, exc.details, obj)
 
 
+def _refusal(exc: KubeError) -> bool:
+    """The API server refused the object for what it is (not: it is away, or the namespace is going)."""
+    return exc.status in refusals.REFUSAL_STATUSES and not namespace_terminating(exc)
+
+
 def _dry_run(kube: Kube, writes: list[dict[str, Any]]) -> refusals.Refusal | None:
     """The first of `writes` the API server would refuse (validation, admission, quota), or None."""
     for obj in writes:
         try:
             kube.apply(obj, dry_run=True)
         except KubeError as exc:
-            if exc.status not in refusals.REFUSAL_STATUSES:
+            if not _refusal(exc):
                 raise
             return _refused(exc, obj)
     return None
@@ -225,7 +249,7 @@ def sync_children(ctx: Children, service: InferenceService, owner: Mapping[str, 
     kube, cache = ctx.kube, ctx.cache
     plan = plan_config(cache, service, owner, memory)
     children, retired = desired_children(ctx, service)
-    stale = [c for c in children if drift.needs_write(_cached(cache, c), c)]
+    stale = [c for c in children if refused.stale(_cached(cache, c), c)]
     if any(c["kind"] == kinds.INFERENCE_POOL.kind for c in stale) or (
             service.spec.routing.inference_pool.enabled and not ctx.crd_served(kinds.INFERENCE_POOL.crd)):
         notice = _pool_notice(ctx, service, children)
@@ -251,9 +275,10 @@ def sync_children(ctx: Children, service: InferenceService, owner: Mapping[str, 
         for child in stale:
             before = _cached(cache, child)
             applied = kube.apply(child)
+            refused.wrote(child, applied.obj)
             _emit(kube, owner, changes.describe_child(applied.created, before, applied.obj))
     except KubeError as exc:  # refused after all (a quota filled up since the dry run)
-        if exc.status not in refusals.REFUSAL_STATUSES:
+        if not _refusal(exc):
             raise
         refused.refusal, refused.fingerprint, refused.tried_at = _refused(exc, writes[0]), None, now
         return SyncOutcome(plan.before, refused.refusal)

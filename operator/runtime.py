@@ -26,7 +26,7 @@ from metronome.operator import status as status_mod
 from metronome.operator.cache import LABEL_SERVICE, ObjectCache
 from metronome.operator.changes import WARNING, describe_transitions
 from metronome.operator.control_loop import tick
-from metronome.operator.k8s import Kube, KubeError, LeadershipLost
+from metronome.operator.k8s import Kube, KubeError, LeadershipLost, namespace_terminating
 from metronome.operator.operator_metrics import OperatorMetrics
 from metronome.operator.options import OperatorOptions
 from metronome.operator.spec import InferenceService, SpecError, parse_service
@@ -175,6 +175,9 @@ class Runtime:
         return True
 
     def _retry_later(self, key: tuple[str, str], exc: Exception) -> None:
+        if isinstance(exc, KubeError) and namespace_terminating(exc):
+            log.debug("%s/%s: its namespace is being deleted: %s", *key, exc)
+            return  # the deletion of the resource follows; nothing to retry
         state = self.services.state(*key, uid=(self.cache.get(kinds.INFERENCE_SERVICE.kind, *key) or {})
                                     .get("metadata", {}).get("uid") or "")
         state.failures += 1

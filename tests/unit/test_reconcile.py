@@ -225,3 +225,28 @@ def test_scrape_annotations_only_while_no_pod_monitor_scrapes_the_pods():
     assert not annotated(served) and annotated(())  # auto: a PodMonitor scrapes them, or nothing else would
     assert annotated(served, kind="none") and annotated(served, scrape_annotations="always")
     assert not annotated((), kind="none", scrape_annotations="never")
+
+
+def test_what_the_api_server_leaves_out_or_rewrites_is_no_drift():
+    desired = {"spec": {"readOnly": False, "labels": {}, "cpu": "0.5", "memory": "1Gi", "replicas": 2}}
+    stored = {"spec": {"cpu": "500m", "memory": "1Gi", "replicas": 2, "defaulted": "by the API server"}}
+    assert drift.contains(stored, desired)
+    assert not drift.contains({"spec": {**stored["spec"], "cpu": "600m"}}, desired)
+    assert not drift.contains({"spec": {**stored["spec"], "readOnly": True}}, desired)
+    assert not drift.contains({"spec": {k: v for k, v in stored["spec"].items() if k != "replicas"}}, desired)
+
+
+def test_a_child_stored_in_another_form_than_written_is_not_written_again_and_again():
+    kube = MemoryKube()
+    owner = body()
+    memory, refused = reconcile.ConfigMemory(), reconcile.SyncMemory()
+    sync(kube, owner, memory, refused)
+    stored = kube.objects[("Deployment", "ml", "chat")]
+    stored["spec"]["revisionHistoryLimit"] = "3"  # as if the API server had its own rendering of a value
+    kube.cache.put("Deployment", copy.deepcopy(stored))
+    kube.requests = []
+    sync(kube, owner, memory, refused)
+    assert kube.requests == []  # the same resourceVersion as written: nobody changed it
+    kube.put(stored)  # someone did write it since
+    sync(kube, owner, memory, refused)
+    assert ("apply", "Deployment") in kube.requests
