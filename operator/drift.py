@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from decimal import Decimal
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
 ANNOTATION_APPLIED = "metronome.dev/applied"
