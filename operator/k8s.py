@@ -79,7 +79,7 @@ class Kube:
 
     def _remember(self, obj: Mapping[str, Any]) -> None:
         if self.cache is not None and obj.get("kind") and obj.get("metadata"):
-            self.cache.put(obj["kind"], obj)
+            self.cache.put(obj["kind"], obj, written=True)
 
     def _call(
         self,

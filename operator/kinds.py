@@ -37,6 +37,7 @@ INFERENCE_POOL = Kind("InferencePool", "inference.networking.k8s.io/v1", "infere
                       crd="inferencepools.inference.networking.k8s.io")
 POD = Kind("Pod", "v1", "pods")
 EVENT = Kind("Event", "v1", "events")
+LEASE = Kind("Lease", "coordination.k8s.io/v1", "leases")
 CRD = Kind("CustomResourceDefinition", "apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
 
 # What the operator writes for an InferenceService (the ConfigMap first: the pods mount it).
@@ -44,7 +45,7 @@ CHILDREN = (CONFIG_MAP, DEPLOYMENT, SERVICE, DISRUPTION_BUDGET, POD_MONITOR, PRO
 # What it watches besides the InferenceServices: every child (a deletion or an edit is put right) and the server
 # pods (why they are not ready), all selected on the server by the operator's own label.
 WATCHED = (*CHILDREN, POD)
-ALL = (INFERENCE_SERVICE, *WATCHED, EVENT, CRD)
+ALL = (INFERENCE_SERVICE, *WATCHED, EVENT, LEASE, CRD)
 OPTIONAL_CRDS = {kind.crd: kind for kind in CHILDREN if kind.crd}
 
 

@@ -36,6 +36,7 @@ from metronome.operator.tuning.observation import Observation
 log = logging.getLogger(__name__)
 
 RETRY_REFUSED_S = 300.0  # a refused change is dry-run again after this long (a quota or a webhook may relent)
+CONFIRM_S = 5.0  # a child written this long ago and not delivered by a watch since is looked up once
 
 
 def _emit(kube: Kube, owner: Mapping[str, Any], event: changes.EventSpec | None) -> None:
@@ -107,11 +108,24 @@ class Children:
 class SyncOutcome:
     config: ServerConfigFile | None = None  # what the ConfigMap serves after the sync
     refusal: refusals.Refusal | None = None  # the change the API server refused (nothing of it written)
+    wrote: bool = False  # children were written (to be seen again once their watch events are due)
 
 
 def _cached(cache: ObjectCache, obj: Mapping[str, Any]) -> dict[str, Any] | None:
     meta = obj["metadata"]
     return cache.get(obj["kind"], meta.get("namespace"), meta["name"])
+
+
+def _verify_unconfirmed(kube: Kube, cache: ObjectCache, children: list[dict[str, Any]]) -> None:
+    """Look up each child the operator wrote that no watch has delivered since (see cache.py): one deleted while
+    its kind's watch was not yet running is forgotten, so that it is written again."""
+    for child in children:
+        meta = child["metadata"]
+        if cache.unconfirmed(child["kind"], meta.get("namespace"), meta["name"], CONFIRM_S):
+            if kube.get(child["apiVersion"], child["kind"], meta.get("namespace"), meta["name"]) is None:
+                cache.forget(child["kind"], meta.get("namespace") or "", meta["name"])
+            else:
+                cache.confirm(child["kind"], meta.get("namespace"), meta["name"])
 
 
 # --- the ConfigMap -------------------------------------------------------------------------------------------
@@ -249,6 +263,7 @@ def sync_children(ctx: Children, service: InferenceService, owner: Mapping[str, 
     kube, cache = ctx.kube, ctx.cache
     plan = plan_config(cache, service, owner, memory)
     children, retired = desired_children(ctx, service)
+    _verify_unconfirmed(kube, cache, children)
     stale = [c for c in children if refused.stale(_cached(cache, c), c)]
     if any(c["kind"] == kinds.INFERENCE_POOL.kind for c in stale) or (
             service.spec.routing.inference_pool.enabled and not ctx.crd_served(kinds.INFERENCE_POOL.crd)):
@@ -287,7 +302,7 @@ def sync_children(ctx: Children, service: InferenceService, owner: Mapping[str, 
         if cache.get(kind.kind, service.namespace, name) is not None and kube.delete(
                 kind.api_version, kind.kind, service.namespace, name):
             _emit(kube, owner, changes.EventSpec(changes.NORMAL, "Deleted", f"deleted {kind.kind} {name}"))
-    return SyncOutcome(plan.config, None)
+    return SyncOutcome(plan.config, None, wrote=bool(stale) or plan.write)
 
 
 # --- what runs -----------------------------------------------------------------------------------------------

@@ -212,6 +212,8 @@ class Runtime:
         children = reconcile.Children(kube=self.kube, cache=self.cache, monitor=self.options.monitor,
                                       rules=self.options.slo_rules, crd_served=self.crd_served)
         outcome = reconcile.sync_children(children, service, owner, state.configs, state.refused, time.time())
+        if outcome.wrote:  # once more when what was written should have come back through the watches
+            self.queue.add_after((namespace, name), reconcile.CONFIRM_S + 1.0)
         observed = reconcile.observe(self.cache, service, state.configs, outcome.refusal)
         result = tick(self.kube, service, owner, observed, state.tuner, self.options.prometheus, state.configs)
         if self.metrics is not None:

@@ -52,13 +52,12 @@ def test_rbac_is_least_privilege(cluster):
     rules = _rules(role)
     assert rules[("metronome.dev", "inferenceservices")] == {"list", "watch", "patch"}
     assert rules[("metronome.dev", "inferenceservices/status")] == {"patch"}
-    # Every child kind is watched (a deletion or an edit is put right) and written by server-side apply; reads
-    # come from the watches, so no get.
+    # Every child kind is watched (a deletion or an edit is put right) and written by server-side apply.
     for child in (("apps", "deployments"), ("", "configmaps"), ("", "services")):
-        assert rules[child] == {"list", "watch", "create", "patch"}, child
+        assert rules[child] == {"get", "list", "watch", "create", "patch"}, child
     for child in (("policy", "poddisruptionbudgets"), ("monitoring.coreos.com", "podmonitors"),
                   ("monitoring.coreos.com", "prometheusrules")):
-        assert rules[child] == {"list", "watch", "create", "patch", "delete"}, child
+        assert rules[child] == {"get", "list", "watch", "create", "patch", "delete"}, child
     assert rules[("", "pods")] == {"list", "watch"}
     assert rules[("", "events")] == {"create"}
     assert rules[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
@@ -80,9 +79,10 @@ def test_namespaced_mode_grants_writes_per_namespace_only(cluster):
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
         ("", "namespaces"): {"list", "watch"},  # kopf follows the namespaces it serves
     }
-    roles = [r for r in _by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-leader-election")]
+    own = ("-leader-election", "-uninstall")  # the Lease's Role and the uninstall hook's, in the release namespace
+    roles = [r for r in _by_kind(docs, "Role") if not r["metadata"]["name"].endswith(own)]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    bindings = [b for b in _by_kind(docs, "RoleBinding") if not b["metadata"]["name"].endswith("-leader-election")]
+    bindings = [b for b in _by_kind(docs, "RoleBinding") if not b["metadata"]["name"].endswith(own)]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     (deployment,) = _by_kind(docs, "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]

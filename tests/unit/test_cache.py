@@ -37,3 +37,17 @@ def test_owned_objects_follow_their_label():
     assert sorted(p["metadata"]["name"] for p in cache.owned("Pod", "ml", "other")) == ["a", "b"]
     cache.forget("Pod", "ml", "a")
     assert [p["metadata"]["name"] for p in cache.owned("Pod", "ml", "other")] == ["b"]
+
+
+def test_a_write_is_unconfirmed_until_a_watch_delivers_it():
+    now = [0.0]
+    cache = ObjectCache(clock=lambda: now[0])
+    cache.put("PodMonitor", obj("a", "5"), written=True)
+    now[0] = 10.0
+    assert cache.unconfirmed("PodMonitor", "ml", "a", for_s=5.0)
+    assert not cache.unconfirmed("PodMonitor", "ml", "a", for_s=20.0)
+    cache.put("PodMonitor", obj("a", "5"))  # the watch's event for the same version
+    assert not cache.unconfirmed("PodMonitor", "ml", "a", for_s=5.0)
+    cache.put("PodMonitor", obj("a", "6"), written=True)
+    cache.confirm("PodMonitor", "ml", "a")
+    assert not cache.unconfirmed("PodMonitor", "ml", "a", for_s=0.0)

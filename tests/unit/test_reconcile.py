@@ -250,3 +250,19 @@ def test_a_child_stored_in_another_form_than_written_is_not_written_again_and_ag
     kube.put(stored)  # someone did write it since
     sync(kube, owner, memory, refused)
     assert ("apply", "Deployment") in kube.requests
+
+
+def test_a_child_deleted_before_its_watch_ran_is_looked_up_once_and_written_again(monkeypatch):
+    monkeypatch.setattr(reconcile, "CONFIRM_S", 0.0)
+    kube = MemoryKube()
+    owner = body()
+    memory, refused = reconcile.ConfigMemory(), reconcile.SyncMemory()
+    sync(kube, owner, memory, refused)
+    service = kube.objects.pop(("Service", "ml", "chat"))  # deleted; no watch of Services to say so
+    kube.cache.put("Service", service, written=True)  # as the operator's own write left it: unconfirmed
+    kube.events, kube.requests = [], []
+    sync(kube, owner, memory, refused)
+    assert ("Service", "ml", "chat") in kube.objects and [r for _, r, _ in kube.events] == ["Created"]
+    kube.requests = []
+    sync(kube, owner, memory, refused)
+    assert kube.requests == []  # confirmed by the lookup (the fake's writes count as delivered)

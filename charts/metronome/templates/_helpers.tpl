@@ -42,8 +42,9 @@ What the operator does inside the namespaces it manages — every verb is used:
   inferencepools): list/watch (selected by the operator's label: a deleted or edited child is put back), create +
   patch (server-side apply, and its dry run before a change). delete only for the children a spec change or a flag
   retires (the PDB, the PodMonitor, the SLO PrometheusRule, the service's own InferencePool); the rest is
-  garbage-collected through owner references. inferencepools get: a pool of the same name the watch does not show
-  (someone else's, never overwritten) is looked up before the service's own is written.
+  garbage-collected through owner references. get: a child written before its kind's watch ran (a CRD installed
+  just now) is looked up once; so is a pool of the same name the watch does not show (someone else's, never
+  overwritten) before the service's own is written.
 - pods list/watch (selected by the operator's label): why pods are not ready, in the Ready condition.
 - events create: an Event for every change.
 */}}
@@ -59,16 +60,16 @@ What the operator does inside the namespaces it manages — every verb is used:
   verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [list, watch, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [configmaps, services]
-  verbs: [list, watch, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [list, watch, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors, prometheusrules]
-  verbs: [list, watch, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
