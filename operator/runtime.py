@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 WORKERS = 4  # services reconciled at once (never one service twice at once)
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0  # a failed reconcile is retried after a doubling pause
+FENCED_RETRY_S = 1.0  # a reconcile the Lease's fence stopped is tried again after this
 NOT_FOUND = 404
 
 
@@ -166,8 +167,10 @@ class Runtime:
         try:
             self.reconcile(*key)
         except LeadershipLost as exc:
+            # Nothing was written. Either the Lease is gone — the renew thread then shuts the queue and the
+            # process down — or a renewal is late and the work resumes once it succeeds.
             log.warning("%s/%s: %s", *key, exc)
-            self.queue.shutdown()  # main.py stops the process: the Lease is gone
+            self.queue.add_after(key, FENCED_RETRY_S)
         except Exception as exc:  # noqa: BLE001 - one service's failure must not stop the worker
             self._retry_later(key, exc)
         finally:

@@ -96,7 +96,7 @@ def test_one_replica_acts_and_the_other_takes_over_when_it_dies(cluster, k8s_nam
 
     wait_for(ready, "the leader to reconcile the example to Ready", timeout=120)
     assert _holder(cluster, lease_ns, lease) == _identity(first)
-    assert "took Lease" not in second.log_text() and "reconcile_service" not in second.log_text()
+    assert "took Lease" not in second.log_text() and ": Created: " not in second.log_text()
     isvc = get_json(cluster, "inferenceservices.metronome.dev", NAME, "-n", k8s_namespace)
     assert not isvc["metadata"].get("finalizers")  # no timer, no finalizer
     before = _children(cluster, k8s_namespace)

@@ -95,15 +95,20 @@ def test_a_failed_reconcile_is_retried_after_a_doubling_pause(monkeypatch):
     assert pauses == [1.0, 2.0, 4.0]
 
 
-def test_a_lost_lease_stops_the_workers_before_anything_is_written():
+def test_a_fenced_write_leaves_nothing_written_and_the_service_queued_again(monkeypatch):
     kube = MemoryKube()
     rt = started(kube, body())
+    later = []
+    monkeypatch.setattr(rt.queue, "add_after", lambda key, delay: later.append((key, delay)))
 
     def fenced(*args, **kwargs):
-        raise LeadershipLost("another replica holds the Lease")
+        raise LeadershipLost("the Lease was not renewed in time")
 
     kube.apply = fenced
     rt.queue.add(("ml", "chat"))
     assert rt.process_next(0)
+    assert not any(key[0] == "Deployment" for key in kube.objects) and kube.events == []
+    assert later == [(("ml", "chat"), runtime.FENCED_RETRY_S)]
+    rt.queue.shutdown()  # what main.py does once the renew thread finds the Lease gone
     rt.queue.add(("ml", "other"))
-    assert rt.process_next(0) is False  # shut down: nothing more is taken
+    assert rt.process_next(0) is False
