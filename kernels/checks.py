@@ -9,7 +9,8 @@ from .metadata import AttentionMetadata
 
 
 def check_write_kv_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> None:
+                          slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> None:
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(f"key/value must both be [T, n_kv_heads, head_dim], got {tuple(key.shape)} and "
                          f"{tuple(value.shape)}")
@@ -22,10 +23,30 @@ def check_write_kv_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     _same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    check_kv_scales(k_cache, k_scale, v_scale)
+
+
+def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """An FP8 cache needs float32 scales, one per kv head, for K and for V; another cache takes none."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"KV scales are for an FP8 cache, this one is {k_cache.dtype}")
+        return
+    heads = k_cache.shape[2]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (heads,):
+            raise ValueError(f"an FP8 KV cache needs {name} as float32 [{heads}] (one per kv head), got "
+                             f"{None if scale is None else (tuple(scale.shape), scale.dtype)}")
+        if scale.device != k_cache.device:
+            raise ValueError(f"{name} is on {scale.device}, the cache on {k_cache.device}")
 
 
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata) -> None:
+                           meta: AttentionMetadata, window: int | None = None,
+                           sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive integer or None, got {window!r}")
     if q.dim() != 3:
         raise ValueError(f"q must be [T, n_heads, head_dim], got {tuple(q.shape)}")
     _check_caches(k_cache, v_cache)
@@ -35,18 +56,26 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
     if n_heads % n_kv_heads != 0:
         raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if sinks is not None:
+        if tuple(sinks.shape) != (n_heads,):
+            raise ValueError(f"sinks must be [n_heads={n_heads}], got {tuple(sinks.shape)}")
+        _same_device(q=q, sinks=sinks)
+    check_kv_scales(k_cache, k_scale, v_scale)
     _same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
                  block_tables=meta.block_tables)
-    if _last_checked[0] is not meta or _last_checked[1] != q.shape[0]:
+    key = (id(meta), q.shape[0])
+    if key not in _recently_checked or _recently_checked[key] is not meta:
         _check_metadata(meta, q.shape[0], k_cache.shape[1])
-        _last_checked[:] = [meta, q.shape[0]]
+        if len(_recently_checked) >= 16:
+            _recently_checked.clear()
+        _recently_checked[key] = meta
 
 
-# Every layer of a forward pass gets the same metadata object (built once per step and never changed after):
-# its host-side facts are checked on the first layer only.
-_last_checked: list = [None, -1]
+# Every layer of a forward pass gets one of a few metadata objects (one per KV block-table group, built once per
+# step and never changed after): the host-side facts of each are checked on its first layer only.
+_recently_checked: dict[tuple[int, int], AttentionMetadata] = {}
 
 
 def _check_metadata(meta: AttentionMetadata, num_tokens: int, block_size: int) -> None:

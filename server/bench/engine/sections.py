@@ -47,9 +47,14 @@ def drain(core: Any, request_ids: list[str], max_steps: int = 10_000) -> None:
     raise EngineBenchError("the engine did not empty after aborting the benchmark's requests")
 
 
-def kv_capacity_tokens(core: Any) -> int:
+def kv_blocks_usable(core: Any) -> int:
     bm = core.block_manager
-    return int(bm.num_blocks * bm.block_size * (1.0 - getattr(core.config, "watermark", 0.0)))
+    return int(bm.num_blocks * (1.0 - getattr(core.config, "watermark", 0.0)))
+
+
+def kv_blocks_needed(core: Any, sequences: int, num_tokens: int, step_tokens: int) -> int:
+    """Blocks `sequences` sequences of num_tokens tokens hold (sliding-window layers: a window and a step)."""
+    return sequences * core.block_manager.blocks_held(num_tokens, step_tokens)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -60,15 +65,16 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def decode_point(core: Any, batch: int, context: int, steps: int, sampler: TokenSampler, seed: int,
-                 prefill_chunk: int, bandwidth: float | None, dtype_bytes: int, warmup_steps: int = 3) -> dict:
+                 prefill_chunk: int, bandwidth: float | None, dtype_bytes: int | model_math.ByteWidths,
+                 warmup_steps: int = 3) -> dict:
     prefill_steps = math.ceil(batch * context / prefill_chunk) + batch + 2  # worst case: one admission per step
     max_tokens = prefill_steps + warmup_steps + steps + 4
-    need = batch * (context + max_tokens)
+    need = kv_blocks_needed(core, batch, context + max_tokens, prefill_chunk)
     if context + max_tokens > core.max_model_len:
         return {"batch": batch, "skipped": f"context {context} + {max_tokens} tokens exceeds max_model_len "
                                            f"{core.max_model_len}"}
-    if need > kv_capacity_tokens(core):
-        return {"batch": batch, "skipped": f"the KV cache holds {kv_capacity_tokens(core)} tokens; this point needs "
+    if need > kv_blocks_usable(core):
+        return {"batch": batch, "skipped": f"the KV cache has {kv_blocks_usable(core)} usable blocks; this point needs "
                                            f"{need} (raise --gpu-memory-utilization or --kv-cache-memory-gb)"}
     core.reconfigure(SchedulerConfig(chunk_size=prefill_chunk, max_num_seqs=max(batch, 1),
                                      queue_policy=QueuePolicy.FCFS))
@@ -93,9 +99,12 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
                                    f"in {prefill_steps} steps")
         for _ in range(warmup_steps):
             step()
-        wall, overhead, kv_tokens, mixed, graph_steps = [], [], [], 0, 0
+        wall, overhead, kv_tokens, kv_bytes, mixed, graph_steps = [], [], [], [], 0, 0
+        config = core.loaded.config
         for _ in range(steps):
             kv_tokens.append(sum(context + g for g in generated.values()))
+            # per sequence and layer: its context, or its window on a sliding-window layer
+            kv_bytes.append(sum(model_math.kv_bytes_read(config, dtype_bytes, context + g) for g in generated.values()))
             t0 = time.perf_counter()
             stats = step()
             wall.append(time.perf_counter() - t0)
@@ -114,8 +123,8 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
         "kv_tokens_read_median": statistics.median(kv_tokens), "non_decode_steps": mixed,
         "cuda_graph_steps": graph_steps,
     }
-    config = core.loaded.config
-    floor_bytes = model_math.decode_floor_bytes(config, dtype_bytes, [int(statistics.median(kv_tokens))])
+    floor_bytes = model_math.weights_read_per_decode_step(config, dtype_bytes, batch) + int(
+        statistics.median(kv_bytes))
     result["floor_bytes"] = floor_bytes
     if bandwidth:
         floor_s = floor_bytes / bandwidth
@@ -125,7 +134,7 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
 
 
 def decode_section(core: Any, batch_sizes: list[int], context: int, steps: int, sampler: TokenSampler, seed: int,
-                   prefill_chunk: int, bandwidth: float | None, dtype_bytes: int) -> list[dict]:
+                   prefill_chunk: int, bandwidth: float | None, dtype_bytes: int | model_math.ByteWidths) -> list[dict]:
     return [decode_point(core, b, context, steps, sampler, seed, prefill_chunk, bandwidth, dtype_bytes)
             for b in batch_sizes]
 
@@ -157,9 +166,10 @@ def prefill_section(core: Any, prompt_len: int, prompts: int, chunk: int, sample
                     matmul_tflops: float | None) -> dict:
     if prompt_len + 1 > core.max_model_len:
         raise EngineBenchError(f"prefill prompt of {prompt_len} tokens exceeds max_model_len {core.max_model_len}")
-    if prompts * (prompt_len + 1) > kv_capacity_tokens(core):
-        raise EngineBenchError(f"the KV cache holds {kv_capacity_tokens(core)} tokens; the prefill test needs "
-                               f"{prompts * (prompt_len + 1)}")
+    need = kv_blocks_needed(core, prompts, prompt_len + 1, chunk)
+    if need > kv_blocks_usable(core):
+        raise EngineBenchError(f"the KV cache has {kv_blocks_usable(core)} usable blocks; the prefill test needs "
+                               f"{need}")
     core.reconfigure(SchedulerConfig(chunk_size=chunk, max_num_seqs=max(prompts, 1),
                                      queue_policy=QueuePolicy.FCFS))
     max_steps = 4 * (math.ceil(prompts * prompt_len / chunk) + prompts) + 10
@@ -217,10 +227,12 @@ def chunk_label(chunk: int) -> str:
 async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler, chunk_sizes: list[int],
                             rates: list[float], policy: str, max_num_seqs: int, stop: StopRule, seed: int,
                             slo_tbt_ms: float, progress: bool, batch_requests: int | None,
-                            batch_chunks: list[int], warmup_requests: int = 16
-                            ) -> tuple[list[RunEntry], list[RunEntry]]:
+                            batch_chunks: list[int], warmup_requests: int = 16,
+                            overlap_variants: list[str] | None = None) -> tuple[list[RunEntry], list[RunEntry]]:
     """Runs per (chunk, rate); plus, if batch_requests, the same first N requests sent at once (the batch that
-    the transformers peer also gets), once per chunk size in batch_chunks."""
+    the transformers peer also gets), once per chunk size in batch_chunks. overlap_variants ("off", "on"): each
+    (chunk, rate) runs once per variant, one right after the other, the engine's mixed-step overlap switched
+    between runs (the engine must have been built with it)."""
     from metronome.server.engine.async_engine import AsyncEngine
 
     collector = StepCollector()
@@ -241,14 +253,21 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
             engine.reconfigure(SchedulerConfig(chunk_size=chunk, queue_policy=policy, max_num_seqs=max_num_seqs))
             await warm_up(warmup_requests)
             for rate in sorted(rates):
-                collector.reset()
-                label = f"chunk {chunk_label(chunk)} @ {rate:g} req/s"
-                result = await run_load(client, iter_requests(spec, sampler, seed), LoadPattern(rate=rate), stop,
-                                        seed=seed, progress=progress, label=label)
-                params = {"chunk_size": chunk, "queue_policy": policy, "rate": rate,
-                          "steps": collector.summary(), "scheduler": engine.stats().scheduler.snake_dict()}
-                runs.append(RunEntry(label, params, summarize(result.records, slo_tbt_ms), result.records,
-                                     result.started_at, result.wall_s))
+                for variant in overlap_variants or [None]:
+                    if variant is not None:
+                        set_mixed_overlap(core, variant == "on")
+                    collector.reset()
+                    label = f"chunk {chunk_label(chunk)} @ {rate:g} req/s"
+                    if variant is not None:
+                        label += f", overlap {variant}"
+                    result = await run_load(client, iter_requests(spec, sampler, seed), LoadPattern(rate=rate), stop,
+                                            seed=seed, progress=progress, label=label)
+                    params = {"chunk_size": chunk, "queue_policy": policy, "rate": rate,
+                              "steps": collector.summary(), "scheduler": engine.stats().scheduler.snake_dict()}
+                    if variant is not None:
+                        params["mixed_overlap"] = variant
+                    runs.append(RunEntry(label, params, summarize(result.records, slo_tbt_ms), result.records,
+                                         result.started_at, result.wall_s))
         for batch_chunk in batch_chunks if batch_requests else []:
             engine.reconfigure(SchedulerConfig(chunk_size=batch_chunk, queue_policy=policy,
                                                max_num_seqs=max_num_seqs))
@@ -269,23 +288,57 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
     return runs, batch_entries
 
 
-def capacity_table(runs: list[RunEntry], slo_tbt_ms: float) -> list[dict[str, Any]]:
-    """Per chunk size: capacity (highest rate with every request done and TBT p99 <= SLO), best throughput."""
-    by_chunk: dict[int, list[RunEntry]] = {}
+def set_mixed_overlap(core: Any, on: bool) -> None:
+    """Switch the engine's mixed-step overlap between runs (its graphs were captured at start)."""
+    overlap = getattr(core.runner, "overlap", None)
+    if overlap is None:
+        raise EngineBenchError("overlap variants need an engine started with --mixed-overlap on")
+    overlap.enabled = on
+
+
+def overlap_comparison(runs: list[RunEntry]) -> list[dict[str, Any]]:
+    """Per (chunk, rate) run with the overlap off and on: TBT p99 and output tokens/s of each, the p99's drop
+    (a share of off's) and the throughput's change. Pure."""
+    pairs: dict[tuple[int, float], dict[str, RunEntry]] = {}
     for run in runs:
-        by_chunk.setdefault(run.params["chunk_size"], []).append(run)
+        variant = run.params.get("mixed_overlap")
+        if variant is not None:
+            pairs.setdefault((run.params["chunk_size"], run.params["rate"]), {})[variant] = run
     rows = []
-    for chunk, members in by_chunk.items():
+    for (chunk, rate), pair in sorted(pairs.items()):
+        if set(pair) != {"off", "on"}:
+            continue
+        off, on = pair["off"].summary, pair["on"].summary
+        p99_off, p99_on = off.tbt.p99_ms, on.tbt.p99_ms
+        rows.append({
+            "chunk_size": chunk, "rate": rate, "tbt_p99_ms_off": p99_off, "tbt_p99_ms_on": p99_on,
+            "tbt_p99_reduction": 1 - p99_on / p99_off if p99_off and p99_on is not None else None,
+            "output_tokens_per_s_off": off.output_tokens_per_s, "output_tokens_per_s_on": on.output_tokens_per_s,
+            "throughput_change": (on.output_tokens_per_s / off.output_tokens_per_s - 1
+                                  if off.output_tokens_per_s else None),
+            "completed": (off.num_completed == off.num_requests, on.num_completed == on.num_requests)})
+    return rows
+
+
+def capacity_table(runs: list[RunEntry], slo_tbt_ms: float) -> list[dict[str, Any]]:
+    """Per chunk size (and mixed-overlap variant, where runs have one): capacity (highest rate with every request
+    done and TBT p99 <= SLO), best throughput."""
+    by_chunk: dict[tuple[int, str | None], list[RunEntry]] = {}
+    for run in runs:
+        by_chunk.setdefault((run.params["chunk_size"], run.params.get("mixed_overlap")), []).append(run)
+    rows = []
+    for (chunk, variant), members in by_chunk.items():
         members.sort(key=lambda r: r.params["rate"])
         passing = [r for r in members if r.summary.num_completed == r.summary.num_requests
                    and r.summary.tbt.p99_ms is not None and r.summary.tbt.p99_ms <= slo_tbt_ms]
         top = members[-1]
         rows.append({
-            "chunk_size": chunk, "label": chunk_label(chunk),
+            "chunk_size": chunk, "label": chunk_label(chunk) + (f", overlap {variant}" if variant else ""),
             "capacity_rate": max((r.params["rate"] for r in passing), default=None),
             "max_output_tokens_per_s": max(r.summary.output_tokens_per_s for r in members),
             "highest_rate": top.params["rate"], "tbt_p99_ms_at_highest_rate": top.summary.tbt.p99_ms,
             "ttft_p99_ms_at_highest_rate": top.summary.ttft.p99_ms,
+            **({"mixed_overlap": variant} if variant else {}),
         })
     unchunked = next((r for r in rows if r["chunk_size"] >= UNCHUNKED), None)
     for row in rows:
