@@ -199,6 +199,9 @@ class Runtime:
     # --- one reconcile -----------------------------------------------------------------------------------------
 
     def reconcile(self, namespace: str, name: str) -> None:
+        fence = getattr(self.kube, "fence", None)
+        if fence is not None:
+            fence()  # a replica that may not write does not start a reconcile either
         owner = self.cache.get(kinds.INFERENCE_SERVICE.kind, namespace, name)
         if owner is None:
             self.services.forget(namespace, name)
