@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import pytest
-from default_server import KEY, MODEL, Recorder, default_server, rendered_prompt, tool_call_text, tool_result_text
+from default_server import KEY, MODEL, Recorder, rendered_prompt, tool_call_text, tool_result_text
 from pydantic import BaseModel, Field
 
 langchain_openai = pytest.importorskip("langchain_openai")
@@ -28,9 +28,8 @@ class Pet(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    with default_server(tmp_path_factory.mktemp("serve")) as served:
-        yield served
+def served(default_served):
+    return default_served
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import os
 
 import openai
 import pytest
-from default_server import KEY, MODEL, Recorder, default_server, rendered_prompt, tool_call_text, tool_result_text
+from default_server import KEY, MODEL, Recorder, rendered_prompt, tool_call_text, tool_result_text
 from pydantic import BaseModel, Field
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of the cost map at import
@@ -24,9 +24,8 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    with default_server(tmp_path_factory.mktemp("serve")) as served:
-        yield served
+def served(default_served):
+    return default_served
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from default_server import (
     KEY,
     MODEL,
     Recorder,
-    default_server,
     rendered_prompt,
     tool_call_text,
     tool_result_text,
@@ -43,9 +42,8 @@ def check_arguments(name: str, text: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    with default_server(tmp_path_factory.mktemp("serve")) as served:
-        yield served
+def served(default_served):
+    return default_served
 
 
 @pytest.fixture(scope="module")

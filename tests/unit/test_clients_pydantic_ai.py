@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import pytest
-from default_server import KEY, MODEL, Recorder, default_server, rendered_prompt, tool_call_text, tool_result_text
+from default_server import KEY, MODEL, Recorder, rendered_prompt, tool_call_text, tool_result_text
 from pydantic import BaseModel, Field
 
 pydantic_ai = pytest.importorskip("pydantic_ai")
@@ -25,9 +25,8 @@ def add(a: Annotated[int, Field(ge=0, le=99)], b: Annotated[int, Field(ge=0, le=
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    with default_server(tmp_path_factory.mktemp("serve")) as served:
-        yield served
+def served(default_served):
+    return default_served
 
 
 @pytest.fixture(scope="module")

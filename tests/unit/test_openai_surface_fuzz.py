@@ -65,7 +65,7 @@ def client():
         yield test_client
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(body=bodies)
 def test_newer_fields_never_5xx(client, body):
