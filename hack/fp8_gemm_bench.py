@@ -13,8 +13,8 @@ quantised beforehand; `quantize` times that separately):
   block        the Triton FP8 GEMM with 128 x 128 weight blocks and per-token groups of 128
   quantize     the per-token quantisation kernel on the [M, K] input (added to every dynamic variant in serving,
                unless a fused norm or SiLU·mul produced it)
-`auto_pick` names what cuda_gemm's `auto` runs for per-token layouts at that M, so a regression in its threshold
-shows as a slower pick than the best.
+`auto_pick` names what cuda_gemm's `auto` runs for per-token layouts, so a shape where it is not the best dynamic
+path shows in the table.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def measure(shapes: dict, rows: tuple[int, ...], reps: int, device) -> dict:
     import torch
 
     from metronome.server.bench.engine.device_peaks import time_op
-    from metronome.server.models.quant.cuda_gemm import ROWWISE_MIN_TOKENS
+    from metronome.server.models.quant.cuda_gemm import per_token_path
 
     g = torch.Generator(device=device).manual_seed(0)
     results: dict = {}
@@ -97,7 +97,7 @@ def measure(shapes: dict, rows: tuple[int, ...], reps: int, device) -> dict:
             dynamic = {key: timed[key] for key in ("rowwise", "tensorwise", "triton") if key in timed}
             row["best"] = min(timed, key=timed.get) if timed else None
             row["best_dynamic"] = min(dynamic, key=dynamic.get) if dynamic else None
-            row["auto_pick"] = "rowwise" if m >= ROWWISE_MIN_TOKENS else "tensorwise"
+            row["auto_pick"] = per_token_path("auto")
             if isinstance(row.get("bf16"), float):
                 row["speedup_vs_bf16"] = {key: row["bf16"] / v for key, v in timed.items() if key != "bf16"}
             per_shape[str(m)] = row

@@ -5,11 +5,12 @@
 - one scale per operand (static per-tensor activations, weights requantised to one scale): `torch._scaled_mm`
   with 0-d scales (cuBLASLt) writing the model dtype directly — no epilogue;
 - per-token activation scales with per-channel (or per-tensor) weight scales, two ways:
-  `rowwise`: `torch._scaled_mm` with [M, 1] and [1, N] scales (CUTLASS sm90 kernel); measured on the H200 no
-  faster than bf16 below M ≈ 400 and close to per-tensor from M = 2,048;
+  `rowwise`: `torch._scaled_mm` with [M, 1] and [1, N] scales (CUTLASS sm90 kernel), one kernel writing the
+  model dtype;
   `tensorwise`: `torch._scaled_mm` with unit 0-d scales into float32, then the row and column scales multiplied
-  in (two element-wise passes over [M, N]: cheap next to a decode GEMM that reads the whole weight);
-  `auto` takes `tensorwise` below ROWWISE_MIN_TOKENS rows and `rowwise` from there;
+  in (three more passes over [M, N]);
+  `auto` runs `rowwise`: on the H200 it was the faster of the two at every Llama-3-8B shape from 1 to 8,192 rows
+  (docs/perf/fp8-h200.md), `tensorwise` 1.09-2.38x slower;
 - `triton`: the Triton kernel for every layout (also the fallback when K or N is not a multiple of 16, which
   `_scaled_mm` requires).
 
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from metronome.server.models.quant.fp8_linear import Fp8Linear
 
 GEMMS = ("auto", "rowwise", "tensorwise", "triton")
-ROWWISE_MIN_TOKENS = 512
 GEMM_ENV = "METRONOME_FP8_GEMM"
 
 
@@ -38,6 +38,11 @@ def gemm_from_environment() -> str:
     if choice not in GEMMS:
         raise ValueError(f"{GEMM_ENV}={choice!r}: use one of {', '.join(GEMMS)}")
     return choice
+
+
+def per_token_path(choice: str) -> str:
+    """The `_scaled_mm` path a per-token activation takes for a layer's GEMM choice (`auto` resolved)."""
+    return "rowwise" if choice == "auto" else choice
 
 
 def fp8_gemm(act: Fp8Activation, layer: Fp8Linear) -> torch.Tensor:
@@ -57,9 +62,7 @@ def fp8_gemm(act: Fp8Activation, layer: Fp8Linear) -> torch.Tensor:
     if a_scalar and w_scalar:
         return torch._scaled_mm(q, weight.t(), scale_a=act.scale, scale_b=layer.weight_scale, bias=bias,
                                 out_dtype=act.dtype)
-    if choice == "auto":
-        choice = "rowwise" if m >= ROWWISE_MIN_TOKENS else "tensorwise"
-    if choice == "rowwise":
+    if per_token_path(choice) == "rowwise":
         scale_a = act.scale.expand(m, 1).contiguous() if a_scalar else act.scale
         out = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=layer.column_scale, out_dtype=act.dtype)
         return out if bias is None else out.add_(bias)
