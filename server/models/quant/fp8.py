@@ -22,7 +22,10 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor: a zero group gets a tiny sc
 
 def dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
     """float32 scale(s) that map amax onto FP8_MAX."""
-    return (amax.float() / FP8_MAX).clamp_min(MIN_SCALE)
+    amax = amax.float()
+    # Divided by a tensor, not a Python number: on CUDA torch turns division by a scalar into a multiply by its
+    # reciprocal, which can miss the correctly rounded quotient (what the kernels compute) by one bit.
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
