@@ -36,7 +36,7 @@ from metronome.contract.budget import prefill_budget
 from metronome.contract.config import SchedulerConfig, ServerConfigFile, validate_scheduler
 from metronome.operator.changes import NORMAL, WARNING, EventSpec
 from metronome.operator.experiment.children import PodView, choose_candidates, label_changes
-from metronome.operator.experiment.record import Phase, Record
+from metronome.operator.experiment.record import AUTOTUNE, Phase, Record
 from metronome.operator.experiment.settings import ExperimentSpec, candidate_count, validate_candidate
 from metronome.operator.experiment.verdict import Outcome, WindowReading, judge
 
@@ -109,9 +109,17 @@ def step(wanted: Wanted | None, record: Record | None, observed: Observed, now: 
     if wanted is None or (record is not None and record.id == wanted.id):
         return _after(record, observed, now)
     fresh = Record(id=wanted.id, source=wanted.source, phase=Phase.PENDING, reason="Created", message="created",
-                   name=wanted.spec.name, windows_planned=wanted.spec.windows,
+                   name=wanted.spec.name, windows_planned=wanted.spec.windows, candidate=_proposal(wanted),
                    candidate_generation=record.candidate_generation if record is not None else None)
     return _pending(wanted, fresh, observed, now, created=True)
+
+
+def _proposal(wanted: Wanted) -> dict | None:
+    """An autotune canary's candidate is a whole config, known before the start: the record keeps it from the
+    first step, so that the canary can be rebuilt from the record while it waits (canary.running_canary)."""
+    if wanted.source != AUTOTUNE:
+        return None
+    return scheduler_record(validate_scheduler(dict(wanted.spec.candidate.fields), source="the autotune proposal"))
 
 
 # --- the phases ----------------------------------------------------------------------------------------------
