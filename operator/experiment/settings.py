@@ -132,7 +132,8 @@ def _field_check(name: str, value: Any, where: str) -> None:
     """One scheduler field on its own (types and bounds; cross-field rules apply once laid over the served one)."""
     info = SchedulerConfig.model_fields[name]
     try:
-        TypeAdapter(Annotated[info.annotation, info]).validate_python(value)
+        kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+        TypeAdapter(kind).validate_python(value)
     except ValidationError as exc:
         raise SpecError(f"{where}: {exc.errors()[0]['msg']}") from None
 
