@@ -22,6 +22,7 @@ prunes).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -170,11 +171,15 @@ def refresh(memo: kopf.Memo, service: InferenceService, body: Mapping[str, Any],
             memo.metrics.after_tick(service, result.decision)
         current = body.get("status") or {}
         previous = current.get("conditions") or []
-        desired = status_mod.compute_status(service, result.observed, now=format_time(),
+        experiment = result.experiment if result.experiment is not None else current.get("experiment")
+        observed_now = dataclasses.replace(result.observed, experiment=experiment)
+        desired = status_mod.compute_status(service, observed_now, now=format_time(),
                                             previous_conditions=previous)
         patch = status_mod.status_patch(current, desired)
         if result.last_decision is not None:
             patch["lastDecision"] = result.last_decision
+        if result.experiment is not None:
+            patch["experiment"] = result.experiment
         for event in describe_transitions(previous, desired["conditions"]):
             kube.emit_event(body, event.type, event.reason, event.message)
     return Refresh(patch, result.replicas)

@@ -194,11 +194,12 @@ AUTOTUNE_FIELDS = {
     "maxStepDown": "max_step_down", "margin": "margin", "deadbandLow": "deadband_low",
     "deadbandHigh": "deadband_high", "chunkGranularity": "chunk_granularity",
     "policySwitching": "policy_switching", "scaleReplicas": "scale_replicas", "prefillHeadroom": "prefill_headroom",
+    "canary": "canary", "canaryChunkChange": "canary_chunk_change",
 }
 
 
 # Types of the AUTOTUNE_FIELDS that are not plain numbers (the others accept an int or a float).
-_AUTOTUNE_KINDS = {"mode": str, "policy": str, "policy_switching": bool, "scale_replicas": bool,
+_AUTOTUNE_KINDS = {"mode": str, "policy": str, "policy_switching": bool, "scale_replicas": bool, "canary": bool,
                    "min_chunk": int, "max_chunk": int, "chunk_granularity": int}
 
 

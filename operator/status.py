@@ -21,7 +21,8 @@ PROGRESSING = "Progressing"
 METRICS_AVAILABLE = "MetricsAvailable"
 SLO_MET = "SLOMet"
 CONFIG_APPLIED = "ConfigApplied"
-CONDITION_TYPES = (READY, PROGRESSING, METRICS_AVAILABLE, SLO_MET, CONFIG_APPLIED)
+EXPERIMENT = "Experiment"  # only on services that have had an experiment (status.experiment)
+CONDITION_TYPES = (READY, PROGRESSING, METRICS_AVAILABLE, SLO_MET, CONFIG_APPLIED, EXPERIMENT)
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 SLO_STATES = {TRUE: "Met", FALSE: "Violated", UNKNOWN: "Unknown"}
@@ -39,6 +40,7 @@ class Observed:
     # (reason, message) that replaces SLOMet's SLOViolated when the control loop cannot fix the violation
     # (chunk at its floor, no replicas to add): the condition then says why it stays violated.
     slo_override: tuple[str, str] | None = None
+    experiment: Mapping[str, Any] | None = None  # status.experiment as this refresh leaves it
 
 
 def condition(
@@ -231,6 +233,18 @@ def slo_condition(
     return TRUE, "SLOMet", f"TBT p99 {metrics.tbt_p99_ms:.1f} ms <= {slo.tbt_p99_ms:g} ms"
 
 
+def experiment_condition(experiment: Mapping[str, Any]) -> tuple[str, str, str]:
+    """True while an experiment has a candidate slice (starting or measuring); False while it waits (e.g.
+    NotEnoughReplicas: fewer than 2 replicas leave no slice) or once it has ended (the outcome as reason)."""
+    phase = experiment.get("phase") or ""
+    message = experiment.get("message") or ""
+    if phase in ("Starting", "Running"):
+        return TRUE, experiment.get("reason") or phase, message
+    if phase == "Pending":
+        return FALSE, experiment.get("reason") or phase, message
+    return FALSE, phase or "Unknown", message
+
+
 # --- the whole status ----------------------------------------------------------------------------------------
 
 
@@ -274,6 +288,8 @@ def compute_status(
         make(SLO_MET, slo_verdict),
         make(CONFIG_APPLIED, config_condition(observed, rollout)),
     ]
+    if observed.experiment:
+        conditions.append(make(EXPERIMENT, experiment_condition(observed.experiment)))
     ready = rollout.ready if rollout else 0
     have_metrics = metrics is not None and metrics.available
     return {

@@ -63,7 +63,8 @@ class Record:
         return replace(self, **changes)
 
     def to_status(self, format_time) -> dict[str, Any]:
-        """The CR's status.experiment (`format_time`: epoch seconds → RFC 3339)."""
+        """The CR's status.experiment (`format_time`: epoch seconds → RFC 3339), every key present (None where the
+        record has no value)."""
 
         def when(value: float | None) -> str | None:
             return format_time(value) if value is not None else None
@@ -78,7 +79,7 @@ class Record:
             "decidedAt": when(self.decided_at), "windows": self.windows, "windowsPlanned": self.windows_planned,
             "windowsSkipped": self.windows_skipped, "ratios": dict(self.ratios) or None,
         }
-        return {key: value for key, value in out.items() if value is not None}
+        return out  # None = absent: as a merge patch it also removes what an earlier experiment left
 
 
 def record_from_status(data: Any, parse_time) -> Record | None:

@@ -54,8 +54,10 @@ def test_rbac_is_least_privilege(cluster):
     assert rules[("metronome.dev", "inferenceservices/status")] == {"patch"}
     # Deployments and ConfigMaps are watched: their changes refresh the owner's status.
     assert rules[("apps", "deployments")] == {"get", "list", "watch", "create", "patch"}
-    assert rules[("", "configmaps")] == {"get", "list", "watch", "create", "patch"}
-    assert rules[("", "pods")] == {"list"}
+    # ConfigMaps: an experiment's candidate config is deleted when it ends. Pods: listed, and relabelled (the
+    # variant label of an experiment, outside the Deployment's selector: nothing restarts).
+    assert rules[("", "configmaps")] == {"get", "list", "watch", "create", "patch", "delete"}
+    assert rules[("", "pods")] == {"list", "patch"}
     assert rules[("", "events")] == {"create"}
     assert rules[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
     every_verb = set().union(*rules.values())
@@ -64,7 +66,7 @@ def test_rbac_is_least_privilege(cluster):
     assert rules[("inference.networking.k8s.io", "inferencepools")] == {"get", "create", "patch", "delete"}
     # Deletes only for children a spec change or --monitor-kind none retires; the rest is garbage-collected.
     assert {resource for (_, resource), verbs in rules.items() if "delete" in verbs} <= {
-        "poddisruptionbudgets", "podmonitors", "inferencepools"}
+        "poddisruptionbudgets", "podmonitors", "inferencepools", "configmaps"}
     assert not any(resource == "secrets" or "*" in (group, resource) for group, resource in rules)
 
 
@@ -221,6 +223,7 @@ def test_helm_install_succeeds_and_the_operator_pod_runs(cluster):
         ("patch", "inferenceservices.metronome.dev/status", True),
         ("create", "deployments.apps", True),
         ("list", "pods", True),
+        ("patch", "pods", True),
         ("create", "events", True),
         ("delete", "deployments.apps", False),
         ("get", "secrets", False),
