@@ -6,11 +6,13 @@ parses only text the operator did not write itself (a hand edit, or a ConfigMap 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from metronome.contract import variant
-from metronome.contract.config import ConfigError, ServerConfigFile, parse_server_config
+from metronome.contract.config import ConfigError, SchedulerConfig, ServerConfigFile, parse_server_config
 
 CONFIG_KEY = "server.yaml"  # the key of both ConfigMaps, the control's and an experiment's candidate's
 CONFIG_DIR = "/etc/metronome"
@@ -18,6 +20,9 @@ CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 CANDIDATE_CONFIG_PATH = f"{CONFIG_DIR}/{variant.CANDIDATE_CONFIG_FILE}"
 POD_LABELS_PATH = f"{CONFIG_DIR}/{variant.POD_LABELS_FILE}"
 ANNOTATION_CONFIG_GENERATION = "metronome.dev/config-generation"
+# The spec.server a ConfigMap's config descends from (a digest): the autotuner may have moved the config on since,
+# but only a different spec.server in the resource is the user's change to serve.
+ANNOTATION_SPEC_SERVER = "metronome.dev/spec-server"
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,11 @@ class Rendered:
 
     config: ServerConfigFile
     text: str
+
+
+def spec_server_digest(scheduler: SchedulerConfig) -> str:
+    text = json.dumps(scheduler.snake_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def render(config: ServerConfigFile) -> Rendered:

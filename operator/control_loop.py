@@ -1,12 +1,13 @@
 """The control loop's body: one tick for one InferenceService, between the API and Prometheus.
 
-handlers.refresh_status (every --status-interval) and handlers.reconcile_service (create/update/resume) call
-`tick`. When a reading is due (every spec.autotune.intervalSeconds, and at once after a spec change) it reads
-Prometheus (reconcile.read_metrics), runs the pure step (tuning.autotune.step → tuning.actuation.tune) and carries
-the result out: the new server.yaml generation it rendered from the config observed this tick
-(reconcile.write_config; nothing is read back), the Deployment scaled, Events. What goes into the CR itself
-(spec.replicas, status.lastDecision) comes back in `Tick` for the handler to patch, so no kopf here. One reading
-at a time per object (TunerMemory.lock).
+runtime.Runtime.reconcile calls `tick` on every reconcile of a service. When a reading is due (every
+spec.autotune.intervalSeconds, and at once after a spec change) it reads Prometheus (reconcile.read_metrics), takes
+the experiment's step (experiment_sync: pauses the autotuner while one runs), runs the pure step
+(tuning.autotune.step → tuning.actuation.tune; with autotune.canary a risky move becomes an experiment's candidate
+instead) and carries the result out: the new server.yaml generation it rendered from the config observed this tick
+(reconcile.write_config; nothing is read back), Events. What goes into the CR itself (spec.replicas, whose next
+reconcile scales the Deployment, status.lastDecision and status.experiment) comes back in `Tick` for the runtime
+to patch. One reading at a time per object (TunerMemory.lock).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metronome.operator import experiment_sync, reconcile
+from metronome.operator.cache import ObjectCache
 from metronome.operator.experiment import canary
 from metronome.operator.k8s import Kube
 from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSettings
@@ -41,16 +43,19 @@ class Tick:
 
 def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observed: Observed,
          memory: autotune.TunerMemory, prometheus: PrometheusSettings,
-         configs: reconcile.ConfigMemory | None = None) -> Tick:
-    """Read the metrics and act on them when due; otherwise status gets the last reading."""
+         configs: reconcile.ConfigMemory | None = None, cache: ObjectCache | None = None) -> Tick:
+    """Read the metrics and act on them when due; otherwise status gets the last reading. `cache`: what the
+    watches delivered (the experiment's candidate ConfigMap is looked up there; default: the one `kube` writes
+    into)."""
     replicas = last_decision = decision = experiment = None
+    cache = cache if cache is not None else kube.cache
     with memory.lock:
         now = time.time()
         if memory.due(now, service.generation):
             observation, unavailable = _read(prometheus, service, now)
             url = _url(prometheus, service)
-            trial = experiment_sync.sync(kube, service, body, observed.served_config, observation, prometheus, url,
-                                         now, configs=configs)
+            trial = experiment_sync.sync(kube, cache, service, body, observed.pods, observed.served_config,
+                                         observation, prometheus, url, now, configs=configs)
             if trial.served is not observed.served_config:
                 observed = dataclasses.replace(observed, served_config=trial.served, config_error=None)
             # The autotuner holds still while an experiment compares against the served config.
@@ -59,18 +64,21 @@ def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observe
             result = autotune.step(tuned, observed.served_config, body.get("status") or {}, observation,
                                    unavailable, now, memory.last_change_time, ready_pods=ready)
             result, proposal = _canary(service, observed, result, trial, now)
+            experiment = trial.status
             if proposal is not None:
-                trial = experiment_sync.sync(kube, service, body, observed.served_config, observation, prometheus,
-                                             url, now, record=trial.record, proposal=proposal, configs=configs)
+                trial = experiment_sync.sync(kube, cache, service, body, observed.pods, observed.served_config,
+                                             observation, prometheus, url, now, record=trial.record,
+                                             proposal=proposal, configs=configs)
+                experiment = trial.status if trial.status is not None else experiment
             observed = _actuate(kube, service, body, observed, result, configs)
             replicas, last_decision, decision = result.replicas, result.last_decision, result.decision
-            experiment = trial.status
             problem = memory.remember(result, now, service.generation, service.spec.autotune.interval_seconds)
             if problem:
                 kube.emit_event(body, "Warning", "AutotuneBlocked", problem)
     served_generation = observed.served_config.generation if observed.served_config is not None else None
+    shown = experiment if experiment is not None else (body.get("status") or {}).get("experiment")
     observed = dataclasses.replace(observed, metrics=memory.metrics_for(served_generation),
-                                   slo_override=memory.slo_override)
+                                   slo_override=memory.slo_override, experiment=shown)
     return Tick(observed, replicas, last_decision, decision, experiment)
 
 
@@ -125,10 +133,6 @@ def _actuate(kube: Kube, service: InferenceService, body: Mapping[str, Any], obs
         config = reconcile.write_config(kube, service, body, observed.served_config, result.config,
                                         why=result.config_reason, memory=configs)
         observed = dataclasses.replace(observed, served_config=config, config_error=None)
-    if result.replicas is not None:
-        # kopf counts the handler's own spec patch as handled (no update handler follows): scale the Deployment now.
-        scaled = dataclasses.replace(service, spec=dataclasses.replace(service.spec, replicas=result.replicas))
-        reconcile.sync_children(kube, scaled, body, monitor=None, memory=configs)
     for event in result.events:
         kube.emit_event(body, event.type, event.reason, event.message)
     return observed

@@ -1,20 +1,25 @@
-"""An experiment's glue for one service, at each reading of the control loop: read what the lifecycle needs (the
-service's pods, the experiment's windows from Prometheus), call the pure step (experiment/lifecycle.py), and carry
-out what it says — the candidate's ConfigMap, the pods' variant labels, the promoted config, Events. What goes
-into the CR (status.experiment) comes back for the caller to patch, as the control loop's other results do.
+"""An experiment's glue for one service, at each reading of the control loop (control_loop.tick, inside the
+service's reconcile): read what the lifecycle needs — the service's pods from the watch cache, the experiment's
+windows from Prometheus — call the pure step (experiment/lifecycle.py), and carry out what it says through the
+operator's fenced writes: the candidate's ConfigMap, the pods' variant labels, the promoted config, Events. What
+goes into the CR (status.experiment) comes back for the runtime to patch with the rest of status.
 
-A service without an experiment, now or before, costs nothing here: no request is made.
+Writes follow the cache, as the children's sync does: the candidate ConfigMap is written only when the cache does
+not hold it as the step wants it (so one deleted by hand is put back), deleted only while the cache holds it, and
+a pod is relabelled only when its cached labels differ. A service without an experiment, now or before, costs
+nothing here: no request is made.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from metronome.contract.config import ServerConfigFile
+from metronome.contract.config import ServerConfigFile, validate_scheduler
 from metronome.contract.rfc3339 import format_time, parse_time
-from metronome.operator import builders, reconcile
+from metronome.operator import builders, drift, kinds, reconcile
+from metronome.operator.cache import ObjectCache
 from metronome.operator.experiment import canary, children, lifecycle
 from metronome.operator.experiment.queries import Windows
 from metronome.operator.experiment.record import SPEC, Phase, Record, record_from_status
@@ -76,39 +81,59 @@ def _readings(prometheus: PrometheusSettings, url: str | None, service: Inferenc
         source.close()
 
 
-def sync(kube: Kube, service: InferenceService, body: Mapping[str, Any], served: ServerConfigFile | None,
-         observation: Observation | None, prometheus: PrometheusSettings, url: str | None, now: float,
-         record: Record | None = None, proposal: lifecycle.Wanted | None = None,
-         configs: reconcile.ConfigMemory | None = None) -> ExperimentTick:
-    """One step of the service's experiment (`record`: the one in status, unless the caller already stepped it;
-    `proposal`: an autotune canary to start when nothing else runs)."""
+def _candidate_config(record: Record | None) -> ServerConfigFile | None:
+    """What the candidate ConfigMap serves while the experiment has its slice (None: no ConfigMap wanted)."""
+    if (record is None or record.phase not in (Phase.STARTING, Phase.RUNNING) or record.candidate is None
+            or record.candidate_generation is None):
+        return None
+    scheduler = validate_scheduler(dict(record.candidate), source="status.experiment.candidate")
+    return ServerConfigFile(generation=record.candidate_generation, scheduler=scheduler)
+
+
+def _write_candidate_config(kube: Kube, cache: ObjectCache, service: InferenceService, record: Record,
+                            config: ServerConfigFile) -> None:
+    desired = drift.stamped(children.candidate_config_map(service, config, record.id))
+    meta = desired["metadata"]
+    if drift.needs_write(cache.get(kinds.CONFIG_MAP.kind, meta["namespace"], meta["name"]), desired):
+        kube.apply(desired)
+
+
+def sync(kube: Kube, cache: ObjectCache, service: InferenceService, body: Mapping[str, Any],
+         pods: Sequence[Mapping[str, Any]], served: ServerConfigFile | None, observation: Observation | None,
+         prometheus: PrometheusSettings, url: str | None, now: float, record: Record | None = None,
+         proposal: lifecycle.Wanted | None = None, configs: reconcile.ConfigMemory | None = None) -> ExperimentTick:
+    """One step of the service's experiment (`pods`: the service's pods as cached; `record`: the one in status,
+    unless the caller already stepped it; `proposal`: an autotune canary to start when nothing else runs)."""
     record = record if record is not None else current_record(body)
     wanted = wanted_now(service, record) or proposal
     if wanted is None and record is None:
         return ExperimentTick(None, served=served)
     names = builders.child_names(service.name)
-    pods = children.pod_views(kube.list("v1", "Pod", service.namespace, builders.selector_string(service.name)))
+    views = children.pod_views(pods)
     readings = problem = None
     if (record is not None and wanted is not None and record.id == wanted.id and record.phase is Phase.RUNNING
             and record.measuring_since is not None):
         readings, problem = _readings(prometheus, url, service, record, wanted, now)
     observed = lifecycle.Observed(
-        replicas=service.spec.replicas, pods=pods, served=served,
+        replicas=service.spec.replicas, pods=views, served=served,
         pod_generations=dict(observation.pod_generations) if observation is not None else None,
         applied_at=dict(observation.config_applied_at) if observation is not None else {},
         readings=readings, readings_problem=problem)
     step = lifecycle.step(wanted, record, observed, now)
 
-    if step.candidate_config is not None:
-        kube.apply(children.candidate_config_map(service, step.candidate_config, step.record.id))
+    candidate = step.candidate_config or _candidate_config(step.record)
+    if candidate is not None:  # written at the start, and put back should it go missing or be edited
+        _write_candidate_config(kube, cache, service, step.record, candidate)
     if step.control_config is not None:
         served = reconcile.write_config(kube, service, body, served, step.control_config,
                                         why=f"experiment {step.record.name or step.record.id} promoted",
                                         memory=configs)
     for pod, value in sorted(step.labels.items()):
-        kube.patch("v1", "Pod", service.namespace, pod, children.label_patch(value))
-    if step.delete_candidate_config:
-        kube.delete("v1", "ConfigMap", service.namespace, names.candidate_config_map)
+        kube.patch(kinds.POD.api_version, kinds.POD.kind, service.namespace, pod, children.label_patch(value))
+    if step.delete_candidate_config and cache.get(kinds.CONFIG_MAP.kind, service.namespace,
+                                                  names.candidate_config_map) is not None:
+        kube.delete(kinds.CONFIG_MAP.api_version, kinds.CONFIG_MAP.kind, service.namespace,
+                    names.candidate_config_map)
     for event in step.events:
         log.info("%s/%s: %s: %s", service.namespace, service.name, event.reason, event.message)
         kube.emit_event(body, event.type, event.reason, event.message)
