@@ -10,9 +10,9 @@ running stream) where 1024 takes three steps of a third of that. Each server get
 random spread gives them the same mix on average in a real cluster.
 
 One service, three experiments in order (the service starts at chunk 4096, fcfs):
-1. candidate chunk 1024 — TBT p99 about a third of the control's, TTFT a little longer (the experiment allows
+1. candidate chunk 512 — TBT p99 about a third of the control's, TTFT a little longer (the experiment allows
    +100 %): promoted, and then served to both pods;
-2. candidate chunk 4096 against the promoted 1024 — reverted for TBT, the control's config never touched;
+2. candidate chunk 4096 against the promoted 512 — reverted for TBT, the control's config never touched;
 3. candidate max_num_seqs 32 against 16, with 4 requests per server (never binding) — "no difference" after its 5
    windows, rather than a flip either way.
 Margins are 30 % (the gates and the minimum improvement): on this shared 2-core machine one window's p99 moves by
