@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import sys
 import tempfile
 import time
@@ -84,6 +85,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="write the windows and verdicts as JSON")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
+    started, load_at_start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     phases = []
     with tempfile.TemporaryDirectory() as work, contextlib.ExitStack() as stack:
@@ -122,7 +124,9 @@ def main() -> int:
         print(f"| {phase['candidate_chunk']} | {tbt[len(tbt) // 2]:.2f} [{tbt[0]:.2f}, {tbt[-1]:.2f}] | "
               f"{ttft[len(ttft) // 2]:.2f} [{ttft[0]:.2f}, {ttft[-1]:.2f}] | {' | '.join(cells)} |")
     if args.out:
-        args.out.write_text(json.dumps({"window_s": args.window, "load": LOAD.__dict__, "serve": SERVE,
+        args.out.write_text(json.dumps({"command": sys.argv, "date": started, "machine": platform.platform(),
+                                        "cpus": os.cpu_count(), "load_average": [load_at_start, os.getloadavg()],
+                                        "window_s": args.window, "load": LOAD.__dict__, "serve": SERVE,
                                         "control_chunk": CONTROL_CHUNK, "failed_requests": errors,
                                         "phases": phases}, indent=1) + "\n")
     return 0

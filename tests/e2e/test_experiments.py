@@ -15,8 +15,8 @@ One service, three experiments in order (the service starts at chunk 4096, fcfs)
 2. candidate chunk 4096 against the promoted 512 — reverted for TBT, the control's config never touched;
 3. candidate max_num_seqs 32 against 16, with 4 requests per server (never binding) — "no difference" after its 5
    windows, rather than a flip either way.
-Margins are 30 % (the gates and the minimum improvement): on this shared 2-core machine one window's p99 moves by
-±20 % between two identical servers (docs/perf/experiments-cpu.md), and the effects are 3x.
+Margins are 30 % (the gates and the minimum improvement): on this shared 2-core machine one window's TBT p99 moves
+by up to ±30 % between two identical servers (docs/perf/experiments-cpu.md), and the effects are 2-3x.
 Throughout: no failed request, no server restarted, no pod replaced; the labels, the candidate ConfigMap and the
 servers' /v1/config show what the experiment says.
 """
