@@ -24,13 +24,14 @@ from metronome.operator.experiment import canary, children, lifecycle
 from metronome.operator.experiment.queries import Windows
 from metronome.operator.experiment.record import SPEC, Phase, Record, record_from_status
 from metronome.operator.experiment.source import read_windows
-from metronome.operator.k8s import Kube
+from metronome.operator.k8s import Kube, KubeError
 from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSettings, ServiceSelector
 from metronome.operator.spec import InferenceService
 from metronome.operator.tuning.observation import Observation
 
 log = logging.getLogger(__name__)
 
+NOT_FOUND = 404
 DEFAULT_LAG_S = 15.0  # a window's last scrapes are in after this long when the scrape interval is not known
 
 
@@ -98,6 +99,18 @@ def _write_candidate_config(kube: Kube, cache: ObjectCache, service: InferenceSe
         kube.apply(desired)
 
 
+def _label(kube: Kube, cache: ObjectCache, namespace: str, pod: str, value: str) -> None:
+    """Set one pod's variant label. A pod deleted since the watch last delivered it is no error: the next step
+    sees it gone (a candidate pod lost aborts the experiment), and the rest of this step is still carried out."""
+    try:
+        kube.patch(kinds.POD.api_version, kinds.POD.kind, namespace, pod, children.label_patch(value))
+    except KubeError as exc:
+        if exc.status != NOT_FOUND:
+            raise
+        cache.forget(kinds.POD.kind, namespace, pod)
+        log.info("%s/%s: pod gone before its variant label was set", namespace, pod)
+
+
 def sync(kube: Kube, cache: ObjectCache, service: InferenceService, body: Mapping[str, Any],
          pods: Sequence[Mapping[str, Any]], served: ServerConfigFile | None, observation: Observation | None,
          prometheus: PrometheusSettings, url: str | None, now: float, record: Record | None = None,
@@ -129,7 +142,7 @@ def sync(kube: Kube, cache: ObjectCache, service: InferenceService, body: Mappin
                                         why=f"experiment {step.record.name or step.record.id} promoted",
                                         memory=configs)
     for pod, value in sorted(step.labels.items()):
-        kube.patch(kinds.POD.api_version, kinds.POD.kind, service.namespace, pod, children.label_patch(value))
+        _label(kube, cache, service.namespace, pod, value)
     if step.delete_candidate_config and cache.get(kinds.CONFIG_MAP.kind, service.namespace,
                                                   names.candidate_config_map) is not None:
         kube.delete(kinds.CONFIG_MAP.api_version, kinds.CONFIG_MAP.kind, service.namespace,

@@ -98,3 +98,13 @@ def test_the_end_relabels_and_deletes_the_candidate_config_once():
     after = step(kube, owner, generations(1, 1), T0 + 20)  # still recent: the cache says nothing is left to delete
     assert kube.requests == [] and after.status is None
     assert owner["status"]["experiment"]["decidedAt"] == format_time(T0 + 10)
+
+
+def test_a_pod_deleted_before_its_label_is_set_does_not_stop_the_step():
+    kube, owner = MemoryKube(), body(experiment=EXPERIMENT)
+    settled(kube, owner)
+    del kube.objects[("Pod", "ml", "chat-b")]  # deleted; the watch has not said so yet
+    first = step(kube, owner, generations(1, 1), T0)
+    assert first.record.phase.value == "Starting" and first.status is not None
+    assert kube.objects[("Pod", "ml", "chat-a")]["metadata"]["labels"][variant.LABEL] == variant.CANDIDATE
+    assert kube.cache.get("Pod", "ml", "chat-b") is None  # the 404 said it is gone
