@@ -152,5 +152,15 @@ def sync(kube: Kube, cache: ObjectCache, service: InferenceService, body: Mappin
         kube.emit_event(body, event.type, event.reason, event.message)
     status = None
     if step.record is not None and step.record != record:
-        status = step.record.to_status(format_time)
+        status = status_patch(step.record, (body.get("status") or {}).get("experiment"))
     return ExperimentTick(step.record, status, step.pause_tuner, served)
+
+
+def status_patch(record: Record, previous: Mapping[str, Any] | None) -> dict[str, Any]:
+    """status.experiment as a merge patch over `previous`: a merge patch merges maps, so the fields of an earlier
+    candidate that this one does not set are removed explicitly (None)."""
+    status = record.to_status(format_time)
+    earlier = (previous or {}).get("candidate") if isinstance(previous, Mapping) else None
+    if isinstance(earlier, Mapping) and status.get("candidate") is not None:
+        status["candidate"] = {**{key: None for key in earlier}, **status["candidate"]}
+    return status

@@ -108,3 +108,20 @@ def test_a_pod_deleted_before_its_label_is_set_does_not_stop_the_step():
     assert first.record.phase.value == "Starting" and first.status is not None
     assert kube.objects[("Pod", "ml", "chat-a")]["metadata"]["labels"][variant.LABEL] == variant.CANDIDATE
     assert kube.cache.get("Pod", "ml", "chat-b") is None  # the 404 said it is gone
+
+
+def test_a_new_candidate_removes_the_fields_an_earlier_one_set_from_status():
+    kube, owner = MemoryKube(), body(experiment={**EXPERIMENT, "candidate": {"chunkSize": 256,
+                                                                              "maxNumBatchedTokens": 8192}})
+    settled(kube, owner)
+    kube.put(owner)
+    first = step(kube, owner, generations(1, 1), T0)
+    kube.patch("metronome.dev/v1alpha1", "InferenceService", "ml", "chat", {"status": {"experiment": first.status}})
+    owner["spec"]["experiment"] = {**EXPERIMENT, "name": "unbounded"}  # a new one, without maxNumBatchedTokens
+    step(kube, owner, generations(2, 1), T0 + 10)  # the first one is superseded
+    second = step(kube, owner, generations(1, 1), T0 + 20)
+    assert second.record.phase.value == "Starting" and second.record.name == "unbounded"
+    stored = kube.patch("metronome.dev/v1alpha1", "InferenceService", "ml", "chat",
+                        {"status": {"experiment": second.status}})["status"]["experiment"]
+    assert first.record.candidate["maxNumBatchedTokens"] == 8192
+    assert stored["candidate"] == second.record.candidate and "maxNumBatchedTokens" not in stored["candidate"]
