@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metronome.contract import serve_flags as flag
+from metronome.contract import variant
 from metronome.contract.config import ServerConfigFile
 from metronome.contract.metric_names import PICKER_ENGINE_TYPE, PICKER_ENGINE_TYPE_LABEL_KEYS
 from metronome.operator import model_fetch
@@ -23,9 +24,11 @@ from metronome.operator.alerts import RuleSettings, prometheus_rule
 from metronome.operator.configmap import (
     ANNOTATION_CONFIG_GENERATION,
     ANNOTATION_SPEC_SERVER,
+    CANDIDATE_CONFIG_PATH,
     CONFIG_DIR,
     CONFIG_KEY,
     CONFIG_PATH,
+    POD_LABELS_PATH,
     Rendered,
     render,
     spec_server_digest,
@@ -60,11 +63,12 @@ class ChildNames:
     pod_monitor: str
     disruption_budget: str
     prometheus_rule: str
+    candidate_config_map: str  # an experiment's candidate config (operator/experiment/), only while one runs
 
 
 def child_names(name: str) -> ChildNames:
     return ChildNames(deployment=name, service=name, config_map=f"{name}-config", pod_monitor=name,
-                      disruption_budget=name, prometheus_rule=name)
+                      disruption_budget=name, prometheus_rule=name, candidate_config_map=f"{name}-candidate-config")
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -153,7 +157,8 @@ def server_args(service: InferenceService) -> list[str]:
     model_argument, _, _ = model_argument_and_volume(spec)
     aliases = [name for name in spec.model.served_names if name != service.name]  # spec.model.servedNames
     args = ["serve", flag.MODEL, model_argument, flag.SERVED_MODEL_NAME, service.name, *aliases]
-    args += [flag.CONFIG, CONFIG_PATH, flag.HOST, "0.0.0.0", flag.PORT, str(SERVER_PORT)]
+    args += [flag.CONFIG, CONFIG_PATH, flag.CANDIDATE_CONFIG, CANDIDATE_CONFIG_PATH, flag.POD_LABELS, POD_LABELS_PATH]
+    args += [flag.HOST, "0.0.0.0", flag.PORT, str(SERVER_PORT)]
     args += [flag.DEVICE, "cuda" if spec.resources.gpus > 0 else "cpu", flag.DTYPE, spec.model.dtype]
     engine = spec.engine
     optional = ((flag.MAX_MODEL_LEN, spec.model.max_model_len), (flag.BLOCK_SIZE, engine.block_size),
@@ -197,14 +202,26 @@ SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(
                       "prometheus.io/path": "/metrics"}
 
 
+def config_volume(service: InferenceService) -> dict[str, Any]:
+    """The config folder, one projected volume the kubelet swaps atomically: the control's server.yaml, an
+    experiment's candidate.yaml (optional: absent outside an experiment) and the pod's own labels, by which the
+    server picks one of the two (metronome.contract.variant). A pod becomes a candidate by a label, not a restart."""
+    names = child_names(service.name)
+    return {"name": "config", "projected": {"sources": [
+        {"configMap": {"name": names.config_map, "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}]}},
+        {"configMap": {"name": names.candidate_config_map, "optional": True,
+                       "items": [{"key": CONFIG_KEY, "path": variant.CANDIDATE_CONFIG_FILE}]}},
+        {"downwardAPI": {"items": [{"path": variant.POD_LABELS_FILE, "fieldRef": {"fieldPath": "metadata.labels"}}]}},
+    ]}}
+
+
 def pod_template(service: InferenceService, scrape_annotations: bool = True) -> dict[str, Any]:
     """The server pod. `scrape_annotations`: the prometheus.io/* annotations an annotation-discovering Prometheus
     scrapes by (--scrape-annotations; off while a monitor scrapes the pods, which would count every pod twice)."""
     spec = service.spec
-    names = child_names(service.name)
     _, model_volume, model_mount = model_argument_and_volume(spec)
     volumes = [
-        {"name": "config", "configMap": {"name": names.config_map, "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}]}},
+        config_volume(service),
         model_volume,
         {"name": "tmp", "emptyDir": {}},
     ]

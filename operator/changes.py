@@ -76,6 +76,10 @@ PLANNED_REASONS = frozenset({"PodsStarting", "RollingOut", "PodsOnOlderGeneratio
 ANNOUNCED_REASONS = frozenset({"SpecRejected", "InvalidSpec"})
 
 
+# Conditions whose every step has Events of its own (the experiment's ExperimentStarted, ...Promoted): no second one.
+OWN_EVENTS = frozenset({"Experiment"})
+
+
 def describe_transitions(
     previous: Iterable[Mapping[str, Any]], current: Iterable[Mapping[str, Any]]
 ) -> list[EventSpec]:
@@ -85,6 +89,8 @@ def describe_transitions(
     before = {c.get("type"): c for c in previous}
     events = []
     for cond in current:
+        if cond["type"] in OWN_EVENTS:
+            continue
         old = before.get(cond["type"])
         if old is not None and (old.get("status"), old.get("reason")) == (cond["status"], cond["reason"]):
             continue

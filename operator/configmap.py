@@ -11,11 +11,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from metronome.contract import variant
 from metronome.contract.config import ConfigError, SchedulerConfig, ServerConfigFile, parse_server_config
 
-CONFIG_KEY = "server.yaml"
+CONFIG_KEY = "server.yaml"  # the key of both ConfigMaps, the control's and an experiment's candidate's
 CONFIG_DIR = "/etc/metronome"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+CANDIDATE_CONFIG_PATH = f"{CONFIG_DIR}/{variant.CANDIDATE_CONFIG_FILE}"
+POD_LABELS_PATH = f"{CONFIG_DIR}/{variant.POD_LABELS_FILE}"
 ANNOTATION_CONFIG_GENERATION = "metronome.dev/config-generation"
 # The spec.server a ConfigMap's config descends from (a digest): the autotuner may have moved the config on since,
 # but only a different spec.server in the resource is the user's change to serve.

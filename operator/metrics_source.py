@@ -479,14 +479,29 @@ class PrometheusMetricsSource:
     def close(self) -> None:
         self._client.close()
 
+    def range_query(self, query: str, start: float, end: float, step_seconds: float) -> Any:
+        """One range query (Unix times; the points at start, start + step, ... up to end); failures as _query's."""
+        import datetime as dt
+
+        def when(t: float) -> dt.datetime:
+            return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc)
+
+        return self._answer(lambda: self._client.custom_query_range(query, when(start), when(end),
+                                                                    format_duration(step_seconds)))
+
     def _query(self, query: str, params: dict[str, str]) -> Any:
-        """One instant query; every failure becomes MetricsUnavailable with a message that names Prometheus and
-        what went wrong in our words (exception class, status code and reason), never the answer's body."""
+        """One instant query; failures as _answer's."""
+        return self._answer(lambda: self._client.custom_query(query, params=params))
+
+    def _answer(self, ask) -> Any:
+        """Prometheus' answer to `ask()`; every failure becomes MetricsUnavailable with a message that names
+        Prometheus and what went wrong in our words (exception class, status code and reason), never the answer's
+        body."""
         import requests
         from prometheus_api_client import PrometheusApiClientException
 
         try:
-            return self._client.custom_query(query, params=params)
+            return ask()
         except requests.exceptions.JSONDecodeError as exc:  # before RequestException: it is one too
             raise MetricsUnavailable(MetricsUnavailable.BAD_RESPONSE,
                                      f"Prometheus at {self.url} sent an answer that is not JSON") from exc

@@ -221,17 +221,18 @@ class Runtime:
         if outcome.wrote:  # once more when what was written should have come back through the watches
             self.queue.add_after((namespace, name), reconcile.CONFIRM_S + 1.0)
         observed = reconcile.observe(self.cache, service, state.configs, outcome.refusal)
-        result = tick(self.kube, service, owner, observed, state.tuner, self.options.prometheus, state.configs)
+        result = tick(self.kube, service, owner, observed, state.tuner, self.options.prometheus, state.configs,
+                      self.cache)
         if self.metrics is not None:
             self.metrics.after_tick(service, result.decision)
-        self._write_status(service, owner, result.observed, result.last_decision)
+        self._write_status(service, owner, result.observed, result.last_decision, result.experiment)
         if result.replicas is not None:  # the autotuner scaled: the next reconcile scales the Deployment
             self._patch_owner(service, {"spec": {"replicas": result.replicas}})
             self.queue.add((namespace, name))
         state.failures = 0
 
     def _write_status(self, service: InferenceService, owner: Mapping[str, Any], observed: status_mod.Observed,
-                      last_decision: dict[str, Any] | None) -> None:
+                      last_decision: dict[str, Any] | None, experiment: dict[str, Any] | None = None) -> None:
         # The owner as cached now: a write earlier in this reconcile (spec.replicas) may have moved it on.
         current = (self.cache.get(kinds.INFERENCE_SERVICE.kind, service.namespace, service.name) or owner)
         status = current.get("status") or {}
@@ -241,6 +242,8 @@ class Runtime:
         patch = status_mod.status_patch(status, desired)
         if last_decision is not None:
             patch["lastDecision"] = last_decision
+        if experiment is not None:
+            patch["experiment"] = experiment
         if patch:
             self._patch_owner(service, {"status": patch}, subresource="status")
         for event in describe_transitions(previous, desired["conditions"]):

@@ -27,6 +27,7 @@ from metronome.contract.model_source import (
     syntax,
 )
 from metronome.contract.precision import KV_CACHE_DTYPES, QUANTIZATIONS
+from metronome.operator.experiment.settings import ExperimentSpec, parse_experiment
 from metronome.operator.pod_template import PodOverlay, PodTemplateError, parse_overlay
 from metronome.operator.routing_spec import RoutingSpec, parse_routing
 from metronome.operator.spec_error import SpecError
@@ -196,11 +197,12 @@ AUTOTUNE_FIELDS = {
     "maxStepDown": "max_step_down", "margin": "margin", "deadbandLow": "deadband_low",
     "deadbandHigh": "deadband_high", "chunkGranularity": "chunk_granularity",
     "policySwitching": "policy_switching", "scaleReplicas": "scale_replicas", "prefillHeadroom": "prefill_headroom",
+    "canary": "canary", "canaryChunkChange": "canary_chunk_change",
 }
 
 
 # Types of the AUTOTUNE_FIELDS that are not plain numbers (the others accept an int or a float).
-_AUTOTUNE_KINDS = {"mode": str, "policy": str, "policy_switching": bool, "scale_replicas": bool,
+_AUTOTUNE_KINDS = {"mode": str, "policy": str, "policy_switching": bool, "scale_replicas": bool, "canary": bool,
                    "min_chunk": int, "max_chunk": int, "chunk_granularity": int}
 
 
@@ -228,6 +230,7 @@ class InferenceServiceSpec:
     shutdown: ShutdownSpec = field(default_factory=ShutdownSpec)
     api_key_secret: SecretKey | None = None  # the server's API key (METRONOME_API_KEY); None = no key
     routing: RoutingSpec = field(default_factory=RoutingSpec)
+    experiment: ExperimentSpec | None = None  # spec.experiment (operator/experiment/)
 
 
 @dataclass(frozen=True)
@@ -586,6 +589,7 @@ def parse_spec(spec: Mapping[str, Any], default_image: str = DEFAULT_IMAGE) -> I
     defaults = _defaults(InferenceServiceSpec)
     server = parse_server(_section(spec, "server", where))
     slo = parse_slo(_section(spec, "slo", where))
+    metrics = parse_metrics(_section(spec, "metrics", where))
     return InferenceServiceSpec(
         model=parse_model(_section(spec, "model", where)),
         replicas=_value(spec, "replicas", int, defaults["replicas"], where),
@@ -596,13 +600,14 @@ def parse_spec(spec: Mapping[str, Any], default_image: str = DEFAULT_IMAGE) -> I
         server=server,
         slo=slo,
         autotune=parse_autotune(_section(spec, "autotune", where), spec, slo, server),
-        metrics=parse_metrics(_section(spec, "metrics", where)),
+        metrics=metrics,
         pod_template=parse_pod_template(_section(spec, "podTemplate", where)),
         strategy=parse_strategy(_section(spec, "strategy", where)),
         disruption=parse_disruption(_section(spec, "disruption", where)),
         shutdown=parse_shutdown(_section(spec, "shutdown", where)),
         api_key_secret=_parse_api_key_secret(spec.get("apiKeySecret"), f"{where}.apiKeySecret"),
         routing=parse_routing(spec.get("routing")),
+        experiment=parse_experiment(spec.get("experiment"), metrics.window_seconds),
     )
 
 

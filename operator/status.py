@@ -23,7 +23,8 @@ PROGRESSING = "Progressing"
 METRICS_AVAILABLE = "MetricsAvailable"
 SLO_MET = "SLOMet"
 CONFIG_APPLIED = "ConfigApplied"
-CONDITION_TYPES = (READY, PROGRESSING, METRICS_AVAILABLE, SLO_MET, CONFIG_APPLIED)
+EXPERIMENT = "Experiment"  # only on services that have had an experiment (status.experiment)
+CONDITION_TYPES = (READY, PROGRESSING, METRICS_AVAILABLE, SLO_MET, CONFIG_APPLIED, EXPERIMENT)
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 SLO_STATES = {TRUE: "Met", FALSE: "Violated", UNKNOWN: "Unknown"}
@@ -44,6 +45,7 @@ class Observed:
     # The API server refused the children of this generation (refusals.Refusal): nothing of it was written, the
     # pods run the generation last applied.
     refusal: Refusal | None = None
+    experiment: Mapping[str, Any] | None = None  # status.experiment as this reconcile leaves it
 
 
 def condition(
@@ -344,6 +346,18 @@ def slo_condition(
     return TRUE, "SLOMet", f"TBT p99 {metrics.tbt_p99_ms:.1f} ms <= {slo.tbt_p99_ms:g} ms"
 
 
+def experiment_condition(experiment: Mapping[str, Any]) -> tuple[str, str, str]:
+    """True while an experiment has a candidate slice (starting or measuring); False while it waits (e.g.
+    NotEnoughReplicas: fewer than 2 replicas leave no slice) or once it has ended (the outcome as reason)."""
+    phase = experiment.get("phase") or ""
+    message = experiment.get("message") or ""
+    if phase in ("Starting", "Running"):
+        return TRUE, experiment.get("reason") or phase, message
+    if phase == "Pending":
+        return FALSE, experiment.get("reason") or phase, message
+    return FALSE, phase or "Unknown", message
+
+
 # --- the whole status ----------------------------------------------------------------------------------------
 
 
@@ -393,6 +407,8 @@ def compute_status(
         make(SLO_MET, slo_verdict),
         make(CONFIG_APPLIED, config_condition(observed, rollout)),
     ]
+    if observed.experiment:
+        conditions.append(make(EXPERIMENT, experiment_condition(observed.experiment)))
     ready = rollout.ready if rollout else 0
     have_metrics = metrics is not None and metrics.available
     return {

@@ -51,6 +51,8 @@ class AutotuneSpec:
     chunk_granularity: int = 64  # the model's chunk sizes are multiples of this
     policy_switching: bool = True
     scale_replicas: bool = False
+    canary: bool = False  # risky moves go through an experiment (operator/experiment/canary.py)
+    canary_chunk_change: float = 0.5  # a prefill-budget change above this fraction is risky
     # The model keeps prefill throughput ≥ this × the prompt tokens per second: 1.2 held 384-448 on the H200
     # where 256 rode its prefill limit and won on TBT.
     prefill_headroom: float = 1.2
@@ -93,6 +95,8 @@ class AutotuneSpec:
             problems.append("spec.autotune.maxStepUp and maxStepDown must be >= 1")
         if not 0 < self.multiplicative_down < 1 < self.multiplicative_up:
             problems.append("multiplicative factors need 0 < down < 1 < up")
+        if not 0 < self.canary_chunk_change <= 10:
+            problems.append(f"spec.autotune.canaryChunkChange must be in (0, 10], got {self.canary_chunk_change}")
         if self.chunk_granularity < 1:
             problems.append("spec.autotune.chunkGranularity must be >= 1")
         if not (math.isfinite(self.prefill_headroom) and 1 <= self.prefill_headroom <= 4):

@@ -211,7 +211,8 @@ def _serve_main(args, engine_config, base, initial) -> int:
     metrics = ServerMetrics(names[0], multiprocess=True, primary=True)
     engine.observers = [metrics, *_stall_loggers(device_type)]
     state = build_state(engine, metrics, names[0], base, config_file=args.config,
-                        poll_interval_s=args.config_poll_seconds)
+                        poll_interval_s=args.config_poll_seconds, candidate_config=args.candidate_config,
+                        pod_labels=args.pod_labels)
     server = build_server(args, engine, state, names, 0, device_type)
     drain_on_signal = server.handle_exit
 

@@ -6,8 +6,13 @@ none of that, so the watcher polls: every `interval_s` it resolves the symlink c
 acts only when the text differs from what it last saw. A new valid file is merged over the command-line
 scheduler values and handed to the engine (applied at the next step boundary); an invalid one keeps the last good
 config, is logged once, counted, and shown on /v1/config. Invalid includes an empty or partial file (the schema
-requires `generation` and `scheduler`) and a generation lower than the applied one: the generation the server
-reports never goes backwards. Nothing in here raises out of the poll loop.
+requires `generation` and `scheduler`) and a generation lower than the one last applied from the same file: each
+file's generations only move forward. Nothing in here raises out of the poll loop.
+
+With `VariantFiles` (`--candidate-config` and `--pod-labels`, metronome.contract.variant) each poll first decides
+which file to serve: the candidate config while the pod's labels file says `metronome.dev/variant=candidate` and
+that config exists, else the `--config` file. A pod that turns back into a control serves the control's file
+again, whose generation may be lower than the candidate's it served meanwhile.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from metronome.contract import variant
 from metronome.contract.config import (
     ConfigError,
     SchedulerConfig,
@@ -39,6 +46,7 @@ class ConfigStatus:
     last_reload_error: str | None = None
     last_reload_time: float | None = None  # unix time of the last successful apply
     resolved_path: str | None = None
+    variant: str = variant.CONTROL  # which file of VariantFiles is served (control = the --config file)
 
     def as_json(self) -> dict:
         return {
@@ -48,6 +56,7 @@ class ConfigStatus:
             "resolved_path": self.resolved_path,
             "last_reload_error": self.last_reload_error,
             "last_reload_time": self.last_reload_time,
+            "variant": self.variant,
         }
 
 
@@ -86,11 +95,43 @@ def load_config(path: str, base: SchedulerConfig) -> tuple[str, str, ServerConfi
     return resolved, text, parsed, effective_scheduler(base, parsed, path)
 
 
+@dataclass(frozen=True)
+class VariantFiles:
+    """Which config file a server pod serves now: `candidate` while `pod_labels` (the kubelet's downward-API
+    projection of the pod's labels) names the pod a candidate and that file exists, else `control`. An unreadable
+    labels file reads as no labels: the control config is always the safe side."""
+
+    control: str
+    candidate: str
+    pod_labels: str
+
+    def choose(self) -> tuple[str, str]:
+        """(variant, path of the file to serve)."""
+        try:
+            labels = variant.parse_labels(Path(self.pod_labels).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            labels = {}
+        if variant.variant_of(labels) == variant.CANDIDATE and os.path.isfile(self.candidate):
+            return variant.CANDIDATE, self.candidate
+        return variant.CONTROL, self.control
+
+
+def variant_files(config: str | None, candidate: str | None, pod_labels: str | None) -> VariantFiles | None:
+    """`--config`, `--candidate-config` and `--pod-labels` as a VariantFiles (None without the last two); ValueError
+    naming the flag when only some are given."""
+    if candidate is None and pod_labels is None:
+        return None
+    if candidate is None or pod_labels is None or config is None:
+        raise ValueError("--candidate-config and --pod-labels go together, and with --config")
+    return VariantFiles(config, candidate, pod_labels)
+
+
 @dataclass
 class ConfigWatcher:
     """Polls `path` by content and applies changes through `apply(scheduler_config)`.
 
-    `on_applied(scheduler, generation)` and `on_error()` let the caller update metrics.
+    `on_applied(scheduler, generation)` and `on_error()` let the caller update metrics. `variants`: serve a
+    candidate config while the pod is labelled a candidate (VariantFiles; `path` is then its control file).
     """
 
     path: str
@@ -100,34 +141,43 @@ class ConfigWatcher:
     on_applied: Callable[[SchedulerConfig, int], None] = lambda scheduler, generation: None
     on_error: Callable[[], None] = lambda: None
     interval_s: float = 0.5
-    _last_seen: str | None = field(default=None, init=False)
+    variants: VariantFiles | None = None
+    _last_seen: tuple[str, str] | None = field(default=None, init=False)  # (path, text) of the last poll
+    _applied: dict[str, int] = field(default_factory=dict, init=False)  # path -> generation last applied from it
+
+    def choose(self) -> tuple[str, str]:
+        """(variant, path) of the file to serve now."""
+        return self.variants.choose() if self.variants is not None else (variant.CONTROL, self.path)
 
     def load_initial(self) -> SchedulerConfig:
         """Load at start-up; an invalid file here raises ConfigError (the caller refuses to start)."""
-        resolved, text, parsed, scheduler = load_config(self.path, self.base)
+        served, path = self.choose()
+        resolved, text, parsed, scheduler = load_config(path, self.base)
         self.apply(scheduler)
-        self._last_seen = text
-        self._record_success(resolved, parsed.generation, scheduler)
+        self._last_seen = (path, text)
+        self._record_success(path, served, resolved, parsed.generation, scheduler)
         return scheduler
 
     def poll_once(self) -> bool:
         """Check the file once; return True when a new config was applied."""
+        served, path = self.choose()
         try:
-            resolved, text = read_config(self.path)
+            resolved, text = read_config(path)
         except ConfigError as exc:
-            return self._record_error(f"unreadable:{exc}", str(exc))
-        if text == self._last_seen:
+            return self._record_error((path, f"unreadable:{exc}"), str(exc))
+        if (path, text) == self._last_seen:
             return False
         try:
-            parsed = parse_server_config(text, source=self.path)
-            check_not_older(parsed.generation, self.status.generation, self.path)
-            scheduler = effective_scheduler(self.base, parsed, self.path)
+            parsed = parse_server_config(text, source=path)
+            check_not_older(parsed.generation, self._applied.get(path, 0), path)
+            scheduler = effective_scheduler(self.base, parsed, path)
             self.apply(scheduler)
         except (ConfigError, ValueError) as exc:  # the engine may refuse a combination the schema allows
-            return self._record_error(text, str(exc))
-        self._last_seen = text
-        self._record_success(resolved, parsed.generation, scheduler)
-        log.info("config %s: applied generation %d: %s", self.path, parsed.generation, scheduler.snake_dict())
+            return self._record_error((path, text), str(exc))
+        self._last_seen = (path, text)
+        self._record_success(path, served, resolved, parsed.generation, scheduler)
+        log.info("config %s (%s): applied generation %d: %s", path, served, parsed.generation,
+                 scheduler.snake_dict())
         return True
 
     async def run(self) -> None:
@@ -139,7 +189,10 @@ class ConfigWatcher:
             except Exception:  # a watcher bug must not take the server down
                 log.exception("config %s: unexpected error while reloading", self.path)
 
-    def _record_success(self, resolved: str, generation: int, scheduler: SchedulerConfig) -> None:
+    def _record_success(self, path: str, served: str, resolved: str, generation: int,
+                        scheduler: SchedulerConfig) -> None:
+        self._applied[path] = generation
+        self.status.variant = served
         self.status.generation = generation
         self.status.scheduler = scheduler
         self.status.resolved_path = resolved
@@ -147,7 +200,7 @@ class ConfigWatcher:
         self.status.last_reload_time = time.time()
         self.on_applied(scheduler, generation)
 
-    def _record_error(self, seen: str, message: str) -> bool:
+    def _record_error(self, seen: tuple[str, str], message: str) -> bool:
         if seen == self._last_seen:
             return False  # the same bad state as last poll: reported once already
         self._last_seen = seen

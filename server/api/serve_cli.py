@@ -36,6 +36,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     server.add_argument("--config", default=None, metavar="FILE",
                         help="server.yaml to load and watch; its scheduler section is reloaded live")
+    server.add_argument("--candidate-config", default=None, metavar="FILE",
+                        help="with --config and --pod-labels: a second server.yaml, served instead of --config while "
+                             "the pod is labelled metronome.dev/variant=candidate (an experiment's candidate slice)")
+    server.add_argument("--pod-labels", default=None, metavar="FILE",
+                        help="the pod's labels as the kubelet projects them (downward API metadata.labels), read at "
+                             "every config poll to choose between --config and --candidate-config")
     server.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
                         help="on SIGTERM, how long in-flight requests may run before they are aborted")
     server.add_argument("--config-poll-seconds", type=float, default=0.5, metavar="S",
@@ -92,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from metronome.contract.errors import MetronomeError
-    from metronome.server.api.config_watch import load_config
+    from metronome.server.api.config_watch import load_config, variant_files
     from metronome.server.engine.flags import engine_config_from_args, scheduler_from_args
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -102,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
 
             check_api_servers(args.api_servers, args.engine_process)
         base = scheduler_from_args(args)  # the base that the --config file overrides
-        initial = load_config(args.config, base)[3] if args.config else base  # fail before loading the model
+        variants = variant_files(args.config, args.candidate_config, args.pod_labels)
+        served = variants.choose()[1] if variants is not None else args.config
+        initial = load_config(served, base)[3] if served else base  # fail before loading the model
         engine_config = engine_config_from_args(args)
         from metronome.server.api.auth import resolve_keys
 
@@ -224,7 +232,8 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
     metrics = ServerMetrics(served_name)
     engine.observers = [metrics, *_stall_loggers(device_type)]
     state = build_state(engine, metrics, served_name, base, config_file=args.config,
-                        poll_interval_s=args.config_poll_seconds)
+                        poll_interval_s=args.config_poll_seconds, candidate_config=args.candidate_config,
+                        pod_labels=args.pod_labels)
     app = create_app(engine, state, max_body_bytes=args.max_request_body_bytes,
                      tokenizer_workers=args.tokenizer_workers, strict_openai=args.strict_openai,
                      api_keys=args.api_keys, aliases=tuple(names[1:]), tool_call_parser=args.tool_call_parser,

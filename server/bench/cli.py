@@ -141,6 +141,11 @@ def _configure_sweep(p: argparse.ArgumentParser) -> None:
                    help="with --url: the server's --config file, rewritten by a Kubernetes-style ..data swap")
     g.add_argument("--reload-timeout", type=positive_float, default=30.0,
                    help="with --url: seconds to wait for /v1/config to report a new generation (30)")
+    g.add_argument("--emit-experiment", metavar="PATH",
+                   help="write the recommendation (for the first --slo-tbt-ms) as an InferenceService experiment "
+                        "manifest, to try it live on a slice of --service's pods (docs/operator.md, Experiments)")
+    g.add_argument("--service", metavar="NAME", help="with --emit-experiment: the InferenceService to try it on")
+    g.add_argument("--namespace", metavar="NS", help="with --emit-experiment: its namespace (default: kubectl's)")
 
 
 def _overlap_variant(value: str) -> str:

@@ -53,12 +53,15 @@ def test_rbac_is_least_privilege(cluster):
     assert rules[("metronome.dev", "inferenceservices")] == {"list", "watch", "patch"}
     assert rules[("metronome.dev", "inferenceservices/status")] == {"patch"}
     # Every child kind is watched (a deletion or an edit is put right) and written by server-side apply.
-    for child in (("apps", "deployments"), ("", "configmaps"), ("", "services")):
+    for child in (("apps", "deployments"), ("", "services")):
         assert rules[child] == {"get", "list", "watch", "create", "patch"}, child
-    for child in (("policy", "poddisruptionbudgets"), ("monitoring.coreos.com", "podmonitors"),
+    # ConfigMaps: an experiment's candidate config is deleted when it ends.
+    for child in (("", "configmaps"), ("policy", "poddisruptionbudgets"), ("monitoring.coreos.com", "podmonitors"),
                   ("monitoring.coreos.com", "prometheusrules")):
         assert rules[child] == {"get", "list", "watch", "create", "patch", "delete"}, child
-    assert rules[("", "pods")] == {"list", "watch"}
+    # Pods: watched, and relabelled (an experiment's variant label, outside the Deployment's selector: nothing
+    # restarts).
+    assert rules[("", "pods")] == {"list", "watch", "patch"}
     assert rules[("", "events")] == {"create"}
     assert rules[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
     every_verb = set().union(*rules.values())
@@ -68,7 +71,7 @@ def test_rbac_is_least_privilege(cluster):
                                                                          "delete"}
     # Deletes only for children a spec change or --monitor-kind none retires; the rest is garbage-collected.
     assert {resource for (_, resource), verbs in rules.items() if "delete" in verbs} <= {
-        "poddisruptionbudgets", "podmonitors", "prometheusrules", "inferencepools"}
+        "poddisruptionbudgets", "podmonitors", "prometheusrules", "inferencepools", "configmaps"}
     assert not any(resource == "secrets" or "*" in (group, resource) for group, resource in rules)
 
 
@@ -251,6 +254,7 @@ def test_helm_install_succeeds_and_the_operator_pod_runs(cluster):
         ("create", "deployments.apps", True),
         ("watch", "services", True),
         ("watch", "pods", True),
+        ("patch", "pods", True),
         ("create", "events", True),
         ("delete", "deployments.apps", False),
         ("get", "secrets", False),

@@ -74,6 +74,29 @@ INVALID = [
      "spec.engine.promptTokenBurstPerClient needs maxPromptTokensPerSecondPerClient"),
     ("extra-args-repeat-token-rate", _with("spec.engine.extraArgs", ["--max-prompt-tokens-per-second-per-client=9"]),
      "spec.engine.extraArgs may not repeat"),
+    ("extra-args-repeat-pod-labels", _with("spec.engine.extraArgs", ["--pod-labels", "/tmp/x"]),
+     "spec.engine.extraArgs may not repeat"),
+    # spec.experiment
+    ("experiment-without-candidate", _with("spec.experiment", {"windows": 6}), "spec.experiment.candidate"),
+    ("experiment-empty-candidate", _with("spec.experiment", {"candidate": {}}), "spec.experiment.candidate"),
+    ("experiment-unknown-candidate-field", _with("spec.experiment", {"candidate": {"chunk": 5}}),
+     "spec.experiment.candidate"),
+    ("experiment-all-pods", _with("spec.experiment", {"candidate": {"chunkSize": 256}, "share": "100%"}),
+     "spec.experiment.share"),
+    ("experiment-too-few-windows", _with("spec.experiment", {"candidate": {"chunkSize": 256}, "windows": 3}),
+     "spec.experiment.windows"),
+    ("experiment-too-sure", _with("spec.experiment", {"candidate": {"chunkSize": 256}, "confidence": 0.99}),
+     "spec.experiment.confidence"),
+    ("experiment-windows-and-duration", _with("spec.experiment", {"candidate": {"chunkSize": 256}, "windows": 6,
+                                                                  "durationSeconds": 600}),
+     "spec.experiment sets windows or durationSeconds, not both"),
+    ("experiment-short-duration", _with("spec.experiment", {"candidate": {"chunkSize": 256}, "durationSeconds": 200}),
+     "spec.experiment.durationSeconds must hold at least 5 windows"),
+    ("experiment-budget-and-chunk", _with("spec.experiment", {"candidate": {"chunkSize": 256, "prefillBudget": 512}}),
+     "spec.experiment.candidate sets prefillBudget or the chunk fields"),
+    ("experiment-candidate-cap-below-seqs", _with("spec.experiment", {"candidate": {"maxNumSeqs": 64,
+                                                                                    "maxNumBatchedTokens": 32}}),
+     "spec.experiment.candidate.maxNumBatchedTokens must be >= maxNumSeqs"),
     ("unknown-quantization", _with("spec.model.quantization", "int4"), "spec.model.quantization"),
     ("unknown-kv-cache-dtype", _with("spec.engine.kvCacheDtype", "fp16"), "spec.engine.kvCacheDtype"),
     ("extra-args-repeat-kv-dtype", _with("spec.engine.extraArgs", ["--kv-cache-dtype", "fp8"]),
@@ -159,6 +182,18 @@ def test_fp8_fields_are_accepted(cluster, ns):
     assert result.returncode == 0, result.stderr
     spec = json.loads(result.stdout)["spec"]
     assert (spec["model"]["quantization"], spec["engine"]["kvCacheDtype"]) == ("fp8", "fp8")
+
+
+def test_an_experiment_patch_is_accepted_and_defaulted(cluster, ns):
+    """examples/experiment.yaml laid over the example service, as `kubectl patch --type merge` does."""
+    patch = yaml.safe_load((ROOT / "examples/experiment.yaml").read_text())
+    obj = copy.deepcopy(VALID)
+    obj["spec"]["experiment"] = patch["spec"]["experiment"]
+    result = _dry_run(cluster, ns, obj)
+    assert result.returncode == 0, result.stderr
+    experiment = json.loads(result.stdout)["spec"]["experiment"]
+    assert experiment["confidence"] == 0.95 and experiment["minSamplesPerWindow"] == 100
+    assert "windowSeconds" in experiment and experiment["gates"]["ttftP99WorsePercent"] == 20
 
 
 def test_kubectl_explain_reads_the_descriptions(cluster, ns):

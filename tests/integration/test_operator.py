@@ -111,8 +111,9 @@ def test_example_creates_children_running_pods_columns_and_conditions(cluster, o
     # split: the step's budget is its larger lane (2048 short, 512 long), the number the servers enforce
     assert columns["CHUNK"] == "2048" and columns["POLICY"] == "split"
     assert _columns(cluster, ns, "-o", "wide")["SPLIT"] == "2048/512"
-    assert list(columns) == ["NAME", "READY", "CHUNK", "POLICY", "TBT-P99", "SLO", "TOK/S", "AGE"]
+    assert list(columns) == ["NAME", "READY", "CHUNK", "POLICY", "TBT-P99", "SLO", "TOK/S", "EXPERIMENT", "AGE"]
     assert columns["TBT-P99"] == "" and columns["TOK/S"] == ""  # not measured yet
+    assert columns["EXPERIMENT"] == ""  # none was ever run
     assert columns["SLO"] == "Unknown"  # no Prometheus in this test: nothing to judge by
 
     status = _isvc(cluster, ns)["status"]

@@ -58,12 +58,13 @@ def test_default_sub_command_is_run_and_bad_jsonl_is_a_clear_error(tmp_path, cap
 
 
 def test_sweep_in_process_prints_a_table_and_a_recommendation(tmp_path, capsys):
-    out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    out, plot, manifest = tmp_path / "sweep.json", tmp_path / "sweep.png", tmp_path / "experiment.yaml"
     rc = bench(["sweep", *TINY, *SMALL, "--chunk-sizes", "16,unchunked", "--policies", "fcfs,split",
                 "--rates", "50", "--num-requests", "3", "--slo-tbt-ms", "10000,0.001", "--out", str(out),
-                "--plot", str(plot)])
+                "--plot", str(plot), "--emit-experiment", str(manifest), "--service", "chat", "--namespace", "ml"])
     assert rc == 0
     printed = capsys.readouterr().out
+    assert f"experiment manifest for chat: {manifest}" in printed
     assert "Recommended configuration per TBT SLO" in printed
     assert "TBT SLO 10000 ms: best = chunk_size" in printed
     assert "TBT SLO 0.001 ms: no configuration met the SLO" in printed
@@ -77,6 +78,16 @@ def test_sweep_in_process_prints_a_table_and_a_recommendation(tmp_path, capsys):
     assert asked == {(16, "fcfs"), (1 << 20, "fcfs"), (16, "split"), (1 << 20, "split")}
     best = doc["recommendations"][0]["best"]
     assert (best["chunk_size"], best["queue_policy"]) in asked and len(doc["recommendations"][0]["alternatives"]) == 2
+    # The first SLO's recommendation as an experiment on the service, valid for the operator's parser.
+    import yaml
+
+    from metronome.operator.experiment.settings import parse_experiment
+
+    emitted = yaml.safe_load(manifest.read_text())
+    assert emitted["metadata"] == {"name": "chat", "namespace": "ml"}
+    experiment = parse_experiment(emitted["spec"]["experiment"], 60)
+    assert (experiment.candidate.fields["chunk_size"], experiment.candidate.fields["queue_policy"]) == (
+        best["chunk_size"], best["queue_policy"])
     assert doc["recommendations"][1]["best"] is None
     assert is_png(plot)
 
@@ -84,6 +95,13 @@ def test_sweep_in_process_prints_a_table_and_a_recommendation(tmp_path, capsys):
 def test_sweep_against_a_url_needs_the_config_file(capsys):
     assert bench(["sweep", "--url", "http://127.0.0.1:9", "--rates", "1"]) == 2
     assert "--config-file" in capsys.readouterr().err
+
+
+def test_emitting_an_experiment_needs_a_valid_service_name(tmp_path, capsys):
+    assert bench(["sweep", *TINY, "--emit-experiment", str(tmp_path / "e.yaml")]) == 2
+    assert "--emit-experiment needs --service" in capsys.readouterr().err
+    assert bench(["sweep", *TINY, "--emit-experiment", str(tmp_path / "e.yaml"), "--service", "Chat_1"]) == 2
+    assert "--service: 'Chat_1' is not an InferenceService name" in capsys.readouterr().err
 
 
 def test_engine_cpu_smoke_writes_one_json(tmp_path, capsys):

@@ -90,3 +90,23 @@ def test_configmap_write_converts_a_plain_file_then_swaps_atomically(tmp_path):
 def test_configmap_write_into_a_missing_folder(tmp_path):
     with pytest.raises(ConfigFileError, match="not a folder"):
         atomic_configmap_write(tmp_path / "absent" / "server.yaml", "generation: 1\n")
+
+
+def test_an_experiment_manifest_carries_the_swept_fields():
+    import yaml
+
+    from metronome.operator.experiment.settings import parse_experiment
+    from metronome.server.bench.load.experiment_manifest import experiment_manifest
+    from metronome.server.bench.load.sweep import Choice, Recommendation, SweepError
+
+    choice = Choice(chunk_size=1024, queue_policy="split", rate=4.0, output_tokens_per_s=950.0, tbt_p99_ms=41.2,
+                    ttft_p99_ms=300.0, capacity_rate=4.0)
+    text = experiment_manifest(Recommendation(50.0, choice), "chat")
+    assert text.startswith("# metronome bench sweep: chunk 1024 / split met the 50 ms TBT SLO")
+    body = yaml.safe_load(text)
+    assert body["metadata"] == {"name": "chat"} and body["kind"] == "InferenceService"
+    assert body["spec"]["experiment"]["candidate"] == {"chunkSize": 1024, "queuePolicy": "split",
+                                                       "longChunkSize": 1024}  # what the sweep set under split
+    assert parse_experiment(body["spec"]["experiment"], 60).name == "sweep-split-1024"
+    with pytest.raises(SweepError, match="no configuration met the 50 ms TBT SLO"):
+        experiment_manifest(Recommendation(50.0, None, note="the lowest TBT p99 was 80 ms"), "chat")

@@ -157,13 +157,22 @@ def test_restricted_security_context_with_writable_tmp():
     assert next(v for v in pod["volumes"] if v["name"] == tmp["name"]) == {"name": "tmp", "emptyDir": {}}
 
 
-def test_config_volume_mounts_the_configmap_read_only():
+def test_config_volume_projects_both_configs_and_the_pod_labels_read_only():
     deployment = builders.deployment(service_of())
     pod = deployment["spec"]["template"]["spec"]
     config = next(v for v in pod["volumes"] if v["name"] == "config")
-    assert config["configMap"]["name"] == "chat-config"
+    control, candidate, labels = config["projected"]["sources"]
+    assert control == {"configMap": {"name": "chat-config", "items": [{"key": "server.yaml", "path": "server.yaml"}]}}
+    # An experiment's candidate config: optional, so a pod starts (and serves the control) without it.
+    assert candidate == {"configMap": {"name": "chat-candidate-config", "optional": True,
+                                       "items": [{"key": "server.yaml", "path": "candidate.yaml"}]}}
+    assert labels == {"downwardAPI": {"items": [{"path": "pod-labels",
+                                                 "fieldRef": {"fieldPath": "metadata.labels"}}]}}
     mount = next(m for m in container_of(deployment)["volumeMounts"] if m["name"] == "config")
     assert mount == {"name": "config", "mountPath": "/etc/metronome", "readOnly": True}
+    args = container_of(deployment)["args"]
+    assert args[args.index("--candidate-config") + 1] == "/etc/metronome/candidate.yaml"
+    assert args[args.index("--pod-labels") + 1] == "/etc/metronome/pod-labels"
 
 
 @pytest.mark.parametrize(

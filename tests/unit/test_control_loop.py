@@ -1,6 +1,7 @@
 """The loop's body (control_loop.tick) against the in-memory API of kube_fakes and a canned reading: it reads
-when due, serves the decision as a new server.yaml generation, scales, announces a blocked loop once, and hands
-the CR's own changes (spec.replicas, status.lastDecision) back to the handler."""
+when due, serves the decision as a new server.yaml generation, scales, announces a blocked loop once, holds still
+while an experiment runs, turns a risky move into a canary with autotune.canary, and hands the CR's own changes
+(spec.replicas, status.lastDecision, status.experiment) back to the runtime."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ import yaml
 from kube_fakes import MemoryKube
 from test_reconcile import body
 
-from metronome.operator import control_loop, reconcile
+from metronome.operator import builders, control_loop, reconcile
 from metronome.operator.metrics_source import PrometheusSettings
 from metronome.operator.spec import parse_service
 from metronome.operator.tuning import autotune
@@ -105,3 +106,39 @@ def test_a_blocked_loop_is_announced_once(prometheus):
     control_loop.tick(kube, service, owner, observed, memory, PrometheusSettings())
     blocked = [message for _, reason, message in kube.events if reason == "AutotuneBlocked"]
     assert len(blocked) == 1 and "--prometheus-url" in blocked[0]
+
+
+def with_pods(kube: MemoryKube) -> None:
+    """The service's two pods, ready, as the pod watch delivers them."""
+    for name in ("chat-a", "chat-b"):
+        kube.put({"apiVersion": "v1", "kind": "Pod",
+                  "metadata": {"name": name, "namespace": "ml", "labels": builders.labels("chat")},
+                  "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+
+
+def test_an_experiment_pauses_the_autotuner_and_its_record_goes_to_status(prometheus):
+    owner = apply_body()
+    owner["spec"]["experiment"] = {"candidate": {"chunkSize": 256}, "windowSeconds": 20, "windows": 5}
+    kube, service = MemoryKube(), parse_service(owner)
+    sync(kube, service, owner)
+    with_pods(kube)
+    kube.requests = []
+    result = control_loop.tick(kube, service, owner, reconcile.observe(kube.cache, service), autotune.TunerMemory(),
+                               LOCAL, cache=kube.cache)
+    assert served(kube)["generation"] == 1  # over target, but the control holds still under the comparison
+    assert result.experiment["phase"] == "Starting" and result.observed.experiment == result.experiment
+    assert sorted(kube.requests) == [("apply", "ConfigMap"), ("patch", "Pod"), ("patch", "Pod")]  # no list
+
+
+def test_a_risky_move_becomes_a_canary_instead_of_a_write(prometheus):
+    kube, owner = MemoryKube(), apply_body(canary=True, canaryChunkChange=0.05)
+    service = parse_service(owner)
+    sync(kube, service, owner)
+    with_pods(kube)
+    result = control_loop.tick(kube, service, owner, reconcile.observe(kube.cache, service), autotune.TunerMemory(),
+                               LOCAL)
+    assert served(kube)["generation"] == 1  # 1024 -> 922 is a 10 % change: an experiment decides
+    assert result.last_decision["applied"] is False and "canary" in result.last_decision["reason"]
+    assert (result.experiment["source"], result.experiment["phase"]) == ("autotune", "Starting")
+    candidate = yaml.safe_load(kube.objects[("ConfigMap", "ml", "chat-candidate-config")]["data"]["server.yaml"])
+    assert candidate["scheduler"]["chunk_size"] == 922 and candidate["generation"] == 2

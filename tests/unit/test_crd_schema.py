@@ -76,14 +76,16 @@ def test_structural_every_field_has_a_type(schema):
 
 def test_printer_columns_point_at_status_fields(version, schema):
     columns = {c["name"].upper(): c for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0}
-    assert list(columns) == ["READY", "CHUNK", "POLICY", "TBT-P99", "SLO", "TOK/S", "AGE"]
+    assert list(columns) == ["READY", "CHUNK", "POLICY", "TBT-P99", "SLO", "TOK/S", "EXPERIMENT", "AGE"]
     status_props = schema["properties"]["status"]["properties"]
     for name, column in columns.items():
         if name == "AGE":
             assert column["jsonPath"] == ".metadata.creationTimestamp"
             continue
-        field = column["jsonPath"].removeprefix(".status.")
-        assert field in status_props, name
+        node = {"properties": status_props}
+        for part in column["jsonPath"].removeprefix(".status.").split("."):
+            assert part in (node.get("properties") or {}), name
+            node = node["properties"][part]
     assert status_props["slo"]["enum"] == ["Met", "Violated", "Unknown"]
 
 
@@ -178,3 +180,46 @@ def test_decision_record_fits_the_status_schema(schema):
     for side in ("from", "to"):
         assert set(record[side]) == set(props[side]["properties"])
     assert record["to"] == {"chunkSize": 1024, "queuePolicy": "split", "replicas": 2}
+
+
+def test_experiment_candidate_fields_mirror_the_scheduler_schema_without_defaults(schema):
+    """A candidate names only what differs: spec.server's fields and bounds, none defaulted, plus prefillBudget."""
+    server = schema["properties"]["spec"]["properties"]["server"]["properties"]
+    candidate = schema["properties"]["spec"]["properties"]["experiment"]["properties"]["candidate"]["properties"]
+    assert set(candidate) == set(server) | {"prefillBudget"}
+    for key, prop in candidate.items():
+        assert "default" not in prop, key
+        if key in server:
+            assert {k: v for k, v in prop.items() if k not in ("description",)} == {
+                k: v for k, v in server[key].items() if k not in ("description", "default")}, key
+
+
+def test_experiment_defaults_are_the_experiment_specs(schema):
+    from metronome.operator.experiment.settings import CandidateSpec, ExperimentSpec, Gates
+
+    experiment = schema["properties"]["spec"]["properties"]["experiment"]
+    defaulted = _apply_defaults(experiment, {"candidate": {"chunkSize": 256}})
+    ours = ExperimentSpec(candidate=CandidateSpec({"chunk_size": 256}))
+    assert defaulted["share"] == ours.share and defaulted["confidence"] == ours.confidence
+    assert defaulted["minImprovementPercent"] / 100 == ours.min_improvement
+    assert defaulted["minSamplesPerWindow"] == ours.min_samples
+    gates = defaulted["gates"]
+    assert (gates["tbtP99WorsePercent"] / 100, gates["ttftP99WorsePercent"] / 100, gates["goodputLowerPercent"] / 100,
+            gates["errorRate"]) == (Gates().tbt_p99_worse, Gates().ttft_p99_worse, Gates().goodput_lower,
+                                   Gates().error_rate)
+    parsed = parse_spec(_apply_defaults(schema["properties"]["spec"], {"model": {"source": "default"},
+                                                                       "experiment": defaulted}))
+    assert parsed.experiment == ours  # windowSeconds follows spec.metrics (60), windows default 10
+
+
+def test_experiment_status_fits_the_schema(schema):
+    from metronome.contract.rfc3339 import format_time
+    from metronome.operator.experiment.record import Phase, Record
+
+    props = schema["properties"]["status"]["properties"]["experiment"]["properties"]
+    record = Record(id="abc", source="spec", phase=Phase.RUNNING, reason="Measuring", message="m", name="n",
+                    candidate={"chunkSize": 128}, candidate_pods=("a",), candidate_generation=4, control_generation=3,
+                    started_at=1.0, measuring_since=2.0, decided_at=3.0, windows=2, windows_planned=10,
+                    windows_skipped=1, ratios={"tbtP99": {"ratio": 0.5}})
+    assert set(record.to_status(format_time)) == set(props)
+    assert props["phase"]["enum"] == [p.value for p in Phase]

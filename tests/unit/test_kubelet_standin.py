@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from metronome.contract import variant
 from metronome.operator import builders
 from metronome.operator.spec import parse_service
 from metronome.server.api.serve_cli import configure
@@ -89,11 +90,30 @@ def test_only_running_pods_that_are_not_being_deleted_are_played():
     assert not is_running(deleting)
 
 
-def test_config_map_volume_projects_only_its_items():
-    pod = server_pod(pod_for({"model": {"source": "default"}}))
+def test_config_volume_projects_its_items_and_the_pods_labels():
+    raw = pod_for({"model": {"source": "default"}})
+    raw["metadata"]["labels"][variant.LABEL] = variant.CANDIDATE
+    pod = server_pod(raw)
     ((mount, volume),) = pod.config_maps
     assert (mount, volume.config_map) == ("/etc/metronome", "chat-config")
-    assert volume.files({"server.yaml": "a", "other": "b"}) == {"server.yaml": "a"}
+    files = volume.files({"chat-config": {"server.yaml": "a", "other": "b"}, "chat-candidate-config": None},
+                         dict(pod.labels))
+    assert set(files) == {"server.yaml", "pod-labels"} and files["server.yaml"] == "a"
+    assert variant.parse_labels(files["pod-labels"]) == raw["metadata"]["labels"]
+    files = volume.files({"chat-config": {"server.yaml": "a"}, "chat-candidate-config": {"server.yaml": "c"}}, {})
+    assert (files["candidate.yaml"], files["pod-labels"]) == ("c", "")
+    plain = {"name": "config", "configMap": {"name": "x", "items": [{"key": "server.yaml", "path": "server.yaml"}]}}
+    raw["spec"]["volumes"] = [plain if v["name"] == "config" else v for v in raw["spec"]["volumes"]]
+    ((_, volume),) = server_pod(raw).config_maps
+    assert volume.files({"x": {"server.yaml": "a", "other": "b"}}) == {"server.yaml": "a"}
+
+
+def test_a_projected_source_the_standin_cannot_play_is_named():
+    raw = pod_for({"model": {"source": "default"}})
+    config = next(v for v in raw["spec"]["volumes"] if v["name"] == "config")
+    config["projected"]["sources"].append({"serviceAccountToken": {"path": "token"}})
+    with pytest.raises(PodSpecError, match="projected source serviceAccountToken"):
+        server_pod(raw)
 
 
 def test_projection_swaps_data_atomically_and_keeps_stable_names(tmp_path):

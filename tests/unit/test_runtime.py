@@ -1,6 +1,7 @@
 """The runtime against the in-memory API of kube_fakes: a reconcile brings children and status in line and a second
 one sends nothing; a transition is announced once; watch events queue the owner; a spec the operator cannot use
-is reported once per generation; a failure is retried after a doubling pause; a lost Lease stops the workers."""
+is reported once per generation; a failure is retried after a doubling pause; a lost Lease stops the workers; an
+experiment is stepped inside the reconcile and its record reaches status."""
 from __future__ import annotations
 
 import copy
@@ -8,6 +9,7 @@ import copy
 from kube_fakes import MemoryKube
 from test_reconcile import body
 
+from metronome.contract import variant
 from metronome.operator import builders, kinds, runtime
 from metronome.operator.k8s import KubeError, LeadershipLost
 from metronome.operator.options import OperatorOptions
@@ -112,3 +114,24 @@ def test_a_fenced_write_leaves_nothing_written_and_the_service_queued_again(monk
     rt.queue.shutdown()  # what main.py does once the renew thread finds the Lease gone
     rt.queue.add(("ml", "other"))
     assert rt.process_next(0) is False
+
+
+def test_an_experiment_is_stepped_in_the_reconcile_and_its_record_and_condition_reach_status():
+    kube = MemoryKube()
+    rt = started(kube, body(experiment={"candidate": {"chunkSize": 256}, "windowSeconds": 30, "windows": 5}))
+    for name in ("chat-a", "chat-b"):
+        kube.put({"apiVersion": "v1", "kind": "Pod",
+                  "metadata": {"name": name, "namespace": "ml", "labels": builders.labels("chat")},
+                  "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    rt.reconcile("ml", "chat")
+    status = owner_now(kube)["status"]
+    # No Prometheus: which generation each pod serves is unknown, so the experiment waits and touches no pod.
+    assert (status["experiment"]["phase"], status["experiment"]["reason"]) == ("Pending", "GenerationsUnknown")
+    experiment = next(c for c in status["conditions"] if c["type"] == "Experiment")
+    assert (experiment["status"], experiment["reason"]) == ("False", "GenerationsUnknown")
+    assert [reason for _, reason, _ in kube.events].count("ExperimentPending") == 1
+    assert not any(variant.LABEL in kube.objects[("Pod", "ml", name)]["metadata"]["labels"]
+                   for name in ("chat-a", "chat-b"))
+    kube.requests, kube.events = [], []
+    rt.reconcile("ml", "chat")  # no reading due: nothing to step, nothing sent
+    assert kube.requests == [] and kube.events == []

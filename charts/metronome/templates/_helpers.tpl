@@ -41,11 +41,13 @@ What the operator does inside the namespaces it manages — every verb is used:
 - every child kind (configmaps, deployments, services, poddisruptionbudgets, podmonitors, prometheusrules,
   inferencepools): list/watch (selected by the operator's label: a deleted or edited child is put back), create +
   patch (server-side apply, and its dry run before a change). delete only for the children a spec change or a flag
-  retires (the PDB, the PodMonitor, the SLO PrometheusRule, the service's own InferencePool); the rest is
-  garbage-collected through owner references. get: a child written before its kind's watch ran (a CRD installed
-  just now) is looked up once; so is a pool of the same name the watch does not show (someone else's, never
-  overwritten) before the service's own is written.
-- pods list/watch (selected by the operator's label): why pods are not ready, in the Ready condition.
+  retires (the PDB, the PodMonitor, the SLO PrometheusRule, the service's own InferencePool) and an
+  experiment's candidate ConfigMap once the experiment ends; the rest is garbage-collected through owner
+  references. get: a child written before its kind's watch ran (a CRD installed just now) is looked up once; so
+  is a pool of the same name the watch does not show (someone else's, never overwritten) before the service's own
+  is written.
+- pods list/watch (selected by the operator's label): why pods are not ready, in the Ready condition; patch: an
+  experiment's variant label (outside the Deployment's selector: nothing restarts).
 - events create: an Event for every change.
 */}}
 {{- define "metronome.namespacedRules" -}}
@@ -62,7 +64,10 @@ What the operator does inside the namespaces it manages — every verb is used:
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
-  resources: [configmaps, services]
+  resources: [configmaps]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
   verbs: [get, list, watch, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
@@ -72,7 +77,7 @@ What the operator does inside the namespaces it manages — every verb is used:
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch]
+  verbs: [list, watch, patch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

@@ -7,6 +7,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from metronome.contract.config import ConfigError, validate_scheduler
@@ -134,6 +135,7 @@ async def bench_run(args: argparse.Namespace) -> int:
 
 
 async def bench_sweep(args: argparse.Namespace) -> int:
+    from metronome.server.bench.load.experiment_manifest import check_service_name, experiment_manifest
     from metronome.server.bench.load.report import console, recommendation_lines, recommendation_table, runs_table
     from metronome.server.bench.load.sweep import (
         EngineTarget,
@@ -147,6 +149,10 @@ async def bench_sweep(args: argparse.Namespace) -> int:
 
     if args.url and not args.config_file:
         raise SweepError("a sweep against --url needs --config-file: the server's --config file to rewrite")
+    if args.emit_experiment and not args.service:
+        raise SweepError("--emit-experiment needs --service: the InferenceService to try the recommendation on")
+    if args.emit_experiment:
+        check_service_name(args.service)
     configs = grid(args.chunk_sizes, parse_policies(args.policies))
     stop = stop_rule(args)
     spec = workload_spec(args, stop.expected_requests(LoadPattern(rate=max(args.rates))))
@@ -179,6 +185,9 @@ async def bench_sweep(args: argparse.Namespace) -> int:
                               "target": description,
                               "runs": [r.to_dict(include_records=not args.no_records) for r in runs],
                               "recommendations": [asdict(r) for r in recommendations]})
+    if args.emit_experiment:
+        Path(args.emit_experiment).write_text(experiment_manifest(recommendations[0], args.service, args.namespace))
+        out.print(f"experiment manifest for {args.service}: {args.emit_experiment}")
     if args.plot:
         plot_runs(plot_entries(runs, lambda r: f"chunk {r.params['chunk_size']} / {r.params['queue_policy']}"),
                   args.plot, args.slo_tbt_ms[0], title=f"{description}: {args.workload} sweep")

@@ -55,14 +55,20 @@ def grid(chunk_sizes: list[int], policies: list[str]) -> list[SweepConfig]:
     return [SweepConfig(c, p) for p in policies for c in chunk_sizes]
 
 
-def scheduler_for(base: SchedulerConfig, config: SweepConfig) -> SchedulerConfig:
-    """The base scheduler with this point's chunk and policy. Under `split` the swept size is the long prompts'
-    chunk (short prompts keep their own whole-prompt budget); chunk_size follows it so either reading holds."""
-    fields = {**base.snake_dict(), "chunk_size": config.chunk_size, "queue_policy": config.queue_policy}
+def swept_fields(config: SweepConfig) -> dict[str, Any]:
+    """The scheduler fields one point of the sweep sets (snake_case). Under `split` the swept size is the long
+    prompts' chunk (short prompts keep their own whole-prompt budget); chunk_size follows it so either reading
+    holds."""
+    fields: dict[str, Any] = {"chunk_size": config.chunk_size, "queue_policy": config.queue_policy}
     if config.queue_policy == QueuePolicy.SPLIT.value:
         fields["long_chunk_size"] = config.chunk_size
+    return fields
+
+
+def scheduler_for(base: SchedulerConfig, config: SweepConfig) -> SchedulerConfig:
+    """The base scheduler with this point's fields (swept_fields)."""
     try:
-        return validate_scheduler(fields, source=config.label)
+        return validate_scheduler({**base.snake_dict(), **swept_fields(config)}, source=config.label)
     except ConfigError as exc:
         raise SweepError(str(exc)) from exc
 

@@ -1,7 +1,8 @@
 """Pure: what a server Pod asks the kubelet for, turned into a local `metronome serve` command line.
 
-A Pod of an InferenceService Deployment names its program (`command`/`args` of the `server` container), mounts a
-ConfigMap as its config folder, and mounts its model somewhere (hostPath file or folder, or emptyDir for random
+A Pod of an InferenceService Deployment names its program (`command`/`args` of the `server` container), mounts its
+config folder (a ConfigMap volume, or a projected volume of ConfigMaps and the pod's own labels through the
+downward API), and mounts its model somewhere (hostPath file or folder, or emptyDir for random
 weights). The stand-in runs the same program on this machine, so every path inside a mount is mapped to the local
 folder that plays that volume, and the bind address, port and device are the stand-in's own:
 - `--host`/`--port` → a loopback address 127.0.0.x and a free port (never the pod's IP);
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from metronome.contract import variant
 from metronome.contract.errors import MetronomeError
 from metronome.operator.builders import LABEL_INSTANCE, LABEL_NAME, LABEL_SERVICE, SERVER_CONTAINER
 
@@ -27,20 +29,50 @@ class PodSpecError(MetronomeError, ValueError):
     """A server Pod that the stand-in cannot play locally; the message names the pod and the field."""
 
 
-@dataclass(frozen=True)
-class ConfigMapVolume:
-    """A ConfigMap volume: which ConfigMap, which keys to which relative paths (None = every key as itself)."""
+DOWNWARD_FIELDS = ("metadata.labels", "metadata.annotations")  # the maps a downward-API file may hold
 
-    volume: str
+
+@dataclass(frozen=True)
+class ConfigMapSource:
+    """One ConfigMap in a volume: which keys to which relative paths (None = every key as itself)."""
+
     config_map: str
     items: tuple[tuple[str, str], ...] | None = None
     optional: bool = False
 
     def files(self, data: Mapping[str, str]) -> dict[str, str]:
-        """The folder's files (relative path → text) for a ConfigMap's `data`, as the kubelet projects them."""
+        """Its files (relative path → text) for the ConfigMap's `data`, as the kubelet projects them."""
         if self.items is None:
             return dict(data)
         return {path: data[key] for key, path in self.items if key in data}
+
+
+@dataclass(frozen=True)
+class ConfigMapVolume:
+    """A ConfigMap volume, or a projected one of ConfigMaps and downward-API files of the pod's own labels or
+    annotations, the kubelet's format (`downward`: (relative path, field path)). Kept in sync like a ConfigMap."""
+
+    volume: str
+    sources: tuple[ConfigMapSource, ...] = ()
+    downward: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def config_map(self) -> str:
+        """The first ConfigMap's name (a plain ConfigMap volume has one)."""
+        return self.sources[0].config_map if self.sources else ""
+
+    def files(self, data: Mapping[str, Mapping[str, str] | None], labels: Mapping[str, str] = {},
+              annotations: Mapping[str, str] = {}) -> dict[str, str]:
+        """The folder's files for the ConfigMaps' `data` by name (None: missing) and the pod's metadata."""
+        out: dict[str, str] = {}
+        for source in self.sources:
+            found = data.get(source.config_map)
+            if found is not None:
+                out.update(source.files(found))
+        maps = {"metadata.labels": labels, "metadata.annotations": annotations}
+        for path, field_path in self.downward:
+            out[path] = variant.format_labels(maps[field_path])
+        return out
 
 
 @dataclass(frozen=True)
@@ -54,7 +86,9 @@ class ServerPod:
     service: str
     command: tuple[str, ...]
     args: tuple[str, ...]
-    config_maps: tuple[tuple[str, ConfigMapVolume], ...] = ()  # (mount path, volume)
+    config_maps: tuple[tuple[str, ConfigMapVolume], ...] = ()  # (mount path, volume): ConfigMap and projected
+    labels: tuple[tuple[str, str], ...] = ()  # the pod's labels now (a downward-API file projects them)
+    annotations: tuple[tuple[str, str], ...] = ()
     host_paths: tuple[tuple[str, str], ...] = ()  # (mount path, host path)
     scratch_mounts: tuple[str, ...] = ()  # emptyDir mount paths
     grace_seconds: float = 30.0
@@ -94,12 +128,10 @@ def server_pod(pod: Mapping[str, Any], container_name: str = SERVER_CONTAINER) -
         if volume is None:
             raise PodSpecError(f"{where}: volumeMount {mount.get('name')!r} names no volume")
         if "configMap" in volume:
-            source = volume["configMap"]
-            items = source.get("items")
-            config_maps.append((mount_path, ConfigMapVolume(
-                volume=volume["name"], config_map=source.get("name", ""),
-                items=tuple((i["key"], i.get("path", i["key"])) for i in items) if items else None,
-                optional=bool(source.get("optional", False)))))
+            source = _config_map_source(volume["configMap"])
+            config_maps.append((mount_path, ConfigMapVolume(volume["name"], (source,))))
+        elif "projected" in volume:
+            config_maps.append((mount_path, _projected(volume, f"{where}: volume {volume['name']!r}")))
         elif "hostPath" in volume:
             host_paths.append((mount_path, volume["hostPath"]["path"]))
         elif "emptyDir" in volume:
@@ -107,7 +139,8 @@ def server_pod(pod: Mapping[str, Any], container_name: str = SERVER_CONTAINER) -
         else:
             kinds = sorted(k for k in volume if k != "name")
             raise PodSpecError(f"{where}: volume {volume.get('name')!r} of kind {', '.join(kinds)} cannot be "
-                               "played on this machine (the stand-in supports configMap, hostPath, emptyDir)")
+                               "played on this machine (the stand-in supports configMap, projected, hostPath, "
+                               "emptyDir)")
     env = tuple((e["name"], e["value"]) for e in container.get("env") or [] if "value" in e)
     ports = [p.get("containerPort") for p in container.get("ports") or [] if p.get("containerPort")]
     return ServerPod(
@@ -115,7 +148,35 @@ def server_pod(pod: Mapping[str, Any], container_name: str = SERVER_CONTAINER) -
         command=tuple(container.get("command") or ()), args=tuple(container.get("args") or ()),
         config_maps=tuple(config_maps), host_paths=tuple(host_paths), scratch_mounts=tuple(scratch),
         grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)), env=env,
-        container_port=int(ports[0]) if ports else None)
+        container_port=int(ports[0]) if ports else None, labels=tuple(sorted(labels.items())),
+        annotations=tuple(sorted((metadata.get("annotations") or {}).items())))
+
+
+def _config_map_source(source: Mapping[str, Any]) -> ConfigMapSource:
+    items = source.get("items")
+    return ConfigMapSource(config_map=source.get("name", ""),
+                           items=tuple((i["key"], i.get("path", i["key"])) for i in items) if items else None,
+                           optional=bool(source.get("optional", False)))
+
+
+def _projected(volume: Mapping[str, Any], where: str) -> ConfigMapVolume:
+    """A projected volume of ConfigMaps and downward-API labels/annotations (what the stand-in can project)."""
+    sources, downward = [], []
+    for source in (volume.get("projected") or {}).get("sources") or []:
+        if "configMap" in source:
+            sources.append(_config_map_source(source["configMap"]))
+        elif "downwardAPI" in source:
+            for item in source["downwardAPI"].get("items") or []:
+                field_path = (item.get("fieldRef") or {}).get("fieldPath")
+                if field_path not in DOWNWARD_FIELDS:
+                    raise PodSpecError(f"{where}: downward-API field {field_path!r} cannot be projected here "
+                                       f"(the stand-in projects {', '.join(DOWNWARD_FIELDS)})")
+                downward.append((item["path"], field_path))
+        else:
+            kinds = ", ".join(sorted(source))
+            raise PodSpecError(f"{where}: projected source {kinds} cannot be played on this machine (the stand-in "
+                               "projects configMap and downwardAPI)")
+    return ConfigMapVolume(volume["name"], tuple(sources), tuple(downward))
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@
 kwok plays the kubelet's bookkeeping (nodes, pod phases) but runs nothing. This harness plays the part that runs
 containers, for server pods only: it watches the Pods of InferenceService Deployments through the API server, and
 for each Running one it
-- projects the pod's ConfigMap volume into a local folder and keeps it in sync by the `..data` swap
-  (metronome.server.bench.configfile), a change landing after a kubelet-like delay (propagation.py: 30-90 s by
-  default, `config_delay` or $METRONOME_STANDIN_CONFIG_DELAY to change it),
+- projects the pod's config volume (a ConfigMap, or a projected volume of ConfigMaps and the pod's own labels
+  through the downward API) into a local folder and keeps it in sync by the `..data` swap
+  (metronome.server.bench.configfile), a change of a ConfigMap or of the pod's labels landing after a kubelet-like
+  delay (propagation.py: 30-90 s by default, `config_delay` or $METRONOME_STANDIN_CONFIG_DELAY to change it),
 - starts `metronome serve` with the pod's own args on its own loopback address 127.0.0.x and a free port
   (podspec.py maps host/port/device and mount paths), restarting it with back-off if it dies,
 - lists it in a Prometheus file_sd targets file with the labels namespace/service/pod (targets.py), and writes
@@ -343,12 +344,13 @@ class KubeletStandIn:
             mount: pod_dir / "volumes" / volume.volume for mount, volume in pod.config_maps}
         ready_to_run = True
         for mount, volume in pod.config_maps:
-            data = self._config_map_data(pod.namespace, volume.config_map, cache)
-            if data is None:
-                if not volume.optional:
-                    ready_to_run = False  # the kubelet holds the container until the ConfigMap exists
+            data = {source.config_map: self._config_map_data(pod.namespace, source.config_map, cache)
+                    for source in volume.sources}
+            if any(data[source.config_map] is None and not source.optional for source in volume.sources):
+                ready_to_run = False  # the kubelet holds the container until the ConfigMap exists
                 continue
-            files, folder = volume.files(data), config_dirs[mount]
+            files = volume.files(data, dict(pod.labels), dict(pod.annotations))
+            folder = config_dirs[mount]
             with self._lock:
                 due = self._propagation.ready(f"{key} {mount}", files, current_files(folder))
             if due and project(folder, files):
