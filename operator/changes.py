@@ -64,6 +64,10 @@ PROBLEM_REASONS |= {"PrometheusUnreachable", "PrometheusTimeout", "QueryFailed",
                     "InvalidMetricsSettings", "ChunkAtFloor"}
 
 
+# Conditions whose False is no harm: no rollout under way, nobody but the operator setting the replicas.
+NEUTRAL_TYPES = frozenset({"Progressing", "ReplicasManagedExternally"})
+
+
 def describe_transitions(
     previous: Iterable[Mapping[str, Any]], current: Iterable[Mapping[str, Any]]
 ) -> list[EventSpec]:
@@ -79,7 +83,7 @@ def describe_transitions(
         if old is None and cond["status"] == "Unknown":
             continue
         degraded = old is not None and old.get("status") == "True" and cond["status"] == "False"
-        problem = cond["reason"] in PROBLEM_REASONS or (degraded and cond["type"] != "Progressing")
+        problem = cond["reason"] in PROBLEM_REASONS or (degraded and cond["type"] not in NEUTRAL_TYPES)
         message = f"{cond['type']}={cond['status']}: {cond['message']}"
         events.append(EventSpec(WARNING if problem else NORMAL, cond["reason"], message))
     return events

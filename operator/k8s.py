@@ -29,6 +29,8 @@ _PLURALS = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
     ("metronome.dev/v1alpha1", "InferenceService"): "inferenceservices",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
 }
 
 log = logging.getLogger(__name__)

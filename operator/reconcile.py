@@ -7,6 +7,7 @@ ConfigMap back (every refresh) parses only what someone else wrote.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import Any
 
 from metronome.contract.config import SchedulerConfig, ServerConfigFile, next_server_config
 from metronome.operator import builders, changes, configmap
+from metronome.operator.external_scalers import find_external_scalers
 from metronome.operator.k8s import Kube
 from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSettings, ServiceSelector, try_observe
 from metronome.operator.monitoring import MonitorSettings
@@ -85,6 +87,7 @@ def sync_children(kube: Kube, service: InferenceService, owner: Mapping[str, Any
     """Create or repair every child. The ConfigMap keeps the config it serves (it may have been retuned); it is
     written from spec.server only when missing or invalid. `monitor` None leaves the PodMonitor as it is (a
     scale touches the Deployment only)."""
+    service = keep_scaled_replicas(kube, service)
     _, current, _ = _read_config(kube, service, memory)
     if current is None:
         config = serve_scheduler(kube, service, owner, service.spec.server, why="from spec.server", memory=memory)
@@ -98,6 +101,18 @@ def sync_children(kube: Kube, service: InferenceService, owner: Mapping[str, Any
     if monitor is not None:
         sync_pod_monitor(kube, service, owner, monitor)
     return config
+
+
+def keep_scaled_replicas(kube: Kube, service: InferenceService) -> InferenceService:
+    """While an HPA or a ScaledObject scales the Deployment itself, the Deployment keeps the count it set
+    (spec.replicas would undo it at every write)."""
+    if not find_external_scalers(kube, service).on_deployment:
+        return service
+    live = kube.get("apps/v1", "Deployment", service.namespace, builders.child_names(service.name).deployment)
+    replicas = ((live or {}).get("spec") or {}).get("replicas")
+    if not isinstance(replicas, int):
+        return service
+    return dataclasses.replace(service, spec=dataclasses.replace(service.spec, replicas=replicas))
 
 
 def sync_pod_monitor(kube: Kube, service: InferenceService, owner: Mapping[str, Any], monitor: MonitorSettings) -> None:
@@ -130,7 +145,8 @@ def observe(kube: Kube, service: InferenceService, memory: ConfigMemory | None =
     pods: list[dict] = []
     if deployment is not None and ready < service.spec.replicas:
         pods = kube.list("v1", "Pod", service.namespace, builders.selector_string(service.name))
-    return Observed(deployment=deployment, pods=tuple(pods), served_config=config, config_error=error)
+    return Observed(deployment=deployment, pods=tuple(pods), served_config=config, config_error=error,
+                    scalers=find_external_scalers(kube, service))
 
 
 def read_metrics(

@@ -192,6 +192,7 @@ AUTOTUNE_FIELDS = {
     "maxStepDown": "max_step_down", "margin": "margin", "deadbandLow": "deadband_low",
     "deadbandHigh": "deadband_high", "chunkGranularity": "chunk_granularity",
     "policySwitching": "policy_switching", "scaleReplicas": "scale_replicas", "prefillHeadroom": "prefill_headroom",
+    "scaleDownHeadroom": "scale_down_headroom", "scaleDownStabilizationSeconds": "scale_down_stabilization_seconds",
 }
 
 

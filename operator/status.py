@@ -13,15 +13,18 @@ from typing import Any
 from metronome.contract.budget import prefill_budget, split_sizes
 from metronome.contract.config import ServerConfigFile
 from metronome.operator.builders import selector_string
+from metronome.operator.external_scalers import ScalerView
 from metronome.operator.spec import InferenceService, SLOSpec
 from metronome.operator.tuning.autotune import ServingMetrics
+from metronome.operator.tuning.settings import AutotuneMode
 
 READY = "Ready"
 PROGRESSING = "Progressing"
 METRICS_AVAILABLE = "MetricsAvailable"
 SLO_MET = "SLOMet"
 CONFIG_APPLIED = "ConfigApplied"
-CONDITION_TYPES = (READY, PROGRESSING, METRICS_AVAILABLE, SLO_MET, CONFIG_APPLIED)
+REPLICAS_MANAGED_EXTERNALLY = "ReplicasManagedExternally"
+CONDITION_TYPES = (READY, PROGRESSING, METRICS_AVAILABLE, SLO_MET, CONFIG_APPLIED, REPLICAS_MANAGED_EXTERNALLY)
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 SLO_STATES = {TRUE: "Met", FALSE: "Violated", UNKNOWN: "Unknown"}
@@ -39,6 +42,7 @@ class Observed:
     # (reason, message) that replaces SLOMet's SLOViolated when the control loop cannot fix the violation
     # (chunk at its floor, no replicas to add): the condition then says why it stays violated.
     slo_override: tuple[str, str] | None = None
+    scalers: ScalerView | None = None  # the HPAs and ScaledObjects that target the service (None: not looked)
 
 
 def condition(
@@ -231,6 +235,33 @@ def slo_condition(
     return TRUE, "SLOMet", f"TBT p99 {metrics.tbt_p99_ms:.1f} ms <= {slo.tbt_p99_ms:g} ms"
 
 
+def replicas_condition(service: InferenceService, scalers: ScalerView | None) -> tuple[str, str, str]:
+    """Whether an HPA or a KEDA ScaledObject sets the replicas (then the control loop leaves them alone), and if
+    not, who does."""
+    if scalers is None:
+        return UNKNOWN, "NotObserved", "HorizontalPodAutoscalers and ScaledObjects have not been looked at yet"
+    if scalers.error is not None:
+        return UNKNOWN, "ScalersUnknown", f"{scalers.error}: the control loop cannot tell whether another " \
+                                          "autoscaler sets the replicas"
+    if scalers.scalers:
+        first = scalers.scalers[0]
+        targets = " and ".join(sorted({s.target_kind for s in scalers.scalers}))
+        return TRUE, first.kind, (f"{scalers.owner} sets the replicas of the {targets}: the control loop leaves "
+                                  "them alone and still tunes the chunk size and queue policy")
+    autotune = service.spec.autotune
+    if autotune.scale_replicas and autotune.mode is AutotuneMode.APPLY:
+        return FALSE, "AutotuneScales", (f"the control loop sets spec.replicas within [{autotune.min_replicas}, "
+                                         f"{autotune.max_replicas}]")
+    return FALSE, "SpecReplicas", "spec.replicas as set (by hand, kubectl scale or the scale subresource)"
+
+
+def desired_replicas(service: InferenceService, observed: Observed) -> int:
+    """The pods there should be: spec.replicas, or the Deployment's own count while a scaler drives it directly."""
+    if observed.scalers is not None and observed.scalers.on_deployment and observed.deployment is not None:
+        return int((observed.deployment.get("spec") or {}).get("replicas") or 0)
+    return service.spec.replicas
+
+
 # --- the whole status ----------------------------------------------------------------------------------------
 
 
@@ -258,7 +289,7 @@ def compute_status(
 ) -> dict[str, Any]:
     """The full desired status (lastDecision excepted: the control loop owns it). None = clear the field."""
     previous = list(previous_conditions)
-    desired = service.spec.replicas
+    desired = desired_replicas(service, observed)
     rollout = rollout_of(observed.deployment, desired) if observed.deployment is not None else None
     metrics = observed.metrics
 
@@ -273,6 +304,7 @@ def compute_status(
         make(METRICS_AVAILABLE, metrics_condition(metrics)),
         make(SLO_MET, slo_verdict),
         make(CONFIG_APPLIED, config_condition(observed, rollout)),
+        make(REPLICAS_MANAGED_EXTERNALLY, replicas_condition(service, observed.scalers)),
     ]
     ready = rollout.ready if rollout else 0
     have_metrics = metrics is not None and metrics.available

@@ -14,7 +14,7 @@ from metronome.operator.tuning.actuation import tune
 from metronome.operator.tuning.decision import CurrentConfig
 from metronome.operator.tuning.observation import Observation
 from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec, TuningPolicy
-from metronome.server.bench import loop
+from metronome.server.bench.loop import runner as loop
 
 NOW = 1_767_225_600.0
 SPEC = AutotuneSpec(tbt_p99_target_s=0.030, mode=AutotuneMode.APPLY, policy=TuningPolicy.MULTIPLICATIVE,
