@@ -59,6 +59,7 @@ from metronome.operator.tuning.replicas import (
     is_idle,
     model_replicas,
     offered_load,
+    saturated_replicas,
     stabilized_count,
     utilization_replicas,
 )
@@ -240,10 +241,16 @@ def _prefill_guard(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
         if shrink is not None and shrink.chunk_size < current.chunk_size:
             return replace(shrink, reason=f"{basis}, but chunk {current.chunk_size} is above what prefill needs: "
                                           f"{shrink.reason}")
+    shrank = -(obs.waiting_growth or 0.0)
+    if ratio <= 1.0 and shrank >= spec.queue_growth_limit:
+        # Prefill outruns the arrivals (a backlog from before the last change draining): more replicas would not
+        # serve the requests already queued sooner.
+        return _hold_proposal(current, f"{basis}, but the queue shrank by {shrank:.0f} in "
+                                       f"{obs.window_seconds:.0f} s: prefill is catching up", "prefill-guard")
     room = (f"no room left under the TBT target ({ratio:.0%} of it)" if ratio < 1.0
             else "TBT is over target too")
     basis = f"{basis}: {room}, not shrinking the budget"
-    return _scale_up(obs, current, spec, basis, "prefill-guard", fit)
+    return _scale_up(obs, current, spec, basis, "prefill-guard", fit, unless_model_disagrees=True)
 
 
 def _aim(spec: AutotuneSpec) -> float:
@@ -510,14 +517,17 @@ def _estimate(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, head
         estimate = model_replicas(fit, factor, load.scaled(headroom), _floor(spec, current), spec,
                                   spec.tbt_p99_target_s * _aim(spec))
         if estimate is not None:
-            return estimate
+            return estimate if headroom == 1 else replace(
+                estimate, basis=f"with ×{headroom:g} the observed load, {estimate.basis}")
     return utilization_replicas(obs, load, spec, headroom)
 
 
 def _scale_up(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, basis: str, policy_used: str,
-              fit: StepFit | None) -> _Proposal:
+              fit: StepFit | None, unless_model_disagrees: bool = False) -> _Proposal:
     """No chunk meets the SLO: as many replicas as the step model says the offered load needs (at least one more,
-    at most the maximum), or why not (then the SLO is unreachable)."""
+    at most the maximum), or why not (then the SLO is unreachable). `unless_model_disagrees`: hold when the step
+    model says the replicas there are carry the offered load (a queue that grew by a handful in one window is
+    noise to it, and a replica is a GPU)."""
     r2 = fit.r_squared if fit is not None else None
     why = _replicas_fixed(current, spec)
     if why is None and current.replicas >= spec.max_replicas:
@@ -527,8 +537,14 @@ def _scale_up(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, basi
                          f"{basis}; {why}: SLO unreachable", (ActionKind.SLO_UNREACHABLE,), policy_used=policy_used,
                          slo_unreachable=True, fit_r_squared=r2)
     estimate = _estimate(obs, current, spec, 1.0)
+    modelled = estimate is not None and estimate.predicted_tbt_p99_s is not None
+    if unless_model_disagrees and modelled and estimate.enough and estimate.replicas <= current.replicas:
+        return _hold_proposal(current, f"{basis}; but {estimate.basis}: not adding replicas for it", policy_used,
+                              fit)
+    if not modelled:
+        estimate = saturated_replicas(obs, offered_load(obs, current.replicas), spec)
     target, how = current.replicas + 1, "one more"
-    if estimate is not None and estimate.predicted_tbt_p99_s is not None and estimate.replicas > target:
+    if estimate is not None and estimate.replicas > target:
         target, how = estimate.replicas, estimate.basis
     target = min(spec.max_replicas, target)
     predicted = estimate.predicted_tbt_p99_s if estimate is not None and estimate.replicas == target else None
@@ -571,8 +587,8 @@ def _scale_down(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, pr
     target = max(target, spec.min_replicas, 1)
     agreed = f"; every recommendation of the last {window:.0f} s is ≤ {target}" if window > 0 else ""
     return _Proposal(current.chunk_size, current.queue_policy, target,
-                     f"{recommended.basis} (×{spec.scale_down_headroom:g} the observed load){agreed}: replicas "
-                     f"{current.replicas}→{target}", (ActionKind.SCALE_DOWN,), policy_used="scale",
+                     f"{recommended.basis}{agreed}: replicas {current.replicas}→{target}", (ActionKind.SCALE_DOWN,),
+                     policy_used="scale",
                      predicted_tbt_p99_s=recommended.predicted_tbt_p99_s)
 
 

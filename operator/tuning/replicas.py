@@ -129,6 +129,23 @@ def model_replicas(fit: StepFit, factor: float, load: OfferedLoad, floor_chunk: 
                            predicted[1] if predicted else None)
 
 
+def saturated_replicas(obs: Observation, load: OfferedLoad, spec: AutotuneSpec) -> ReplicaEstimate | None:
+    """Without a fit, while requests waited for prefill all window: what the pods prefilled is what they can, so
+    the offered prompt tokens (× prefill_headroom) over each pod's served rate is the count (None when nothing
+    waited or nothing was prefilled)."""
+    served = obs.prompt_tokens_per_s or 0.0
+    if served <= 0 or not (obs.waiting_requests or 0.0) > 0:
+        return None
+    per_pod = served / load.pods
+    demand = load.prompt_tokens_per_s * spec.prefill_headroom
+    lowest = max(1, spec.min_replicas)
+    top = max(lowest, spec.max_replicas)
+    needed = max(lowest, math.ceil(demand / per_pod - 1e-9))
+    return ReplicaEstimate(min(top, needed), needed <= top,
+                           f"each pod prefills {per_pod:.0f} tokens/s with requests waiting, and "
+                           f"{load.prompt_tokens_per_s:.0f} arrive (×{spec.prefill_headroom:g} headroom)")
+
+
 def busy_share(obs: Observation) -> float | None:
     """The share of the window a pod spent in steps, on average over the pods (None without step samples)."""
     if not obs.step_samples:
