@@ -40,7 +40,7 @@ class MemoryKube:
         return Applied(action, copy.deepcopy(before), copy.deepcopy(desired))
 
     def list(self, api_version, kind, namespace, label_selector):
-        return []
+        return [copy.deepcopy(obj) for (k, ns, _), obj in self.objects.items() if k == kind and ns == namespace]
 
     def crd_exists(self, name):
         return name in self.crds
