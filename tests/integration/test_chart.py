@@ -57,6 +57,8 @@ def test_rbac_is_least_privilege(cluster):
     assert rules[("", "pods")] == {"list"}
     assert rules[("", "events")] == {"create"}
     assert rules[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
+    # Other autoscalers are only looked at: whether one targets a service (the loop then leaves replicas alone).
+    assert rules[("autoscaling", "horizontalpodautoscalers")] == rules[("keda.sh", "scaledobjects")] == {"list"}
     every_verb = set().union(*rules.values())
     assert "*" not in every_verb
     # Deletes only for children a spec change or --monitor-kind none retires; the rest is garbage-collected.

@@ -43,6 +43,8 @@ What the operator does inside the namespaces it manages — every verb is used:
 - poddisruptionbudgets: get + server-side apply, and delete when spec.disruption.enabled turns false.
 - pods list: why pods are not ready (scheduling failures) in the Ready condition.
 - events create: an Event for every change.
+- horizontalpodautoscalers, scaledobjects list: whether another autoscaler targets a service or its Deployment
+  (then the control loop leaves the replicas to it: condition ReplicasManagedExternally).
 */}}
 {{- define "metronome.namespacedRules" -}}
 - apiGroups: [metronome.dev]
@@ -75,6 +77,12 @@ What the operator does inside the namespaces it manages — every verb is used:
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
   verbs: [get, create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [list]
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [list]
 {{- end -}}
 
 {{/*
