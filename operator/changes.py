@@ -71,16 +71,18 @@ NEUTRAL_TYPES = frozenset({"Progressing", "ReplicasManagedExternally"})
 def describe_transitions(
     previous: Iterable[Mapping[str, Any]], current: Iterable[Mapping[str, Any]]
 ) -> list[EventSpec]:
-    """Events for conditions whose status or reason changed. A condition's first appearance as Unknown is not
-    news. Warnings: a known problem, or a condition that falls from True to False (pods that were ready and are
-    not any more); a service still coming up is Normal."""
+    """Events for conditions whose status or reason changed. A condition's first appearance as Unknown (or as a
+    harmless False: nobody but the operator setting the replicas) is not news. Warnings: a known problem, or a
+    condition that falls from True to False (pods that were ready and are not any more); a service still coming up
+    is Normal."""
     before = {c.get("type"): c for c in previous}
     events = []
     for cond in current:
         old = before.get(cond["type"])
         if old is not None and (old.get("status"), old.get("reason")) == (cond["status"], cond["reason"]):
             continue
-        if old is None and cond["status"] == "Unknown":
+        if old is None and (cond["status"] == "Unknown" or (cond["status"] == "False"
+                                                          and cond["type"] in NEUTRAL_TYPES)):
             continue
         degraded = old is not None and old.get("status") == "True" and cond["status"] == "False"
         problem = cond["reason"] in PROBLEM_REASONS or (degraded and cond["type"] not in NEUTRAL_TYPES)
