@@ -59,6 +59,7 @@ class ServerPod:
     scratch_mounts: tuple[str, ...] = ()  # emptyDir mount paths
     grace_seconds: float = 30.0
     env: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    pre_stop_seconds: float = 0.0  # the server container's preStop sleep (lifecycle.preStop.sleep.seconds)
 
     @property
     def key(self) -> str:
@@ -112,7 +113,9 @@ def server_pod(pod: Mapping[str, Any], container_name: str = SERVER_CONTAINER) -
         namespace=namespace, name=name, uid=metadata.get("uid", ""), service=service,
         command=tuple(container.get("command") or ()), args=tuple(container.get("args") or ()),
         config_maps=tuple(config_maps), host_paths=tuple(host_paths), scratch_mounts=tuple(scratch),
-        grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)), env=env)
+        grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)), env=env,
+        pre_stop_seconds=float((((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {})
+                               .get("seconds", 0)))
 
 
 @dataclass(frozen=True)
