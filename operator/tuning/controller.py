@@ -19,7 +19,8 @@ Order of the rules, first match wins:
    multiplicative_up stays within the policy's aim: target·margin for `model`, the target for `multiplicative`)
    when TBT is under target; over target
    `model` still shrinks as far as its prefill floor (below), which keeps prefill fed; otherwise it holds
-   (replicas + 1 if `scale_replicas`, else `slo_unreachable` while an SLO is broken).
+   (more replicas if `scale_replicas`, rule 6, unless the queue is draining or the step model says the replicas
+   there carry the offered load; else `slo_unreachable` while an SLO is broken).
 4. deadband → hold while deadband_low ≤ p99 / target ≤ upper, where upper is deadband_high (0.95) for
    `model`, which aims at target·margin (0.9) inside the band, and 1.0 for `multiplicative`.
 5. chunk size, by policy:
@@ -38,9 +39,16 @@ Order of the rules, first match wins:
    Every proposal is capped (at most ×max_step_up, ÷max_step_down per decision) and clamped to the bounds;
    a current size outside the bounds (the bounds were edited) is first brought inside them, uncapped.
 6. chunk already at its floor and the SLO still violated → under `split`, whose floor is the short-prompt
-   threshold, `fcfs` with the smaller chunk a rule asked for (when policy switching is on); else replicas + 1 if
-   `scale_replicas` and below the maximum, else `slo_unreachable` with a reason (the handler sets a condition and
-   an Event).
+   threshold, `fcfs` with the smaller chunk a rule asked for (when policy switching is on); else, if
+   `scale_replicas`, nobody else sets the replicas (`replicas_owner`: an HPA, a ScaledObject) and below the
+   maximum, as many replicas as the step model says the offered load needs (replicas.py; at least one more; while
+   requests waited all window and without a fit, the served prefill rate sizes it), held while pods of the last
+   scale-up are still missing; else `slo_unreachable` with a reason (the handler sets a condition and an Event).
+7. replicas down, before any chunk change (the chunk is retuned for the load each remaining replica carries):
+   every reading records a recommendation (the smallest count predicted to carry scale_down_headroom × the
+   offered load; minReplicas for an idle service, whose too few samples are no data otherwise); while the SLO
+   holds, prefill keeps up and no other rule asks the servers to carry less, replicas go down to the largest
+   recommendation of the last scale_down_stabilization_seconds, once the readings (`recent`) cover that window.
 Advise mode computes the same decision and records it as a proposal without acting.
 """
 from __future__ import annotations
