@@ -26,12 +26,14 @@ $(STAMP): pyproject.toml setup.py tests/support/pyproject.toml Makefile
 	@touch $@
 
 # kube-apiserver, etcd, controller-manager, scheduler, kwok and helm, built from Go modules (slow once, cached);
-# versitygw, the S3 server the s3:// model tests run against; and a Prometheus with Kubernetes service discovery
-# (Debian's is built without it) for the discovery e2e test.
+# versitygw, the S3 server the s3:// model tests run against; a Prometheus with Kubernetes service discovery
+# (Debian's is built without it) for the discovery e2e test; and the Gateway API Inference Extension's endpoint
+# picker, which the routing test drives over ext_proc.
 tools:
 	hack/build-tools.sh
 	hack/build-s3-server.sh
 	hack/build-prometheus-sd.sh >/dev/null
+	hack/build-picker.sh >/dev/null
 
 prometheus:
 	hack/install-prometheus.sh

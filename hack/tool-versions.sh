@@ -6,3 +6,5 @@ KWOK_VERSION=v0.8.0
 HELM_VERSION=v3.22.0
 GO_LANG_VERSION=1.26.0
 VERSITYGW_VERSION=v1.8.0
+# The Gateway API Inference Extension's endpoint picker (build-picker.sh): the newest release with the full cmd/epp.
+PICKER_VERSION=v1.5.0

@@ -1,5 +1,5 @@
 """Pure builders: an InferenceService → the objects that serve it (Deployment, Service, ConfigMap, PodMonitor,
-PodDisruptionBudget).
+PodDisruptionBudget; the InferencePool is inference_pool.py's).
 What server.yaml holds is configmap.py's, which generation comes next metronome.contract.config's.
 
 No API calls here. Two rules shape the output:
@@ -17,6 +17,7 @@ from typing import Any
 
 from metronome.contract import serve_flags as flag
 from metronome.contract.config import ServerConfigFile
+from metronome.contract.metric_names import PICKER_ENGINE_TYPE, PICKER_ENGINE_TYPE_LABEL_KEYS
 from metronome.operator import model_fetch
 from metronome.operator.configmap import (
     ANNOTATION_CONFIG_GENERATION,
@@ -75,6 +76,12 @@ def labels(name: str) -> dict[str, str]:
         LABEL_PART_OF: "metronome",
         LABEL_MANAGED_BY: MANAGED_BY,
     }
+
+
+def pod_labels(name: str) -> dict[str, str]:
+    """The server pods' labels: the children's, and the engine type an endpoint picker reads their metrics by
+    (vLLM's names: the server exports them, metric_names.PICKER_ALIASES)."""
+    return {**labels(name), **{key: PICKER_ENGINE_TYPE for key in PICKER_ENGINE_TYPE_LABEL_KEYS}}
 
 
 def selector_string(name: str) -> str:
@@ -254,7 +261,7 @@ def pod_template(service: InferenceService) -> dict[str, Any]:
         pod_spec["tolerations"] = [t.to_k8s() for t in spec.resources.tolerations]
     built = {
         "metadata": {
-            "labels": labels(service.name),
+            "labels": pod_labels(service.name),
             "annotations": {
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(SERVER_PORT),

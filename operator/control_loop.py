@@ -23,6 +23,7 @@ from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSett
 from metronome.operator.spec import InferenceService
 from metronome.operator.status import Observed, rollout_of
 from metronome.operator.tuning import autotune
+from metronome.operator.tuning.decision import Decision
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +33,14 @@ class Tick:
     observed: Observed  # what status is computed from, with the latest reading
     replicas: int | None = None  # patch spec.replicas to this
     last_decision: dict[str, Any] | None = None  # patch status.lastDecision to this
+    decision: Decision | None = None  # what the loop decided this tick (None: no reading was due)
 
 
 def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observed: Observed,
          memory: autotune.TunerMemory, prometheus: PrometheusSettings,
          configs: reconcile.ConfigMemory | None = None) -> Tick:
     """Read the metrics and act on them when due; otherwise status gets the last reading."""
-    replicas = last_decision = None
+    replicas = last_decision = decision = None
     with memory.lock:
         now = time.time()
         if memory.due(now, service.generation):
@@ -49,7 +51,7 @@ def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observe
                                    unavailable, now, memory.last_change_time, ready_pods=ready,
                                    recent=memory.recommendations, replicas_owner=owner)
             observed = _actuate(kube, service, body, observed, result, configs)
-            replicas, last_decision = result.replicas, result.last_decision
+            replicas, last_decision, decision = result.replicas, result.last_decision, result.decision
             tuning = service.spec.autotune
             problem = memory.remember(result, now, service.generation, tuning.interval_seconds,
                                       tuning.scale_down_stabilization_seconds)
@@ -58,7 +60,7 @@ def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observe
     served_generation = observed.served_config.generation if observed.served_config is not None else None
     observed = dataclasses.replace(observed, metrics=memory.metrics_for(served_generation),
                                    slo_override=memory.slo_override)
-    return Tick(observed, replicas, last_decision)
+    return Tick(observed, replicas, last_decision, decision)
 
 
 def _read(prometheus: PrometheusSettings, service: InferenceService, now: float):

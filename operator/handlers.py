@@ -166,6 +166,8 @@ def refresh(memo: kopf.Memo, service: InferenceService, body: Mapping[str, Any],
             reconcile.sync_children(kube, service, body, options.monitor, state.configs)
             observed = reconcile.observe(kube, service, state.configs)
         result = control_loop.tick(kube, service, body, observed, state.tuner, options.prometheus, state.configs)
+        if "metrics" in memo:
+            memo.metrics.after_tick(service, result.decision)
         current = body.get("status") or {}
         previous = current.get("conditions") or []
         desired = status_mod.compute_status(service, result.observed, now=format_time(),
@@ -268,6 +270,8 @@ def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 def forget(name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     memo.services.forget(namespace, name)
+    if "metrics" in memo:
+        memo.metrics.forget(namespace, name)
     logger.info("InferenceService %s/%s deleted; its children are garbage-collected", namespace, name)
 
 

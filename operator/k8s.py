@@ -27,6 +27,7 @@ _PLURALS = {
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
     ("metronome.dev/v1alpha1", "InferenceService"): "inferenceservices",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",

@@ -48,6 +48,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--health-host", default="0.0.0.0", help="address the liveness endpoint binds to")
     parser.add_argument(
+        "--metrics-port", type=int, default=0,
+        help="port of the operator's own GET /metrics (the loop's decisions, the SLO targets; 0 = none, the "
+        "default)",
+    )
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint binds to")
+    parser.add_argument(
         "--status-interval", type=float, default=DEFAULT_STATUS_INTERVAL_SECONDS, metavar="SECONDS",
         help="how often the control loop looks for services whose Prometheus reading is due; children's "
         "changes refresh status at once (default %(default)s)",
@@ -121,6 +127,10 @@ def _fail(message: str) -> SystemExit:
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
     if args.health_port < 0 or args.health_port > 65535:
         raise _fail(f"--health-port must be 0..65535, got {args.health_port}")
+    if args.metrics_port < 0 or args.metrics_port > 65535:
+        raise _fail(f"--metrics-port must be 0..65535, got {args.metrics_port}")
+    if args.metrics_port and args.metrics_port == args.health_port and args.metrics_host == args.health_host:
+        raise _fail(f"--metrics-port and --health-port are both {args.metrics_port}")
     if args.status_interval <= 0:
         raise _fail(f"--status-interval must be > 0, got {args.status_interval}")
     if not args.server_image or any(c.isspace() for c in args.server_image):
@@ -147,6 +157,8 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         log_level=args.log_level,
         health_host=args.health_host,
         health_port=args.health_port,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
         leader_election=leader,
         status_interval_seconds=args.status_interval,
         server_image=args.server_image,
@@ -188,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from metronome.operator import handlers, k8s, leader
+    from metronome.operator.operator_metrics import OperatorMetrics
 
     kopf.configure(debug=options.log_level == "DEBUG")
     logging.getLogger().setLevel(options.log_level)
@@ -215,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
 
         elector.keep(stop, on_lost)
 
+    metrics = OperatorMetrics()
+    metrics_server = metrics.serve(options.metrics_host, options.metrics_port) if options.metrics_port else None
     registry = kopf.OperatorRegistry()
     handlers.register(registry, options)
     # kopf waits on a threading.Event stop flag in an executor thread: set it however kopf stops (a signal too),
@@ -230,11 +245,13 @@ def run(args: argparse.Namespace) -> int:
             clusterwide=options.clusterwide,
             namespaces=list(options.namespaces),
             liveness_endpoint=options.liveness_endpoint,
-            memo=kopf.Memo(kube=k8s.Kube(), options=options, services=handlers.Services()),
+            memo=kopf.Memo(kube=k8s.Kube(), options=options, services=handlers.Services(), metrics=metrics),
             stop_flag=stop,
         )
     finally:
         stop.set()
+        if metrics_server is not None:
+            metrics_server.shutdown()
         if elector is not None and not lost.is_set():
             elector.release()
     return LOST_LEADERSHIP_EXIT if lost.is_set() else 0

@@ -29,6 +29,8 @@ class OperatorOptions:
     log_level: str = "INFO"
     health_host: str = "0.0.0.0"
     health_port: int = DEFAULT_HEALTH_PORT  # 0 = no liveness endpoint
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 0  # the operator's own /metrics (operator_metrics.py); 0 = not served
     leader_election: LeaderElection | None = None  # None = this replica acts alone (one operator replica)
     # How often the operator-wide control loop looks for services whose Prometheus reading is due.
     status_interval_seconds: float = DEFAULT_STATUS_INTERVAL_SECONDS

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metronome.contract.config import SchedulerConfig, ServerConfigFile, next_server_config
-from metronome.operator import builders, changes, configmap
+from metronome.operator import builders, changes, configmap, routing_sync
 from metronome.operator.external_scalers import find_external_scalers
 from metronome.operator.k8s import Kube
 from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSettings, ServiceSelector, try_observe
@@ -98,6 +98,7 @@ def sync_children(kube: Kube, service: InferenceService, owner: Mapping[str, Any
         _emit(kube, owner, changes.describe_child(applied.action.value, applied.before, applied.after))
     if not service.spec.disruption.enabled:
         remove_disruption_budget(kube, service, owner)
+    routing_sync.sync_inference_pool(kube, service, owner)
     if monitor is not None:
         sync_pod_monitor(kube, service, owner, monitor)
     return config

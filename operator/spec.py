@@ -27,6 +27,7 @@ from metronome.contract.model_source import (
     syntax,
 )
 from metronome.operator.pod_template import PodOverlay, PodTemplateError, parse_overlay
+from metronome.operator.routing_spec import RoutingSpec, parse_routing
 from metronome.operator.spec_error import SpecError
 from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec, TuningPolicy
 
@@ -224,6 +225,7 @@ class InferenceServiceSpec:
     disruption: DisruptionSpec = field(default_factory=DisruptionSpec)
     shutdown: ShutdownSpec = field(default_factory=ShutdownSpec)
     api_key_secret: SecretKey | None = None  # the server's API key (METRONOME_API_KEY); None = no key
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
 
 
 @dataclass(frozen=True)
@@ -588,6 +590,7 @@ def parse_spec(spec: Mapping[str, Any], default_image: str = DEFAULT_IMAGE) -> I
         disruption=parse_disruption(_section(spec, "disruption", where)),
         shutdown=parse_shutdown(_section(spec, "shutdown", where)),
         api_key_secret=_parse_api_key_secret(spec.get("apiKeySecret"), f"{where}.apiKeySecret"),
+        routing=parse_routing(spec.get("routing")),
     )
 
 

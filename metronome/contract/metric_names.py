@@ -1,7 +1,10 @@
 """Metric names, labels and buckets: the one list shared by the server (which exports them) and the operator
-(which queries them). Everything carries the `model` label.
+(which queries them), the operator's own series, and the endpoint picker's aliases. Every server series carries
+the `model` label (the picker's aliases: vLLM's `model_name`); the operator's carry namespace and inferenceservice.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 PREFIX = "metronome_"
 
@@ -37,6 +40,10 @@ REQUESTS_RUNNING = PREFIX + "requests_running"
 REQUESTS_WAITING = PREFIX + "requests_waiting"  # label: queue
 KV_CACHE_USAGE = PREFIX + "kv_cache_usage_ratio"
 KV_BLOCKS_LEAKED = PREFIX + "kv_blocks_leaked"
+# Value 1; labels block_size (tokens per KV block) and num_blocks (blocks the cache holds): the cache's shape.
+KV_CACHE_CONFIG_INFO = PREFIX + "kv_cache_config_info"
+KV_BLOCK_SIZE_LABEL = "block_size"
+KV_NUM_BLOCKS_LABEL = "num_blocks"
 PREEMPTIONS = PREFIX + "preemptions_total"
 REQUESTS_REJECTED = PREFIX + "requests_rejected_total"  # label: reason
 STEP_DURATION = PREFIX + "step_duration_seconds"
@@ -58,5 +65,57 @@ ALL_NAMES = (
     TIME_BETWEEN_TOKENS, TIME_TO_FIRST_TOKEN, REQUEST_E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_RUNNING,
     REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_LEAKED, PREEMPTIONS, REQUESTS_REJECTED, STEP_DURATION, STEP_TOKENS,
     SCHEDULER_OVERHEAD, CHUNK_SIZE, QUEUE_POLICY_INFO, CONFIG_GENERATION, CONFIG_RELOAD_ERRORS,
-    KERNEL_COMPILES_AFTER_READY, PROMPTS, CONFIG_APPLIED_TIME, LANE_CHUNK_SIZE,
+    KERNEL_COMPILES_AFTER_READY, PROMPTS, CONFIG_APPLIED_TIME, LANE_CHUNK_SIZE, KV_CACHE_CONFIG_INFO,
+)
+
+
+# --- the operator's own series (its /metrics, `metronome operator --metrics-port`) ------------------------------
+# Labelled with the InferenceService's namespace and name (`namespace` and `model` on the servers' series), under
+# names no scrape config gives its targets: the operator pod's own `namespace` would otherwise overwrite one.
+OPERATOR_PREFIX = PREFIX + "operator_"
+SERVICE_NAMESPACE_LABEL = "inferenceservice_namespace"
+SERVICE_LABEL = "inferenceservice"
+# The control loop's decisions, by action (the tuner's action kinds: chunk_down, chunk_up, policy_switch,
+# scale_up, slo_unreachable, hold, no_data) and whether they were applied or only advised (label `applied`).
+OPERATOR_DECISIONS = OPERATOR_PREFIX + "decisions_total"
+DECISION_ACTION_LABEL = "action"
+DECISION_APPLIED_LABEL = "applied"
+# The service's SLO targets, by objective (`tbt_p99`, `ttft_p99`), for dashboards to draw next to the servers'.
+OPERATOR_SLO_TARGET = OPERATOR_PREFIX + "slo_target_seconds"
+SLO_OBJECTIVE_LABEL = "objective"
+SLO_OBJECTIVES = ("tbt_p99", "ttft_p99")
+OPERATOR_NAMES = (OPERATOR_DECISIONS, OPERATOR_SLO_TARGET)
+
+# --- the endpoint picker's names -----------------------------------------------------------------------------
+# The Gateway API Inference Extension's endpoint picker (and llm-d's router after it) scrapes each pod of an
+# InferencePool for its queue, running requests and KV usage, by default under vLLM's names; pods labelled
+# engine-type `vllm` (or unlabelled) are read that way. The server exports these as aliases: each is computed at
+# scrape time from the Metronome series named here, its labels renamed (`model` → vLLM's `model_name`) and every
+# other label summed away (the waiting queues add up to vLLM's one queue). vLLM's `vllm:lora_requests_info`
+# is not exported: Metronome serves no adapters, as vLLM without --enable-lora.
+PICKER_ENGINE_TYPE = "vllm"
+# The pod labels a picker reads the engine type from (the operator puts both on every server pod): the Gateway API
+# Inference Extension's picker (v1.x) reads the first, llm-d's router the second; both read an unlabelled pod as
+# vLLM.
+PICKER_ENGINE_TYPE_LABEL_KEYS = ("inference.networking.k8s.io/engine-type", "llm-d.ai/engine-type")
+PICKER_MODEL_LABEL = "model_name"
+
+
+@dataclass(frozen=True)
+class PickerAlias:
+    name: str  # the picker's series
+    source: str  # Metronome's series it is computed from
+    labels: tuple[tuple[str, str], ...]  # (Metronome's label, the picker's label); other labels are summed away
+
+
+PICKER_ALIASES = (
+    PickerAlias("vllm:num_requests_waiting", REQUESTS_WAITING, ((MODEL_LABEL, PICKER_MODEL_LABEL),)),
+    PickerAlias("vllm:num_requests_running", REQUESTS_RUNNING, ((MODEL_LABEL, PICKER_MODEL_LABEL),)),
+    # A fraction in [0, 1], as vLLM's despite its name.
+    PickerAlias("vllm:kv_cache_usage_perc", KV_CACHE_USAGE, ((MODEL_LABEL, PICKER_MODEL_LABEL),)),
+    # The picker reads the cache's shape from these two labels (GIE's CacheConfigBlockSizeInfoMetricName and
+    # CacheConfigNumGPUBlocksMetricName).
+    PickerAlias("vllm:cache_config_info", KV_CACHE_CONFIG_INFO,
+                ((MODEL_LABEL, PICKER_MODEL_LABEL), (KV_BLOCK_SIZE_LABEL, "block_size"),
+                 (KV_NUM_BLOCKS_LABEL, "num_gpu_blocks"))),
 )

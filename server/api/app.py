@@ -46,6 +46,7 @@ from metronome.server.api.client_share import (
     bearer_token,
     client_identity,
 )
+from metronome.server.api.error_boundary import ErrorBoundary
 from metronome.server.api.generation import Job, run_request
 from metronome.server.api.http_errors import error_response, install_error_handlers
 from metronome.server.api.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_TOKENIZER_WORKERS
@@ -60,10 +61,12 @@ from metronome.server.api.protocol import (
     now_unix,
 )
 from metronome.server.api.responses import ChatShaper, CompletionShaper
+from metronome.server.api.responses_request import ResponsesRequest, input_messages
+from metronome.server.api.responses_shaper import ECHO_DEFAULTS, ResponsesShaper
+from metronome.server.api.responses_store import ResponseStore
 from metronome.server.api.state import ServerState
 from metronome.server.api.token_gaps import TokenGapTimer
 from metronome.server.api.tokenization import TokenizerPool
-from metronome.server.api.tools import forced_call_schema
 from metronome.server.engine.sampling import Grammar, SamplingParams
 
 log = logging.getLogger("metronome.api")
@@ -122,6 +125,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
     tokenizer_pool = TokenizerPool(engine.tokenizer, engine.max_model_len, workers=tokenizer_workers,
                                    max_pending=engine.max_waiting)
     ledger = ClientLedger(shares)
+    store = ResponseStore()
     limiter = RateLimiter.from_flags(rates)
 
     @contextlib.asynccontextmanager
@@ -147,6 +151,7 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, on_reject=metrics.on_rejected)
     if api_keys:
         app.add_middleware(ApiKeyAuth, keys=api_keys)  # added late: runs early, before a body is read
+    app.add_middleware(ErrorBoundary)  # around everything but the pacer: an unexpected error is a clean 500
     # Added last, so outermost: every request's work, refusals included, waits for its turn (admission_pacing.py).
     app.add_middleware(AdmissionPacer)
 
@@ -160,6 +165,10 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
                 f"model {name!r} is not served here; this server serves {', '.join(map(repr, model_names))}")
 
     def check_unknown(body, route: str) -> None:
+        if strict_openai and hasattr(body, "vllm_fields") and body.vllm_fields():
+            field = body.vllm_fields()[0]
+            raise InvalidRequestError(f"{field!r} is a vLLM extension field (this server runs with --strict-openai)",
+                                      param=field)
         fields = body.unknown_fields()
         if not fields:
             return
@@ -179,8 +188,8 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
                                       if lifecycle.draining else "the server is not ready yet")
         check_model(body.model)
         try:
+            body.check_supported()  # first: an image part is "text only", not an unknown field of a part
             check_unknown(body, route)
-            body.check_supported()
         except InvalidRequestError:
             metrics.on_rejected("invalid")
             raise
@@ -243,7 +252,8 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
 
     async def _completions(body: CompletionRequest, request: Request, hold: ClientHold, client: str):
         prompts = [await tokenized(tokenizer_pool.encode(p)) if isinstance(p, str) else p for p in body.prompts()]
-        grammar = await compiled(body.grammar())
+        grammar, param = body.constraint()
+        grammar = await compiled(grammar, param)
         jobs = [Job(ids, sampling_params(body, max_tokens=body.max_tokens if body.max_tokens is not None else 16,
                                          logprobs=body.logprobs, grammar=grammar, choice=choice), index)
                 for index, ids in enumerate(prompts) for choice in range(body.n)]
@@ -265,27 +275,54 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
         with release_on_error(hold):
             return await _chat_completions(body, request, hold, client)
 
-    async def _chat_completions(body: ChatCompletionRequest, request: Request, hold: ClientHold, client: str):
+    async def _chat_completions(body: ChatCompletionRequest, request: Request, hold: ClientHold, client: str,
+                                shaper_for=None):
+        """`shaper_for(tools=..., forced=..., parallel_tool_calls=...)`: the shaper of another API served by
+        this chat completion (/v1/responses); by default a ChatShaper."""
         tools = body.active_tools()
         prompt = await tokenized(tokenizer_pool.render_chat(body.template_messages(), body.add_generation_prompt,
-                                                            tools or None))
+                                                            tools or None, body.chat_template_kwargs))
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # OpenAI's default: as much as the context allows
             max_tokens = max(engine.max_model_len - len(prompt), 1)
-        forced = body.forced_tool()
-        grammar = body.grammar()
+        forced = body.forced_call(tools)
+        grammar, param = body.constraint()
         if forced is not None:
-            schema = forced_call_schema(tools, None if forced == "*" else forced)
-            grammar = Grammar("json_schema", json.dumps(schema))
-        grammar = await compiled(grammar, "tools" if forced is not None else "response_format")
+            grammar, param = Grammar("json_schema", json.dumps(forced.schema())), "tools"
+        grammar = await compiled(grammar, param)
         jobs = [Job(prompt, sampling_params(body, max_tokens=max_tokens, logprobs=body.top_logprobs_count(),
                                             grammar=grammar, choice=choice)) for choice in range(body.n)]
-        shaper = ChatShaper(state.served_model_name, token_text, tools=tools, tool_format=tool_call_parser,
-                            forced=forced is not None, parallel_tool_calls=body.parallel_tool_calls is not False)
+        shape = dict(tools=tools, forced=forced, parallel_tool_calls=body.parallel_tool_calls is not False)
+        shaper = (ChatShaper(state.served_model_name, token_text, tool_format=tool_call_parser, **shape)
+                  if shaper_for is None else shaper_for(**shape))
         charge = take_tokens(client, [prompt], body.n)
         return await run_request(engine, lifecycle, request, jobs, shaper, body.stream,
                                  body.include_usage_in_stream(), body.continuous_usage(), hold=hold,
                                  refund=charge.refund if charge is not None else None, gaps=gap_timer())
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        admit(body, "/v1/responses")
+        history = store.conversation(body.previous_response_id) if body.previous_response_id else []
+        chat = body.chat_request(history)
+        try:
+            chat.check_supported()
+        except InvalidRequestError:
+            metrics.on_rejected("invalid")
+            raise
+        client = client_of(request, body)
+        hold = take_share(client, 1)
+
+        def keep(response: dict, output: dict) -> None:
+            if body.keeps:
+                store.keep(response["id"], body.previous_response_id, [*input_messages(body.input), output])
+
+        def shaper_for(**shape) -> ResponsesShaper:
+            return ResponsesShaper(state.served_model_name, body.model_dump(include=set(ECHO_DEFAULTS)),
+                                   token_text, tool_format=tool_call_parser, on_done=keep, **shape)
+
+        with release_on_error(hold):
+            return await _chat_completions(chat, request, hold, client, shaper_for)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -305,6 +342,8 @@ def create_app(engine, state: ServerState, max_body_bytes: int = DEFAULT_MAX_BOD
         check_model(body.model)
         check_unknown(body, "/tokenize")
         body.check_text()
+        for index, message in enumerate(body.messages or []):
+            message.check_text_only(f"messages[{index}]")
         if body.messages is not None:
             messages = [m.template_dict() for m in body.messages]
             tools = [t.as_dict() for t in body.tools or []] or None

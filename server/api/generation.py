@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from metronome.server.api.client_share import ClientHold
 from metronome.server.api.lifecycle import Lifecycle
-from metronome.server.api.responses import DONE, Tally, sse, total_usage
+from metronome.server.api.responses import Tally, total_usage
 from metronome.server.api.token_gaps import TokenGapTimer
 from metronome.server.engine.sampling import SamplingParams
 
@@ -202,12 +202,14 @@ async def _stream(events, tallies: list[Tally], shaper, include_usage: bool, con
                     yield chunk
         if include_usage:
             yield shaper.usage_chunk(total_usage(tallies))
-        yield DONE
+        for chunk in shaper.closing_chunks():
+            yield chunk
     except Exception as exc:  # the engine failed mid-stream: tell the client in-band, the status is already sent
         log.exception("stream %s failed", shaper.id)
-        yield sse({"error": {"message": f"generation failed: {type(exc).__name__}: {exc}", "type": "server_error",
-                             "param": None, "code": None}})
-        yield DONE
+        for chunk in shaper.error_chunks(f"generation failed: {type(exc).__name__}: {exc}"):
+            yield chunk
+        for chunk in shaper.closing_chunks():
+            yield chunk
     finally:
         with anyio.CancelScope(shield=True):
             await events.aclose()

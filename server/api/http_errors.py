@@ -1,6 +1,7 @@
 """OpenAI-shaped error responses and the exception → status mapping.
 
-Bad input is always a 4xx with a message naming the field; only a bug in the server is a 500.
+Bad input is always a 4xx with a message naming the field; only a bug in the server is a 500, which
+error_boundary.py answers.
 """
 from __future__ import annotations
 
@@ -97,6 +98,12 @@ def install_error_handlers(app: FastAPI, on_reject=lambda reason: None) -> None:
     async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
         return error_response(400, str(exc), param=exc.param, code="invalid_value")
 
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        # Only a client's nesting (a schema, a message list inside lists) goes this deep while a request is read.
+        on_reject("invalid")
+        return error_response(400, "the request body nests too deeply to be processed", code="invalid_value")
+
     @app.exception_handler(ModelNotFoundError)
     async def _model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
         on_reject("invalid")
@@ -115,8 +122,3 @@ def install_error_handlers(app: FastAPI, on_reject=lambda reason: None) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

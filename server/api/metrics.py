@@ -16,6 +16,9 @@ which alone gets StepStats; TBT from the process that served each request). Gaug
 gauges are set only by server 0 (the one that watches the config file), the engine-state gauges by whichever
 process refreshed from its snapshot last (every server gets the same snapshot after each step). Only the
 `primary` process (server 0) counts kernel compiles from the snapshot, so they are counted once.
+
+`render` also writes the endpoint picker's series (vLLM's names, picker_aliases.py), computed from the families
+it renders.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from metronome.contract.budget import lane_budgets, prefill_budget
 from metronome.contract.config import QueuePolicy, SchedulerConfig
 from metronome.server.api.client_rate import REJECT_REASON as CLIENT_RATE
 from metronome.server.api.client_share import REJECT_REASON as CLIENT_SHARE
+from metronome.server.api.picker_aliases import WithAliases
 
 KNOWN_QUEUES = ("fcfs", "short", "long", "sjf")
 # Every reason exists at 0 from the start; the engine names the first two, body_limit.py "too_large",
@@ -102,6 +106,9 @@ class ServerMetrics:
         self.waiting = gauge(names.REQUESTS_WAITING, "Requests waiting, by queue.", model + ["queue"])
         self.kv_usage = gauge(names.KV_CACHE_USAGE, "Fraction of KV blocks in use.")
         self.kv_leaked = gauge(names.KV_BLOCKS_LEAKED, "KV blocks held by no live sequence.")
+        self.kv_cache_config = gauge(names.KV_CACHE_CONFIG_INFO, "1, labelled with the KV cache's block size and "
+                                     "block count.", model + [names.KV_BLOCK_SIZE_LABEL, names.KV_NUM_BLOCKS_LABEL])
+        self._kv_shape_set = False
         self.chunk_size = gauge(names.CHUNK_SIZE, "Prefill tokens one step may carry under the applied config "
                                 "(split: the larger of its two lanes).")
         self.lane_chunk_size = gauge(names.LANE_CHUNK_SIZE, "Prefill tokens a prompt of this lane may advance "
@@ -172,6 +179,9 @@ class ServerMetrics:
             self.waiting.labels(m, queue).set(stats.num_waiting.get(queue, 0))
         self.kv_usage.labels(m).set(stats.kv_usage_ratio)
         self.kv_leaked.labels(m).set(stats.kv_blocks_leaked)
+        if not self._kv_shape_set and stats.kv_block_size > 0:  # the cache's shape is fixed for the engine's life
+            self.kv_cache_config.labels(m, str(stats.kv_block_size), str(stats.kv_blocks_total)).set(1)
+            self._kv_shape_set = True
         compiles = getattr(stats, "kernel_compiles_after_ready", 0)
         # A counter only rises: add what is new since the last refresh (server 0 only: the others see the same).
         if self.primary and compiles > self._compiles_counted:
@@ -193,8 +203,9 @@ class ServerMetrics:
         self.reload_errors.labels(self.model_name).inc()
 
     def render(self) -> bytes:
+        """The exposition text, with the endpoint picker's aliases computed from the same families."""
         if self.multiprocess:  # every process's files, merged at scrape time
             merged = CollectorRegistry()
             MultiProcessCollector(merged)
-            return generate_latest(merged)
-        return generate_latest(self.registry)
+            return generate_latest(WithAliases(merged))
+        return generate_latest(WithAliases(self.registry))

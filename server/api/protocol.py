@@ -17,6 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from metronome.contract.errors import InvalidRequestError
+from metronome.server.api.forced_calls import ForcedCall
+from metronome.server.api.structured_outputs import VLLM_FIELDS, guided_grammar, structured_outputs_grammar
 from metronome.server.engine.sampling import MAX_TOP_LOGPROBS, Grammar
 
 TOKEN_ID_LIMIT = 1 << 31  # no vocabulary is this large; beyond it ids would overflow int32 tensors
@@ -161,6 +163,14 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = Field(None, max_length=1024)
     response_format: ResponseFormat | None = None
     user: str | None = None  # accepted and ignored
+    # vLLM's structured outputs (structured_outputs.py); refused under --strict-openai.
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -207,7 +217,32 @@ class _SamplingRequest(_Request):
         return tuple(items)
 
     def grammar(self) -> Grammar | None:
-        return self.response_format.grammar() if self.response_format is not None else None
+        return self.constraint()[0]
+
+    def constraint(self) -> tuple[Grammar | None, str]:
+        """The output's grammar (None: free text) and the field that set it: response_format or one of vLLM's
+        structured-output fields, at most one of them."""
+        found: list[tuple[Grammar, str]] = []
+        if self.response_format is not None:
+            grammar = self.response_format.grammar()
+            if grammar is not None:
+                found.append((grammar, "response_format"))
+        guided = guided_grammar({name: getattr(self, name) for name in
+                                 ("guided_json", "guided_regex", "guided_choice", "guided_grammar")})
+        if guided is not None:
+            found.append(guided)
+        if self.structured_outputs is not None:
+            grammar = structured_outputs_grammar(self.structured_outputs)
+            if grammar is not None:
+                found.append((grammar, "structured_outputs"))
+        if len(found) > 1:
+            raise InvalidRequestError(f"only one structured output constraint may be given, got {found[0][1]} and "
+                                      f"{found[1][1]}", param=found[1][1])
+        return found[0] if found else (None, "response_format")
+
+    def vllm_fields(self) -> list[str]:
+        """vLLM's extension fields that this request sets (--strict-openai refuses them)."""
+        return [name for name in VLLM_FIELDS if getattr(self, name, None) is not None]
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -278,9 +313,26 @@ class CompletionRequest(_SamplingRequest):
         return list(prompt)  # type: ignore[arg-type]
 
 
-class TextContentPart(_Request):
-    type: Literal["text"]
-    text: str
+TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal"})
+
+
+class ContentPart(_Request):
+    """One part of a message's content. The model reads text only: parts of other kinds (image_url, input_audio,
+    file, ...) are refused by `check_text_only` with one short message, not a validation dump."""
+
+    type: str = Field(..., max_length=64)
+    text: str | None = None
+    refusal: str | None = None  # an assistant's refusal part
+
+    def plain(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
+
+    def check_text_only(self, where: str) -> None:
+        if self.type not in TEXT_PART_TYPES:
+            raise InvalidRequestError(f"{where} is a part of type {self.type!r}, but this model takes text only",
+                                      param=where)
+        if not isinstance(self.refusal if self.type == "refusal" else self.text, str):
+            raise InvalidRequestError(f"{where} of type {self.type!r} needs its text", param=where)
 
 
 class FunctionCall(_Request):
@@ -298,7 +350,7 @@ class ToolCallIn(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCallIn] | None = None
@@ -308,7 +360,11 @@ class ChatMessage(_Request):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.plain() for part in self.content)
+
+    def check_text_only(self, where: str) -> None:
+        for index, part in enumerate(self.content if isinstance(self.content, list) else []):
+            part.check_text_only(f"{where}.content[{index}]")
 
     def template_dict(self) -> dict:
         """The message as chat templates read it (Hugging Face's convention: tool call arguments as objects)."""
@@ -365,9 +421,13 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = Field(True, description="Extension: end the prompt with the assistant header.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extension (vLLM): template variables.")
 
     def check_supported(self) -> None:
+        for index, message in enumerate(self.messages):
+            message.check_text_only(f"messages[{index}]")
         super().check_supported()
+        check_template_kwargs(self.chat_template_kwargs)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.n > MAX_CHOICES:
@@ -378,9 +438,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names():
             raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools",
                                       param="tool_choice")
-        if self.forced_tool() is not None and self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequestError("a forced tool call and response_format cannot both constrain the output",
-                                      param="response_format")
+        self.constraint()  # one at most; a forced tool call overrides it (the output is calls, not text)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -404,8 +462,28 @@ class ChatCompletionRequest(_SamplingRequest):
             return "*"
         return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
+    def forced_call(self, tools: list[dict]) -> ForcedCall | None:
+        """How a forced tool call is constrained and read back (forced_calls.py), or None when none is forced."""
+        forced = self.forced_tool()
+        if forced is None:
+            return None
+        return ForcedCall(tools, None if forced == "*" else forced, parallel=self.parallel_tool_calls is not False)
+
     def top_logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# What apply_chat_template takes itself: chat_template_kwargs may not set these.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise InvalidRequestError(f"chat_template_kwargs may not set {key!r}", param=f"chat_template_kwargs.{key}")
 
 
 class TokenizeRequest(_Request):

@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from metronome.server.api.forced_calls import ForcedCall
 from metronome.server.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -27,7 +28,7 @@ from metronome.server.api.protocol import (
     new_id,
     now_unix,
 )
-from metronome.server.api.tools import ToolCall, ToolStream, new_call_id, parse_tool_calls
+from metronome.server.api.tools import ToolCall, ToolStream, parse_tool_calls
 
 DONE = "data: [DONE]\n\n"
 
@@ -127,6 +128,13 @@ class _Shaper:
     def usage_chunk(self, usage: Usage) -> str:
         return sse(self._chunk([], usage))
 
+    def error_chunks(self, message: str) -> list[str]:
+        """What tells the client in-band that generation failed after the status line was sent."""
+        return [sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})]
+
+    def closing_chunks(self) -> list[str]:
+        return [DONE]
+
     def _chunk(self, choices: list, usage: Usage | None = None) -> dict:
         raise NotImplementedError
 
@@ -191,13 +199,13 @@ class CompletionShaper(_Shaper):
 
 class ChatShaper(_Shaper):
     """`chat.completion` and `chat.completion.chunk` objects. With `tools`, tool calls in the text are parsed
-    into `tool_calls` (format `tool_format`, see tools.py); `forced`: the output is one bare JSON call (tool_choice
-    "required" or a named function, constrained by a grammar)."""
+    into `tool_calls` (format `tool_format`, see tools.py); `forced`: the output is the JSON of forced calls
+    (tool_choice "required" or a named function, constrained by a grammar; forced_calls.py)."""
 
     id_prefix = "chatcmpl"
 
     def __init__(self, model: str, token_text: TokenText | None = None, tools: list[dict] | None = None,
-                 tool_format: str = "auto", forced: bool = False, parallel_tool_calls: bool = True):
+                 tool_format: str = "auto", forced: ForcedCall | None = None, parallel_tool_calls: bool = True):
         super().__init__(model, token_text)
         self.tools = tools or []
         self.tool_format = tool_format
@@ -211,8 +219,8 @@ class ChatShaper(_Shaper):
 
     def event_chunks(self, index: int, event, tally: Tally, usage: Usage | None = None) -> list[str]:
         text = event.text
-        if self.forced:
-            text = ""  # the whole output is the call, sent when it is complete
+        if self.forced is not None:
+            text = ""  # the whole output is the calls, sent when they are complete (or cut off)
         elif self.tools:
             text = self._streams.setdefault(index, ToolStream(self.tools, self.tool_format)).push(text)
         if event.logprobs is None and usage is None:
@@ -227,9 +235,8 @@ class ChatShaper(_Shaper):
     def final_chunks(self, index: int, tally: Tally) -> list[str]:
         chunks = []
         if self.forced or self.tools:
-            if self.forced:
-                rest, calls = self._message(tally.text)
-                rest = rest or ""
+            if self.forced is not None:
+                rest, calls = "", self.forced.calls(tally.text)
             else:
                 rest, calls = self._streams.setdefault(index, ToolStream(self.tools, self.tool_format)).finish()
                 calls = calls if self.parallel else calls[:1]
@@ -262,13 +269,8 @@ class ChatShaper(_Shaper):
         return body
 
     def _message(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.forced:
-            try:
-                value = json.loads(text)
-            except ValueError:  # cut off by max_tokens: hand back what was generated
-                return text, []
-            arguments = value.get("arguments", {}) if isinstance(value, dict) else {}
-            return None, [ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), new_call_id())]
+        if self.forced is not None:
+            return None, self.forced.calls(text)
         if not self.tools:
             return text, []
         content, calls = parse_tool_calls(text, self.tools, self.tool_format)

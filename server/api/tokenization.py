@@ -55,9 +55,10 @@ class TokenizerPool:
         return await self._run(self.tokenizer.encode, text)
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                          tools: list[dict] | None = None) -> list[int]:
+                          tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         self.check_size(sum(len(message["content"]) for message in messages), "messages")
-        return await self._run(render_chat_prompt, self.tokenizer, messages, add_generation_prompt, tools)
+        return await self._run(render_chat_prompt, self.tokenizer, messages, add_generation_prompt, tools,
+                               template_kwargs)
 
     async def call(self, fn, *args):
         """Other request preparation that may take a while (compiling a response_format grammar)."""

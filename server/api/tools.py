@@ -1,17 +1,12 @@
-"""Tool calling: tools into the prompt, tool calls out of the generated text.
+"""Tool calling: tool calls out of the generated text (tool_prompt.py puts tools and their history in).
 
-Into the prompt: a chat template that knows tools (it mentions `tools`) gets them through
-`apply_chat_template(tools=...)`, as Hugging Face defines it; for a template that does not, the tools are
-described in a system message in the Hermes / Qwen2 format (`<tools>` JSON, answers in `<tool_call>` tags), the
-format the parser below reads back.
-
-Out of the text, two formats:
+Two formats:
 - Qwen2 / Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them is
   the message content;
 - Llama 3.x JSON: the whole message is a JSON object `{"name": ..., "parameters": {...}}` (or "arguments"),
   optionally after `<|python_tag|>`, several joined by `;`.
 Only names among the request's tools count as calls; anything else stays text. `tool_choice` "required" or a
-named function is forced with a JSON-schema grammar (`forced_call_schema`), whose output is one bare JSON call.
+named function is forced with a grammar instead (forced_calls.py).
 """
 from __future__ import annotations
 
@@ -19,7 +14,9 @@ import json
 import uuid
 from dataclasses import dataclass
 
-QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
+from metronome.server.api.tool_prompt import TOOL_CALL_CLOSE as QWEN_CLOSE
+from metronome.server.api.tool_prompt import TOOL_CALL_OPEN as QWEN_OPEN
+
 PYTHON_TAG = "<|python_tag|>"
 FORMATS = ("auto", "qwen2", "llama3")
 
@@ -37,41 +34,6 @@ class ToolCall:
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def template_knows_tools(template: str | None) -> bool:
-    return bool(template) and "tools" in template
-
-
-def tools_system_prompt(tools: list[dict]) -> str:
-    """The Hermes / Qwen2 tool instructions, for templates without tool support."""
-    described = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-            f"{described}\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-            "<args-json-object>}\n</tool_call>")
-
-
-def with_tools_in_system(messages: list[dict], tools: list[dict]) -> list[dict]:
-    prompt = tools_system_prompt(tools)
-    if messages and messages[0]["role"] == "system":
-        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{prompt}")
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": prompt}, *messages]
-
-
-def forced_call_schema(tools: list[dict], name: str | None) -> dict:
-    """JSON schema of one call `{"name": ..., "arguments": {...}}`: to the named tool, or to any of `tools`."""
-    def one(tool: dict) -> dict:
-        function = tool["function"]
-        parameters = function.get("parameters") or {"type": "object"}
-        return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
-
-    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
-    return one(chosen[0]) if len(chosen) == 1 else {"anyOf": [one(t) for t in chosen]}
 
 
 def _call_from(obj: object, names: set[str]) -> ToolCall | None:

@@ -480,4 +480,5 @@ class EngineCore:
             scheduler=self.scheduler.config,
             execution_mode=self.execution_mode,
             kernel_compiles_after_ready=compile_watch.after_ready(),
+            kv_block_size=bm.block_size,
         )

@@ -36,19 +36,46 @@ def grammar_text(grammar: Grammar) -> str:
     """llguidance's grammar for a Grammar; InvalidRequestError when the source is not what its kind needs."""
     import llguidance
 
-    if grammar.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-    if grammar.kind == "json_schema":
-        try:
-            schema = json.loads(grammar.source)
-        except ValueError as exc:
-            raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", param="response_format") from None
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidRequestError("the JSON schema must be an object", param="response_format")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    if grammar.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(grammar.source)
-    return llguidance.LLMatcher.grammar_from_lark(grammar.source)
+    try:
+        if grammar.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if grammar.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(_json_schema(grammar.source), defaults=JSON_OPTIONS)
+        if grammar.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(grammar.source)
+        return llguidance.LLMatcher.grammar_from_lark(lark_source(grammar.source))
+    except InvalidRequestError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:  # refusals of what the client sent
+        raise InvalidRequestError(f"cannot compile the {grammar.kind} constraint: {exc}",
+                                  param="response_format") from None
+
+
+def lark_source(source: str) -> str:
+    """A Lark grammar as it is, a GBNF/EBNF one (`root ::= ...`, the dialect of xgrammar and llama.cpp) in Lark."""
+    if "::=" not in source:
+        return source
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    return gbnf_to_lark(source)
+
+
+def _json_schema(source: str) -> dict:
+    """The schema as llguidance takes it: an object. The boolean schemas of JSON Schema are valid too: `true`
+    admits any JSON value (the empty schema), `false` none, which no output can satisfy."""
+    try:
+        schema = json.loads(source)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", param="response_format") from None
+    except RecursionError:
+        raise InvalidRequestError("the JSON schema nests too deeply", param="response_format") from None
+    if schema is True:
+        return {}
+    if schema is False:
+        raise InvalidRequestError("the JSON schema is `false`, which no value satisfies", param="response_format")
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("the JSON schema must be an object or a boolean", param="response_format")
+    return schema
 
 
 def byte_level_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: list[int]):
@@ -136,7 +163,11 @@ class Grammars:
             if found is not None:
                 self._compiled.move_to_end(grammar)
                 return found
-        matcher = llguidance.LLMatcher(self._lltokenizer(), grammar_text(grammar), log_level=0)
+        try:
+            matcher = llguidance.LLMatcher(self._lltokenizer(), grammar_text(grammar), log_level=0)
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise InvalidRequestError(f"cannot compile the {grammar.kind} constraint: {exc}",
+                                      param="response_format") from None
         if matcher.is_error():
             raise InvalidRequestError(f"cannot compile the {grammar.kind} constraint: {matcher.get_error()}",
                                       param="response_format")
@@ -172,6 +203,7 @@ class Grammars:
 def advance(matcher: Any, token: int) -> bool:
     """Feed the sampled token; True when the grammar is complete (or broken) and the request must end."""
     if not matcher.consume_token(token):
-        log.warning("grammar refused sampled token %d: %s", token, matcher.get_error())
+        # The error quotes the whole grammar: its head says enough.
+        log.warning("grammar refused sampled token %d: %.300s", token, matcher.get_error())
         return True
     return matcher.is_stopped()

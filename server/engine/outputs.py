@@ -74,6 +74,7 @@ class EngineStats:
     scheduler: SchedulerConfig
     execution_mode: str = "eager"  # "cuda_graphs" or "eager: <why>" (see ModelRunner.setup_cuda_graphs)
     kernel_compiles_after_ready: int = 0  # Triton variants compiled since the engine was ready (each a stall)
+    kv_block_size: int = 0  # tokens per KV block (0: not told)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,15 @@ def prom_query(prometheus_url: str, promql: str) -> list[dict]:
     return body["data"]["result"]
 
 
+def prom_query_range(prometheus_url: str, promql: str, start: float, end: float, step_s: float) -> list[dict]:
+    """A range query's `data.result` (what a Grafana panel asks)."""
+    params = {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step_s:g}s"}
+    body = get_json(f"{prometheus_url}/api/v1/query_range?{urllib.parse.urlencode(params)}")
+    if body.get("status") != "success":
+        raise AssertionError(f"Prometheus refused {promql!r}: {body}")
+    return body["data"]["result"]
+
+
 def pod_generations(prometheus_url: str, selector: str) -> dict[str, int]:
     """`metronome_config_generation{<selector>}` as {pod: generation}."""
     result = prom_query(prometheus_url, f"metronome_config_generation{{{selector}}}")

@@ -31,7 +31,8 @@ def test_helm_lint_is_clean(cluster):
 
 
 def test_values_schema_rejects_bad_values(cluster):
-    for bad in ("logLevel=LOUD", "healthPort=0", "watchNamespaces[0]=Bad_Name", "unknownKey=1"):
+    for bad in ("logLevel=LOUD", "healthPort=0", "watchNamespaces[0]=Bad_Name", "unknownKey=1", "metricsPort=-1",
+                "dashboards.enabled=yes", "dashboards.color=blue"):
         result = cluster.helm("template", "metronome", str(CHART), "--set", bad, check=False)
         assert result.returncode != 0, bad
         assert "schema" in result.stderr.lower() or "values don't meet" in result.stderr, result.stderr
@@ -61,9 +62,11 @@ def test_rbac_is_least_privilege(cluster):
     assert rules[("autoscaling", "horizontalpodautoscalers")] == rules[("keda.sh", "scaledobjects")] == {"list"}
     every_verb = set().union(*rules.values())
     assert "*" not in every_verb
+    # InferencePools: written only where spec.routing asks, and the service's own deleted when it turns off.
+    assert rules[("inference.networking.k8s.io", "inferencepools")] == {"get", "create", "patch", "delete"}
     # Deletes only for children a spec change or --monitor-kind none retires; the rest is garbage-collected.
     assert {resource for (_, resource), verbs in rules.items() if "delete" in verbs} <= {
-        "poddisruptionbudgets", "podmonitors"}
+        "poddisruptionbudgets", "podmonitors", "inferencepools"}
     assert not any(resource == "secrets" or "*" in (group, resource) for group, resource in rules)
 
 
@@ -147,6 +150,37 @@ def test_prometheus_client_values_become_flags_and_mounts(cluster):
     (deployment,) = _by_kind(docs, "Deployment")
     secrets = {v["secret"]["secretName"] for v in deployment["spec"]["template"]["spec"]["volumes"] if "secret" in v}
     assert secrets == {"prom-token", "prom-ca"}
+
+
+def test_the_operators_metrics_are_served_and_scraped_by_the_chosen_monitor_kind(cluster):
+    api_flags = ("--api-versions", "monitoring.coreos.com/v1/PodMonitor")
+    docs = _template(cluster, *api_flags, "--set", "monitor.labels.release=kube-prometheus-stack")
+    assert "--metrics-port=8081" in _args(docs)
+    (deployment,) = _by_kind(docs, "Deployment")
+    ports = {p["name"]: p["containerPort"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert ports["metrics"] == 8081
+    (monitor,) = [m for m in _by_kind(docs, "PodMonitor") if m["metadata"]["name"].endswith("-operator")]
+    assert monitor["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    annotated = _template(cluster, *api_flags, "--set", "monitor.kind=none")
+    assert not _by_kind(annotated, "PodMonitor")
+    (deployment,) = _by_kind(annotated, "Deployment")
+    assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8081"
+    off = _template(cluster, *api_flags, "--set", "metricsPort=0")
+    assert not any(a.startswith("--metrics-port") for a in _args(off)) and not _by_kind(off, "PodMonitor")
+
+
+def test_the_dashboard_configmap_is_off_by_default_and_carries_the_file_unchanged(cluster):
+    assert not [d for d in _by_kind(_template(cluster), "ConfigMap") if d["metadata"]["name"].endswith("-dashboards")]
+    docs = _template(cluster, "--set", "dashboards.enabled=true", "--set", "dashboards.namespace=monitoring",
+                     "--set", "dashboards.annotations.grafana_folder=Metronome")
+    (config_map,) = [d for d in _by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboards")]
+    assert config_map["metadata"]["namespace"] == "monitoring"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar selects
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "Metronome"}
+    assert json.loads(config_map["data"]["metronome.json"]) == json.loads(
+        (CHART / "dashboards" / "metronome.json").read_text())
 
 
 def test_server_image_value_becomes_the_flag(cluster):

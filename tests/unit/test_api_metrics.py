@@ -31,9 +31,34 @@ def test_every_name_is_exported_with_the_model_label(server):
     text = httpx.get(server.url + "/metrics").text
     for name in names.ALL_NAMES:
         assert name in text, name
+    aliases = {alias.name for alias in names.PICKER_ALIASES}
     for family in text_string_to_metric_families(text):
+        label = names.PICKER_MODEL_LABEL if family.name in aliases else names.MODEL_LABEL
         for sample in family.samples:
-            assert sample.labels.get("model") == TINY, sample
+            assert sample.labels.get(label) == TINY, sample
+
+
+def test_the_endpoint_pickers_names_are_exported_from_the_same_values(server):
+    """What the picker reads by default (vLLM's names), each equal to the Metronome series it stands for, in the
+    same scrape; the cache's shape is the engine's."""
+    found = families(server.url)
+    for alias in names.PICKER_ALIASES:
+        assert alias.name in found, alias.name
+    sample = lambda name: one(found[name].samples)  # noqa: E731
+    assert sample("vllm:num_requests_running").value == sample(names.REQUESTS_RUNNING).value
+    waiting = sum(s.value for s in found[names.REQUESTS_WAITING].samples)
+    assert sample("vllm:num_requests_waiting").value == waiting
+    assert sample("vllm:kv_cache_usage_perc").value == sample(names.KV_CACHE_USAGE).value
+    info = sample("vllm:cache_config_info")
+    assert info.value == 1
+    core = server.engine.core
+    assert (int(info.labels["block_size"]), int(info.labels["num_gpu_blocks"])) == (
+        core.block_manager.block_size, core.block_manager.num_blocks)
+
+
+def one(samples):
+    (only,) = samples
+    return only
 
 
 def test_histogram_buckets_are_the_shared_ones(server):
@@ -136,3 +161,19 @@ def test_observer_maps_step_stats_exactly():
     assert value(names.REQUESTS_WAITING, queue="short") == 2 and value(names.REQUESTS_WAITING, queue="fcfs") == 0
     assert value(names.KV_CACHE_USAGE) == 0.25
     assert value(names.REQUESTS_REJECTED, reason="overloaded") == 1
+
+
+def test_picker_aliases_sum_away_the_labels_they_drop():
+    """The waiting queues add up to the picker's one queue, per model; other label sets stay apart."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from metronome.server.api.picker_aliases import alias_families
+
+    registry = CollectorRegistry()
+    waiting = Gauge(names.REQUESTS_WAITING, "w", [names.MODEL_LABEL, "queue"], registry=registry)
+    waiting.labels("a", "short").set(2)
+    waiting.labels("a", "long").set(5)
+    waiting.labels("b", "fcfs").set(1)
+    (family,) = alias_families(registry.collect())
+    assert family.name == "vllm:num_requests_waiting"
+    assert {s.labels[names.PICKER_MODEL_LABEL]: s.value for s in family.samples} == {"a": 7, "b": 1}

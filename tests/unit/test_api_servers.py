@@ -28,7 +28,7 @@ from metronome.server.engine.engine_process import ProcessEngine
 from metronome.server.engine.sampling import SamplingParams
 
 HEADER = SERVER_HEADER.decode()
-CONFIG = "generation: 1\nscheduler:\n  chunk_size: 256\n"
+CONFIG = "generation: 1\nscheduler:\n  queue_policy: fcfs\n  chunk_size: 256\n"  # fcfs: chunk_size is the budget
 METRONOME = str(Path(sys.executable).with_name("metronome"))
 
 
@@ -274,7 +274,8 @@ def test_forty_streams_over_two_servers_match_one_server_and_both_metrics_agree(
 def test_a_config_reload_in_server_0_reaches_both_servers(serve):
     for index in ("0", "1"):
         assert total(scrape_from(serve, index), mn.CHUNK_SIZE) == 256
-    atomic_configmap_write(serve.config, "generation: 2\nscheduler:\n  chunk_size: 128\n  short_prompt_threshold: 64\n")
+    atomic_configmap_write(serve.config, "generation: 2\nscheduler:\n  queue_policy: fcfs\n  chunk_size: 128\n"
+                                         "  short_prompt_threshold: 64\n")
     for index in ("0", "1"):
         wait_until(lambda index=index: total(scrape_from(serve, index), mn.CHUNK_SIZE) == 128, timeout=30,
                    what=f"chunk size 128 from server {index}")

@@ -215,3 +215,22 @@ def test_each_pod_draws_its_own_delay_and_a_revert_cancels():
     assert [u.volume for u in propagation.pending()] == ["p3"]
     immediate = Propagation(DelayRange(0, 0), random.Random(1), clock)
     assert immediate.ready("p1", new, old) and immediate.history()[0].delay_s == 0
+
+
+def test_pod_network_addresses_are_the_pods_container_port_on_a_loopback_address_where_that_port_is_free():
+    """What `pod_network` plays: each server on its pod's container port (what an InferencePool's targetPort
+    names), at the lowest loopback address where that port is free."""
+    import socket
+
+    from metronome_testing.standin.loopback import AddressPool, port_is_free
+
+    pod = server_pod(pod_for({"model": {"source": "random:tiny"}}))
+    assert pod.container_port == builders.SERVER_PORT
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.2", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert not port_is_free("127.0.0.2", port) and port_is_free("127.0.0.3", port)
+        pool = AddressPool("127.0.0.2", "127.0.0.9")
+        assert pool.take(lambda address: port_is_free(address, port)) == "127.0.0.3"
+        assert pool.take() == "127.0.0.2"  # no port asked for: the lowest free address

@@ -235,13 +235,22 @@ def test_named_tool_choice_returns_a_call(client):
 
 
 def test_required_tool_choice_streamed(client):
-    chunks = list(client.chat.completions.create(
-        model=NAMES[0], messages=[{"role": "user", "content": "1 + 2?"}], tools=[WEATHER, ADD],
-        tool_choice="required", max_tokens=100, stream=True, seed=5))
+    """One call without parallel calls; with them (OpenAI's default) one or more, the last maybe cut off."""
+    kwargs = dict(model=NAMES[0], messages=[{"role": "user", "content": "1 + 2?"}], tools=[WEATHER, ADD],
+                  tool_choice="required", max_tokens=100, stream=True, seed=5)
+    chunks = list(client.chat.completions.create(parallel_tool_calls=False, **kwargs))
     calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
     assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name in {"get_weather", "add"}
     json.loads(calls[0].function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(**kwargs))
+    calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
+    finish = chunks[-1].choices[0].finish_reason
+    assert [c.index for c in calls] == list(range(len(calls))) and calls and finish in {"tool_calls", "length"}
+    assert all(c.function.name in {"get_weather", "add"} for c in calls)
+    for call in calls if finish == "tool_calls" else calls[:-1]:
+        json.loads(call.function.arguments)
+    assert not any(c.choices and c.choices[0].delta.content for c in chunks)
 
 
 def test_a_tool_conversation_round_trips(client):

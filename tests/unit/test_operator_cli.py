@@ -33,6 +33,7 @@ def test_defaults_watch_every_namespace_standalone_with_health_endpoint():
     assert options.prometheus.allowed_urls == () and options.prometheus.verify() is True
     assert options.liveness_endpoint == "http://0.0.0.0:8080/healthz"
     assert options.log_level == "INFO"
+    assert options.metrics_port == 0  # the operator's own /metrics only when asked for (the chart asks)
 
 
 def test_namespaces_prometheus_log_level_health_and_leader_election():
@@ -86,7 +87,8 @@ def test_conflicting_or_bad_flags_exit_with_usage(argv):
 
 
 @pytest.mark.parametrize("argv", [
-    ["--health-port", "70000"], ["--status-interval", "0"], ["--monitor-label", "release"],
+    ["--health-port", "70000"], ["--metrics-port", "-1"], ["--metrics-port", "8080"], ["--status-interval", "0"],
+    ["--monitor-label", "release"],
     ["--monitor-label", "bad key=x"], ["--prometheus-url", "prometheus:9090"],
     ["--allow-prometheus-url", "http://user:pw@prom:9090"], ["--scrape-interval", "0"],
     ["--prometheus-ca-file", "/ca.pem", "--prometheus-insecure-skip-verify"],
@@ -130,3 +132,8 @@ def test_server_image_defaults_to_the_environment_then_the_built_in_image(monkey
 def test_a_bad_server_image_is_an_error_naming_the_flag(bad):
     with pytest.raises(SystemExit, match="--server-image"):
         parse("--server-image", bad)
+
+
+def test_the_metrics_endpoint_flags():
+    options = parse("--metrics-port", "8081", "--metrics-host", "127.0.0.1")
+    assert (options.metrics_host, options.metrics_port) == ("127.0.0.1", 8081)

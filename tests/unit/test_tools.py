@@ -6,12 +6,8 @@ import json
 import pytest
 
 from metronome.server.api.chat_template import render_chat_prompt
-from metronome.server.api.tools import (
-    ToolStream,
-    forced_call_schema,
-    parse_tool_calls,
-    tools_system_prompt,
-)
+from metronome.server.api.tool_prompt import tools_system_prompt
+from metronome.server.api.tools import ToolStream, parse_tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -95,14 +91,6 @@ def test_stream_passes_plain_text_on_at_once_and_holds_a_call():
     assert stream.push('call>{"name": "add", "arguments": {}}') == ""
     rest, calls = stream.finish()
     assert rest == "" and [c.name for c in calls] == ["add"]
-
-
-def test_forced_schema_names_one_function_or_any():
-    named = forced_call_schema(TOOLS, "add")
-    assert named["properties"]["name"] == {"const": "add"}
-    assert named["properties"]["arguments"] == TOOLS[1]["function"]["parameters"]
-    anyone = forced_call_schema(TOOLS, None)
-    assert [s["properties"]["name"]["const"] for s in anyone["anyOf"]] == ["get_weather", "add"]
 
 
 class TemplateTokenizer:

@@ -41,6 +41,8 @@ What the operator does inside the namespaces it manages — every verb is used:
 - deployments, services, configmaps, podmonitors: get + server-side apply (patch; create for new objects).
   No delete: children are garbage-collected through their owner references.
 - poddisruptionbudgets: get + server-side apply, and delete when spec.disruption.enabled turns false.
+- inferencepools (Gateway API Inference Extension): get + server-side apply where spec.routing.inferencePool is
+  enabled, and delete (of the service's own pool only) when it turns false.
 - pods list: why pods are not ready (scheduling failures) in the Ready condition.
 - events create: an Event for every change.
 - horizontalpodautoscalers, scaledobjects list: whether another autoscaler targets a service or its Deployment
@@ -76,6 +78,9 @@ What the operator does inside the namespaces it manages — every verb is used:
   verbs: [create]
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
+  verbs: [get, create, patch, delete]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
   verbs: [get, create, patch, delete]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]

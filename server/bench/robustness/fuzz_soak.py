@@ -1,7 +1,9 @@
 """`metronome bench fuzz`: a soak of fuzzed requests over every route; no response may be a 5xx.
 
 Bodies are valid requests with one or more fields swapped for hostile values (lone surrogates, NaN and
-Infinity, booleans and floats as token ids, huge and negative numbers, wrong types, nesting), or raw bytes that
+Infinity, booleans and floats as token ids, huge and negative numbers, wrong types, nesting), bodies of the kind
+agent frameworks send (tools, forced calls, structured outputs, /v1/responses, JSON schemas at their edges:
+server/api/fuzz_bodies.py), or raw bytes that
 are not a request at all (invalid UTF-8, truncated or deeply nested JSON, the wrong content type); the GET routes
 and wrong methods and paths are mixed in. Every reply is checked: below 500; a 4xx from the API carries an
 OpenAI-style `{"error": {"message", "type", ...}}`; a 200 stream ends with `data: [DONE]`. At the end the server
@@ -18,6 +20,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import httpx
+
+from metronome.server.api.fuzz_bodies import agent_body, stream_ended
 
 SURROGATES = ["\ud800", "\udfff", "a\udc00b", "\ud83d"]
 HOSTILE_VALUES = [None, True, False, 0, -1, 2**31, 2**64, 2**70, -(2**63), 1e308, 5e-324, 0.5, float("nan"),
@@ -61,6 +65,9 @@ def probe(rng: random.Random, model: str | None) -> Probe:
     if roll < 0.2:
         return Probe("POST", rng.choice(["/v1/completions", "/v1/chat/completions"]), raw_junk(rng),
                      rng.choice(["application/json", "application/json", "text/plain", ""]))
+    if roll < 0.5:  # what agent frameworks send: tools, structured outputs, /v1/responses (server/api/fuzz_bodies.py)
+        path, body = agent_body(rng, model if rng.random() < 0.95 else None)
+        return Probe("POST", path, json.dumps(body).encode())
     chat = rng.random() < 0.5
     body = valid_chat(rng) if chat else valid_completion(rng)
     if model is not None and rng.random() < 0.9:
@@ -128,8 +135,8 @@ def check(probe_: Probe, response: httpx.Response) -> str | None:
         except (ValueError, KeyError, TypeError):
             return "error body is not OpenAI-shaped"
     if api and status == 200 and response.headers.get("content-type", "").startswith("text/event-stream"):
-        if not response.text.endswith("data: [DONE]\n\n"):
-            return "stream did not end with [DONE]"
+        if not stream_ended(probe_.path, response.text):
+            return "stream did not end as its API ends one"
     return None
 
 

@@ -6,6 +6,8 @@
     closedloop/         the closed loop of tests/e2e and hack/demo.py: long-short load, the CPU run's TBT target
     chart.py            the chart installed, the CRD applied, a kubeconfig with the chart's ServiceAccount token
     operator_process.py the operator as a local process under that identity (integration, e2e, the demo)
+    endpoint_picker.py  the Gateway API Inference Extension's endpoint picker as a local process (hack/build-picker.sh)
+    ext_proc.py         asks a picker where a request goes, over Envoy's ext_proc gRPC API, as a gateway does
     kube_objects.py     reading API objects in tests: an object or None, a condition, an object's Events
     images/             the server and operator images with podman (`make images`, tests/integration)
     checkout.py         where the checkout's files are (the chart, the CRD, the examples, hack/)

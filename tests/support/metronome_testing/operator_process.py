@@ -34,6 +34,7 @@ class OperatorProcess:
     extra_args: tuple[str, ...] = ()
     process: subprocess.Popen | None = field(default=None, repr=False)
     health_port: int = 0  # of the running process; a free one at each start
+    metrics_port: int = 0  # its own /metrics (the loop's decisions, the SLO targets); a free one at each start
     starts: int = 0
     logs: list[Path] = field(default_factory=list)  # one per start, oldest first
 
@@ -45,6 +46,7 @@ class OperatorProcess:
     def argv(self) -> list[str]:
         argv = [str(Path(sys.executable).parent / "metronome"), "operator", *self.scope_args, *self.lifecycle_args,
                 "--health-host", "127.0.0.1", "--health-port", str(self.health_port),
+                "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
                 "--status-interval", f"{self.status_interval_s:g}"]
         if self.prometheus_url:
             argv += ["--prometheus-url", self.prometheus_url]
@@ -53,7 +55,7 @@ class OperatorProcess:
     def start(self, timeout_s: float = 90.0) -> None:
         if self.process is not None:
             raise OperatorStartError("the operator is already running")
-        self.health_port = free_port()
+        self.health_port, self.metrics_port = free_port(), free_port()
         self.starts += 1
         self.logs.append(self.log_dir / f"operator-{self.starts}.log")
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ to a pod IP."""
 from __future__ import annotations
 
 import ipaddress
+import socket
+from collections.abc import Callable
 
 
 class AddressPool:
@@ -17,12 +19,23 @@ class AddressPool:
         self._free = [str(ipaddress.IPv4Address(i)) for i in range(int(low), int(high) + 1)]
         self._taken: set[str] = set()
 
-    def take(self) -> str:
+    def take(self, usable: Callable[[str], bool] = lambda address: True) -> str:
+        """The lowest address nobody took that `usable` accepts (e.g. one whose port is free)."""
         for address in self._free:
-            if address not in self._taken:
+            if address not in self._taken and usable(address):
                 self._taken.add(address)
                 return address
-        raise RuntimeError(f"all {len(self._free)} loopback addresses are in use")
+        raise RuntimeError(f"no usable loopback address left of {len(self._free)}")
 
     def give_back(self, address: str) -> None:
         self._taken.discard(address)
+
+
+def port_is_free(address: str, port: int) -> bool:
+    """Whether `port` can be bound on `address` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True

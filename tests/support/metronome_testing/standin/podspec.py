@@ -59,6 +59,7 @@ class ServerPod:
     scratch_mounts: tuple[str, ...] = ()  # emptyDir mount paths
     grace_seconds: float = 30.0
     env: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    container_port: int | None = None  # the server container's first declared port
     pre_stop_seconds: float = 0.0  # the server container's preStop sleep (lifecycle.preStop.sleep.seconds)
 
     @property
@@ -109,11 +110,13 @@ def server_pod(pod: Mapping[str, Any], container_name: str = SERVER_CONTAINER) -
             raise PodSpecError(f"{where}: volume {volume.get('name')!r} of kind {', '.join(kinds)} cannot be "
                                "played on this machine (the stand-in supports configMap, hostPath, emptyDir)")
     env = tuple((e["name"], e["value"]) for e in container.get("env") or [] if "value" in e)
+    ports = [p.get("containerPort") for p in container.get("ports") or [] if p.get("containerPort")]
     return ServerPod(
         namespace=namespace, name=name, uid=metadata.get("uid", ""), service=service,
         command=tuple(container.get("command") or ()), args=tuple(container.get("args") or ()),
         config_maps=tuple(config_maps), host_paths=tuple(host_paths), scratch_mounts=tuple(scratch),
         grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)), env=env,
+        container_port=int(ports[0]) if ports else None,
         pre_stop_seconds=float((((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {})
                                .get("seconds", 0)))
 

@@ -15,6 +15,11 @@ file at once (the endpoints' removal), keeps serving through the pod's preStop s
 `max_pre_stop_seconds`), then gets SIGTERM (its drain), the grace period and SIGKILL. It only ever talks to the API
 server and to 127.0.0.0/8; pod IPs are never read.
 
+With `pod_network` it also plays the pod network, for clients that go by pod IP (an InferencePool's endpoint
+picker): each server listens on its pod's container port at a loopback address of its own, and that address is
+written into the Pod's status.podIP/podIPs as a CNI plugin and the kubelet would. kwok gives a Running pod a fake
+10.x IP first; until the stand-in has replaced it, a reader of pod IPs must wait (never contact a 10.x address).
+
     standin = KubeletStandIn(kubeconfig, StandInOptions(work_dir=...))
     standin.start(); ...; standin.wait_for_servers(2, namespace="ns"); ...; standin.stop()
 """
@@ -34,7 +39,7 @@ from typing import Any
 from metronome.server.bench.configfile import current_files, project
 from metronome.server.bench.processes import free_port, http_ok, log_tail
 
-from .loopback import AddressPool
+from .loopback import AddressPool, port_is_free
 from .podspec import SERVER_POD_SELECTOR, LocalMounts, PodSpecError, ServerPod, is_running, local_argv, server_pod
 from .propagation import ConfigUpdate, DelayRange, Propagation
 from .server_process import ServerProcess
@@ -80,6 +85,7 @@ class StandInOptions:
     max_restart_backoff_seconds: float = 30.0
     config_delay: DelayRange | None = None  # None: $METRONOME_STANDIN_CONFIG_DELAY, else the kubelet's 30-90 s
     seed: int | None = None  # of the delays' random source (None: unseeded)
+    pod_network: bool = False  # listen on the pod's container port, and write the address as the pod's IP
 
     @property
     def targets_path(self) -> Path:
@@ -268,6 +274,7 @@ class KubeletStandIn:
         pods = self._list_pods()
         wanted: dict[str, ServerPod] = {}
         annotations: dict[str, dict[str, str]] = {}
+        pod_ips: dict[str, str | None] = {}
         problems: dict[str, str] = {}
         for raw in pods:
             if not is_running(raw):
@@ -280,6 +287,7 @@ class KubeletStandIn:
                 continue
             wanted[pod.key] = pod
             annotations[pod.key] = (raw.get("metadata") or {}).get("annotations") or {}
+            pod_ips[pod.key] = (raw.get("status") or {}).get("podIP")
         with self._lock:
             gone = [key for key in self._state.running if key not in wanted]
             stopping = [(key, self._state.running.pop(key)) for key in gone]
@@ -297,9 +305,27 @@ class KubeletStandIn:
                        for e in self._state.running.values()]
             unannounced = [(e.pod, e.server.target) for key, e in self._state.running.items()
                            if annotations.get(key, {}).get(ADDRESS_ANNOTATION) != e.server.target]
+            unaddressed = [(e.pod, e.server.address) for key, e in self._state.running.items()
+                           if self.options.pod_network and pod_ips.get(key) != e.server.address]
         write_file_sd(self.options.targets_path, targets)
         for pod, target in unannounced:
             self._announce(pod, target)
+        for pod, address in unaddressed:
+            self._set_pod_ip(pod, address)
+
+    def _set_pod_ip(self, pod: ServerPod, address: str) -> None:
+        """pod_network: the server's loopback address becomes the Pod's IP (status.podIP and podIPs)."""
+        import kubernetes
+
+        core = kubernetes.client.CoreV1Api(self._api)
+        try:
+            # A merge patch replaces podIPs whole (a strategic one would add to kwok's 10.x entry).
+            core.patch_namespaced_pod_status(pod.name, pod.namespace,
+                                             {"status": {"podIP": address, "podIPs": [{"ip": address}]}},
+                                             _content_type="application/merge-patch+json", _request_timeout=10)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:  # a pod deleted meanwhile has no IP to set
+                raise
 
     def _announce(self, pod: ServerPod, target: str) -> None:
         """Write the server's loopback address on its Pod (ADDRESS_ANNOTATION), where a Prometheus with
@@ -353,9 +379,13 @@ class KubeletStandIn:
             entry.server.start()  # same address and port: clients and Prometheus targets stay valid
 
     def _start_server(self, key: str, pod: ServerPod, pod_dir: Path, config_dirs: dict[str, Path]) -> None:
-        address = self._addresses.take()
+        fixed = pod.container_port if self.options.pod_network else None
+        if self.options.pod_network and fixed is None:
+            raise PodSpecError(f"pod {pod.namespace}/{pod.name}: pod_network needs a containerPort on the server "
+                               "container")
+        address = self._addresses.take(lambda a: port_is_free(a, fixed)) if fixed else self._addresses.take()
         try:
-            port = free_port(address)
+            port = fixed or free_port(address)
             argv = self._argv(pod, address, port, pod_dir, config_dirs)
         except BaseException:
             self._addresses.give_back(address)
