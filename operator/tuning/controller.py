@@ -97,6 +97,7 @@ class _Proposal:
     slo_unreachable: bool = False
     predicted_tbt_p99_s: float | None = None
     fit_r_squared: float | None = None
+    wanted_replicas: int | None = None  # the count a scale-up would have chosen where the loop may not scale
 
 
 FAR_OVER_TARGET = 2.0  # p99 TBT / target above which a chunk change goes before a queue-policy switch
@@ -539,11 +540,10 @@ def _scale_up(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, basi
     r2 = fit.r_squared if fit is not None else None
     why = _replicas_fixed(current, spec)
     if why is None and current.replicas >= spec.max_replicas:
-        why = f"replicas already at the maximum {spec.max_replicas}"
-    if why is not None:
         return _Proposal(current.chunk_size, current.queue_policy, current.replicas,
-                         f"{basis}; {why}: SLO unreachable", (ActionKind.SLO_UNREACHABLE,), policy_used=policy_used,
-                         slo_unreachable=True, fit_r_squared=r2)
+                         f"{basis}; replicas already at the maximum {spec.max_replicas}: SLO unreachable",
+                         (ActionKind.SLO_UNREACHABLE,), policy_used=policy_used, slo_unreachable=True,
+                         fit_r_squared=r2)
     estimate = _estimate(obs, current, spec, 1.0)
     modelled = estimate is not None and estimate.predicted_tbt_p99_s is not None
     if unless_model_disagrees and modelled and estimate.enough and estimate.replicas <= current.replicas:
@@ -554,7 +554,12 @@ def _scale_up(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, basi
     target, how = current.replicas + 1, "one more"
     if estimate is not None and estimate.replicas > target:
         target, how = estimate.replicas, estimate.basis
-    target = min(spec.max_replicas, target)
+    target = max(current.replicas, min(spec.max_replicas, target))
+    if why is not None:  # the count is still what the desired-replicas metric reports
+        needs = f" (the load needs {target})" if target > current.replicas else ""
+        return _Proposal(current.chunk_size, current.queue_policy, current.replicas,
+                         f"{basis}; {why}{needs}: SLO unreachable", (ActionKind.SLO_UNREACHABLE,),
+                         policy_used=policy_used, slo_unreachable=True, fit_r_squared=r2, wanted_replicas=target)
     predicted = estimate.predicted_tbt_p99_s if estimate is not None and estimate.replicas == target else None
     return _Proposal(current.chunk_size, current.queue_policy, target,
                      f"{basis}: replicas {current.replicas}→{target} ({how})", (ActionKind.SCALE_UP,),
@@ -568,8 +573,8 @@ def _recommendation(obs: Observation, current: CurrentConfig, spec: AutotuneSpec
     nothing can tell)."""
     lowest = max(1, spec.min_replicas)
     top = max(lowest, spec.max_replicas)
-    if proposal.replicas > current.replicas:
-        return ReplicaEstimate(proposal.replicas, True, "scaling up")
+    if max(proposal.replicas, proposal.wanted_replicas or 0) > current.replicas:
+        return ReplicaEstimate(max(proposal.replicas, proposal.wanted_replicas or 0), True, "scaling up")
     estimate = _estimate(obs, current, spec, spec.scale_down_headroom)
     if estimate is None:
         return ReplicaEstimate(min(top, max(lowest, current.replicas)), True, "nothing to size replicas by")
