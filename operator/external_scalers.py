@@ -8,6 +8,9 @@ Deployment keeps the count it set: the operator writes the Deployment with the r
 """
 from __future__ import annotations
 
+import threading
+import time
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -85,12 +88,37 @@ def scalers_targeting(service: InferenceService, hpas: Iterable[Mapping[str, Any
     return tuple(sorted(found, key=lambda s: (s.kind, s.name)))
 
 
+class _KedaInstalled:
+    """Whether KEDA's CRD is served, asked at most every CRD_RECHECK_S per API client (every refresh of every service
+    looks for scalers; KEDA comes and goes far less often)."""
+
+    CRD_RECHECK_S = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: weakref.WeakKeyDictionary[Kube, tuple[float, bool]] = weakref.WeakKeyDictionary()
+
+    def __call__(self, kube: Kube) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            seen = self._seen.get(kube)
+        if seen is not None and now - seen[0] < self.CRD_RECHECK_S:
+            return seen[1]
+        installed = kube.crd_exists(KEDA_CRD)
+        with self._lock:
+            self._seen[kube] = (now, installed)
+        return installed
+
+
+keda_installed = _KedaInstalled()
+
+
 def find_external_scalers(kube: Kube, service: InferenceService) -> ScalerView:
     """List the namespace's HPAs (and ScaledObjects, where KEDA's CRD is served) and keep those targeting the
     service. An API error (RBAC, an API server away) is reported, never raised: the caller then cannot tell."""
     try:
         hpas = kube.list(HPA_API_VERSION, HPA_KIND, service.namespace, "")
-        scaled = kube.list(KEDA_API_VERSION, KEDA_KIND, service.namespace, "") if kube.crd_exists(KEDA_CRD) else []
+        scaled = kube.list(KEDA_API_VERSION, KEDA_KIND, service.namespace, "") if keda_installed(kube) else []
     except KubeError as exc:
         return ScalerView(error=f"cannot list HorizontalPodAutoscalers or ScaledObjects: HTTP {exc.status} "
                                 f"{exc.reason}")

@@ -8,7 +8,13 @@ from test_reconcile import MemoryKube
 
 from metronome.operator import control_loop, reconcile
 from metronome.operator.changes import describe_transitions
-from metronome.operator.external_scalers import KEDA_CRD, ScalerView, find_external_scalers, scalers_targeting
+from metronome.operator.external_scalers import (
+    KEDA_CRD,
+    ScalerView,
+    find_external_scalers,
+    keda_installed,
+    scalers_targeting,
+)
 from metronome.operator.spec import parse_service
 from metronome.operator.status import Observed, compute_status, replicas_condition
 from metronome.operator.tuning import autotune
@@ -41,12 +47,14 @@ def test_only_scalers_that_target_the_service_or_its_deployment_count():
         ("ScaledObject", "keda-default", "Deployment")]
 
 
-def test_scaled_objects_are_listed_only_where_keda_is_installed():
+def test_scaled_objects_are_listed_only_where_keda_is_installed(monkeypatch):
     kube = MemoryKube()
     service = parse_service(apply_body())
     kube.objects[("ScaledObject", "ml", "keda")] = scaled_object("keda", {"name": "chat"})
     assert find_external_scalers(kube, service).scalers == ()
     kube.crds.add(KEDA_CRD)
+    assert find_external_scalers(kube, service).scalers == ()  # the CRD is asked about once a minute
+    monkeypatch.setattr(keda_installed, "CRD_RECHECK_S", 0.0)
     assert find_external_scalers(kube, service).owner == "ScaledObject ml/keda"
 
 
