@@ -6,13 +6,14 @@
 #
 #     LIMIT=540 bash hack/gpu_loop.sh --phases ... --static 512,split ...   # writes $OUT/loop.json, $OUT/loop.png
 #
-# The model and device are fixed here (random:llama-3-8b bf16 on CUDA, prefix caching off, one reused server);
-# everything else is passed through.
+# The device is fixed here (CUDA, bf16, prefix caching off, one reused server); the model is MODEL (default
+# random:llama-3-8b; e.g. MODEL=random:qwen3-30b-a3b for a mixture of experts); everything else is passed through.
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-$ROOT/out}
 LIMIT=${LIMIT:-540}
+MODEL=${MODEL:-random:llama-3-8b}
 WORK=$(mktemp -d /tmp/gpu_loop.XXXX)
 mkdir -p "$OUT"
 WH=/tmp/metronome-wheels  # imports from the root as `python3 -m` (see hack/gpu_run.sh for why not PYTHONPATH=root)
@@ -27,7 +28,7 @@ python3 -c "import uvicorn, metronome.server.api.app, metronome.server.api.serve
   echo "imports failed: see loop.log" >> "$OUT/loop.log"; exit 3; }
 PLOT=()
 if python3 -c "import matplotlib" 2>/dev/null; then PLOT=(--plot "$OUT/loop.png"); fi
-timeout -k 10 "$LIMIT" python3 -m metronome.cli bench loop --model random:llama-3-8b --device cuda \
+timeout -k 10 "$LIMIT" python3 -m metronome.cli bench loop --model "$MODEL" --device cuda \
   --reuse-servers --serve-arg=--no-prefix-caching --work-dir "$WORK" --out "$OUT/loop.json" "${PLOT[@]}" "$@" \
   >> "$OUT/loop.log" 2>&1
 rc=$?

@@ -8,6 +8,8 @@
 #     PARTS="mixed a sat b eager" bash hack/gpu_run.sh    # the whole benchmark without the transformers peer (~6 min)
 #     PARTS="sat hf" bash hack/gpu_run.sh                 # saturation, then the transformers comparison
 #     bash hack/gpu_run.sh                                # default PARTS="mixed a sat b eager hf": hf with the time left
+#     MODEL=random:qwen3-30b-a3b PARTS="a b" CHUNKS=512,2048 bash hack/gpu_run.sh   # another model (an MoE: no hf)
+#     PARTS="moe" bash hack/gpu_run.sh                    # the MoE experts' microbenchmark alone (~4 min)
 #
 # Parts (what each leaves in $OUT, at most 8 files; everything else goes into $OUT/gpu-run.tgz):
 #   tests   tests/gpu (-x -q), log in gpu-tests.log
@@ -21,9 +23,11 @@
 #   eager   decode with --enforce-eager, for the graphs-vs-eager ratio
 #   hf      the same 200-request batch through our engine (chunk 2048, compared, and 512) and transformers (only
 #           with > 90 s left)
+#   moe     hack/bench_moe.py: fused Triton MoE vs torch grouped_mm vs the per-expert loop at qwen3-30b-a3b,
+#           gpt-oss-20b and mixtral-8x7b layer shapes, 1-2,048 tokens (MOE_LIMIT s) → moe-kernels.json
 #   then:   h200-engine.json (a + sat + b + hf merged, targets), h200-tbt-vs-throughput.png, gpu_run.log, bench.log
-# Knobs (environment): PARTS, BUDGET, TEST_LIMIT, TESTS, RATES, DURATION, CHUNKS, SAT_MAX, SAT_LIMIT, HF_REQUESTS,
-# HF_CHUNKS, HF_TIMEOUT, and SMOKE=1
+# Knobs (environment): PARTS, BUDGET, MODEL, BATCHES, A_LIMIT, TEST_LIMIT, TESTS, RATES, DURATION, CHUNKS, SAT_MAX, SAT_LIMIT,
+# HF_REQUESTS, HF_CHUNKS, HF_TIMEOUT, MOE_LIMIT, and SMOKE=1
 # (tiny model on the CPU: checks this script's plumbing, not the GPU).
 # (no `set -u`: empty option arrays would trip it on older bash)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -33,6 +37,10 @@ OUT=${OUT:-$ROOT/out}
 WORK=$(mktemp -d /tmp/gpu_run.XXXX)  # logs and part files; tarred into $OUT at the end
 mkdir -p "$OUT"
 PARTS=${PARTS:-mixed a sat b eager hf}
+MODEL=${MODEL:-random:llama-3-8b}
+BATCHES=${BATCHES:-1,16,64,256}
+MOE_LIMIT=${MOE_LIMIT:-360}
+A_LIMIT=${A_LIMIT:-150}
 TEST_LIMIT=${TEST_LIMIT:-540}
 TESTS=${TESTS:-tests/gpu}
 RATES=${RATES:-5,15,30,45,60}
@@ -75,7 +83,7 @@ print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else 
 EOF
 PLOT=()
 if python3 -c "import matplotlib" 2>/dev/null; then PLOT=(--plot "$OUT/h200-tbt-vs-throughput.png"); fi
-BENCH=(python3 -m metronome.cli bench engine --model random:llama-3-8b --device cuda --no-progress)
+BENCH=(python3 -m metronome.cli bench engine --model "$MODEL" --device cuda --no-progress)
 SMOKE_ARGS=()  # SMOKE=1: the same pieces on the CPU with a tiny model (checks this script, not the GPU)
 MIXED_ARGS=(--profile)
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -109,7 +117,7 @@ fi
 # --- (a) device peaks, decode vs the HBM floor (CUDA graphs on), prefill
 if has a; then
   stamp "bench part a: device,decode,prefill"
-  timeout -k 10 "$(limit 150)" "${BENCH[@]}" --sections device,decode,prefill --batch-sizes 1,16,64,256 \
+  timeout -k 10 "$(limit "$A_LIMIT")" "${BENCH[@]}" --sections device,decode,prefill --batch-sizes "$BATCHES" \
     --decode-steps 20 "${SMOKE_ARGS[@]}" --out "$WORK/h200-engine-a.json" > "$WORK/bench-a.log" 2>&1
   rc=$?; stamp "bench part a rc=$rc"
 fi
@@ -147,6 +155,16 @@ if has hf && [ "${SKIP_HF:-0}" != 1 ] && [ "$(left)" -gt 90 ]; then
   timeout -k 5 "$(left)" "${BENCH[@]}" --sections hf --hf-requests "$HF_REQUESTS" --hf-timeout "$HF_TIMEOUT" \
     --batch-chunk-size "$HF_CHUNKS" "${SMOKE_ARGS[@]}" --out "$WORK/h200-engine-c.json" > "$WORK/bench-c.log" 2>&1
   rc=$?; stamp "bench part c rc=$rc"
+fi
+
+# --- the MoE experts' microbenchmark: fused Triton vs torch grouped_mm vs the per-expert loop
+if has moe; then
+  stamp "MoE kernels microbenchmark (limit $(limit "$MOE_LIMIT")s)"
+  MOE_ENV=(); MOE_ARGS=()
+  if [ "${SMOKE:-0}" = 1 ]; then MOE_ENV=(TRITON_INTERPRET=1); MOE_ARGS=(--smoke --tokens 2); fi
+  timeout -k 10 "$(limit "$MOE_LIMIT")" env "${MOE_ENV[@]}" python3 -m hack.bench_moe "${MOE_ARGS[@]}" \
+    --json "$OUT/moe-kernels.json" > "$WORK/bench-moe.log" 2>&1
+  rc=$?; stamp "MoE kernels rc=$rc"; tail -n 40 "$WORK/bench-moe.log" | tee -a "$LOG"
 fi
 
 PARTS_JSON=()

@@ -55,13 +55,13 @@ def mixed_floor(config, decodes: int, context: int, chunk: int, chunk_start: int
 
     layers, heads, d = config.num_hidden_layers, config.num_attention_heads, config.head_dim
     tokens = decodes + chunk
-    linear = 2.0 * layers * model_math.linear_params_per_layer(config) * tokens
+    linear = 2.0 * model_math.active_linear_params(config) * tokens
     pairs = decodes * context + sum(chunk_start + i + 1 for i in range(chunk))  # (query, key) pairs per layer
     attention = 4.0 * layers * heads * d * pairs
     lm_head = 2.0 * config.vocab_size * config.hidden_size * (decodes + 1)
     flops = linear + attention + lm_head
     kv = model_math.kv_bytes_per_token(config, dtype_bytes)
-    nbytes = model_math.weights_read_per_decode_step(config, dtype_bytes) + kv * (decodes * context
+    nbytes = model_math.weights_read_per_decode_step(config, dtype_bytes, tokens) + kv * (decodes * context
                                                                                   + chunk_start + chunk)
     compute_s = flops / (peaks["matmul_tflops"] * 1e12)
     memory_s = nbytes / (peaks["bandwidth_gb_per_s"] * 1e9)

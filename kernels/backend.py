@@ -22,10 +22,14 @@ class AttentionBackend(Protocol):
         slot_mapping [T] (block * block_size + offset; negative = skip)."""
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float, out: torch.Tensor | None = None, window: int | None = None,
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, n_heads, head_dim] of the batch's new tokens, whose K/V are already in the cache → [T, n_heads,
         head_dim] in q's dtype (written into `out` when given). Causal, bottom-right aligned; query head h reads
-        kv head h // (n_heads // n_kv)."""
+        kv head h // (n_heads // n_kv). window (a layer's sliding window): a query at position p sees keys
+        p - window + 1 .. p only, and keys behind every query's window are never read (their blocks may have been
+        freed); softcap: scores -> softcap * tanh(scores / softcap); sinks [n_heads]: a logit per head that joins
+        every row's softmax denominator and attends to nothing (gpt-oss)."""
 
     def decode_variant(self, num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
         """Which launch variant a decode-only batch of num_seqs sequences gets at this longest context: a CUDA
@@ -35,9 +39,10 @@ class AttentionBackend(Protocol):
         """Context lengths (ascending, max_model_len last) among which every decode variant occurs."""
 
     def warm_up(self, q_shape: tuple[int, int, int], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                max_num_tokens: int) -> int:
-        """Compile every kernel variant this backend can launch for these shapes (before a server is ready);
-        returns how many launches it made."""
+                max_num_tokens: int, windows: tuple[int | None, ...] = (None,), softcap: float | None = None,
+                sinks: bool = False) -> int:
+        """Compile every kernel variant this backend can launch for these shapes and the model's layer windows,
+        softcap and sinks (before a server is ready); returns how many launches it made."""
 
 
 @cache

@@ -25,7 +25,10 @@ def check_write_kv_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch
 
 
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata) -> None:
+                           meta: AttentionMetadata, window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive integer or None, got {window!r}")
     if q.dim() != 3:
         raise ValueError(f"q must be [T, n_heads, head_dim], got {tuple(q.shape)}")
     _check_caches(k_cache, v_cache)
@@ -37,16 +40,23 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if sinks is not None:
+        if tuple(sinks.shape) != (n_heads,):
+            raise ValueError(f"sinks must be [n_heads={n_heads}], got {tuple(sinks.shape)}")
+        _same_device(q=q, sinks=sinks)
     _same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
                  block_tables=meta.block_tables)
-    if _last_checked[0] is not meta or _last_checked[1] != q.shape[0]:
+    key = (id(meta), q.shape[0])
+    if key not in _recently_checked or _recently_checked[key] is not meta:
         _check_metadata(meta, q.shape[0], k_cache.shape[1])
-        _last_checked[:] = [meta, q.shape[0]]
+        if len(_recently_checked) >= 16:
+            _recently_checked.clear()
+        _recently_checked[key] = meta
 
 
-# Every layer of a forward pass gets the same metadata object (built once per step and never changed after):
-# its host-side facts are checked on the first layer only.
-_last_checked: list = [None, -1]
+# Every layer of a forward pass gets one of a few metadata objects (one per KV block-table group, built once per
+# step and never changed after): the host-side facts of each are checked on its first layer only.
+_recently_checked: dict[tuple[int, int], AttentionMetadata] = {}
 
 
 def _check_metadata(meta: AttentionMetadata, num_tokens: int, block_size: int) -> None:

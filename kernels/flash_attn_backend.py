@@ -29,8 +29,11 @@ class FlashAttnBackend:
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        check_attention_inputs(q, k_cache, v_cache, meta)
+                  scale: float, out: torch.Tensor | None = None, window: int | None = None,
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        check_attention_inputs(q, k_cache, v_cache, meta, window, sinks)
+        if sinks is not None:
+            raise ValueError("flash_attn (flash-attn 2) has no attention sinks; use the triton backend for this model")
         if not flash_attn_fits(k_cache.shape[1], q.shape[2]):
             raise ValueError(f"flash_attn needs block_size % 256 == 0 and head_dim % 8 == 0 (<= 256), got "
                              f"block_size {k_cache.shape[1]}, head_dim {q.shape[2]}")
@@ -39,7 +42,8 @@ class FlashAttnBackend:
         result = self._varlen(
             q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale, causal=True,
-            block_table=meta.block_tables,
+            block_table=meta.block_tables, window_size=(-1 if window is None else window - 1, 0),
+            softcap=softcap or 0.0,
         )
         if out is None:
             return result
@@ -53,7 +57,8 @@ class FlashAttnBackend:
     def variant_lengths(self, max_model_len: int) -> list[int]:
         return [max_model_len]
 
-    def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int) -> int:
+    def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int, windows=(None,), softcap=None,
+                sinks=False) -> int:
         from .triton_kv_write import write_kv_triton  # its K/V writes are Triton's
         slots = torch.full((1,), -1, dtype=torch.int64, device=k_cache.device)
         kv = torch.zeros((1, *k_cache.shape[2:]), dtype=k_cache.dtype, device=k_cache.device)

@@ -2,8 +2,13 @@
 
 Everything is computed in float32 and cast back to q's dtype. Decodes (q_len 1) of a batch are gathered together
 and run as one padded attention call; prefill chunks run one sequence at a time with a bottom-right-aligned causal
-mask. Cache entries past a sequence's length (and unused blocks) are zeroed after the gather, so garbage or NaN in
-the cache can never leak into the result through `0 * NaN`.
+mask. Cache entries a query may not see (past a sequence's length, unused blocks, behind a sliding window, whose
+blocks may have been freed and reused) are zeroed after the gather, so garbage or NaN in the cache can never leak
+into the result through `0 * NaN`.
+
+Per-layer options are parameters of the call: `window` (a query at position p sees keys p - window + 1 .. p),
+`softcap` (scores become softcap * tanh(scores / softcap) before the mask, as transformers applies it) and
+`sinks` (a learned logit per head that joins every row's softmax denominator and attends to nothing: gpt-oss).
 """
 from __future__ import annotations
 
@@ -52,8 +57,9 @@ class TorchBackend:
         write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        check_attention_inputs(q, k_cache, v_cache, meta)
+                  scale: float, out: torch.Tensor | None = None, window: int | None = None,
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        check_attention_inputs(q, k_cache, v_cache, meta, window, sinks)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q_lens = meta.q_lens_host
@@ -62,12 +68,12 @@ class TorchBackend:
         for n in q_lens:
             starts.append(starts[-1] + n)
         if decodes:
-            self._decodes(q, k_cache, v_cache, meta, scale, decodes, starts, out)
+            self._decodes(q, k_cache, v_cache, meta, scale, decodes, starts, out, window, softcap, sinks)
         for b, q_len in enumerate(q_lens):
             if q_len > 1:
                 rows = slice(starts[b], starts[b + 1])
                 out[rows] = self._one_sequence(q[rows], k_cache, v_cache, meta.block_tables[b],
-                                               meta.seq_lens_host[b], scale)
+                                               meta.seq_lens_host[b], scale, window, softcap, sinks)
         return out
 
     # Launches that depend on nothing but the shapes: one variant, nothing to compile.
@@ -77,33 +83,48 @@ class TorchBackend:
     def variant_lengths(self, max_model_len: int) -> list[int]:
         return [max_model_len]
 
-    def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int) -> int:
+    def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int, windows=(None,), softcap=None,
+                sinks=False) -> int:
         return 0
 
     @staticmethod
     def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                      seq_len: int, scale: float) -> torch.Tensor:
+                      seq_len: int, scale: float, window: int | None = None,
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         q_len, n_heads, _ = q.shape
         block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
         num_blocks = -(-seq_len // block_size)
-        k = gather_context(k_cache, block_table, num_blocks)[:seq_len].float()
-        v = gather_context(v_cache, block_table, num_blocks)[:seq_len].float()
+        # Keys before `first` are behind every query's window: not read (their blocks may be gone).
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        first_block = first // block_size
+        k = gather_context(k_cache, block_table[first_block:], num_blocks - first_block)
+        v = gather_context(v_cache, block_table[first_block:], num_blocks - first_block)
+        offset = first_block * block_size
+        k, v = k[:seq_len - offset].float(), v[:seq_len - offset].float()
+        # new token i sits at position seq_len - q_len + i and sees positions (p - window, p]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(offset, seq_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+            seen = mask.any(0)
+            k = torch.where(seen[:, None, None], k, 0.0)
+            v = torch.where(seen[:, None, None], v, 0.0)
         group = n_heads // n_kv_heads
         k, v = _expand_kv_heads(k, group), _expand_kv_heads(v, group)  # [H, S, D]
         qh = q.float().transpose(0, 1)  # [H, L, D]
-        if q_len == seq_len:  # no cached context: plain causal, which SDPA aligns top-left = bottom-right here
+        if softcap is not None or sinks is not None:
+            o = _explicit(qh, k, v, mask, scale, softcap, sinks)
+        elif q_len == seq_len and window is None:  # plain causal: SDPA aligns top-left = bottom-right here
             o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
         else:
-            # new token i sits at position seq_len - q_len + i and sees positions 0 .. seq_len - q_len + i
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            k_pos = torch.arange(seq_len, device=q.device)
-            mask = k_pos[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
         return o.transpose(0, 1).to(q.dtype)
 
     @staticmethod
     def _decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, decodes: list[int], starts: list[int],
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         """All q_len-1 sequences at once: pad their contexts to the longest and mask the padding."""
         n_heads = q.shape[1]
         block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -117,7 +138,10 @@ class TorchBackend:
             idx = torch.tensor(decodes, device=q.device)
             rows = torch.tensor([starts[b] for b in decodes], device=q.device)
             tables, seq_lens, qd = meta.block_tables[idx], meta.seq_lens[idx], q[rows]
-        valid = torch.arange(num_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None].long()  # [B, S]
+        key_pos = torch.arange(num_blocks * block_size, device=q.device)[None, :]
+        valid = key_pos < seq_lens[:, None].long()  # [B, S]
+        if window is not None:  # the decode at position seq_len - 1 sees keys seq_len - window .. seq_len - 1
+            valid &= key_pos >= seq_lens[:, None].long() - window
         k = gather_context(k_cache, tables, num_blocks).float()  # [B, S, KVH, D]
         v = gather_context(v_cache, tables, num_blocks).float()
         k = torch.where(valid[:, :, None, None], k, 0.0)
@@ -125,9 +149,30 @@ class TorchBackend:
         group = n_heads // n_kv_heads
         k, v = _expand_kv_heads(k, group), _expand_kv_heads(v, group)  # [B, H, S, D]
         qh = qd.float()[:, :, None, :]  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+        if softcap is not None or sinks is not None:
+            o = _explicit(qh, k, v, valid[:, None, None, :], scale, softcap, sinks)
+        else:
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=valid[:, None, None, :], scale=scale)
         o = o[:, :, 0, :].to(q.dtype)
         if rows is None:
             out.copy_(o)
         else:
             out[rows] = o
+
+
+def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+              softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax(scores, masked) v in float32, where scores = q k^T * scale, softcapped (softcap * tanh(scores /
+    softcap)) when given; with sinks [H], each head's sink logit joins the softmax as one more column, which
+    is then dropped (transformers' order: the row's max over keys and sink subtracted first). q is [..., H, L, D]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+    sink = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.matmul(probs, v)

@@ -12,6 +12,11 @@ One launch covers the whole batch. The grid is (query tile, kv head, kv split):
   fill the GPU (decode of a few long sequences); a second small kernel merges the parts.
 Keys are read through the block table one token at a time (block id = table[pos // PAGE]), so any page size
 works, and the causal mask is aligned bottom-right (new token i of a sequence sits at seq_len - q_len + i).
+A sliding window (a per-layer constant, compiled in) starts each tile's key loop at the first key its first row
+sees and masks only the tiles at the window's edge; keys behind it are never read, so their blocks may be freed.
+A logit softcap (cap * tanh(score / cap)) is a compiled-in option too, and so are attention sinks (gpt-oss): a
+learned logit per head that joins each row's softmax denominator, added once per row after its key loop (in the
+merge when the keys were split).
 Softmax is online in fp32 with exp2; fp32 inputs use exact ("ieee") dots.
 
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported): tests only.
@@ -32,16 +37,18 @@ from .metadata import AttentionMetadata
 
 @triton.jit
 def _attend_kv_tile(
-    q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_end, scale_log2,
+    q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end, scale_log2,
+    softcap,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step over keys [kv_tile * BLOCK_N, +BLOCK_N). MASKED: the tile crosses the causal
-    diagonal or the end of the context; otherwise every row sees every key and loads need no bounds."""
+    diagonal, a window's edge or the end of the context; otherwise every row sees every key and loads need no
+    bounds. Keys before kv_start are never loaded (their blocks may have been freed)."""
     offs_n = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    n_valid = offs_n < kv_end
+    n_valid = (offs_n < kv_end) & (offs_n >= kv_start)
     if MASKED:
         block = tl.load(table + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
     else:
@@ -60,9 +67,16 @@ def _attend_kv_tile(
         v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     if UPCAST_DOT:
         k = k.to(tl.float32)
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    if SOFTCAP:  # cap * tanh(score / cap), tanh(x) = 1 - 2 / (exp(2x) + 1); then to log2 units
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * (scale_log2 / 1.4426950408889634) / softcap
+        s = (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0)) * softcap * 1.4426950408889634
+    else:
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :], s, float("-inf"))
+        seen = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if WINDOW > 0:
+            seen = seen & (offs_n[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -78,12 +92,14 @@ def _attend_kv_tile(
 @triton.jit
 def _attention_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, block_tables_ptr,
-    seq, q_start, q_len, first_q, kv_head, split, num_tokens, n_heads, scale_log2,
+    sinks_ptr,
+    seq, q_start, q_len, first_q, kv_head, split, num_tokens, n_heads, scale_log2, softcap,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """New tokens first_q .. first_q + BLOCK_Q - 1 of sequence `seq`, all GROUP query heads of `kv_head`."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -101,14 +117,21 @@ def _attention_tile(
 
     seq_len = tl.load(seq_lens_ptr + seq)
     q_pos = seq_len - q_len + q_idx  # absolute position of each row's token
-    kv_end = tl.minimum(seq_len - q_len + first_q + BLOCK_Q, seq_len)  # keys any row of this tile may see
+    first_pos = seq_len - q_len + first_q  # the tile's first token
+    kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # keys any row of this tile may see end here
+    kv_start = 0
+    full_lo = 0  # key tiles from here on are inside every row's window
+    if WINDOW > 0:
+        kv_start = tl.maximum(first_pos - WINDOW + 1, 0)
+        full_lo = tl.maximum(tl.cdiv(kv_end - WINDOW, BLOCK_N), 0)
+    start_tile = kv_start // BLOCK_N
     n_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
     if NUM_SPLITS == 1:
-        tile_lo = 0
+        tile_lo = start_tile
         tile_hi = n_kv_tiles
     else:
-        per_split = tl.cdiv(n_kv_tiles, NUM_SPLITS)
-        tile_lo = split * per_split
+        per_split = tl.cdiv(n_kv_tiles - start_tile, NUM_SPLITS)
+        tile_lo = start_tile + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, n_kv_tiles)
 
     # A finite floor instead of -inf keeps rows that see no key in a range free of inf - inf.
@@ -116,20 +139,35 @@ def _attention_tile(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    # Key tiles wholly at or before the tile's first query position need no mask; only the diagonal ones do.
-    n_full = (seq_len - q_len + first_q + 1) // BLOCK_N
-    for kv_tile in range(tile_lo, tl.minimum(tile_hi, n_full)):
+    # Key tiles wholly at or before the tile's first query position (and, with a window, wholly inside the window
+    # of its last one) need no mask; only those at the diagonal and at the window's edge do.
+    n_full = (first_pos + 1) // BLOCK_N
+    edge_end = tl.maximum(tile_lo, tl.minimum(tile_hi, full_lo))
+    full_end = tl.maximum(edge_end, tl.minimum(tile_hi, n_full))
+    if WINDOW > 0:
+        for kv_tile in range(tile_lo, edge_end):
+            acc, m_i, l_i = _attend_kv_tile(
+                q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end,
+                scale_log2, softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP)
+    for kv_tile in range(edge_end, full_end):
         acc, m_i, l_i = _attend_kv_tile(
-            q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_end, scale_log2,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            False, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT)
-    for kv_tile in range(tl.maximum(tile_lo, n_full), tile_hi):
+            q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end,
+            scale_log2, softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            False, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP)
+    for kv_tile in range(full_end, tile_hi):
         acc, m_i, l_i = _attend_kv_tile(
-            q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_end, scale_log2,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT)
+            q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end,
+            scale_log2, softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP)
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # the head's sink joins the denominator (log2 units, like m_i)
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_all = tl.maximum(m_i, sink)
+            rescale = tl.exp2(m_i - m_all)
+            l_i = l_i * rescale + tl.exp2(sink - m_all)
+            acc = acc * rescale[:, None]
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
@@ -144,14 +182,15 @@ def _attention_tile(
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_lead_decodes", "num_chunk_tiles", "stride_bt"])
 def _paged_attention(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, num_tokens, num_lead_decodes, num_chunk_tiles, n_heads, scale_log2,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr,
+    num_seqs, num_tokens, num_lead_decodes, num_chunk_tiles, n_heads, scale_log2, softcap,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE_BLOCK_M: tl.constexpr, DECODE_BLOCK_N: tl.constexpr, HAS_CHUNKS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """The first num_chunk_tiles programs cover the sequences after the leading decodes in tiles of BLOCK_Q tokens,
     heaviest (latest) tiles first so that they do not start last; the remaining programs are the batch's leading
@@ -163,11 +202,11 @@ def _paged_attention(
         decode = tile - num_chunk_tiles
         _attention_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr,
-            block_tables_ptr, decode, decode, 1, 0, kv_head, split, num_tokens, n_heads, scale_log2,
+            block_tables_ptr, sinks_ptr, decode, decode, 1, 0, kv_head, split, num_tokens, n_heads, scale_log2, softcap,
             stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_ot, stride_oh, stride_bt,
             GROUP, GROUP_PAD, HEAD_DIM, D_PAD, PAGE, 1, DECODE_BLOCK_M, DECODE_BLOCK_N, NUM_SPLITS,
-            DOT_PRECISION, UPCAST_DOT)
+            DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, HAS_SINKS)
     elif HAS_CHUNKS:
         # Sequence b (>= num_lead_decodes) owns tiles from (cu_q[b] - D) // BLOCK_Q + (b - D) on (D leading
         # decodes, which hold tokens 0 .. D-1): an upper bound on the tiles before it. Find the last b whose first
@@ -189,25 +228,31 @@ def _paged_attention(
         if first_q < q_len:  # spare tiles past the sequence's end do nothing
             _attention_tile(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr,
-                block_tables_ptr, seq, q_start, q_len, first_q, kv_head, split, num_tokens, n_heads, scale_log2,
-                stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_ot, stride_oh, stride_bt,
+                block_tables_ptr, sinks_ptr, seq, q_start, q_len, first_q, kv_head, split, num_tokens, n_heads,
+                scale_log2, softcap, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                stride_vh, stride_ot, stride_oh, stride_bt,
                 GROUP, GROUP_PAD, HEAD_DIM, D_PAD, PAGE, BLOCK_Q, BLOCK_M, BLOCK_N, NUM_SPLITS,
-                DOT_PRECISION, UPCAST_DOT)
+                DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, HAS_SINKS)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _merge_splits(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_tokens, n_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, sinks_ptr, num_tokens, n_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
     part = (splits * num_tokens + token) * n_heads + head
     m = tl.load(part_m_ptr + part)
-    weight = tl.exp2(m - tl.max(m, 0))
+    m_all = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    weight = tl.exp2(m - m_all)
     denom = tl.sum(weight * tl.load(part_l_ptr + part), 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_all)
     offs_d = tl.arange(0, D_PAD)
     acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :])
     out = tl.sum(acc * weight[:, None], 0) / denom
@@ -244,6 +289,10 @@ def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: i
     """
     if not on_cuda:  # interpreter: big tiles mean few Python-level steps
         return TileConfig(max(64, group_pad), 128, num_stages=1, decode_block_n=128)
+    if d_pad > 128:  # head_dim 256 (Gemma 3): K and V tiles twice as wide; halve the keys per step to stay within
+        # shared memory (2 stages of [256 x 64] K and V tiles in bf16: 128 KB)
+        return TileConfig(max(64, group_pad), 32, num_warps=8 if not decode_only else 4, num_stages=2,
+                          decode_block_n=64)
     if decode_only:
         block_m = max(64, group_pad)  # unused by decode tiles, but must stay a multiple of the group
         return TileConfig(block_m, decode_block_n=64 if busy else 128, num_stages=2 if busy else 3)
@@ -276,25 +325,34 @@ def choose_num_splits(num_programs: int, num_tokens: int, max_seqlen_k: int, sm_
     return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants, tl.arange in the merge
 
 
-# Every layer of a forward pass gets the same metadata object (built once per step and never changed after):
-# classify its batch on the first layer only.
+# Every layer of a forward pass gets metadata sharing one q_lens list (built once per step and never changed
+# after; one metadata object per KV group): classify its batch on the first layer only.
 _batch_memo: list = [None, (0, False)]
 
 
 def _batch_shape(meta: AttentionMetadata) -> tuple[int, bool]:
     """(how many sequences at the start of the batch are decodes, whether any sequence is a decode). Leading
     decodes get small tiles of their own; decodes elsewhere ride in chunk tiles."""
-    if _batch_memo[0] is not meta:
-        q_lens = meta.q_lens_host
-        _batch_memo[:] = [meta, (len(list(itertools.takewhile((1).__eq__, q_lens))), 1 in q_lens)]
+    q_lens = meta.q_lens_host
+    if _batch_memo[0] is not q_lens:
+        _batch_memo[:] = [q_lens, (len(list(itertools.takewhile((1).__eq__, q_lens))), 1 in q_lens)]
     return _batch_memo[1]
+
+
+def split_keys(max_seqlen_k: int, window: int | None) -> int:
+    """The key count a launch's kv-split choice reads: a window layer's is its window, whatever the batch (so a
+    captured graph launches it exactly as an eager step would)."""
+    return window if window is not None else max_seqlen_k
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, config: TileConfig | None = None, num_splits: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the batch's new tokens over the paged cache (their K/V already written). Returns [T, H, D]
-    (`out` when given: [T, H, D] with contiguous heads, e.g. rows of a static buffer)."""
+    (`out` when given: [T, H, D] with contiguous heads, e.g. rows of a static buffer). window: a query at
+    position p sees keys p - window + 1 .. p; softcap: scores -> softcap * tanh(scores / softcap); sinks [H]: a
+logit per head in every row's softmax denominator."""
     num_tokens, n_heads, head_dim = q.shape
     page, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
@@ -321,7 +379,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits is None:
         num_splits = 1
         if on_cuda:
-            num_splits = choose_num_splits(grid_tiles * n_kv_heads, num_tokens, meta.max_seqlen_k, sm_count)
+            num_splits = choose_num_splits(grid_tiles * n_kv_heads, num_tokens, split_keys(meta.max_seqlen_k, window),
+                                           sm_count)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
 
@@ -338,8 +397,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     require_runnable(q.device)
     _paged_attention[(grid_tiles, n_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
-        meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-        num_seqs, num_tokens, lead_decodes, chunk_tiles, n_heads, scale * math.log2(math.e),
+        meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, sinks if sinks is not None else out,
+        num_seqs, num_tokens, lead_decodes, chunk_tiles, n_heads, scale * math.log2(math.e), float(softcap or 1.0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
@@ -348,12 +407,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DECODE_BLOCK_N=cfg.decode_block_n, HAS_CHUNKS=has_chunks, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton's interpreter (3.9) computes bf16 x bf16 dots wrongly; it upcasts the operands instead.
-        UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16, WINDOW=window or 0, SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _merge_splits[(num_tokens, n_heads)](
-            part_acc, part_m, part_l, out, num_tokens, n_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits, num_warps=4,
+            part_acc, part_m, part_l, out, sinks if sinks is not None else out, num_tokens, n_heads, out.stride(0),
+            out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None,
+            num_warps=4,
         )
     return out

@@ -13,6 +13,7 @@ from .triton_attention import (
     choose_num_splits,
     paged_attention,
     sm_count,
+    split_keys,
 )
 from .triton_kv_write import write_kv_triton
 
@@ -25,9 +26,11 @@ class TritonBackend:
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        check_attention_inputs(q, k_cache, v_cache, meta)
-        return paged_attention(q, k_cache, v_cache, meta, scale, out=out)
+                  scale: float, out: torch.Tensor | None = None, window: int | None = None,
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        check_attention_inputs(q, k_cache, v_cache, meta, window, sinks)
+        return paged_attention(q, k_cache, v_cache, meta, scale, out=out, window=window, softcap=softcap,
+                               sinks=sinks)
 
     # --- launch variants (CUDA graphs, warm-up) -----------------------------------------------------------
     def decode_variant(self, num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
@@ -41,31 +44,37 @@ class TritonBackend:
         return sorted({1, *range(MIN_SPLIT_KEYS, max_model_len + 1, MIN_SPLIT_KEYS), max_model_len})
 
     def warm_up(self, q_shape: tuple[int, int, int], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                max_model_len: int) -> int:
-        """Launch every (tile class, kv splits) variant a batch of these shapes can meet, on the cache's last block
-        with every slot skipped, so that Triton compiles them now rather than in the middle of serving. q_shape:
-        (any T, heads, head_dim) as the model produces q. Returns the launches made."""
+                max_model_len: int, windows: tuple[int | None, ...] = (None,), softcap: float | None = None,
+                sinks: bool = False) -> int:
+        """Launch every (tile class, kv splits) variant a batch of these shapes can meet, for each of the model's
+        layer windows, on the cache's last block with every slot skipped, so that Triton compiles them now rather
+        than in the middle of serving. q_shape: (any T, heads, head_dim) as the model produces q; sinks: whether the
+        model's attention has them (another compiled variant). Returns the launches made."""
         _, n_heads, head_dim = q_shape
         device = k_cache.device
         n_kv = k_cache.shape[2]
         sms = sm_count(device) if device.type == "cuda" else 1
-        longest = max_model_len if max_model_len >= 1024 else 0  # choose_num_splits never splits below 1024 keys
-        max_splits = max(1, min(MAX_SPLITS, longest // MIN_SPLIT_KEYS))
-        splits = [1 << i for i in range(max_splits.bit_length())]
         busy_decodes = -(-sms // n_kv)  # a decode batch that fills the GPU: its own tiles, never split
-        # (q_lens, split counts): idle decodes, busy decodes, a chunk alone, a chunk with a decode.
-        batches = [([1], splits), ([1] * busy_decodes, [1]), ([2], splits), ([1, 2], splits)]
         scratch = k_cache.shape[0] - 1
         write = torch.full((1,), -1, dtype=torch.int64, device=device)
         kv = torch.zeros((1, n_kv, head_dim), dtype=k_cache.dtype, device=device)
         self.write_kv(kv, kv, k_cache, v_cache, write)
         launches = 1
-        for q_lens, split_counts in batches:
-            meta = scratch_metadata(q_lens, scratch, device)
-            q = torch.zeros((sum(q_lens), n_heads, head_dim), dtype=k_cache.dtype, device=device)
-            for num_splits in split_counts:
-                paged_attention(q, k_cache, v_cache, meta, 1.0, num_splits=num_splits)
-                launches += 1
+        sink_logits = torch.zeros(n_heads, dtype=k_cache.dtype, device=device) if sinks else None
+        for window in dict.fromkeys(windows):
+            keys = split_keys(max_model_len, window)
+            longest = keys if keys >= 1024 else 0  # choose_num_splits never splits below 1024 keys
+            max_splits = max(1, min(MAX_SPLITS, longest // MIN_SPLIT_KEYS))
+            splits = [1 << i for i in range(max_splits.bit_length())]
+            # (q_lens, split counts): idle decodes, busy decodes, a chunk alone, a chunk with a decode.
+            batches = [([1], splits), ([1] * busy_decodes, [1]), ([2], splits), ([1, 2], splits)]
+            for q_lens, split_counts in batches:
+                meta = scratch_metadata(q_lens, scratch, device)
+                q = torch.zeros((sum(q_lens), n_heads, head_dim), dtype=k_cache.dtype, device=device)
+                for num_splits in split_counts:
+                    paged_attention(q, k_cache, v_cache, meta, 1.0, num_splits=num_splits, window=window,
+                                    softcap=softcap, sinks=sink_logits)
+                    launches += 1
         return launches
 
 

@@ -1,11 +1,13 @@
-"""Fused element-wise kernels of a Llama layer: one launch where the torch path takes 3-17.
+"""Fused element-wise kernels of a decoder layer: one launch where the torch path takes 3-17.
 
-- `add_rms_norm`: residual += x (rounded to the model dtype), then out = weight * norm(residual); without x it
-  is a plain RMSNorm. One program per token row.
-- `rope_write_kv`: from the fused qkv projection, rotate q and k (rotate-half layout) with cos/sin read from a
+- `add_rms_norm`: residual += x (rounded to the model dtype), then out = weight * norm(residual) (Llama) or
+  (1 + weight) * norm(residual) in float32 (Gemma); without x it is a plain RMSNorm (`rms_norm`). One program
+  per token row.
+- `rope_write_kv`: from the fused qkv projection, optionally RMS-norm each q and k head (QK-norm: Qwen3, Gemma 3),
+  rotate q and k (rotate-half layout, over all of a head or its first rotary dims) with cos/sin read from a
   per-position table built once, write rotated q to its own buffer and k, v into their paged-cache slots
   (a negative slot skips the cache write). One program per token.
-- `silu_mul`: silu(gate) * up from the fused gate_up projection.
+- `gated_act`: act(gate) * up from the fused gate_up projection, act SiLU or tanh-GELU (`silu_mul`).
 
 Every rounding step of the torch path (models/layers.py, models/rope.py) is reproduced: each product or sum
 torch rounds to bf16/fp16 is rounded here too, so rotary and the residual add are bit-exact, and the norm and
@@ -24,7 +26,8 @@ from .triton_attention import require_runnable
 
 @triton.jit
 def _add_rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, eps,
-                  N: tl.constexpr, BLOCK: tl.constexpr, HAS_X: tl.constexpr):
+                  N: tl.constexpr, BLOCK: tl.constexpr, HAS_X: tl.constexpr, PLUS_ONE: tl.constexpr,
+                  FLOAT_SCALE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -35,15 +38,20 @@ def _add_rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, 
         tl.store(residual_ptr + row * stride_r + cols, r, mask=mask)
     r32 = r.to(tl.float32)
     inv = tl.rsqrt(tl.sum(r32 * r32, 0) / N + eps)
-    normed = (r32 * inv).to(out_ptr.dtype.element_ty)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PLUS_ONE:  # Gemma: scaled by (1 + w) in float32, rounded once
+        out = r32 * inv * (1.0 + w)
+    elif FLOAT_SCALE:  # gpt-oss: scaled by w in float32, rounded once
+        out = w * (r32 * inv)
+    else:  # Llama: rounded to the model dtype, then times w
+        out = w * (r32 * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """residual [T, N] (updated in place to residual + x when x is given); returns weight * rmsnorm(residual)."""
+                 out: torch.Tensor | None = None, plus_one: bool = False, float_scale: bool = False) -> torch.Tensor:
+    """residual [T, N] (updated in place to residual + x when x is given); returns weight * rmsnorm(residual)
+    ((1 + weight) * rmsnorm(residual) with plus_one; scaled in float32 before rounding with float_scale)."""
     rows, n = residual.shape
     if out is None:
         out = torch.empty_like(residual)
@@ -57,9 +65,16 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     _add_rms_norm[(rows,)](
         x if x is not None else residual, residual, weight, out,
         x.stride(0) if x is not None else 0, residual.stride(0), out.stride(0), eps,
-        N=n, BLOCK=block, HAS_X=x is not None, num_warps=min(16, max(4, block // 512)),
+        N=n, BLOCK=block, HAS_X=x is not None, PLUS_ONE=plus_one, FLOAT_SCALE=float_scale,
+        num_warps=min(16, max(4, block // 512)),
     )
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False,
+             float_scale: bool = False) -> torch.Tensor:
+    """RMSNorm of the rows of x [T, N] (x is not changed)."""
+    return add_rms_norm(None, x, weight, eps, plus_one=plus_one, float_scale=float_scale)
 
 
 @triton.jit
@@ -76,72 +91,103 @@ def _rounded(x, BF16: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x_ptr, cos, sin, heads, offs, HALF: tl.constexpr, mask, ROUND: tl.constexpr, BF16: tl.constexpr):
-    """Rotate-half rope of heads x [2 * HALF] at x_ptr as torch computes `x * cos + rotate_half(x) * sin` in the
-    model dtype: each product rounded, then the sum (rounded when stored). ROUND False: float32, nothing to do."""
-    x1 = tl.load(x_ptr + heads[:, None] * (2 * HALF) + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + heads[:, None] * (2 * HALF) + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    if ROUND:
-        first = _rounded(x1 * cos, BF16) + _rounded(-x2 * sin, BF16)
-        second = _rounded(x2 * cos, BF16) + _rounded(x1 * sin, BF16)
+def _normed(x, inv, w, ROUND: tl.constexpr, BF16: tl.constexpr, PLUS_ONE: tl.constexpr):
+    """RMSNorm of fp32 x given 1/rms: Llama's weight * round(x / rms), or Gemma's round(x / rms * (1 + weight))."""
+    if PLUS_ONE:
+        y = x * inv[:, None] * (1.0 + w[None, :])
+        if ROUND:
+            y = _rounded(y, BF16)
+    elif ROUND:
+        y = _rounded(w[None, :] * _rounded(x * inv[:, None], BF16), BF16)
     else:
-        first = x1 * cos - x2 * sin
-        second = x2 * cos + x1 * sin
-    return first, second
+        y = w[None, :] * (x * inv[:, None])
+    return y
+
+
+@triton.jit
+def _rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, pos, heads, n_heads, eps, HEAD_DIM: tl.constexpr,
+                D_PAD: tl.constexpr, ROT_HALF: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr,
+                QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr):
+    """Heads [n, HEAD_DIM] at x_ptr, per-head RMS-normed (QK_NORM) then rotate-half roped over their first
+    2 * ROT_HALF dims (the rest pass through), as torch computes them in the model dtype: each product rounded,
+    then the sum. Each element's rotate-half partner is loaded alongside it, so any head_dim and rotary size work."""
+    offs = tl.arange(0, D_PAD)
+    d_mask = offs < HEAD_DIM
+    rot = offs < 2 * ROT_HALF
+    partner = tl.where(offs < ROT_HALF, offs + ROT_HALF, tl.where(rot, offs - ROT_HALF, offs))
+    mask = (heads < n_heads)[:, None] & d_mask[None, :]
+    rows = x_ptr + heads[:, None] * HEAD_DIM
+    x = tl.load(rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(rows + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
+    if QK_NORM:
+        inv = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
+        w = tl.load(w_ptr + offs, mask=d_mask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=d_mask & rot, other=0.0).to(tl.float32)
+        x = _normed(x, inv, w, ROUND, BF16, PLUS_ONE)
+        xp = _normed(xp, inv, wp, ROUND, BF16, PLUS_ONE)
+    angle = offs % ROT_HALF
+    cos = tl.load(cos_ptr + pos * ROT_HALF + angle, mask=rot, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * ROT_HALF + angle, mask=rot, other=0.0).to(tl.float32)[None, :]
+    sign = tl.where(offs < ROT_HALF, -1.0, 1.0)[None, :]
+    if ROUND:
+        turned = _rounded(x * cos, BF16) + _rounded(sign * xp * sin, BF16)
+    else:
+        turned = x * cos + sign * xp * sin
+    return tl.where(rot[None, :], turned, x), mask
 
 
 @triton.jit
 def _rope_write_kv(qkv_ptr, positions_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                   q_norm_ptr, k_norm_ptr, eps,
                    stride_qkv, stride_qo, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
                    N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,
-                   HALF: tl.constexpr, PAGE: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT_HALF: tl.constexpr, PAGE: tl.constexpr,
+                   ROUND: tl.constexpr, BF16: tl.constexpr, QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * HALF + offs).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + pos * HALF + offs).to(tl.float32)[None, :]
     row = qkv_ptr + token * stride_qkv
+    offs = tl.arange(0, D_PAD)
 
     heads = tl.arange(0, H_PAD)
-    qmask = (heads < N_HEADS)[:, None]
-    q1, q2 = _rotate(row, cos, sin, heads, offs, HALF, qmask, ROUND, BF16)
-    q_dst = q_out_ptr + token * stride_qo + heads[:, None] * (2 * HALF) + offs[None, :]
-    tl.store(q_dst, q1.to(q_out_ptr.dtype.element_ty), mask=qmask)
-    tl.store(q_dst + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=qmask)
+    q, qmask = _rope_heads(row, q_norm_ptr, cos_ptr, sin_ptr, pos, heads, N_HEADS, eps, HEAD_DIM, D_PAD, ROT_HALF,
+                           ROUND, BF16, QK_NORM, PLUS_ONE)
+    tl.store(q_out_ptr + token * stride_qo + heads[:, None] * HEAD_DIM + offs[None, :],
+             q.to(q_out_ptr.dtype.element_ty), mask=qmask)
 
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         block = slot // PAGE
         in_page = slot % PAGE
         kv_heads = tl.arange(0, KV_PAD)
-        kmask = (kv_heads < N_KV_HEADS)[:, None]
-        k_row = row + N_HEADS * 2 * HALF
-        k1, k2 = _rotate(k_row, cos, sin, kv_heads, offs, HALF, kmask, ROUND, BF16)
+        k_row = row + N_HEADS * HEAD_DIM
+        k, kmask = _rope_heads(k_row, k_norm_ptr, cos_ptr, sin_ptr, pos, kv_heads, N_KV_HEADS, eps, HEAD_DIM, D_PAD,
+                               ROT_HALF, ROUND, BF16, QK_NORM, PLUS_ONE)
         k_dst = k_cache_ptr + block * stride_kcb + in_page * stride_kct + kv_heads[:, None] * stride_kch + offs[None, :]
-        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
-        tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
-        v_row = k_row + N_KV_HEADS * 2 * HALF
-        offs_d = tl.arange(0, 2 * HALF)
-        v = tl.load(v_row + kv_heads[:, None] * (2 * HALF) + offs_d[None, :], mask=kmask, other=0.0)
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+        v_row = k_row + N_KV_HEADS * HEAD_DIM
+        v = tl.load(v_row + kv_heads[:, None] * HEAD_DIM + offs[None, :], mask=kmask, other=0.0)
         v_dst = (v_cache_ptr + block * stride_vcb + in_page * stride_vct + kv_heads[:, None] * stride_vch
-                 + offs_d[None, :])
+                 + offs[None, :])
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kmask)
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                  num_kv_heads: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                  num_kv_heads: int, q_out: torch.Tensor | None = None,
+                  qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) * D] → rotated q [T, H, D] (into q_out if given); rotated k and v into the cache at
-    slot_mapping [T]. cos/sin: [max_position, D / 2] tables in qkv's dtype (RotaryEmbedding.tables)."""
+    slot_mapping [T]. cos/sin: [max_position, R / 2] tables in qkv's dtype (RotaryEmbedding.tables) for the first
+    R <= D dims of each head. qk_norm: (q weight [D], k weight [D], eps, plus_one): each q and k head is
+    RMS-normed before rope (Qwen3: weight * norm; Gemma: (1 + weight) * norm)."""
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
-    half = head_dim // 2
+    rot_half = cos.shape[-1]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(-1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} is not a contiguous-row [T, (H + 2 KVH) * D] projection")
     if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"rope_write_kv supports float32, bfloat16 and float16, not {qkv.dtype}")
-    if half & (half - 1) or cos.shape[-1] != half or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
-        raise ValueError("rope_write_kv needs head_dim / 2 a power of two and cos/sin tables [P, D/2] in qkv's dtype")
+    if 2 * rot_half > head_dim or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype or sin.shape != cos.shape:
+        raise ValueError("rope_write_kv needs cos/sin tables [P, R/2] (R <= head_dim) in qkv's dtype")
     if q_out is None:
         q_out = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
@@ -149,31 +195,40 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torc
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q_out.stride(-1) != 1 or q_out.stride(1) != head_dim:
         raise ValueError("rope_write_kv needs contiguous heads in q_out and the KV cache")
     require_runnable(qkv.device)
+    q_weight, k_weight, eps, plus_one = qk_norm if qk_norm is not None else (qkv, qkv, 0.0, False)
     _rope_write_kv[(tokens,)](
-        qkv, positions, slot_mapping, cos, sin, q_out, k_cache, v_cache,
+        qkv, positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, q_weight, k_weight, eps,
         qkv.stride(0), q_out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         N_HEADS=num_heads, N_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(num_heads),
-        KV_PAD=triton.next_power_of_2(num_kv_heads), HALF=half, PAGE=k_cache.shape[1],
-        ROUND=qkv.dtype in (torch.bfloat16, torch.float16), BF16=qkv.dtype == torch.bfloat16, num_warps=4,
+        KV_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        ROT_HALF=rot_half, PAGE=k_cache.shape[1], ROUND=qkv.dtype in (torch.bfloat16, torch.float16),
+        BF16=qkv.dtype == torch.bfloat16, QK_NORM=qk_norm is not None, PLUS_ONE=bool(plus_one), num_warps=4,
     )
     return q_out
 
 
 @triton.jit
-def _silu_mul(gate_up_ptr, out_ptr, stride_g, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_act(gate_up_ptr, out_ptr, stride_g, stride_o, N: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     dtype = out_ptr.dtype.element_ty
     g = tl.load(gate_up_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_up_ptr + row * stride_g + N + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch rounds silu(gate) before the product
-    tl.store(out_ptr + row * stride_o + cols, (silu * u).to(dtype), mask=mask)
+    if GELU:  # tanh-approximated GELU; tanh(y) = 1 - 2 / (exp(2y) + 1)
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    act = act.to(dtype).to(tl.float32)  # torch rounds act(gate) before the product
+    tl.store(out_ptr + row * stride_o + cols, (act * u).to(dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """gate_up [T, 2I] (gate columns first) → silu(gate) * up [T, I]."""
+def gated_act(gate_up: torch.Tensor, act: str = "silu", out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [T, 2I] (gate columns first) → act(gate) * up [T, I]; act "silu" or "gelu_tanh"."""
+    if act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"gated_act supports silu and gelu_tanh, not {act!r}")
     rows, width = gate_up.shape
     n = width // 2
     if out is None:
@@ -181,9 +236,14 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     if rows == 0:
         return out
     if gate_up.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("silu_mul needs rows with a contiguous last axis")
+        raise ValueError("gated_act needs rows with a contiguous last axis")
     require_runnable(gate_up.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_mul[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block,
-                                             num_warps=4)
+    _gated_act[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block,
+                                              GELU=act == "gelu_tanh", num_warps=4)
     return out
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [T, 2I] (gate columns first) → silu(gate) * up [T, I]."""
+    return gated_act(gate_up, "silu", out)

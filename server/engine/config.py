@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from metronome.contract.errors import InvalidRequestError
+from metronome.server.models.moe_config import MOE_BACKENDS
 
 ASYNC_SCHEDULING = ("auto", "on", "off")
 
@@ -27,6 +28,7 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of KV blocks kept free at admission so running decodes can grow
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA + triton only; False = --enforce-eager)
     async_scheduling: str = "auto"  # ASYNC_SCHEDULING: launch step n+1 before reading step n (auto: on for CUDA)
+    moe_backend: str = "auto"  # MOE_BACKENDS: how a mixture of experts runs its experts (auto: triton on CUDA)
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -46,6 +48,9 @@ class EngineConfig:
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise InvalidRequestError(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}, got "
                                       f"{self.async_scheduling!r}", param="async_scheduling")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise InvalidRequestError(f"moe_backend must be one of {', '.join(MOE_BACKENDS)}, got "
+                                      f"{self.moe_backend!r}", param="moe_backend")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise InvalidRequestError("tensor_parallel_size must be an integer >= 1", param="tensor_parallel_size")

@@ -143,29 +143,38 @@ def backend_split_classes(backend: Any, num_kv_heads: int, device: torch.device,
                         max_model_len, tuple(backend.variant_lengths(max_model_len)))
 
 
+def per_group(value) -> list:
+    """A per-group argument given as one array (a model with one KV group) or a list of them."""
+    return value if isinstance(value, (list, tuple)) else [value]
+
+
 class StaticBatch:
     """The device inputs of one padded size, and the pinned host buffers they are refilled from.
 
-    int64 buffer: input_ids [S] | positions [S] | slot_mapping [S] | sample_rows [S] (only the first k used)
-    int32 buffer: cu_seqlens_q [S + 1] | seq_lens [S] | block_tables [S, cols]
+    int64 buffer: input_ids [S] | positions [S] | sample_rows [S] (only the first k used) | slot_mapping [S] per group
+    int32 buffer: cu_seqlens_q [S + 1] | seq_lens [S] | block_tables [S, cols] per group
     """
 
-    def __init__(self, size: int, cols: int, scratch_block: int, device: torch.device):
-        self.size, self.cols, self.scratch_block = size, cols, scratch_block
+    def __init__(self, size: int, cols: int, scratch_block: int, device: torch.device, groups: int = 1):
+        self.size, self.cols, self.scratch_block, self.groups = size, cols, scratch_block, groups
         on_cuda = device.type == "cuda"
-        self.longs = torch.zeros(4 * size, dtype=torch.int64, device=device)
-        self.ints = torch.zeros(2 * size + 1 + size * cols, dtype=torch.int32, device=device)
+        self.longs = torch.zeros((3 + groups) * size, dtype=torch.int64, device=device)
+        self.ints = torch.zeros(2 * size + 1 + groups * size * cols, dtype=torch.int32, device=device)
         self._host_longs = torch.zeros(self.longs.shape, dtype=torch.int64, pin_memory=on_cuda)
         self._host_ints = torch.zeros(self.ints.shape, dtype=torch.int32, pin_memory=on_cuda)
         self._copied = torch.cuda.Event() if on_cuda else None  # the last upload; host buffers are free after it
-        s = size
-        self.input_ids, self.positions = self.longs[:s], self.longs[s:2 * s]
-        self.slot_mapping, self._sample_rows = self.longs[2 * s:3 * s], self.longs[3 * s:]
+        s, t = size, size * cols
+        self.input_ids, self.positions, self._sample_rows = self.longs[:s], self.longs[s:2 * s], self.longs[2 * s:3 * s]
+        self.slot_mappings = [self.longs[(3 + g) * s:(4 + g) * s] for g in range(groups)]
         self.cu_seqlens_q, self.seq_lens = self.ints[:s + 1], self.ints[s + 1:2 * s + 1]
-        self.block_tables = self.ints[2 * s + 1:].view(s, cols)
+        base = 2 * s + 1
+        self.group_block_tables = [self.ints[base + g * t:base + (g + 1) * t].view(s, cols) for g in range(groups)]
+        self.slot_mapping, self.block_tables = self.slot_mappings[0], self.group_block_tables[0]
         hl, hi = self._host_longs.numpy(), self._host_ints.numpy()
-        self._h_ids, self._h_pos, self._h_slots, self._h_rows = hl[:s], hl[s:2 * s], hl[2 * s:3 * s], hl[3 * s:]
-        self._h_seq_lens, self._h_tables = hi[s + 1:2 * s + 1], hi[2 * s + 1:].reshape(s, cols)
+        self._h_ids, self._h_pos, self._h_rows = hl[:s], hl[s:2 * s], hl[2 * s:3 * s]
+        self._h_slots = [hl[(3 + g) * s:(4 + g) * s] for g in range(groups)]
+        self._h_seq_lens = hi[s + 1:2 * s + 1]
+        self._h_tables = [hi[base + g * t:base + (g + 1) * t].reshape(s, cols) for g in range(groups)]
         hi[:s + 1] = np.arange(s + 1)  # every row is one token: cu_seqlens_q never changes
         self._fill_padding(0)
         self.upload()
@@ -173,22 +182,28 @@ class StaticBatch:
     def _fill_padding(self, n: int) -> None:
         self._h_ids[n:] = 0
         self._h_pos[n:] = 0
-        self._h_slots[n:] = -1
         self._h_seq_lens[n:] = 1
-        self._h_tables[n:] = self.scratch_block
+        for slots, tables in zip(self._h_slots, self._h_tables):
+            slots[n:] = -1
+            tables[n:] = self.scratch_block
 
-    def fill(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-             tables: np.ndarray, sample_rows: np.ndarray) -> torch.Tensor:
+    def fill(self, token_ids: np.ndarray, positions: np.ndarray, slots, seq_lens: np.ndarray, tables,
+             sample_rows: np.ndarray) -> torch.Tensor:
         """Write n real decodes (n <= size) and padding into the host buffers, upload; returns sample_rows on the
-        device. tables is [n, c] with c <= cols: the block-table columns the batch needs."""
-        n, c = len(token_ids), tables.shape[1]
+        device. slots [n] and tables [n, c] (c <= cols: the block-table columns the batch needs) per group."""
+        n = len(token_ids)
+        slots, tables = per_group(slots), per_group(tables)
+        if len(slots) != self.groups or len(tables) != self.groups:
+            raise ValueError(f"a batch of {len(slots)} KV groups for graphs captured with {self.groups}")
         if self._copied is not None:
             self._copied.synchronize()  # the previous upload may still be reading these pinned buffers
         self._h_ids[:n] = token_ids
         self._h_pos[:n] = positions
-        self._h_slots[:n] = slots
+        for host_slots, host_tables, group_slots, group_tables in zip(self._h_slots, self._h_tables,
+                                                                      slots, tables):
+            host_slots[:n] = group_slots
+            host_tables[:n, :group_tables.shape[1]] = group_tables
         self._h_seq_lens[:n] = seq_lens
-        self._h_tables[:n, :c] = tables
         self._h_rows[:len(sample_rows)] = sample_rows
         self._fill_padding(n)
         self.upload()
@@ -200,12 +215,15 @@ class StaticBatch:
         if self._copied is not None:
             self._copied.record()
 
-    def metadata(self, max_seqlen_k: int) -> AttentionMetadata:
-        """A metadata object for capture: device views of this batch, host facts of the dummy batch."""
-        return AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q, seq_lens=self.seq_lens,
-                                 block_tables=self.block_tables, slot_mapping=self.slot_mapping, max_seqlen_q=1,
-                                 max_seqlen_k=max_seqlen_k, q_lens_host=[1] * self.size,
-                                 seq_lens_host=[1] * self.size)
+    def metadata(self, max_seqlen_k: int) -> AttentionMetadata | list[AttentionMetadata]:
+        """Metadata for capture: device views of this batch, host facts of the dummy batch (shared by the groups'
+        objects); one object, or one per group."""
+        q_host, lens_host = [1] * self.size, [1] * self.size
+        metas = [AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q, seq_lens=self.seq_lens, block_tables=tables,
+                                   slot_mapping=slots, max_seqlen_q=1, max_seqlen_k=max_seqlen_k,
+                                   q_lens_host=q_host, seq_lens_host=lens_host)
+                 for slots, tables in zip(self.slot_mappings, self.group_block_tables)]
+        return metas[0] if self.groups == 1 else metas
 
 
 @dataclass
@@ -238,9 +256,12 @@ class GraphRunner:
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
                  sizes: list[int], block_cols: int, scratch_block: int, device: torch.device,
                  split_classes: SplitClasses, capture: Capture = capture_cuda, pool: Any = None,
-                 refresh_host_facts: bool = False):
+                 refresh_host_facts: bool = False, layer_groups: tuple[int, ...] | None = None):
+        """layer_groups: each layer's KV group where the model has several (kv_layout.py); None: one."""
         if not sizes:
             raise ValueError("no batch sizes to capture")
+        self.layer_groups = layer_groups
+        self.num_groups = 1 + max(layer_groups) if layer_groups else 1
         self.forward = forward
         self.sizes = sorted(set(sizes))
         self.block_cols = block_cols
@@ -262,10 +283,12 @@ class GraphRunner:
         graph's first replay against an eager run of the same inputs. Raises on any failure."""
         start = time.perf_counter()
         for size in reversed(self.sizes):
-            static = StaticBatch(size, self.block_cols, self.scratch_block, self.device)
+            static = StaticBatch(size, self.block_cols, self.scratch_block, self.device, self.num_groups)
             self.statics[size] = static
             for split_class, max_seqlen_k in sorted(self.split_classes.representatives(size).items()):
                 meta = static.metadata(max_seqlen_k)
+                if self.num_groups > 1:  # the model takes one metadata object per layer
+                    meta = [meta[g] for g in self.layer_groups]
                 fn = self._bound(static, meta)
                 with torch.inference_mode():
                     replay, output = self.capture_fn(fn, self.pool)
@@ -294,12 +317,13 @@ class GraphRunner:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def prepare(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-                tables: np.ndarray, sample_rows: np.ndarray) -> tuple[GraphStep, torch.Tensor] | None:
-        """Fill the static inputs for a decode-only batch (one token per sequence); None if no graph fits."""
+    def prepare(self, token_ids: np.ndarray, positions: np.ndarray, slots, seq_lens: np.ndarray,
+                tables, sample_rows: np.ndarray) -> tuple[GraphStep, torch.Tensor] | None:
+        """Fill the static inputs for a decode-only batch (one token per sequence; slots and tables: one array,
+        or one per KV group); None if no graph fits."""
         n = len(token_ids)
         size = self.padded_size(n)
-        if size is None or tables.shape[1] > self.block_cols:
+        if size is None or per_group(tables)[0].shape[1] > self.block_cols:
             return None
         max_seqlen_k = int(seq_lens.max())
         graph = self.graphs.get((size, self.split_classes.of(size, max_seqlen_k)))
@@ -307,8 +331,10 @@ class GraphRunner:
             return None
         sample_dev = graph.static.fill(token_ids, positions, slots, seq_lens, tables, sample_rows)
         if self.refresh_host_facts:
-            graph.meta.seq_lens_host = seq_lens.tolist() + [1] * (size - n)
-            graph.meta.max_seqlen_k = max_seqlen_k
+            metas = per_group(graph.meta)
+            metas[0].seq_lens_host[:] = seq_lens.tolist() + [1] * (size - n)  # one list, shared by the groups
+            for meta in metas:
+                meta.max_seqlen_k = max_seqlen_k
         return GraphStep(graph, n), sample_dev
 
     @staticmethod

@@ -32,6 +32,7 @@ from metronome.server.engine.block_manager import BlockManager
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.grammar import Grammars, advance
 from metronome.server.engine.kv_cache import bytes_per_block, plan_num_blocks
+from metronome.server.engine.kv_layout import kv_layout
 from metronome.server.engine.model_runner import InFlightTokens, ModelRunner
 from metronome.server.engine.output_text import OutputText
 from metronome.server.engine.outputs import EngineStats, GenerationResult, StepStats, TokenEvent
@@ -93,20 +94,33 @@ class EngineCore:
                 param="max_model_len")
         self.max_model_len: int = config.max_model_len or model_max
         device = torch.device(loaded.device)
+        set_moe_backend = getattr(loaded.model, "set_moe_backend", None)
+        if set_moe_backend is not None:  # a mixture of experts: how its experts run (a dense model has none)
+            from metronome.server.models.moe import resolve_moe_backend
+            try:
+                resolve_moe_backend(config.moe_backend, device)  # an explicit choice must run on this device
+            except ValueError as error:
+                raise InvalidRequestError(str(error), param="moe_backend") from None
+            set_moe_backend(config.moe_backend)
         dtype = loaded.dtype if isinstance(loaded.dtype, torch.dtype) else getattr(torch, str(loaded.dtype))
         kv_heads = model_config.num_key_value_heads if workers is None else workers.kv_heads_per_rank
-        per_block = bytes_per_block(model_config.num_hidden_layers, config.block_size,
-                                    kv_heads, model_config.head_dim, dtype)
+        # Layers with a sliding window keep their KV in groups of their own, whose blocks behind the window are
+        # freed (kv_layout.py); a block is one block of every layer of a group.
+        self.kv_layout = kv_layout(getattr(model_config, "layer_windows", None)
+                                   or (None,) * model_config.num_hidden_layers)
+        per_block = bytes_per_block(self.kv_layout.group_size, config.block_size, kv_heads, model_config.head_dim,
+                                    dtype)
         num_blocks = plan_num_blocks(config, per_block, device)
         if workers is not None:
             num_blocks = workers.agree_num_blocks(num_blocks)  # every rank allocates the same cache
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          config.watermark)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+                                          config.watermark, self.kv_layout.group_windows)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager,
+                                   long_rope_from=getattr(loaded.model, "long_rope_from", None))
         runner_class = ModelRunner if workers is None else workers.runner_class
         self.runner = runner_class(loaded.model, model_config.num_hidden_layers, kv_heads,
                                    model_config.head_dim, num_blocks, config.block_size, self.max_model_len, dtype,
-                                   device, seed=config.seed)
+                                   device, seed=config.seed, layout=self.kv_layout)
         if device.type == "cuda":
             compile_watch.install()  # before the first kernel: start-up compiles are counted too
         # "cuda_graphs" (decode steps replay captured graphs) or "eager: <why>"; reported in stats().
@@ -163,9 +177,13 @@ class EngineCore:
     def startup_summary(self) -> str:
         """KV cache size, the concurrency it allows at full context, and how steps run (graphs or eager)."""
         bm = self.block_manager
-        tokens = bm.num_blocks * bm.block_size
-        return (f"KV cache {bm.num_blocks} blocks x {bm.block_size} tokens = {tokens} tokens; max concurrency "
-                f"{tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens (max_model_len); "
+        groups = len(bm.full_groups) or 1  # a full-context sequence holds a block per token in each full group
+        tokens = bm.num_blocks * bm.block_size // groups
+        windows = (f" ({len(bm.full_groups)} full and {len(bm.window_groups)} sliding-window KV groups of "
+                   f"{self.kv_layout.group_size} layers)" if bm.window_groups else "")
+        return (f"KV cache {bm.num_blocks} blocks x {bm.block_size} tokens{windows} = {tokens} tokens; "
+                f"max concurrency {tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens "
+                "(max_model_len); "
                 f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}"
                 + (f"; warm-up burst of {self.warm_batch[0]} sequences in {self.warm_batch[1]} steps, "
                    f"{self.warm_batch[2]:.2f}s" if self.warm_batch[0] else ""))

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig
 from metronome.server.cli_types import bounded, chunk_tokens, nonneg_int, open_fraction, positive_float, positive_int
 from metronome.server.engine.config import ASYNC_SCHEDULING, EngineConfig
+from metronome.server.models.moe_config import MOE_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--async-scheduling", "async_scheduling", "launch each step before reading the previous step's tokens, so "
          "that scheduling and input preparation overlap the GPU (auto: on for CUDA, off for CPU; requests with "
          "penalties, grammars or logprobs, and tensor parallel, always run synchronously)", choices=ASYNC_SCHEDULING),
+    Flag("--moe-backend", "moe_backend", "how a mixture-of-experts model runs its experts: auto (triton on CUDA, "
+         "reference elsewhere), triton (fused kernels), grouped_mm (torch's grouped GEMM, bf16 on CUDA), reference "
+         "(a loop over the experts: exact, no CUDA graphs)", choices=MOE_BACKENDS),
 )
 
 SCHEDULER_FLAGS: tuple[Flag, ...] = (

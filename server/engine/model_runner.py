@@ -33,6 +33,7 @@ from metronome.server.engine.cuda_graphs import (
     cuda_graph_pool,
 )
 from metronome.server.engine.kv_cache import allocate_kv_cache
+from metronome.server.engine.kv_layout import KVLayout, kv_layout
 from metronome.server.engine.piecewise_graphs import PieceStep, PiecewiseRunner, token_buckets
 from metronome.server.engine.sampler import Sampler
 from metronome.server.engine.scheduler import ScheduledBatch
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 class PreparedInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
-    meta: AttentionMetadata
+    meta: AttentionMetadata | list[AttentionMetadata]  # one for every layer, or one per layer (KV groups)
     sample_rows: torch.Tensor  # int64 [N]: rows of the hidden states whose next token is sampled
     sampling_seqs: list[Sequence]
     graph_step: GraphStep | None = None  # set when this step replays a captured CUDA graph (inputs are padded)
@@ -79,9 +80,11 @@ def _aligned(parts: list[np.ndarray], dtype: type) -> tuple[np.ndarray, list[int
 
 
 class BlockTableMirror:
-    """Block tables as rows of one numpy array; a sequence keeps its row until released."""
+    """One KV group's block tables as rows of one numpy array; a sequence keeps its row until released. A window
+    group's entries freed behind the window keep their old value here: the kernels never read them."""
 
-    def __init__(self, max_blocks_per_seq: int, initial_rows: int = 64):
+    def __init__(self, max_blocks_per_seq: int, initial_rows: int = 64, group: int = 0):
+        self.group = group
         self.cols = max_blocks_per_seq
         self.table = np.zeros((initial_rows, max_blocks_per_seq), dtype=np.int32)
         self.free_rows = list(range(initial_rows - 1, -1, -1))
@@ -92,7 +95,7 @@ class BlockTableMirror:
     def row_for(self, seq: Sequence) -> int:
         rid = seq.request_id
         row = self.rows.get(rid)
-        blocks = seq.block_table
+        blocks = seq.block_tables[self.group]
         if row is not None and self.synced[rid] == len(blocks) and self.table_ids[rid] == id(blocks):
             return row  # the common case: nothing new since the last step
         if row is None:
@@ -103,7 +106,6 @@ class BlockTableMirror:
             row = self.free_rows.pop()
             self.rows[rid] = row
             self.synced[rid] = 0
-        blocks = seq.block_table
         if self.table_ids.get(rid) != id(blocks):  # re-allocated (preempted and admitted again)
             self.table_ids[rid] = id(blocks)
             self.synced[rid] = 0
@@ -126,18 +128,26 @@ class BlockTableMirror:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, max_model_len: int, dtype: torch.dtype, device: torch.device,
-                 seed: int = 0):
+                 seed: int = 0, layout: KVLayout | None = None):
+        """layout: how the layers share the cache (kv_layout.py); None: one group of every layer."""
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.layout = layout or kv_layout((None,) * num_layers)
+        if len(self.layout.layer_group) != num_layers:
+            raise ValueError(f"a KV layout of {len(self.layout.layer_group)} layers for a model of {num_layers}")
         # One block more than the block manager hands out: the scratch block that padding rows of a captured
         # graph point at (never written: their slot is -1).
         self.scratch_block = num_blocks
-        self.kv_caches = allocate_kv_cache(num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype,
-                                           device)
+        pairs = allocate_kv_cache(self.layout.group_size, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype,
+                                  device)
+        self.kv_caches = [pairs[slot] for slot in self.layout.layer_slot]
         self.sampler = Sampler(device, seed)
-        self.mirror = BlockTableMirror(-(-max_model_len // block_size) + 1)
+        cols = -(-max_model_len // block_size) + 1
+        self.mirrors = [BlockTableMirror(cols, group=g) for g in range(self.layout.num_groups)]
+        self.rope_long_offset = getattr(model, "rope_long_offset", 0)
+        self.mirror = self.mirrors[0]
         self._on_cuda = device.type == "cuda"
         # name -> (pinned staging buffer, event after the last upload from it: then it may be rewritten)
         self._staging: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}
@@ -147,7 +157,14 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         """seq left the engine (finished or aborted)."""
-        self.mirror.release(seq.request_id)
+        for mirror in self.mirrors:
+            mirror.release(seq.request_id)
+
+    def per_layer(self, per_group: list):
+        """One value per group → what the model takes: the value itself for one group, else one per layer."""
+        if len(per_group) == 1:
+            return per_group[0]
+        return [per_group[g] for g in self.layout.layer_group]
 
     # --- inputs --------------------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch, in_flight: InFlightTokens | None = None) -> PreparedInputs:
@@ -155,10 +172,13 @@ class ModelRunner:
         this one that are PENDING on the host (async scheduling)."""
         entries = batch.entries
         num_seqs = len(entries)
-        q_list, start_list, total_list, row_list = [], [], [], []
+        q_list, start_list, total_list, long_list = [], [], [], []
+        group_rows: list[list[int]] = [[] for _ in self.mirrors]
         token_ids: list[int] = []
         pending: list[tuple[int, Sequence]] = []  # (row of this step's tokens, sequence) of PENDING tokens
         row_for = self.mirror.row_for
+        row_list = group_rows[0]
+        other_mirrors = list(enumerate(self.mirrors))[1:]
         for seq, n in entries:  # one pass over the sequences; everything else is vectorised
             c = seq.num_computed_tokens
             tokens = seq.token_ids
@@ -174,21 +194,26 @@ class ModelRunner:
             q_list.append(n)
             start_list.append(c)
             total_list.append(len(tokens))
+            long_list.append(seq.rope_long)
             row_list.append(row_for(seq))
+            for g, mirror in other_mirrors:
+                group_rows[g].append(mirror.row_for(seq))
         q_lens = np.array(q_list, dtype=np.int64)
         starts = np.array(start_list, dtype=np.int64)
         seq_lens = starts + q_lens
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         num_tokens = int(cu[-1])
-        rows = np.array(row_list, dtype=np.int64)
         max_cols = int(-(-seq_lens.max() // self.block_size))
-        block_tables = self.mirror.table[rows, :max_cols]
+        tables = [mirror.table[np.array(rows, dtype=np.int64), :max_cols]
+                  for mirror, rows in zip(self.mirrors, group_rows)]
 
         seq_index = np.repeat(np.arange(num_seqs), q_lens)
         positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - cu[:-1], q_lens)
-        slot_mapping = (block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size
-                        + positions % self.block_size)
+        block_of, in_block = positions // self.block_size, positions % self.block_size
+        slots = [table[seq_index, block_of].astype(np.int64) * self.block_size + in_block for table in tables]
+        if self.rope_long_offset and any(long_list):  # LongRoPE: a long sequence reads the long-factor rows
+            positions = positions + np.repeat(np.array(long_list, dtype=np.int64) * self.rope_long_offset, q_lens)
 
         sampling = seq_lens == np.array(total_list, dtype=np.int64)
         sample_rows = cu[1:][sampling] - 1
@@ -196,7 +221,7 @@ class ModelRunner:
 
         token_array = np.asarray(token_ids, dtype=np.int64)
         if self.graphs is not None and num_tokens == num_seqs:  # decode-only (one token each): a graph may fit
-            prepared = self.graphs.prepare(token_array, positions, slot_mapping, seq_lens, block_tables, sample_rows)
+            prepared = self.graphs.prepare(token_array, positions, slots, seq_lens, tables, sample_rows)
             if prepared is not None:
                 step, sample_dev = prepared
                 static = step.graph.static
@@ -205,32 +230,32 @@ class ModelRunner:
                 return PreparedInputs(static.input_ids, static.positions, step.graph.meta, sample_dev, sampling_seqs,
                                       step)
         t, b = num_tokens, num_seqs
-        piece = self.pieces.prepare(token_array, positions, slot_mapping, sample_rows) \
-            if self.pieces is not None else None
+        piece = self.pieces.prepare(token_array, positions, slots, sample_rows) if self.pieces is not None else None
         if piece is None:
-            longs, (o_ids, o_pos, o_slots, o_rows) = _aligned([token_array, positions, slot_mapping, sample_rows],
-                                                              np.int64)
+            longs, offsets = _aligned([token_array, positions, sample_rows, *slots], np.int64)
             longs_dev = self._to_device("longs", longs)
+            o_ids, o_pos, o_rows = offsets[:3]
             input_ids, positions_dev = longs_dev[o_ids:o_ids + t], longs_dev[o_pos:o_pos + t]
-            slots_dev, sample_dev = longs_dev[o_slots:o_slots + t], longs_dev[o_rows:o_rows + len(sample_rows)]
+            sample_dev = longs_dev[o_rows:o_rows + len(sample_rows)]
+            slots_dev = [longs_dev[o:o + t] for o in offsets[3:]]
         else:
             step, sample_dev = piece
             input_ids, positions_dev, slots_dev = self.pieces.inputs(step)
         if pending:
             self._fill_pending(input_ids, pending, in_flight)
-        ints, (o_cu, o_lens, o_tables) = _aligned(
-            [cu.astype(np.int32), seq_lens.astype(np.int32), block_tables.reshape(-1)], np.int32)
+        ints, offsets = _aligned([cu.astype(np.int32), seq_lens.astype(np.int32),
+                                  *(table.reshape(-1) for table in tables)], np.int32)
         ints_dev = self._to_device("ints", ints)
-        meta = AttentionMetadata(
-            cu_seqlens_q=ints_dev[o_cu:o_cu + b + 1],
-            seq_lens=ints_dev[o_lens:o_lens + b],
-            block_tables=ints_dev[o_tables:o_tables + b * max_cols].view(b, max_cols),
-            slot_mapping=slots_dev,
-            max_seqlen_q=int(q_lens.max()),
-            max_seqlen_k=int(seq_lens.max()),
-            q_lens_host=q_lens.tolist(),
-            seq_lens_host=seq_lens.tolist(),
-        )
+        o_cu, o_lens = offsets[:2]
+        cu_dev, lens_dev = ints_dev[o_cu:o_cu + b + 1], ints_dev[o_lens:o_lens + b]
+        q_host, lens_host = q_lens.tolist(), seq_lens.tolist()  # shared by the groups' metadata
+        max_q, max_k = int(q_lens.max()), int(seq_lens.max())
+        metas = [AttentionMetadata(cu_seqlens_q=cu_dev, seq_lens=lens_dev,
+                                   block_tables=ints_dev[o:o + b * max_cols].view(b, max_cols), slot_mapping=slot,
+                                   max_seqlen_q=max_q, max_seqlen_k=max_k, q_lens_host=q_host,
+                                   seq_lens_host=lens_host)
+                 for o, slot in zip(offsets[2:], slots_dev)]
+        meta = self.per_layer(metas)
         return PreparedInputs(input_ids, positions_dev, meta, sample_dev, sampling_seqs,
                               piece_step=piece[0] if piece is not None else None)
 
@@ -287,7 +312,12 @@ class ModelRunner:
         k_cache = self.kv_caches[0][0]
         heads = self.model.config.num_attention_heads  # this rank's heads under tensor parallelism
         return PiecewiseRunner(self.model, self.kv_caches, buckets, (heads, k_cache.shape[3]), k_cache.dtype,
-                               self.scratch_block, self.device, capture, pool)
+                               self.scratch_block, self.device, capture, pool, self.layer_groups)
+
+    @property
+    def layer_groups(self) -> tuple[int, ...] | None:
+        """Each layer's KV group where there are several (graph runners take one metadata object per layer)."""
+        return self.layout.layer_group if self.layout.num_groups > 1 else None
 
     def setup_cuda_graphs(self, max_batch: int, max_model_len: int, max_tokens: int = 4096) -> str:
         """Capture decode-step graphs for batches up to max_batch, and piecewise graphs for other steps of up to
@@ -301,18 +331,22 @@ class ModelRunner:
             return "eager: not on CUDA"
         if name != "triton":
             return f"eager: attention backend {name!r} is not captured (only triton is)"
+        model_problem = getattr(self.model, "graph_capture_problem", None)
+        problem = model_problem(self.device) if model_problem is not None else None
+        if problem:
+            return f"eager: {problem}"
         sizes = capture_sizes(max_batch)
         if not sizes:
             return "eager: no batch size to capture"
         pool = None
         try:
             with torch.cuda.device(self.device):
-                self.model.model.rotary.tables(self.device, self.kv_caches[0][0].dtype)  # never inside a capture
+                self.model.prepare_rope_tables(self.device, self.kv_caches[0][0].dtype)  # never inside a capture
                 num_kv_heads = self.kv_caches[0][0].shape[2]
                 pool = cuda_graph_pool()
                 graphs = GraphRunner(self.graph_forward, sizes, self.mirror.cols, self.scratch_block, self.device,
                                      backend_split_classes(backend, num_kv_heads, self.device, max_model_len),
-                                     capture_cuda, pool)
+                                     capture_cuda, pool, layer_groups=self.layer_groups)
                 report = graphs.capture_all()
                 torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 - any capture failure means "serve eager", never "crash"
@@ -359,7 +393,14 @@ class ModelRunner:
         launches = 0
         with torch.inference_mode():
             if backend is not None and heads is not None:
-                launches += backend.warm_up((1, heads, k_cache.shape[3]), k_cache, v_cache, max_model_len)
+                config = self.model.config
+                windows = tuple(dict.fromkeys(getattr(config, "layer_windows", None) or (None,)))
+                launches += backend.warm_up((1, heads, k_cache.shape[3]), k_cache, v_cache, max_model_len,
+                                            windows=windows, softcap=getattr(config, "attn_logit_softcapping", None),
+                                            sinks=getattr(config, "attention_sinks", False))
+            warm_kernels = getattr(self.model, "warm_up_kernels", None)
+            if warm_kernels is not None:  # kernels of the model's own (the MoE tile classes)
+                launches += warm_kernels(self.device)
             meta = scratch_metadata([1], self.scratch_block, self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             self.model.forward(zero, zero, self.kv_caches, meta)

@@ -64,24 +64,27 @@ class PiecewiseModel(Protocol):
 class StaticTokens:
     """Device inputs for the largest bucket and the pinned host buffer they are refilled from.
 
-    int64 buffer: input_ids [M] | positions [M] | slot_mapping [M] | sample_rows [M]
+    int64 buffer: input_ids [M] | positions [M] | sample_rows [M] | slot_mapping [M] per KV group
     """
 
-    def __init__(self, max_tokens: int, device: torch.device):
+    def __init__(self, max_tokens: int, device: torch.device, groups: int = 1):
         m = self.max_tokens = max_tokens
         on_cuda = device.type == "cuda"
-        self.longs = torch.zeros(4 * m, dtype=torch.int64, device=device)
-        self._host = torch.zeros(4 * m, dtype=torch.int64, pin_memory=on_cuda)
+        self.longs = torch.zeros((3 + groups) * m, dtype=torch.int64, device=device)
+        self._host = torch.zeros((3 + groups) * m, dtype=torch.int64, pin_memory=on_cuda)
         self._copied = torch.cuda.Event() if on_cuda else None
-        self.input_ids, self.positions = self.longs[:m], self.longs[m:2 * m]
-        self.slot_mapping, self.sample_rows = self.longs[2 * m:3 * m], self.longs[3 * m:]
+        self.input_ids, self.positions, self.sample_rows = self.longs[:m], self.longs[m:2 * m], self.longs[2 * m:3 * m]
+        self.slot_mappings = [self.longs[(3 + g) * m:(4 + g) * m] for g in range(groups)]
+        self.slot_mapping = self.slot_mappings[0]
         h = self._host.numpy()
-        self._ids, self._pos, self._slots, self._rows = h[:m], h[m:2 * m], h[2 * m:3 * m], h[3 * m:]
-        self._slots[:] = -1
+        self._ids, self._pos, self._rows = h[:m], h[m:2 * m], h[2 * m:3 * m]
+        self._slots = [h[(3 + g) * m:(4 + g) * m] for g in range(groups)]
+        for slots in self._slots:
+            slots[:] = -1
         self._filled = 0  # rows holding real tokens since the last fill (the rest is padding already)
 
-    def fill(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-             sample_rows: np.ndarray) -> None:
+    def fill(self, token_ids: np.ndarray, positions: np.ndarray, slots, sample_rows: np.ndarray) -> None:
+        """slots: one array, or one per KV group."""
         n = len(token_ids)
         if self._copied is not None:
             self._copied.synchronize()  # the last upload may still be reading the pinned buffer
@@ -89,10 +92,15 @@ class StaticTokens:
         if stale > n:  # rows the last step used and this one does not: back to padding
             self._ids[n:stale] = 0
             self._pos[n:stale] = 0
-            self._slots[n:stale] = -1
+            for host in self._slots:
+                host[n:stale] = -1
+        slots = slots if isinstance(slots, (list, tuple)) else [slots]
+        if len(slots) != len(self._slots):
+            raise ValueError(f"a batch of {len(slots)} KV groups for pieces captured with {len(self._slots)}")
         self._ids[:n] = token_ids
         self._pos[:n] = positions
-        self._slots[:n] = slots
+        for host, group_slots in zip(self._slots, slots):
+            host[:n] = group_slots
         self._rows[:len(sample_rows)] = sample_rows
         self._filled = n
         self.longs.copy_(self._host, non_blocking=True)
@@ -129,10 +137,13 @@ class PiecewiseReport:
 class PiecewiseRunner:
     def __init__(self, model: PiecewiseModel, kv_caches: list, buckets: list[int], q_shape: tuple[int, int],
                  dtype: torch.dtype, scratch_block: int, device: torch.device, capture: Capture = capture_cuda,
-                 pool: Any = None):
-        """q_shape: (heads, head_dim) of this rank's attention."""
+                 pool: Any = None, layer_groups: tuple[int, ...] | None = None):
+        """q_shape: (heads, head_dim) of this rank's attention; layer_groups: each layer's KV group where the model
+        has several (kv_layout.py)."""
         if not buckets:
             raise ValueError("no token buckets to capture")
+        self.layer_groups = layer_groups
+        self.num_groups = 1 + max(layer_groups) if layer_groups else 1
         self.model = model
         self.kv_caches = kv_caches
         self.buckets = sorted(set(buckets))
@@ -141,7 +152,7 @@ class PiecewiseRunner:
         self.pool = pool
         self.scratch_block = scratch_block
         top = self.buckets[-1]
-        self.static = StaticTokens(top, device)
+        self.static = StaticTokens(top, device, self.num_groups)
         self.q_buf = torch.zeros((top, *q_shape), dtype=dtype, device=device)
         self.attn_buf = torch.zeros((top, *q_shape), dtype=dtype, device=device)
         self.graphs: dict[int, BucketGraphs] = {}
@@ -158,8 +169,12 @@ class PiecewiseRunner:
         last = index == self.model.num_pieces - 1
         q_out = None if last else self.q_buf[:bucket]
         model, kv_caches = self.model, self.kv_caches
-        positions, slots = s.positions[:bucket], s.slot_mapping[:bucket]
+        positions = s.positions[:bucket]
+        slots = self._per_layer([group[:bucket] for group in s.slot_mappings])
         return lambda: model.piece(index, x, residual, positions, slots, kv_caches, q_out)
+
+    def _per_layer(self, per_group: list):
+        return per_group[0] if self.num_groups == 1 else [per_group[g] for g in self.layer_groups]
 
     def _dummy_meta(self, bucket: int) -> AttentionMetadata:
         """Every row a decode of one token on the scratch block (never written, so the same for every run)."""
@@ -187,7 +202,8 @@ class PiecewiseRunner:
         rng = np.random.default_rng(0)
         for bucket in reversed(self.buckets):
             vocab_ids = rng.integers(0, 100, size=bucket)  # small ids exist in every vocabulary
-            self.static.fill(vocab_ids, np.arange(bucket) % 64, np.full(bucket, -1), np.zeros(0, dtype=np.int64))
+            self.static.fill(vocab_ids, np.arange(bucket) % 64, [np.full(bucket, -1)] * self.num_groups,
+                             np.zeros(0, dtype=np.int64))
             meta = self._dummy_meta(bucket)
             with torch.inference_mode():
                 self._eager_chain(bucket, meta)  # warm-up: compiles, library handles, workspaces
@@ -227,11 +243,11 @@ class PiecewiseRunner:
         self.static.fill(token_ids, positions, slots, sample_rows)
         return PieceStep(self.graphs[bucket], n), self.static.sample_rows[:len(sample_rows)]
 
-    def inputs(self, step: PieceStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids, positions, slot_mapping) of the step's real rows, on the device."""
+    def inputs(self, step: PieceStep) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """(input_ids, positions, slot mapping per KV group) of the step's real rows, on the device."""
         n = step.num_tokens
         s = self.static
-        return s.input_ids[:n], s.positions[:n], s.slot_mapping[:n]
+        return s.input_ids[:n], s.positions[:n], [group[:n] for group in s.slot_mappings]
 
     def run(self, step: PieceStep, meta: AttentionMetadata) -> torch.Tensor:
         """Replay the pieces with the step's attentions between them; hidden states of all bucket rows."""

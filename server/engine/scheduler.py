@@ -45,9 +45,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, long_rope_from: int | None = None):
+        """long_rope_from: for a LongRoPE model, the original context; a longer sequence is computed with the long
+        factors, every position of it (a decode that crosses it is recomputed), as transformers does."""
         self.config = config
         self.block_manager = block_manager
+        self.long_rope_from = long_rope_from
         self.clock = clock
         self.queues = WaitingQueues(config)
         self.running: list[Sequence] = []  # admission order: the last one is the newest (first to preempt)
@@ -114,7 +117,9 @@ class Scheduler:
         batch.prefill_budget = prefill_budget
         remaining = prefill_budget
         admission_open = True
+        stalled = False  # a running prefill got no window blocks this step
         now = self.clock()
+        bm = self.block_manager
         for lane in self.queues.lanes:
             lane_left = min(lane.budget, remaining)
             lane_used = 0
@@ -123,7 +128,11 @@ class Scheduler:
                     break
                 if seq.lane != lane.name or not seq.is_prefilling:
                     continue
-                n = min(seq.num_uncomputed_tokens, lane_left)
+                # Window layers hold blocks only around the tokens to compute: they may have fewer slots free.
+                n = bm.reserve(seq, min(seq.num_uncomputed_tokens, lane_left))
+                if n == 0:
+                    stalled, admission_open = True, False
+                    continue
                 batch.entries.append((seq, n))
                 lane_left -= n
                 lane_used += n
@@ -131,28 +140,39 @@ class Scheduler:
                 seq = lane.queue.peek(now)
                 if seq is None:
                     break
-                hits = self.block_manager.lookup_prefix(seq)
-                to_compute = seq.num_tokens - len(hits) * self.block_manager.block_size
+                if self.long_rope_from is not None:
+                    seq.rope_long = seq.num_tokens > self.long_rope_from
+                hits = bm.lookup_prefix(seq)
+                to_compute = seq.num_tokens - hits.num_blocks * bm.block_size
                 if lane.admit_whole and to_compute > lane_left and lane_used > 0:
                     break  # admitted whole next step rather than split across steps
-                if not self.block_manager.allocate(seq, hits):
+                n = bm.allocate(seq, hits, min(to_compute, lane_left))
+                if n == 0:
                     admission_open = False  # out of blocks: later prompts wait too (no overtaking)
                     break
                 lane.queue.remove(seq)
                 seq.mark_admitted()
                 self.running.append(seq)
-                n = min(seq.num_uncomputed_tokens, lane_left)
                 batch.entries.append((seq, n))
                 lane_left -= n
                 lane_used += n
             remaining -= lane_used
         batch.num_prefill_tokens = prefill_budget - remaining
+        if stalled and batch.is_empty and self.running:
+            # Every running sequence is a prefill waiting for window blocks: the newest makes room.
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch.preempted.append(victim)
         return batch
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> None:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling or seq.num_tokens >= seq.max_num_tokens:
                 continue  # the last check: its final token is still being sampled (async scheduling), it ends then
+            if self.long_rope_from is not None and not seq.rope_long and seq.num_tokens > self.long_rope_from:
+                self._preempt(seq)  # past the original context: its KV is recomputed with the long factors
+                batch.preempted.append(seq)
+                continue
             while not self.block_manager.append_slots(seq):
                 victim = self.running[-1]  # newest; never one already scheduled (those are older than seq)
                 self._preempt(victim)

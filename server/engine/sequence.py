@@ -38,9 +38,12 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.prefill_target = self.num_prompt_tokens  # tokens to prefill since (re)admission
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = []  # one per KV group (block_manager.py); empty: no blocks held
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
         self.num_cached_tokens = 0  # prefix-cache hit at the last admission
+        # Which rope its KV was computed with, for models whose rope depends on the sequence's length (LongRoPE:
+        # long factors for a sequence longer than the original context); set at admission.
+        self.rope_long = False
         self.lane: str | None = None  # the scheduler queue/lane this sequence belongs to
         self.finish_reason: str | None = None
         # Output bookkeeping, owned by the engine.
@@ -50,6 +53,15 @@ class Sequence:
         self.num_preemptions = 0
 
     # --- token views -------------------------------------------------------------------------------------
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's block table (a model without sliding windows has only that one)."""
+        return self.block_tables[0] if self.block_tables else []
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables = [table] if table else []
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -95,10 +107,10 @@ class Sequence:
         """Preempted: its blocks were freed; it will prefill prompt + generated tokens again."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_table = []
+        self.block_tables = []
         self.block_hashes = []
         self.num_preemptions += 1
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-                f"status={self.status.value}, blocks={len(self.block_table)})")
+                f"status={self.status.value}, blocks={sum(map(len, self.block_tables))})")

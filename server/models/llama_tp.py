@@ -13,7 +13,7 @@ from metronome.server.models.config import ModelConfig
 from metronome.server.models.llama import LlamaForCausalLM
 from metronome.server.models.parallel import TPContext, local_config, plan_shards, shard_for, vocab_rows
 from metronome.server.models.parallel_layers import RowParallelLinear, VocabParallelEmbedding
-from metronome.server.models.random_weights import random_init_std
+from metronome.server.models.random_weights import norm_fill, random_init_std
 
 if TYPE_CHECKING:
     from metronome.kernels import AttentionBackend
@@ -71,7 +71,7 @@ def random_full_weights(config: ModelConfig, seed: int, device: torch.device,
         values = torch.empty(meta_param.shape, dtype=dtype, device=device)
         std = random_init_std(name, config.num_hidden_layers)
         if std is None:
-            values.fill_(1.0)
+            values.fill_(norm_fill(config))
         else:
             values.normal_(0.0, std, generator=generator)
         yield from _unfused(name, values, config)

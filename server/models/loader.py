@@ -25,9 +25,10 @@ import torch
 
 from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 from metronome.server.models.config import ModelConfig
+from metronome.server.models.decoder import DecoderForCausalLM
 from metronome.server.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from metronome.server.models.device import auto_dtype, resolve_device
-from metronome.server.models.llama import LlamaForCausalLM
+from metronome.server.models.families import build_model
 from metronome.server.models.presets import preset_config, preset_names
 from metronome.server.models.random_weights import init_random_weights
 from metronome.server.models.tokenizer import ByteTokenizer, Tokenizer, load_hf_tokenizer
@@ -48,7 +49,7 @@ _DTYPES = {
 class LoadedModel:
     name: str
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
@@ -142,7 +143,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def build_empty_model(config: ModelConfig, attention, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def build_empty_model(config: ModelConfig, attention, device: torch.device, dtype: torch.dtype) -> DecoderForCausalLM:
     """The module with uninitialised weights of the right dtype, allocated once, on the target device.
 
     Built on the meta device with torch.nn.init switched off: the modules' own random init is overwritten by
@@ -150,7 +151,7 @@ def build_empty_model(config: ModelConfig, attention, device: torch.device, dtyp
     embedding). Materialised with torch.empty per tensor rather than to_empty, whose empty_like on meta
     tensors pays the same first-call cost."""
     with _no_init(), torch.device("meta"):
-        model = LlamaForCausalLM(config, attention)
+        model = build_model(config, attention)
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.requires_grad_(False)
     return model.eval()

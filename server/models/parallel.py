@@ -25,6 +25,9 @@ import torch
 from metronome.contract.errors import InvalidRequestError
 from metronome.server.models.config import ModelConfig
 
+# The Llama block with no per-head norms: what the shard plan and the row-parallel modules below cover.
+TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
 
 @dataclass(frozen=True)
 class TPContext:
@@ -67,6 +70,14 @@ def plan_shards(config: ModelConfig, world_size: int) -> ShardPlan:
     """How `config` splits over `world_size` ranks; InvalidRequestError when it cannot be split that way."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidRequestError(f"tensor_parallel_size must be a positive integer, got {world_size!r}",
+                                  param="tensor_parallel_size")
+    if world_size > 1 and config.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
+        raise InvalidRequestError(f"tensor parallelism serves {', '.join(TENSOR_PARALLEL_ARCHITECTURES)}; "
+                                  f"{config.architecture} runs with tensor_parallel_size 1",
+                                  param="tensor_parallel_size")
+    if world_size > 1 and len(set(config.layer_windows)) > 1:
+        raise InvalidRequestError("tensor parallelism needs every layer to share one KV block table; this model "
+                                  "mixes sliding-window and full layers: use tensor_parallel_size 1",
                                   param="tensor_parallel_size")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:

@@ -113,7 +113,8 @@ def attach_recorded_graphs(engine, sizes: list[int]):
 
     runner = engine.runner
     graphs = GraphRunner(runner.graph_forward, sizes, runner.mirror.cols, runner.scratch_block, runner.device,
-                         single_class(engine.max_model_len), capture_recorded, refresh_host_facts=True)
+                         single_class(engine.max_model_len), capture_recorded, refresh_host_facts=True,
+                         layer_groups=runner.layer_groups)
     graphs.capture_all()
     runner.attach_graphs(graphs)
     return graphs

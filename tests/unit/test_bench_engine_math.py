@@ -42,6 +42,28 @@ def test_prefill_flops_by_hand_for_a_toy_shape():
     assert model_math.prefill_flops(LLAMA3_8B, [2048]) / 2048 == pytest.approx(14.5e9, rel=0.01)
 
 
+def test_window_layers_read_only_their_window_and_head_dim_is_the_configs():
+    gemma = preset_config("gemma-3-12b")  # 48 layers: 40 with a 1,024-token window, 8 global; head_dim 256
+    per_layer_token = 2 * 8 * 256 * 2
+    assert model_math.kv_bytes_per_token(gemma, 2) == 48 * per_layer_token
+    assert model_math.kv_bytes_read(gemma, 2, 800) == 48 * 800 * per_layer_token  # within every window
+    assert model_math.kv_bytes_read(gemma, 2, 8192) == (40 * 1024 + 8 * 8192) * per_layer_token
+    floor = model_math.decode_floor_bytes(gemma, 2, [8192] * 64)
+    assert floor == model_math.weights_read_per_decode_step(gemma, 2) + 64 * (40 * 1024 + 8 * 8192) * per_layer_token
+    # q is 16 heads x 256 = 4,096 wide on a 3,840 hidden: linear params use head_dim, not hidden / heads
+    assert model_math.linear_params_per_layer(gemma) == 3840 * (4096 + 2 * 2048) + 4096 * 3840 + 3 * 3840 * 15360
+    qwen = preset_config("qwen3-8b")
+    assert model_math.weights_read_per_decode_step(qwen, 2) == pytest.approx(15.14e9, rel=0.001)  # 8.19 B - input table
+
+
+def test_prefill_pairs_of_a_window_layer():
+    toy = SimpleNamespace(vocab_size=10, hidden_size=4, intermediate_size=8, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=2, layer_windows=(2, None))
+    linear = 2 * (4 * (4 + 2 * 2) + 4 * 4 + 3 * 4 * 8)
+    pairs = (1 + 2 + 2) + (1 + 2 + 3)  # window 2: queries see 1, 2, 2 keys; full: 1, 2, 3
+    assert model_math.prefill_flops(toy, [3]) == pytest.approx(2 * linear * 3 + 4 * 2 * 2 * pairs + 2 * 10 * 4)
+
+
 def run(chunk, rate, tput, p99, done=10):
     summary = RunSummary(num_requests=10, num_completed=done, output_tokens_per_s=tput,
                          tbt=LatencySummary(count=50, p99_ms=p99), ttft=LatencySummary(count=10, p99_ms=p99 * 3))
@@ -110,3 +132,51 @@ def test_generation_outputs_become_records_on_one_clock():
     assert first.end_s == pytest.approx(0.8) and first.output_tokens == 3 and first.prompt_tokens == 50
     assert second.token_times_s == [] and second.end_s == pytest.approx(1.0) and second.output_tokens == 2
     assert failed.error == "transformers: out of blocks" and not failed.ok
+
+
+def test_effective_kv_tokens_turn_window_reads_into_every_layer_tokens():
+    gemma = preset_config("gemma-3-12b")
+    for context in (100, 1024, 5000):
+        assert model_math.kv_bytes_per_token(gemma, 2) * model_math.effective_kv_tokens(gemma, context) == \
+            pytest.approx(model_math.kv_bytes_read(gemma, 2, context))
+    assert model_math.effective_kv_tokens(LLAMA3_8B, 5000) == 5000
+
+
+def test_moe_decode_floor_reads_only_the_experts_the_batch_picks():
+    qwen = preset_config("qwen3-30b-a3b")  # 48 sparse layers of 128 experts (3 x 2048 x 768 each), top-8
+    expert_bytes = 3 * 2048 * 768 * 2
+    every_expert = model_math.weights_read_per_decode_step(qwen, 2)
+    others = every_expert - 48 * 128 * expert_bytes  # attention, norms, routers, the LM head
+    assert others == pytest.approx(2 * (48 * (2048 * (4096 + 1024) + 4096 * 2048 + 2 * 128 + 2 * 2048
+                                              + 128 * 2048) + 2048 + 151936 * 2048), rel=1e-9)
+    assert model_math.weights_read_per_decode_step(qwen, 2, batch=1) == pytest.approx(
+        others + 48 * 8 * expert_bytes, rel=1e-9)
+    at_64 = model_math.weights_read_per_decode_step(qwen, 2, batch=64)
+    assert at_64 == pytest.approx(others + 48 * 128 * (1 - (1 - 8 / 128) ** 64) * expert_bytes, rel=1e-9)
+    assert model_math.weights_read_per_decode_step(qwen, 2, batch=4096) == pytest.approx(every_expert, rel=1e-6)
+    floors_ms = {b: model_math.decode_floor_bytes(qwen, 2, [2048] * b) / H200_COPY * 1000
+                 for b in (1, 64, 256)}
+    assert floors_ms[1] < 0.1 * floors_ms[64] < floors_ms[256]
+    dense = preset_config("llama-3-8b")  # a dense model reads the same weights at any batch
+    assert model_math.weights_read_per_decode_step(dense, 2, batch=1) == model_math.weights_read_per_decode_step(
+        dense, 2)
+
+
+def test_moe_prefill_counts_the_active_experts_only():
+    qwen = preset_config("qwen3-30b-a3b")
+    active = 48 * (2048 * 5120 + 4096 * 2048 + 2048 * 128 + 8 * 3 * 2048 * 768)  # attention, router, 8 experts
+    assert model_math.active_linear_params(qwen) == active
+    assert model_math.active_linear_params(LLAMA3_8B) == 32 * model_math.linear_params_per_layer(LLAMA3_8B)
+    mixed = preset_config("tiny-qwen3-moe")  # layer 1 is dense
+    dense_mlp = 3 * 64 * 128
+    sparse_mlp = 64 * 8 + 2 * 3 * 64 * 64
+    attention = model_math.linear_params_per_layer(mixed) - dense_mlp
+    assert model_math.active_linear_params(mixed) == 3 * attention + 2 * sparse_mlp + dense_mlp
+
+
+def test_the_transformers_peer_refuses_the_mixtures_of_experts():
+    from metronome.server.bench.engine.hf_peer import HFPeerError
+
+    for preset in ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b"):
+        with pytest.raises(HFPeerError, match="no peer is built"):
+            llama_config_for(preset_config(preset), None)

@@ -32,6 +32,9 @@ class Case:
     dtype: str = "float32"
     tile: tuple[int, int] | None = None  # (block_m, block_n) instead of the default tiles
     num_splits: int | None = None
+    window: int | None = None  # sliding window: a query at p sees keys p - window + 1 .. p
+    softcap: float | None = None
+    sinks: bool = False  # a learned logit per head in every softmax denominator (gpt-oss)
 
 
 # Each axis of the issue's grid is covered at least once: q_len 1..300, contexts up to 2,000, block sizes
@@ -48,6 +51,19 @@ CASES = [
     Case("split_k_mixed", (1, 20, 1), (500, 300, 90), 16, 1, 4, 64, num_splits=2),
     Case("bf16_mixed", (1, 70, 1), (900, 30, 0), 64, 2, 4, 64, dtype="bfloat16"),
     Case("fp16_decode", (1, 1), (120, 33), 16, 1, 8, 128, dtype="float16"),
+    # Sliding windows: decodes and chunks longer and shorter than the window, chunks that do not divide it, a
+    # window smaller than a key tile and one spanning several, with split-K; blocks wholly behind every query's
+    # window are NaN-poisoned (freed and reused), so reading one shows.
+    Case("window_mixed_b16", (1, 1, 45, 1, 7), (700, 3, 90, 40, 33), 16, 2, 4, 64, window=40),
+    Case("window_small_b4_g3", (1, 13, 1, 30), (250, 20, 9, 100), 4, 1, 3, 32, window=7),
+    Case("window_split_k", (1, 1, 1), (1500, 300, 20), 64, 1, 8, 128, num_splits=4, window=300),
+    Case("window_bf16_d256", (1, 70, 1), (900, 30, 0), 16, 1, 4, 256, dtype="bfloat16", window=64),
+    Case("softcap_mixed", (1, 33, 1), (200, 10, 40), 16, 2, 2, 64, softcap=5.0),
+    # Attention sinks (gpt-oss: head_dim 64, 8 query heads per kv head, window layers): alone, with a window and
+    # split-K (the sink joins in the merge), and in bf16.
+    Case("sinks_mixed_g8", (1, 1, 45, 1, 7), (700, 3, 90, 40, 0), 16, 1, 8, 64, sinks=True),
+    Case("sinks_window_split_k", (1, 1, 1), (1500, 300, 20), 64, 1, 8, 64, num_splits=4, window=128, sinks=True),
+    Case("sinks_bf16_window", (1, 70, 1), (900, 30, 0), 16, 1, 8, 64, dtype="bfloat16", window=40, sinks=True),
 ]
 CASES_BY_NAME = {c.name: c for c in CASES}
 TOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}  # vs the fp32-accumulating reference, inputs of that dtype
@@ -62,23 +78,50 @@ def scale_of(case: Case) -> float:
     return 1.0 / math.sqrt(case.head_dim)
 
 
+def sinks_of(case: Case) -> torch.Tensor | None:
+    """Sink logits of a case with sinks: some far below the scores (little effect), some far above (most of the
+    softmax mass), in the case's dtype."""
+    if not case.sinks:
+        return None
+    n_heads = case.n_kv_heads * case.group
+    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + 1)
+    return (torch.randn(n_heads, generator=generator) * 3.0).to(getattr(torch, case.dtype))
+
+
+def poison_behind_window(batch: PagedBatch, window: int) -> None:
+    """NaN into every cache block wholly behind the window of a sequence's first new token (a freed block that
+    another sequence may have reused)."""
+    meta, block_size = batch.meta, batch.k_cache.shape[1]
+    for b, (q_len, seq_len) in enumerate(zip(meta.q_lens_host, meta.seq_lens_host)):
+        dead = max(0, seq_len - q_len - window + 1) // block_size
+        for block in meta.block_tables[b, :dead].tolist():
+            batch.k_cache[block] = float("nan")
+            batch.v_cache[block] = float("nan")
+
+
 def run_backend(backend_name: str, case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """write_kv of the new tokens, then attention: (output, k_cache, v_cache)."""
     batch = build(case)
     backend = get_backend(backend_name)
     backend.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    if case.window is not None:
+        poison_behind_window(batch, case.window)
     if backend_name == "triton" and (case.tile or case.num_splits):
         from metronome.kernels.triton_attention import TileConfig, paged_attention
         tile = TileConfig(*case.tile) if case.tile else None
         out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale_of(case), config=tile,
-                              num_splits=case.num_splits)
+                              num_splits=case.num_splits, window=case.window, softcap=case.softcap,
+                              sinks=sinks_of(case))
     else:
-        out = backend.attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale_of(case))
+        out = backend.attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale_of(case),
+                                window=case.window, softcap=case.softcap, sinks=sinks_of(case))
     return out, batch.k_cache, batch.v_cache
 
 
-def naive_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
-    """Dense float64 attention per sequence and head from the generator's own K/V, one query row at a time."""
+def naive_attention(batch: PagedBatch, scale: float, window: int | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense float64 attention per sequence and head from the generator's own K/V, one query row at a time; a
+    head's sink is one more softmax entry whose value is dropped."""
     meta = batch.meta
     n_heads = batch.q.shape[1]
     group = n_heads // batch.key.shape[1]
@@ -88,9 +131,16 @@ def naive_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
         k, v = batch.dense_k[b].double(), batch.dense_v[b].double()
         for i in range(q_len):
             visible = seq_len - q_len + i + 1
+            first = 0 if window is None else max(0, visible - window)
             for h in range(n_heads):
-                scores = (k[:visible, h // group] @ batch.q[row, h].double()) * scale
-                out[row, h] = torch.softmax(scores, 0) @ v[:visible, h // group]
+                scores = (k[first:visible, h // group] @ batch.q[row, h].double()) * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[h].double().view(1)])
+                    out[row, h] = torch.softmax(scores, 0)[:-1] @ v[first:visible, h // group]
+                    continue
+                out[row, h] = torch.softmax(scores, 0) @ v[first:visible, h // group]
             row += 1
     return out
 
@@ -125,7 +175,8 @@ def test_torch_reference_matches_naive_dense(case):
     batch = build(case)
     ref_out, _, _ = run_backend("torch", case)
     assert torch.isfinite(ref_out).all()
-    torch.testing.assert_close(ref_out.double(), naive_attention(batch, scale_of(case)), rtol=1e-5, atol=1e-5)
+    expected = naive_attention(batch, scale_of(case), case.window, case.softcap, sinks_of(case))
+    torch.testing.assert_close(ref_out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_torch_reference_is_exact_for_low_precision_inputs():

@@ -13,8 +13,9 @@ from test_model_exact import PagedCache
 
 from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 from metronome.server.models import ModelConfig, UnsupportedModelError, load_model
-from metronome.server.models.config import config_from_hf_dict
+from metronome.server.models.families import build_model
 from metronome.server.models.gguf_loader import unpermute_rows
+from metronome.server.models.hf_config import config_from_hf_dict
 from metronome.server.models.llama import LlamaForCausalLM
 from metronome.server.models.loader import parse_model_spec
 from metronome.server.models.presets import PRESETS, preset_config, preset_names
@@ -135,13 +136,19 @@ def test_classic_config_keys_are_read():
     assert config == replace(preset_config("llama-3.1-8b"), eos_token_ids=config.eos_token_ids)
 
 
-def test_mistral_sliding_window_caps_the_context():
+def test_sliding_windows_are_per_layer_and_never_cap_the_context():
     raw = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
            "max_position_embeddings": 32768, "sliding_window": 4096}
     config = config_from_hf_dict(raw)
-    assert config.max_position_embeddings == 4096 and "sliding_window" in config.notes[0]
-    assert config_from_hf_dict({**raw, "sliding_window": None}).max_position_embeddings == 32768
+    assert config.max_position_embeddings == 32768 and config.layer_windows == (4096,) * 32
+    assert config_from_hf_dict({**raw, "sliding_window": None}).layer_windows == (None,) * 32
+    qwen = {**raw, "model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 30}
+    assert config_from_hf_dict(qwen).layer_windows == (None,) * 30 + (4096,) * 2
+    assert config_from_hf_dict({**qwen, "use_sliding_window": False}).layer_windows == (None,) * 32
+    gemma = {**raw, "model_type": "gemma3_text", "num_hidden_layers": 12, "sliding_window": 512,
+             "hidden_activation": "gelu_pytorch_tanh"}
+    assert config_from_hf_dict(gemma).layer_windows == ((512,) * 5 + (None,)) * 2
 
 
 def test_unsupported_configs_say_why():
@@ -278,7 +285,7 @@ def test_default_gguf_config_is_smollm2_135m():
 def test_presets_build_with_their_shapes_on_meta(name):
     config = preset_config(name)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention=None)
+        model = build_model(config, attention=None)
     assert sum(p.numel() for p in model.parameters()) == config.num_parameters()
     assert model.model.layers[0].self_attn.qkv_proj.weight.shape == (config.q_size + 2 * config.kv_size,
                                                                       config.hidden_size)

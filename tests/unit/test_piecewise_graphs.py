@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from metronome.contract.config import SchedulerConfig
@@ -113,3 +114,31 @@ def test_piece_chain_is_the_forward():
             break
         x = model.attend(index, out, caches, meta)
     assert torch.equal(out, model.forward(ids, positions, caches, meta))
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-qwen3"])
+def test_window_families_replay_graphs_with_a_block_table_per_kv_group(preset):
+    """Recorded decode graphs and piecewise graphs of a model whose sliding layers keep their KV in groups of
+    their own (one block table and slot mapping per group in the static buffers), prompts past the 48-token
+    window: the same greedy output as eager."""
+    from engine_fakes import attach_recorded_graphs
+
+    def engine():
+        config = EngineConfig(model=f"random:{preset}", device="cpu", dtype="float32", attention_backend="torch",
+                              block_size=16, num_kv_blocks=256, seed=5)
+        return EngineCore.from_config(config, SchedulerConfig(chunk_size=24, max_num_seqs=16, queue_policy="fcfs"))
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 50, 70, 20)]
+    max_tokens = [30, 12, 25, 18]
+    eager, _ = _run(engine(), prompts, max_tokens)
+    graphed_engine = engine()
+    assert graphed_engine.runner.layout.num_groups > 1
+    attach_recorded_graphs(graphed_engine, [2, 4])
+    pieces = graphed_engine.runner.piecewise_runner([16, 32], capture_recorded)
+    pieces.capture_all()
+    graphed_engine.runner.attach_pieces(pieces)
+    graphed, forwards = _run(graphed_engine, prompts, max_tokens)
+    assert graphed == eager
+    kinds = {(f, kind) for f, kind, _ in forwards}
+    assert ("graph", "decode") in kinds and ("piecewise", "mixed") in kinds, kinds

@@ -264,3 +264,14 @@ def test_bench_engine_flag():
     cli.configure(parser)
     args = parser.parse_args(["engine", "--tensor-parallel-size", "2"])
     assert args.tensor_parallel_size == 2
+
+
+def test_families_outside_the_shard_plan_are_refused_by_name():
+    from metronome.contract.errors import InvalidRequestError
+    from metronome.server.models.parallel import plan_shards
+    from metronome.server.models.presets import preset_config
+
+    for name in ("qwen3-8b", "gemma-3-12b", "phi-4-mini"):
+        with pytest.raises(InvalidRequestError, match="tensor_parallel_size 1"):
+            plan_shards(preset_config(name), 2)
+    assert plan_shards(preset_config("gemma-3-12b"), 1).world_size == 1

@@ -23,6 +23,9 @@ class HFPeerError(MetronomeError):
 
 def llama_config_for(model_config: Any, transformers: Any) -> Any:
     """A transformers LlamaConfig with our model's shape (rope settings through whichever API this version has)."""
+    if getattr(model_config, "architecture", "llama") not in ("llama", "mistral", "qwen2"):
+        raise HFPeerError(f"the transformers peer is a LlamaForCausalLM; {model_config.architecture} layers do other "
+                          "work (QK-norm, sandwich norms, windows), so no peer is built for it")
     shape = dict(
         vocab_size=model_config.vocab_size, hidden_size=model_config.hidden_size,
         intermediate_size=model_config.intermediate_size, num_hidden_layers=model_config.num_hidden_layers,

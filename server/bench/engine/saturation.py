@@ -36,18 +36,21 @@ class SatStep:
     prefill_tokens: int
     decode_tokens: int
     output_tokens: int  # tokens emitted (a prompt's first token or a decode's next one)
-    kv_tokens_read: int  # context tokens (KV entries) the step's decodes attended over
+    kv_tokens_read: float  # context tokens the step's decodes attended over (a window layer counts its window)
     forward: str  # "graph" | "piecewise" | "eager"
     preemptions: int = 0
 
 
-def requests_that_fit(usable_blocks: int, block_size: int, prompt_len: int, output_len: int) -> int:
-    """How many requests of prompt_len + output_len tokens the cache holds at once, each in whole blocks."""
-    return usable_blocks // math.ceil((prompt_len + output_len) / block_size)
+def requests_that_fit(usable_blocks: int, block_size: int, prompt_len: int, output_len: int,
+                      blocks_per_request: int | None = None) -> int:
+    """How many requests of prompt_len + output_len tokens the cache holds at once, each in whole blocks (in every
+    KV group: blocks_per_request, from BlockManager.blocks_held, where the model has sliding-window groups)."""
+    return usable_blocks // (blocks_per_request or math.ceil((prompt_len + output_len) / block_size))
 
 
-def plan_requests(usable_blocks: int, block_size: int, prompt_len: int, output_len: int, cap: int) -> int:
-    fit = requests_that_fit(usable_blocks, block_size, prompt_len, output_len)
+def plan_requests(usable_blocks: int, block_size: int, prompt_len: int, output_len: int, cap: int,
+                  blocks_per_request: int | None = None) -> int:
+    fit = requests_that_fit(usable_blocks, block_size, prompt_len, output_len, blocks_per_request)
     if fit < 1:
         raise EngineBenchError(f"the KV cache ({usable_blocks} usable blocks of {block_size} tokens) cannot hold one "
                                f"request of {prompt_len} + {output_len} tokens: lower --saturation-prompt-len / "
@@ -116,6 +119,7 @@ def _graph_limits(core: Any) -> tuple[int | None, int | None]:
 def run_requests(core: Any, prompts: list[list[int]], output_len: int, max_steps: int) -> tuple[list[SatStep],
                                                                                                list[int]]:
     """Submit every prompt at once and step until all finish; the timed steps and each request's token count."""
+    config = core.loaded.config
     ids = [core.add_request(prompt, greedy_params(output_len)) for prompt in prompts]
     prompt_len = dict(zip(ids, (len(p) for p in prompts)))
     generated = dict.fromkeys(ids, 0)
@@ -133,7 +137,7 @@ def run_requests(core: Any, prompts: list[list[int]], output_len: int, max_steps
                     continue
                 before = generated[event.request_id]
                 if before:  # a decode: it attended over the prompt and every token generated before this one
-                    kv += prompt_len[event.request_id] + before
+                    kv += model_math.effective_kv_tokens(config, prompt_len[event.request_id] + before)
                 generated[event.request_id] = before + 1
                 emitted += 1
             steps.append(SatStep(seconds, stats.num_prefill_tokens, stats.num_decode_tokens, emitted, kv,
@@ -152,7 +156,8 @@ def saturation_section(core: Any, prompt_len: int, output_len: int, max_requests
                                f"max_model_len {core.max_model_len}")
     bm = core.block_manager
     usable = bm.num_blocks - bm.watermark_blocks
-    n = plan_requests(usable, bm.block_size, prompt_len, output_len, max_requests)
+    per_request = bm.blocks_held(prompt_len + output_len, chunk) if hasattr(bm, "blocks_held") else None
+    n = plan_requests(usable, bm.block_size, prompt_len, output_len, max_requests, per_request)
     core.reconfigure(SchedulerConfig(chunk_size=chunk, max_num_seqs=n, queue_policy=QueuePolicy.FCFS))
     rng = random.Random(f"metronome-saturation-{seed}")
     prompts = [list(sampler.sample(prompt_len, rng)) for _ in range(n)]
@@ -165,7 +170,7 @@ def saturation_section(core: Any, prompt_len: int, output_len: int, max_requests
     graph_max, piece_max = _graph_limits(core)
     config = core.loaded.config
     result = {"prompt_len": prompt_len, "output_len": output_len, "chunk_size": chunk, "requests": n,
-              "requests_that_fit": requests_that_fit(usable, bm.block_size, prompt_len, output_len),
+              "requests_that_fit": requests_that_fit(usable, bm.block_size, prompt_len, output_len, per_request),
               "max_requests": max_requests, "kv_blocks_usable": usable, "block_size": bm.block_size,
               "decode_graph_max_batch": graph_max, "piecewise_max_tokens": piece_max,
               "execution_mode": getattr(core, "execution_mode", "eager"), "bandwidth_bytes_per_s": bandwidth}

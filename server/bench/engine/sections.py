@@ -47,9 +47,14 @@ def drain(core: Any, request_ids: list[str], max_steps: int = 10_000) -> None:
     raise EngineBenchError("the engine did not empty after aborting the benchmark's requests")
 
 
-def kv_capacity_tokens(core: Any) -> int:
+def kv_blocks_usable(core: Any) -> int:
     bm = core.block_manager
-    return int(bm.num_blocks * bm.block_size * (1.0 - getattr(core.config, "watermark", 0.0)))
+    return int(bm.num_blocks * (1.0 - getattr(core.config, "watermark", 0.0)))
+
+
+def kv_blocks_needed(core: Any, sequences: int, num_tokens: int, step_tokens: int) -> int:
+    """Blocks `sequences` sequences of num_tokens tokens hold (sliding-window layers: a window and a step)."""
+    return sequences * core.block_manager.blocks_held(num_tokens, step_tokens)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -63,12 +68,12 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
                  prefill_chunk: int, bandwidth: float | None, dtype_bytes: int, warmup_steps: int = 3) -> dict:
     prefill_steps = math.ceil(batch * context / prefill_chunk) + batch + 2  # worst case: one admission per step
     max_tokens = prefill_steps + warmup_steps + steps + 4
-    need = batch * (context + max_tokens)
+    need = kv_blocks_needed(core, batch, context + max_tokens, prefill_chunk)
     if context + max_tokens > core.max_model_len:
         return {"batch": batch, "skipped": f"context {context} + {max_tokens} tokens exceeds max_model_len "
                                            f"{core.max_model_len}"}
-    if need > kv_capacity_tokens(core):
-        return {"batch": batch, "skipped": f"the KV cache holds {kv_capacity_tokens(core)} tokens; this point needs "
+    if need > kv_blocks_usable(core):
+        return {"batch": batch, "skipped": f"the KV cache has {kv_blocks_usable(core)} usable blocks; this point needs "
                                            f"{need} (raise --gpu-memory-utilization or --kv-cache-memory-gb)"}
     core.reconfigure(SchedulerConfig(chunk_size=prefill_chunk, max_num_seqs=max(batch, 1),
                                      queue_policy=QueuePolicy.FCFS))
@@ -93,9 +98,12 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
                                    f"in {prefill_steps} steps")
         for _ in range(warmup_steps):
             step()
-        wall, overhead, kv_tokens, mixed, graph_steps = [], [], [], 0, 0
+        wall, overhead, kv_tokens, kv_bytes, mixed, graph_steps = [], [], [], [], 0, 0
+        config = core.loaded.config
         for _ in range(steps):
             kv_tokens.append(sum(context + g for g in generated.values()))
+            # per sequence and layer: its context, or its window on a sliding-window layer
+            kv_bytes.append(sum(model_math.kv_bytes_read(config, dtype_bytes, context + g) for g in generated.values()))
             t0 = time.perf_counter()
             stats = step()
             wall.append(time.perf_counter() - t0)
@@ -114,8 +122,8 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
         "kv_tokens_read_median": statistics.median(kv_tokens), "non_decode_steps": mixed,
         "cuda_graph_steps": graph_steps,
     }
-    config = core.loaded.config
-    floor_bytes = model_math.decode_floor_bytes(config, dtype_bytes, [int(statistics.median(kv_tokens))])
+    floor_bytes = model_math.weights_read_per_decode_step(config, dtype_bytes, batch) + int(
+        statistics.median(kv_bytes))
     result["floor_bytes"] = floor_bytes
     if bandwidth:
         floor_s = floor_bytes / bandwidth
@@ -157,9 +165,10 @@ def prefill_section(core: Any, prompt_len: int, prompts: int, chunk: int, sample
                     matmul_tflops: float | None) -> dict:
     if prompt_len + 1 > core.max_model_len:
         raise EngineBenchError(f"prefill prompt of {prompt_len} tokens exceeds max_model_len {core.max_model_len}")
-    if prompts * (prompt_len + 1) > kv_capacity_tokens(core):
-        raise EngineBenchError(f"the KV cache holds {kv_capacity_tokens(core)} tokens; the prefill test needs "
-                               f"{prompts * (prompt_len + 1)}")
+    need = kv_blocks_needed(core, prompts, prompt_len + 1, chunk)
+    if need > kv_blocks_usable(core):
+        raise EngineBenchError(f"the KV cache has {kv_blocks_usable(core)} usable blocks; the prefill test needs "
+                               f"{need}")
     core.reconfigure(SchedulerConfig(chunk_size=chunk, max_num_seqs=max(prompts, 1),
                                      queue_policy=QueuePolicy.FCFS))
     max_steps = 4 * (math.ceil(prompts * prompt_len / chunk) + prompts) + 10

@@ -12,6 +12,7 @@
     images/             the server and operator images with podman (`make images`, tests/integration)
     checkout.py         where the checkout's files are (the chart, the CRD, the examples, hack/)
     lifetime.py         children that die with their driver
+    moe_cases.py        tiny MoE blocks of each family built by transformers, and the routing cases MoE tests run
     polling.py, s3_server.py, hub_server.py, random_batch.py: small fixtures several test folders share
 
 A distribution of its own (tests/support/pyproject.toml), installed editable by `make venv` and never shipped with
