@@ -1,53 +1,40 @@
-"""The mixed step on the GPU: `--decodes` running decodes at `--context` tokens plus one `--chunk`-token prompt
-chunk, timed per forward mode in one run, the modes interleaved request by request (eager timings drift with the
-host CPU, so only ratios within a run are compared), against its floor.
+"""The mixed step on the GPU: `--decodes` running decodes at `--context` tokens plus one prompt chunk of each
+`--chunks` size, with async scheduling on (the host prepares step n+1 while step n runs), each step run whole and
+as two overlapped micro-batches (the engine's --mixed-overlap), the variants interleaved request by request,
+against its floor.
 
     python3 -m hack.profile_mixed --out mixed.json [--profile]      # on the GPU machine, from the repo root
     python hack/profile_mixed.py --smoke --out /tmp/mixed.json       # the plumbing, on the CPU
 
-Modes: `piecewise` (piecewise CUDA graphs, fused kernels), `eager` (fused kernels, no graphs) and
-`eager_unfused` (the torch element-wise ops, no graphs: the path before fusion). Each chunk request has a prompt
-of 4 chunks (contexts 0, 1, 2, 3 chunks) and one output token, so every timed step carries exactly one chunk.
-Floor = max(FLOPs / measured matmul peak, bytes / measured copy bandwidth); bytes = weights + the KV read.
-With --profile, one step per mode under torch.profiler: host launch calls, GPU kernels and GPU-busy time.
+Variants: `whole` (the step as one batch: piecewise CUDA graphs, attention between the pieces), `overlap` (the
+step's decodes replay their decode graph on a second stream beside the chunk's piecewise graphs) and `split`
+(the same two parts one after the other on one stream: what the split costs without the overlap). Each chunk
+request has a prompt of 4 chunks (contexts 0, 1, 2, 3 chunks) and one output token, so every timed step carries
+exactly one chunk. A step's time is the engine's own: from the read of the step before to its read (under async
+scheduling, the period between steps; host work hidden behind the GPU is not in it). Floor = max(FLOPs /
+measured matmul peak, bytes / measured copy bandwidth); bytes = weights + the KV read.
+With --profile, two steps of each (chunk, variant) under torch.profiler: the sum of kernel times against the GPU's
+busy time (the union of kernel intervals over both streams: their ratio is the overlap) and the wall time, with
+kernel time by kind (matmul, attention, other).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import statistics
 import sys
 import time
 
-MODES = ("piecewise", "eager", "eager_unfused")
-LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch",
-                "cudaMemcpyAsync")
+VARIANTS = ("whole", "overlap", "split")
+CHUNKS_PER_REQUEST = 4
 
 
-def set_mode(core, mode: str, pieces) -> None:
-    core.runner.pieces = pieces if mode == "piecewise" else None
-    core.runner.model.fused = False if mode == "eager_unfused" else None
-
-
-def profile_step(core, torch) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
-        _, stats = core.step()
-        torch.cuda.synchronize()
-    launches: dict[str, int] = {}
-    kernels, busy_us = 0, 0.0
-    for event in prof.events():
-        if event.name in LAUNCH_CALLS:
-            launches[event.name] = launches.get(event.name, 0) + 1
-        if str(getattr(event, "device_type", "")).endswith("CUDA") and getattr(event, "device_time", 0) > 0:
-            kernels += 1
-            busy_us += event.device_time
-    return {"host_launch_calls": launches, "host_launches": sum(v for k, v in launches.items()
-                                                                if k != "cudaMemcpyAsync"),
-            "gpu_kernels": kernels, "gpu_busy_ms": busy_us / 1000, "forward": stats.forward,
-            "num_tokens": stats.num_tokens}
+def set_variant(core, variant: str) -> None:
+    overlap = core.runner.overlap
+    overlap.enabled = variant != "whole"
+    overlap.concurrent = variant == "overlap"
 
 
 def mixed_floor(config, decodes: int, context: int, chunk: int, chunk_start: int, peaks: dict, dtype_bytes: int):
@@ -69,17 +56,120 @@ def mixed_floor(config, decodes: int, context: int, chunk: int, chunk_start: int
             "floor_ms": max(compute_s, memory_s) * 1e3, "bound": "compute" if compute_s > memory_s else "memory"}
 
 
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    if "attention" in low or "flash" in low or "fmha" in low or "merge_splits" in low:
+        return "attention"
+    if "gemm" in low or "xmma" in low or "cutlass" in low or "nvjet" in low or "matmul" in low:
+        return "matmul"
+    return "other"
+
+
+def union_ms(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals (µs in, ms out). Pure."""
+    total, end = 0.0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total / 1000
+
+
+def overlap_summary(kernels: list[tuple[str, float, float]], wall_ms: float, steps: int) -> dict:
+    """kernels: (name, start µs, end µs) over `steps` steps on every stream. Per step: the sum of kernel times,
+    the GPU's busy time (their union), the wall time; overlap = sum / busy (1: one kernel at a time). Pure."""
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for name, start, end in kernels:
+        by_kind[kernel_kind(name)] += (end - start) / 1000
+    kernel_ms = sum(by_kind.values())
+    busy = union_ms([(s, e) for _, s, e in kernels])
+    return {"steps": steps, "kernels": len(kernels), "kernel_ms_per_step": kernel_ms / steps,
+            "gpu_busy_ms_per_step": busy / steps, "wall_ms_per_step": wall_ms / steps,
+            "overlap": kernel_ms / busy if busy else None, "busy_share_of_wall": busy / wall_ms if wall_ms else None,
+            "kernel_ms_per_step_by_kind": {k: v / steps for k, v in sorted(by_kind.items())}}
+
+
+class Stepper:
+    """core.step() under async scheduling: a call returns the stats of the step launched by the call before, so
+    each launched step's variant is queued and matched with its stats when they come back."""
+
+    def __init__(self, core):
+        self.core = core
+        self.launched: collections.deque = collections.deque()
+
+    def step(self, variant: str):
+        _, stats = self.core.step()
+        read = self.launched.popleft() if stats.num_tokens and self.launched else None
+        if self.core.in_flight:
+            self.launched.append(variant)
+        return stats, read
+
+
+def run_request(stepper: Stepper, core, rng, chunk: int, variant: str, decodes: int, steps: list, rep: int,
+                until_read: bool = True) -> None:
+    """One chunk request (4 chunks, one output token) under `variant`; its chunk steps' stats into `steps`."""
+    from metronome.server.engine.sampling import SamplingParams
+
+    set_variant(core, variant)
+    core.add_request([rng.randrange(3, core.vocab_size) for _ in range(chunk * CHUNKS_PER_REQUEST)],
+                     SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    seen = 0
+    while seen < CHUNKS_PER_REQUEST:
+        stats, read = stepper.step(variant)
+        if stats.num_prefill_tokens == chunk and stats.num_decode_tokens == decodes:
+            steps.append({"variant": read, "chunk": chunk, "rep": rep, "chunk_start": seen * chunk,
+                          "step_ms": stats.duration_s * 1e3, "host_ms": stats.scheduler_overhead_s * 1e3,
+                          "num_tokens": stats.num_tokens, "forward": stats.forward})
+            seen += 1
+
+
+def profile_steps(stepper: Stepper, core, rng, chunk: int, variant: str, decodes: int, torch) -> dict:
+    """Two steady chunk steps of one request under the profiler (the chunk's first step runs before it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from metronome.server.engine.sampling import SamplingParams
+
+    set_variant(core, variant)
+    core.add_request([rng.randrange(3, core.vocab_size) for _ in range(chunk * CHUNKS_PER_REQUEST)],
+                     SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while stepper.step(variant)[0].num_prefill_tokens != chunk:  # until the first chunk step has been read
+        pass
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        forwards = [stepper.step(variant)[0].forward for _ in range(2)]
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start]
+    while core.has_unfinished() and any(s.num_computed_tokens < s.num_prompt_tokens
+                                        for s in core.scheduler.running):
+        stepper.step(variant)
+    result = overlap_summary(kernels, wall_ms, 2)
+    result["forwards"] = forwards
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random:llama-3-8b")
     parser.add_argument("--decodes", type=int, default=64)
     parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--chunk", type=int, default=512)
-    parser.add_argument("--reps", type=int, default=3, help="chunk requests per mode (4 timed steps each)")
+    parser.add_argument("--chunks", default="128,512,2048", help="chunk sizes, interleaved")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--reps", type=int, default=3, help="chunk requests per (chunk, variant) (4 steps each)")
+    parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="random:tiny on the CPU, small sizes")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",")]
+    variants = args.variants.split(",")
+    if set(variants) - set(VARIANTS):
+        parser.error(f"--variants: choose from {', '.join(VARIANTS)}")
 
     import torch
 
@@ -91,108 +181,110 @@ def main() -> int:
 
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
-        args.model, args.decodes, args.context, args.chunk, args.reps = "random:tiny", 3, 40, 16, 1
+        args.model, args.decodes, args.context, chunks, args.reps = "random:tiny", 3, 40, [16, 32], 1
+        args.attention_backend = "torch"
     start = time.perf_counter()
-    config = EngineConfig(model=args.model, device=device, attention_backend="auto" if not args.smoke else "torch",
-                          num_kv_blocks=None if not args.smoke else 512, seed=0,
-                          async_scheduling="off")  # a profiled step() must run and read one step, not two
+    config = EngineConfig(model=args.model, device=device, attention_backend=args.attention_backend,
+                          num_kv_blocks=None if not args.smoke else 512, seed=0, async_scheduling="on",
+                          mixed_overlap="on", enable_prefix_caching=False)
     core = EngineCore.from_config(config, SchedulerConfig(chunk_size=8192, max_num_seqs=args.decodes + 1,
                                                           queue_policy="fcfs"))
     startup_s = time.perf_counter() - start
-    pieces = core.runner.pieces
-    if args.smoke:  # no CUDA graphs on the CPU: the recorded stand-in, to exercise the same path
-        from metronome.server.engine.cuda_graphs import capture_recorded
-        pieces = core.runner.piecewise_runner([32, 64], capture_recorded)
+    if args.smoke:  # no CUDA graphs on the CPU: the recorded stand-ins, to exercise the same paths
+        from metronome.server.engine.cuda_graphs import GraphRunner, capture_recorded, capture_sizes, single_class
+
+        runner = core.runner
+        graphs = GraphRunner(runner.graph_forward, capture_sizes(args.decodes + 1), runner.mirror.cols,
+                             runner.scratch_block, runner.device, single_class(core.max_model_len), capture_recorded,
+                             refresh_host_facts=True, layer_groups=runner.layer_groups)
+        graphs.capture_all()
+        runner.attach_graphs(graphs)
+        pieces = runner.piecewise_runner([16, 32, 64], capture_recorded)
         pieces.capture_all()
-    result: dict = {"model": args.model, "decodes": args.decodes, "context": args.context, "chunk": args.chunk,
-                    "execution_mode": core.execution_mode, "startup_s": startup_s,
-                    "graph_capture_s": core.runner.graph_capture_s}
-    print(f"engine ready in {startup_s:.1f} s ({core.execution_mode}); capture {core.runner.graph_capture_s}",
-          flush=True)
+        runner.attach_pieces(pieces)
+    result: dict = {"model": args.model, "decodes": args.decodes, "context": args.context, "chunks": chunks,
+                    "variants": variants, "execution_mode": core.execution_mode, "startup_s": startup_s,
+                    "graph_capture_s": core.runner.graph_capture_s, "async_scheduling": core.async_scheduling,
+                    "attention": core.attention_description, "command": " ".join(sys.argv)}
+    print(f"engine ready in {startup_s:.1f} s ({core.execution_mode}; {core.attention_description}); "
+          f"capture {core.runner.graph_capture_s}", flush=True)
     peaks = device_section(torch.device(device), 2048 if not args.smoke else 4, 8192 if not args.smoke else 64, 10)
     result["device"] = {k: peaks[k] for k in ("bandwidth_gb_per_s", "matmul_tflops")}
 
     rng = random.Random(0)
-    vocab = core.vocab_size
-    decode_params = SamplingParams(max_tokens=10_000 if not args.smoke else 200, temperature=0.0, ignore_eos=True)
-    max_tokens = min(core.max_model_len - args.context - 1, decode_params.max_tokens)
-    decode_params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    decoding = {core.add_request([rng.randrange(3, vocab) for _ in range(args.context)], decode_params)
+    decode_params = SamplingParams(max_tokens=min(core.max_model_len - args.context - 1, 10_000 if not args.smoke
+                                                  else 400), temperature=0.0, ignore_eos=True)
+    decoding = {core.add_request([rng.randrange(3, core.vocab_size) for _ in range(args.context)], decode_params)
                 for _ in range(args.decodes)}
     started: set[str] = set()
     while started != decoding:  # every decode has its first token: the whole batch is past its prefill
         events, _ = core.step()
         started.update(e.request_id for e in events if e.token_id >= 0)
-    core.reconfigure(SchedulerConfig(chunk_size=args.chunk, max_num_seqs=args.decodes + 1, queue_policy="fcfs"))
+    stepper = Stepper(core)
     for _ in range(3):
-        _, stats = core.step()
+        stats, _ = stepper.step("whole")
     if stats.num_decode_tokens != args.decodes or stats.num_prefill_tokens:
         raise SystemExit(f"expected {args.decodes} running decodes, got a step of {stats.num_decode_tokens} decodes "
                          f"and {stats.num_prefill_tokens} prefill tokens")
 
-    steps = []
-    chunks_per_request = 4
+    steps: list[dict] = []
+    for chunk in chunks:  # one unmeasured request per chunk size first: its shapes warm (graphs, allocator)
+        core.reconfigure(SchedulerConfig(chunk_size=chunk, max_num_seqs=args.decodes + 1, queue_policy="fcfs"))
+        for variant in variants:
+            run_request(stepper, core, rng, chunk, variant, args.decodes, [], -1)
     for rep in range(args.reps):
-        for mode in MODES:
-            set_mode(core, mode, pieces)
-            prompt = [rng.randrange(3, vocab) for _ in range(args.chunk * chunks_per_request)]
-            core.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-            for i in range(chunks_per_request):
-                t0 = time.perf_counter()
-                _, stats = core.step()
-                wall = time.perf_counter() - t0
-                steps.append({"mode": mode, "rep": rep, "chunk_start": i * args.chunk, "wall_ms": wall * 1e3,
-                              "host_ms": stats.scheduler_overhead_s * 1e3, "num_tokens": stats.num_tokens,
-                              "decodes": stats.num_decode_tokens, "prefill_tokens": stats.num_prefill_tokens,
-                              "forward": stats.forward})
+        for chunk in chunks:
+            core.reconfigure(SchedulerConfig(chunk_size=chunk, max_num_seqs=args.decodes + 1, queue_policy="fcfs"))
+            for variant in (variants if rep % 2 == 0 else variants[::-1]):
+                run_request(stepper, core, rng, chunk, variant, args.decodes, steps, rep)
     result["steps"] = steps
     dtype_bytes = torch.empty((), dtype=core.runner.kv_caches[0][0].dtype).element_size()
-    summary = {}
-    for mode in MODES:
-        mine = [s for s in steps if s["mode"] == mode and s["prefill_tokens"] == args.chunk
-                and s["decodes"] == args.decodes]
-        wall = statistics.median(s["wall_ms"] for s in mine)
-        floors = [mixed_floor(core.loaded.config, args.decodes, args.context, args.chunk, s["chunk_start"],
-                              result["device"], dtype_bytes)["floor_ms"] for s in mine]
-        starts = sorted({s["chunk_start"] for s in mine})
-        summary[mode] = {"step_ms_median": wall, "steps": len(mine), "step_ms_by_chunk_start": {
-            str(c): statistics.median(s["wall_ms"] for s in mine if s["chunk_start"] == c) for c in starts},
-            "host_ms_median": statistics.median(s["host_ms"] for s in mine),
-            "floor_ms_mean": statistics.fmean(floors), "ratio_to_floor": wall / statistics.fmean(floors),
-            "forwards": sorted({s["forward"] for s in mine})}
-    base = summary["piecewise"]["step_ms_median"]
-    for mode in MODES:
-        summary[mode]["ratio_to_piecewise"] = summary[mode]["step_ms_median"] / base
+    summary: dict = {}
+    for chunk in chunks:
+        rows = {}
+        for variant in variants:
+            mine = [s for s in steps if s["chunk"] == chunk and s["variant"] == variant]
+            if not mine:
+                continue
+            floors = [mixed_floor(core.loaded.config, args.decodes, args.context, chunk, s["chunk_start"],
+                                  result["device"], dtype_bytes)["floor_ms"] for s in mine]
+            step = statistics.median(s["step_ms"] for s in mine)
+            rows[variant] = {"step_ms_median": step, "steps": len(mine), "floor_ms_mean": statistics.fmean(floors),
+                             "ratio_to_floor": step / statistics.fmean(floors),
+                             "host_ms_median": statistics.median(s["host_ms"] for s in mine),
+                             "forwards": sorted({s["forward"] for s in mine})}
+        if "whole" in rows:
+            for row in rows.values():
+                row["ratio_to_whole"] = row["step_ms_median"] / rows["whole"]["step_ms_median"]
+        summary[str(chunk)] = rows
     result["summary"] = summary
-    result["floor_at_mid_chunk"] = mixed_floor(core.loaded.config, args.decodes, args.context, args.chunk,
-                                               args.chunk * chunks_per_request // 2, result["device"], dtype_bytes)
+    result["floor_at_mid_chunk"] = {str(c): mixed_floor(core.loaded.config, args.decodes, args.context, c,
+                                                        c * CHUNKS_PER_REQUEST // 2, result["device"], dtype_bytes)
+                                    for c in chunks}
 
     if args.profile and not args.smoke:
-        profiles = {}
-        for mode in MODES:
-            set_mode(core, mode, pieces)
-            core.add_request([rng.randrange(3, vocab) for _ in range(args.chunk * 2)],
-                             SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-            core.step()  # the first chunk, unprofiled (warm)
-            profiles[mode] = profile_step(core, torch)  # the second chunk
-        set_mode(core, "piecewise", pieces)
-        while core.step()[1].num_prefill_tokens:  # the last chunk; then decode-only steps (the decode graph)
-            pass
-        profiles["decode_graph"] = profile_step(core, torch)
+        profiles: dict = {}
+        for chunk in chunks:
+            core.reconfigure(SchedulerConfig(chunk_size=chunk, max_num_seqs=args.decodes + 1, queue_policy="fcfs"))
+            profiles[str(chunk)] = {v: profile_steps(stepper, core, rng, chunk, v, args.decodes, torch)
+                                    for v in variants}
         result["profiles"] = profiles
-    set_mode(core, "piecewise", pieces)
     from metronome.kernels import compile_watch
     result["kernel_compiles_after_ready"] = core.stats().kernel_compiles_after_ready
     result["kernel_compiles_total"] = compile_watch.count()  # 0 on a GPU would mean the hook is not installed
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{'mode':<14} {'step ms':>8} {'host ms':>8} {'floor ms':>8} {'x floor':>7} {'x piecewise':>11}")
-    for mode, s in summary.items():
-        print(f"{mode:<14} {s['step_ms_median']:8.2f} {s['host_ms_median']:8.2f} {s['floor_ms_mean']:8.2f} "
-              f"{s['ratio_to_floor']:7.2f} {s['ratio_to_piecewise']:11.2f}  {s['forwards']}")
-    for mode, p in result.get("profiles", {}).items():
-        print(f"profile {mode:<14} host launches {p['host_launches']:5d}  GPU kernels {p['gpu_kernels']:5d}  "
-              f"GPU busy {p['gpu_busy_ms']:.2f} ms  ({p['forward']}, {p['num_tokens']} tokens)")
+    print(f"{'chunk':>5} {'variant':<8} {'step ms':>8} {'floor ms':>8} {'x floor':>7} {'x whole':>7}  forwards")
+    for chunk, rows in summary.items():
+        for variant, s in rows.items():
+            print(f"{chunk:>5} {variant:<8} {s['step_ms_median']:8.2f} {s['floor_ms_mean']:8.2f} "
+                  f"{s['ratio_to_floor']:7.2f} {s.get('ratio_to_whole', float('nan')):7.2f}  {s['forwards']}")
+    for chunk, by_variant in result.get("profiles", {}).items():
+        for variant, p in by_variant.items():
+            kinds = " ".join(f"{k} {v:.2f}" for k, v in p["kernel_ms_per_step_by_kind"].items())
+            print(f"profile {chunk:>5} {variant:<8} kernels {p['kernel_ms_per_step']:.2f} ms  busy "
+                  f"{p['gpu_busy_ms_per_step']:.2f} ms  wall {p['wall_ms_per_step']:.2f} ms  overlap "
+                  f"{p['overlap']:.2f}  ({kinds})")
     print(f"kernel compiles after ready: {result['kernel_compiles_after_ready']}")
     return 0
 

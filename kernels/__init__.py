@@ -1,7 +1,8 @@
 """Attention and KV-write kernels over the paged KV cache, behind one backend protocol.
 
 Backends: `torch` (exact reference; the CPU path), `triton` (default on CUDA: one launch per mixed batch, any block
-size, GQA, split-K for long decodes), `flash_attn` (only where the package imports and block_size % 256 == 0).
+size, GQA, split-K for long decodes), `flash_attn` (FlashAttention-4, `flash_attn.cute`, on Hopper and newer where
+it is installed), and `auto` on CUDA: per batch class, Triton or FA4 from a measured table (attention_choice.py).
 
     backend = get_backend(select_backend(device, block_size, head_dim, requested="auto"))
     backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -9,7 +9,8 @@ from .metadata import AttentionMetadata
 
 
 def check_write_kv_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> None:
+                          slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> None:
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(f"key/value must both be [T, n_kv_heads, head_dim], got {tuple(key.shape)} and "
                          f"{tuple(value.shape)}")
@@ -22,11 +23,28 @@ def check_write_kv_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     _same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    check_kv_scales(k_cache, k_scale, v_scale)
+
+
+def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """An FP8 cache needs float32 scales, one per kv head, for K and for V; another cache takes none."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"KV scales are for an FP8 cache, this one is {k_cache.dtype}")
+        return
+    heads = k_cache.shape[2]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (heads,):
+            raise ValueError(f"an FP8 KV cache needs {name} as float32 [{heads}] (one per kv head), got "
+                             f"{None if scale is None else (tuple(scale.shape), scale.dtype)}")
+        if scale.device != k_cache.device:
+            raise ValueError(f"{name} is on {scale.device}, the cache on {k_cache.device}")
 
 
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, window: int | None = None,
-                           sinks: torch.Tensor | None = None) -> None:
+                           sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> None:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive integer or None, got {window!r}")
     if q.dim() != 3:
@@ -38,12 +56,13 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
     if n_heads % n_kv_heads != 0:
         raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
     if sinks is not None:
         if tuple(sinks.shape) != (n_heads,):
             raise ValueError(f"sinks must be [n_heads={n_heads}], got {tuple(sinks.shape)}")
         _same_device(q=q, sinks=sinks)
+    check_kv_scales(k_cache, k_scale, v_scale)
     _same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
                  block_tables=meta.block_tables)
     key = (id(meta), q.shape[0])

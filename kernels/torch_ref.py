@@ -4,7 +4,8 @@ Everything is computed in float32 and cast back to q's dtype. Decodes (q_len 1) 
 and run as one padded attention call; prefill chunks run one sequence at a time with a bottom-right-aligned causal
 mask. Cache entries a query may not see (past a sequence's length, unused blocks, behind a sliding window, whose
 blocks may have been freed and reused) are zeroed after the gather, so garbage or NaN in the cache can never leak
-into the result through `0 * NaN`.
+into the result through `0 * NaN`. An FP8 (e4m3) cache holds `e4m3(x / scale)` with one float32 scale per kv head
+for K and one for V (`k_scale`, `v_scale`): writes quantise, reads multiply back.
 
 Per-layer options are parameters of the call: `window` (a query at position p sees keys p - window + 1 .. p),
 `softcap` (scores become softcap * tanh(scores / softcap) before the mask, as transformers applies it) and
@@ -18,17 +19,38 @@ import torch.nn.functional as F
 from .checks import check_attention_inputs, check_write_kv_inputs
 from .metadata import AttentionMetadata
 
+FP8_MAX = 448.0
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """[T, n_kv_heads, head_dim] as the cache stores it: cast, or e4m3(x / scale[head]) for an FP8 cache (division
+    in float32 and clamping to ±448 first, as the Triton writes do)."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return x.to(cache_dtype)
+    return (x.float() / scale.float()[:, None]).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def from_cache(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache rows [..., n_kv_heads, head_dim] → float32 values (times the per-head scale for an FP8 cache)."""
+    if rows.dtype != torch.float8_e4m3fn:
+        return rows.float()
+    return rows.float() * scale.float()[:, None]
+
 
 def write_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
     """Scatter each new token's K/V into its cache slot; a negative slot means skip that token."""
     num_blocks, block_size, n_kv_heads, head_dim = k_cache.shape
     flat_k = k_cache.view(num_blocks * block_size, n_kv_heads, head_dim)
     flat_v = v_cache.view(num_blocks * block_size, n_kv_heads, head_dim)
     keep = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping[keep].long()
-    flat_k.index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    flat_v.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    k_rows, v_rows = to_cache(key[keep], k_cache.dtype, k_scale), to_cache(value[keep], v_cache.dtype, v_scale)
+    if k_cache.dtype == torch.float8_e4m3fn:  # torch copies FP8 rows by index as bytes only
+        flat_k, flat_v, k_rows, v_rows = (t.view(torch.uint8) for t in (flat_k, flat_v, k_rows, v_rows))
+    flat_k.index_copy_(0, slots, k_rows)
+    flat_v.index_copy_(0, slots, v_rows)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -39,6 +61,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: i
     Padding entries of a block table may hold anything; they are clamped to a valid id and masked by the caller.
     """
     ids = block_table[..., :num_blocks].long().clamp(0, cache.shape[0] - 1)
+    if cache.dtype == torch.float8_e4m3fn:  # gathered as bytes (torch indexes FP8 tensors on the GPU only)
+        return cache.view(torch.uint8)[ids].view(cache.dtype).flatten(-4, -3)
     blocks = cache[ids]  # [..., num_blocks, block_size, n_kv_heads, head_dim]
     return blocks.flatten(-4, -3)
 
@@ -51,15 +75,17 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 
 class TorchBackend:
     name = "torch"
+    graph_capture = "none"  # host lists steer its launches (the CPU path)
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        check_write_kv_inputs(key, value, k_cache, v_cache, slot_mapping)
-        write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+        check_write_kv_inputs(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        write_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, out: torch.Tensor | None = None, window: int | None = None,
-                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        check_attention_inputs(q, k_cache, v_cache, meta, window, sinks)
+                  softcap: float | None = None, sinks: torch.Tensor | None = None,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        check_attention_inputs(q, k_cache, v_cache, meta, window, sinks, k_scale, v_scale)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q_lens = meta.q_lens_host
@@ -68,12 +94,14 @@ class TorchBackend:
         for n in q_lens:
             starts.append(starts[-1] + n)
         if decodes:
-            self._decodes(q, k_cache, v_cache, meta, scale, decodes, starts, out, window, softcap, sinks)
+            self._decodes(q, k_cache, v_cache, meta, scale, decodes, starts, out, window, softcap, sinks, k_scale,
+                          v_scale)
         for b, q_len in enumerate(q_lens):
             if q_len > 1:
                 rows = slice(starts[b], starts[b + 1])
                 out[rows] = self._one_sequence(q[rows], k_cache, v_cache, meta.block_tables[b],
-                                               meta.seq_lens_host[b], scale, window, softcap, sinks)
+                                               meta.seq_lens_host[b], scale, window, softcap, sinks, k_scale,
+                                               v_scale)
         return out
 
     # Launches that depend on nothing but the shapes: one variant, nothing to compile.
@@ -84,13 +112,14 @@ class TorchBackend:
         return [max_model_len]
 
     def warm_up(self, q_shape, k_cache, v_cache, max_model_len: int, windows=(None,), softcap=None,
-                sinks=False) -> int:
+                sinks=False, dtype: torch.dtype | None = None) -> int:
         return 0
 
     @staticmethod
     def _one_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_len: int, scale: float, window: int | None = None,
-                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         q_len, n_heads, _ = q.shape
         block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
         num_blocks = -(-seq_len // block_size)
@@ -100,7 +129,7 @@ class TorchBackend:
         k = gather_context(k_cache, block_table[first_block:], num_blocks - first_block)
         v = gather_context(v_cache, block_table[first_block:], num_blocks - first_block)
         offset = first_block * block_size
-        k, v = k[:seq_len - offset].float(), v[:seq_len - offset].float()
+        k, v = from_cache(k[:seq_len - offset], k_scale), from_cache(v[:seq_len - offset], v_scale)
         # new token i sits at position seq_len - q_len + i and sees positions (p - window, p]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(offset, seq_len, device=q.device)
@@ -124,7 +153,8 @@ class TorchBackend:
     @staticmethod
     def _decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, decodes: list[int], starts: list[int],
                  out: torch.Tensor, window: int | None = None, softcap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
         """All q_len-1 sequences at once: pad their contexts to the longest and mask the padding."""
         n_heads = q.shape[1]
         block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -142,8 +172,8 @@ class TorchBackend:
         valid = key_pos < seq_lens[:, None].long()  # [B, S]
         if window is not None:  # the decode at position seq_len - 1 sees keys seq_len - window .. seq_len - 1
             valid &= key_pos >= seq_lens[:, None].long() - window
-        k = gather_context(k_cache, tables, num_blocks).float()  # [B, S, KVH, D]
-        v = gather_context(v_cache, tables, num_blocks).float()
+        k = from_cache(gather_context(k_cache, tables, num_blocks), k_scale)  # [B, S, KVH, D]
+        v = from_cache(gather_context(v_cache, tables, num_blocks), v_scale)
         k = torch.where(valid[:, :, None, None], k, 0.0)
         v = torch.where(valid[:, :, None, None], v, 0.0)
         group = n_heads // n_kv_heads

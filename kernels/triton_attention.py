@@ -17,7 +17,8 @@ sees and masks only the tiles at the window's edge; keys behind it are never rea
 A logit softcap (cap * tanh(score / cap)) is a compiled-in option too, and so are attention sinks (gpt-oss): a
 learned logit per head that joins each row's softmax denominator, added once per row after its key loop (in the
 merge when the keys were split).
-Softmax is online in fp32 with exp2; fp32 inputs use exact ("ieee") dots.
+Softmax is online in fp32 with exp2; fp32 inputs use exact ("ieee") dots. An FP8 (e4m3) cache is read as is and
+converted to q's dtype in registers (exact); its per-kv-head scales multiply the scores (K's) and the output (V's).
 
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported): tests only.
 """
@@ -42,6 +43,7 @@ def _attend_kv_tile(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One online-softmax step over keys [kv_tile * BLOCK_N, +BLOCK_N). MASKED: the tile crosses the causal
     diagonal, a window's edge or the end of the context; otherwise every row sees every key and loads need no
@@ -65,6 +67,9 @@ def _attend_kv_tile(
     else:
         k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
         v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    if KV_FP8:  # e4m3 → q's dtype is exact; the per-head scales are folded into scale_log2 and the output
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if UPCAST_DOT:
         k = k.to(tl.float32)
     if SOFTCAP:  # cap * tanh(score / cap), tanh(x) = 1 - 2 / (exp(2x) + 1); then to log2 units
@@ -92,14 +97,14 @@ def _attend_kv_tile(
 @triton.jit
 def _attention_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, block_tables_ptr,
-    sinks_ptr,
+    sinks_ptr, k_scale_ptr, v_scale_ptr,
     seq, q_start, q_len, first_q, kv_head, split, num_tokens, n_heads, scale_log2, softcap,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """New tokens first_q .. first_q + BLOCK_Q - 1 of sequence `seq`, all GROUP query heads of `kv_head`."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -114,6 +119,9 @@ def _attention_tile(
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
+
+    if KV_FP8:  # K's scale multiplies every score of this kv head, V's the output
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     q_pos = seq_len - q_len + q_idx  # absolute position of each row's token
@@ -149,18 +157,20 @@ def _attention_tile(
             acc, m_i, l_i = _attend_kv_tile(
                 q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end,
                 scale_log2, softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP)
+                True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, KV_FP8)
     for kv_tile in range(edge_end, full_end):
         acc, m_i, l_i = _attend_kv_tile(
             q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end,
             scale_log2, softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            False, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP)
+            False, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, KV_FP8)
     for kv_tile in range(full_end, tile_hi):
         acc, m_i, l_i = _attend_kv_tile(
             q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end,
             scale_log2, softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP)
+            True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, KV_FP8)
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     if NUM_SPLITS == 1:
         if HAS_SINKS:  # the head's sink joins the denominator (log2 units, like m_i)
             sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -182,7 +192,7 @@ def _attention_tile(
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_lead_decodes", "num_chunk_tiles", "stride_bt"])
 def _paged_attention(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, num_tokens, num_lead_decodes, num_chunk_tiles, n_heads, scale_log2, softcap,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt,
@@ -190,7 +200,7 @@ def _paged_attention(
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE_BLOCK_M: tl.constexpr, DECODE_BLOCK_N: tl.constexpr, HAS_CHUNKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """The first num_chunk_tiles programs cover the sequences after the leading decodes in tiles of BLOCK_Q tokens,
     heaviest (latest) tiles first so that they do not start last; the remaining programs are the batch's leading
@@ -202,11 +212,12 @@ def _paged_attention(
         decode = tile - num_chunk_tiles
         _attention_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr,
-            block_tables_ptr, sinks_ptr, decode, decode, 1, 0, kv_head, split, num_tokens, n_heads, scale_log2, softcap,
+            block_tables_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, decode, decode, 1, 0, kv_head, split, num_tokens,
+            n_heads, scale_log2, softcap,
             stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_ot, stride_oh, stride_bt,
             GROUP, GROUP_PAD, HEAD_DIM, D_PAD, PAGE, 1, DECODE_BLOCK_M, DECODE_BLOCK_N, NUM_SPLITS,
-            DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, HAS_SINKS)
+            DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, HAS_SINKS, KV_FP8)
     elif HAS_CHUNKS:
         # Sequence b (>= num_lead_decodes) owns tiles from (cu_q[b] - D) // BLOCK_Q + (b - D) on (D leading
         # decodes, which hold tokens 0 .. D-1): an upper bound on the tiles before it. Find the last b whose first
@@ -228,11 +239,11 @@ def _paged_attention(
         if first_q < q_len:  # spare tiles past the sequence's end do nothing
             _attention_tile(
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr,
-                block_tables_ptr, sinks_ptr, seq, q_start, q_len, first_q, kv_head, split, num_tokens, n_heads,
-                scale_log2, softcap, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                stride_vh, stride_ot, stride_oh, stride_bt,
+                block_tables_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, seq, q_start, q_len, first_q, kv_head, split,
+                num_tokens, n_heads, scale_log2, softcap, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                stride_vb, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
                 GROUP, GROUP_PAD, HEAD_DIM, D_PAD, PAGE, BLOCK_Q, BLOCK_M, BLOCK_N, NUM_SPLITS,
-                DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, HAS_SINKS)
+                DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, HAS_SINKS, KV_FP8)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -348,11 +359,13 @@ def split_keys(max_seqlen_k: int, window: int | None) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, config: TileConfig | None = None, num_splits: int | None = None,
                     out: torch.Tensor | None = None, window: int | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the batch's new tokens over the paged cache (their K/V already written). Returns [T, H, D]
     (`out` when given: [T, H, D] with contiguous heads, e.g. rows of a static buffer). window: a query at
     position p sees keys p - window + 1 .. p; softcap: scores -> softcap * tanh(scores / softcap); sinks [H]: a
-logit per head in every row's softmax denominator."""
+    logit per head in every row's softmax denominator. An FP8 cache needs k_scale and v_scale, float32
+    [n_kv_heads]."""
     num_tokens, n_heads, head_dim = q.shape
     page, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
@@ -394,10 +407,14 @@ logit per head in every row's softmax denominator."""
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # never touched
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale")
     require_runnable(q.device)
     _paged_attention[(grid_tiles, n_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, sinks if sinks is not None else out,
+        k_scale if kv_fp8 else meta.seq_lens, v_scale if kv_fp8 else meta.seq_lens,
         num_seqs, num_tokens, lead_decodes, chunk_tiles, n_heads, scale * math.log2(math.e), float(softcap or 1.0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
@@ -408,7 +425,7 @@ logit per head in every row's softmax denominator."""
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton's interpreter (3.9) computes bf16 x bf16 dots wrongly; it upcasts the operands instead.
         UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16, WINDOW=window or 0, SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_SINKS=sinks is not None, KV_FP8=kv_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _merge_splits[(num_tokens, n_heads)](

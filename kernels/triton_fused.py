@@ -3,10 +3,14 @@
 - `add_rms_norm`: residual += x (rounded to the model dtype), then out = weight * norm(residual) (Llama) or
   (1 + weight) * norm(residual) in float32 (Gemma); without x it is a plain RMSNorm (`rms_norm`). One program
   per token row.
+- `add_rms_norm_fp8`, `silu_mul_fp8`: the (Llama-style) norm and SiLU * up with their output quantised to FP8
+  e4m3 in the same launch (per token, per group of columns, or with a static scale) for the FP8 linear layers
+  that read them; one program per token row (a token's scale needs its whole row).
 - `rope_write_kv`: from the fused qkv projection, optionally RMS-norm each q and k head (QK-norm: Qwen3, Gemma 3),
   rotate q and k (rotate-half layout, over all of a head or its first rotary dims) with cos/sin read from a
   per-position table built once, write rotated q to its own buffer and k, v into their paged-cache slots
-  (a negative slot skips the cache write). One program per token.
+  (a negative slot skips the cache write; an FP8 cache gets them quantised with their kv head's scale). One
+  program per token.
 - `gated_act`: act(gate) * up from the fused gate_up projection, act SiLU or tanh-GELU (`silu_mul`).
 
 Every rounding step of the torch path (models/layers.py, models/rope.py) is reproduced: each product or sum
@@ -22,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention import require_runnable
+from .triton_fp8 import _fp8_of, _quantize_registers, _scale_of, check_quant_args, scale_buffer
 
 
 @triton.jit
@@ -75,6 +80,125 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool =
              float_scale: bool = False) -> torch.Tensor:
     """RMSNorm of the rows of x [T, N] (x is not changed)."""
     return add_rms_norm(None, x, weight, eps, plus_one=plus_one, float_scale=float_scale)
+
+
+
+@triton.jit
+def _add_rms_norm_fp8(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_r, stride_q,
+                      stride_s, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_X: tl.constexpr, GROUP: tl.constexpr,
+                      STATIC: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    if HAS_X:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        r = (r.to(tl.float32) + x.to(tl.float32)).to(residual_ptr.dtype.element_ty)
+        tl.store(residual_ptr + row * stride_r + cols, r, mask=mask)
+    r32 = r.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(r32 * r32, 0) / N + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ROUND:  # the norm's output in the model dtype, as add_rms_norm stores it, before it is quantised
+        y = _rounded(w * _rounded(r32 * inv, BF16), BF16)
+    else:
+        y = w * (r32 * inv)
+    _quantize_registers(y, cols, mask, q_ptr + row * stride_q, s_ptr + row * stride_s, static_ptr, N, BLOCK,
+                        GROUP, STATIC)
+
+
+def add_rms_norm_fp8(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     group: int | None = None, static_scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm whose output goes straight to FP8: residual [T, N] updated in place as add_rms_norm does;
+    returns (q e4m3 [T, N], scales) of weight * rmsnorm(residual) rounded to the model dtype, quantised per token
+    (group None), per `group` columns or with a static scale (triton_fp8.quantize_fp8's conventions)."""
+    rows, n = residual.shape
+    check_quant_args(n, group, static_scale)
+    q = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=residual.device)
+    scales = scale_buffer(rows, n, group, static_scale, residual.device)
+    if rows == 0:
+        return q, scales
+    for t in (residual,) + ((x,) if x is not None else ()):
+        if t.stride(-1) != 1:
+            raise ValueError("add_rms_norm_fp8 needs rows with a contiguous last axis")
+    require_runnable(residual.device)
+    block = triton.next_power_of_2(n)
+    _add_rms_norm_fp8[(rows,)](
+        x if x is not None else residual, residual, weight, q, scales,
+        static_scale if static_scale is not None else scales,
+        x.stride(0) if x is not None else 0, residual.stride(0), q.stride(0),
+        scales.stride(0) if scales.dim() == 2 else 0, eps,
+        N=n, BLOCK=block, HAS_X=x is not None, GROUP=min(group or 0, block), STATIC=static_scale is not None,
+        ROUND=residual.dtype in (torch.bfloat16, torch.float16), BF16=residual.dtype == torch.bfloat16,
+        num_warps=min(16, max(4, block // 512)),
+    )
+    return q, scales
+
+@triton.jit
+def _silu_mul_value(gate_up_row, cols, mask, N, ROUND: tl.constexpr, BF16: tl.constexpr):
+    g = tl.load(gate_up_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_row + N + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = g / (1.0 + tl.exp(-g))
+    if ROUND:  # silu(gate) and the product each rounded to the model dtype, as silu_mul stores them
+        return _rounded(_rounded(silu, BF16) * u, BF16)
+    else:
+        return silu * u
+
+
+@triton.jit
+def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, stride_s, N,
+                  CHUNK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr, ROUND: tl.constexpr,
+                  BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    gate_up_row = gate_up_ptr + row * stride_g
+    q_row = q_ptr + row * stride_q
+    s_row = s_ptr + row * stride_s
+    offs = tl.arange(0, CHUNK)
+    if STATIC or GROUP != 0:  # every chunk is self-contained (CHUNK == GROUP for groups)
+        for start in range(0, N, CHUNK):
+            cols = start + offs
+            mask = cols < N
+            y = _silu_mul_value(gate_up_row, cols, mask, N, ROUND, BF16)
+            _quantize_registers(y, cols, mask, q_row, s_row + start // CHUNK, static_ptr, N - start, CHUNK,
+                                GROUP, STATIC)
+    else:  # per token: the row's amax first, then quantise (the second read of gate_up mostly hits L2)
+        amax = tl.zeros((CHUNK,), dtype=tl.float32)
+        for start in range(0, N, CHUNK):
+            cols = start + offs
+            mask = cols < N
+            amax = tl.maximum(amax, tl.where(mask, tl.abs(_silu_mul_value(gate_up_row, cols, mask, N, ROUND, BF16)),
+                                             0.0))
+        scale = _scale_of(tl.max(amax, 0))
+        for start in range(0, N, CHUNK):
+            cols = start + offs
+            mask = cols < N
+            y = _silu_mul_value(gate_up_row, cols, mask, N, ROUND, BF16)
+            tl.store(q_row + cols, _fp8_of(y, scale), mask=mask)
+        tl.store(s_row, scale)
+
+
+def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
+                 chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [T, 2I] (gate columns first) → (q e4m3 [T, I], scales) of silu(gate) * up rounded to the model
+    dtype, quantised per token (group None), per `group` columns or with a static scale."""
+    rows, width = gate_up.shape
+    n = width // 2
+    check_quant_args(n, group, static_scale)
+    q = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scales = scale_buffer(rows, n, group, static_scale, gate_up.device)
+    if rows == 0:
+        return q, scales
+    if gate_up.stride(-1) != 1:
+        raise ValueError("silu_mul_fp8 needs rows with a contiguous last axis")
+    require_runnable(gate_up.device)
+    _silu_mul_fp8[(rows,)](
+        gate_up, q, scales, static_scale if static_scale is not None else scales, gate_up.stride(0), q.stride(0),
+        scales.stride(0) if scales.dim() == 2 else 0, n,
+        CHUNK=group if group is not None else min(chunk, triton.next_power_of_2(n)), GROUP=group or 0,
+        STATIC=static_scale is not None, ROUND=gate_up.dtype in (torch.bfloat16, torch.float16),
+        BF16=gate_up.dtype == torch.bfloat16, num_warps=4,
+    )
+    return q, scales
 
 
 @triton.jit
@@ -138,11 +262,12 @@ def _rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, pos, heads, n_heads, eps, HEAD_D
 
 @triton.jit
 def _rope_write_kv(qkv_ptr, positions_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                   q_norm_ptr, k_norm_ptr, eps,
+                   q_norm_ptr, k_norm_ptr, eps, k_scale_ptr, v_scale_ptr,
                    stride_qkv, stride_qo, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
                    N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT_HALF: tl.constexpr, PAGE: tl.constexpr,
-                   ROUND: tl.constexpr, BF16: tl.constexpr, QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr):
+                   ROUND: tl.constexpr, BF16: tl.constexpr, QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr,
+                   KV_FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     row = qkv_ptr + token * stride_qkv
@@ -163,22 +288,32 @@ def _rope_write_kv(qkv_ptr, positions_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr
         k, kmask = _rope_heads(k_row, k_norm_ptr, cos_ptr, sin_ptr, pos, kv_heads, N_KV_HEADS, eps, HEAD_DIM, D_PAD,
                                ROT_HALF, ROUND, BF16, QK_NORM, PLUS_ONE)
         k_dst = k_cache_ptr + block * stride_kcb + in_page * stride_kct + kv_heads[:, None] * stride_kch + offs[None, :]
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=kmask)
         v_row = k_row + N_KV_HEADS * HEAD_DIM
         v = tl.load(v_row + kv_heads[:, None] * HEAD_DIM + offs[None, :], mask=kmask, other=0.0)
         v_dst = (v_cache_ptr + block * stride_vcb + in_page * stride_vct + kv_heads[:, None] * stride_vch
                  + offs[None, :])
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kmask)
+        if KV_FP8:  # rotated k in the model dtype (as the torch path holds it), then e4m3 with its head's scale
+            k_scale = tl.load(k_scale_ptr + kv_heads, mask=kv_heads < N_KV_HEADS, other=1.0)[:, None]
+            v_scale = tl.load(v_scale_ptr + kv_heads, mask=kv_heads < N_KV_HEADS, other=1.0)[:, None]
+            if ROUND:
+                k = _rounded(k, BF16)
+            tl.store(k_dst, _fp8_of(k, k_scale), mask=kmask)
+            tl.store(v_dst, _fp8_of(v.to(tl.float32), v_scale), mask=kmask)
+        else:
+            tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kmask)
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
                   num_kv_heads: int, q_out: torch.Tensor | None = None,
-                  qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> torch.Tensor:
+                  qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) * D] → rotated q [T, H, D] (into q_out if given); rotated k and v into the cache at
     slot_mapping [T]. cos/sin: [max_position, R / 2] tables in qkv's dtype (RotaryEmbedding.tables) for the first
     R <= D dims of each head. qk_norm: (q weight [D], k weight [D], eps, plus_one): each q and k head is
-    RMS-normed before rope (Qwen3: weight * norm; Gemma: (1 + weight) * norm)."""
+    RMS-normed before rope (Qwen3: weight * norm; Gemma: (1 + weight) * norm). An FP8 cache stores
+    e4m3(k / k_scale[head]) and e4m3(v / v_scale[head]) (scales float32 [KVH])."""
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     rot_half = cos.shape[-1]
@@ -194,16 +329,21 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torc
         return q_out
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q_out.stride(-1) != 1 or q_out.stride(1) != head_dim:
         raise ValueError("rope_write_kv needs contiguous heads in q_out and the KV cache")
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale")
     require_runnable(qkv.device)
     q_weight, k_weight, eps, plus_one = qk_norm if qk_norm is not None else (qkv, qkv, 0.0, False)
     _rope_write_kv[(tokens,)](
         qkv, positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, q_weight, k_weight, eps,
+        k_scale if kv_fp8 else positions, v_scale if kv_fp8 else positions,
         qkv.stride(0), q_out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         N_HEADS=num_heads, N_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(num_heads),
         KV_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         ROT_HALF=rot_half, PAGE=k_cache.shape[1], ROUND=qkv.dtype in (torch.bfloat16, torch.float16),
-        BF16=qkv.dtype == torch.bfloat16, QK_NORM=qk_norm is not None, PLUS_ONE=bool(plus_one), num_warps=4,
+        BF16=qkv.dtype == torch.bfloat16, QK_NORM=qk_norm is not None, PLUS_ONE=bool(plus_one), KV_FP8=kv_fp8,
+        num_warps=4,
     )
     return q_out
 

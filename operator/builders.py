@@ -153,6 +153,8 @@ def server_args(service: InferenceService) -> list[str]:
     engine = spec.engine
     optional = ((flag.MAX_MODEL_LEN, spec.model.max_model_len), (flag.BLOCK_SIZE, engine.block_size),
                 (flag.ATTENTION_BACKEND, None if engine.attention_backend == "auto" else engine.attention_backend),
+                (flag.QUANTIZATION, spec.model.quantization),
+                (flag.KV_CACHE_DTYPE, None if engine.kv_cache_dtype == "auto" else engine.kv_cache_dtype),
                 (flag.MAX_WAITING, engine.max_waiting), (flag.MAX_REQUEST_BODY_BYTES, engine.max_request_body_bytes),
                 (flag.MAX_WAITING_PER_CLIENT, engine.max_waiting_per_client),
                 (flag.MAX_RUNNING_PER_CLIENT, engine.max_running_per_client),

@@ -26,6 +26,7 @@ from metronome.contract.model_source import (
     parse_model_source,
     syntax,
 )
+from metronome.contract.precision import KV_CACHE_DTYPES, QUANTIZATIONS
 from metronome.operator.pod_template import PodOverlay, PodTemplateError, parse_overlay
 from metronome.operator.routing_spec import RoutingSpec, parse_routing
 from metronome.operator.spec_error import SpecError
@@ -93,6 +94,7 @@ class ModelSpec:
     hf_endpoint: str | None = None  # hf:// : a mirror (HF_ENDPOINT)
     s3: S3Spec = field(default_factory=S3Spec)
     served_names: tuple[str, ...] = ()  # more names clients may use in `model` (after the service's own)
+    quantization: str | None = None  # QUANTIZATIONS: on-the-fly FP8; None = as the checkpoint is
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class EngineSpec:
     max_running_per_client: int | None = None
     max_prompt_tokens_per_second_per_client: int | None = None  # unset: no rate limit
     prompt_token_burst_per_client: int | None = None  # unset: one second's worth
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     extra_args: tuple[str, ...] = ()  # appended to the server's command line
 
 
@@ -274,6 +277,14 @@ def _value(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], def
     return value
 
 
+def _choice(data: Mapping[str, Any], key: str, choices: tuple[str, ...], default: str | None, where: str
+            ) -> str | None:
+    value = _value(data, key, str, default, where)
+    if value is not None and value not in choices:
+        raise SpecError(f"{where}.{key}: must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join(k.__name__ for k in kinds)
@@ -312,6 +323,7 @@ def parse_model(data: Mapping[str, Any]) -> ModelSpec:
         hf_endpoint=_url(data, "hfEndpoint", where),
         s3=_parse_s3(_value(data, "s3", Mapping, {}, where), f"{where}.s3"),
         served_names=_parse_served_names(data.get("servedNames"), f"{where}.servedNames"),
+        quantization=_choice(data, "quantization", QUANTIZATIONS, defaults["quantization"], where),
     )
 
 
@@ -423,6 +435,7 @@ def parse_engine(data: Mapping[str, Any]) -> EngineSpec:
                                                        defaults["max_prompt_tokens_per_second_per_client"], where),
         prompt_token_burst_per_client=_value(data, "promptTokenBurstPerClient", int,
                                              defaults["prompt_token_burst_per_client"], where),
+        kv_cache_dtype=_choice(data, "kvCacheDtype", KV_CACHE_DTYPES, defaults["kv_cache_dtype"], where),
         extra_args=parse_extra_args(_value(data, "extraArgs", list, [], where), f"{where}.extraArgs"),
     )
 

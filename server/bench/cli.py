@@ -143,6 +143,14 @@ def _configure_sweep(p: argparse.ArgumentParser) -> None:
                    help="with --url: seconds to wait for /v1/config to report a new generation (30)")
 
 
+def _overlap_variant(value: str) -> str:
+    from metronome.server.engine.config import MIXED_OVERLAP
+
+    if value not in MIXED_OVERLAP:
+        raise argparse.ArgumentTypeError(f"a mixed-overlap variant is one of {', '.join(MIXED_OVERLAP)}, got {value!r}")
+    return value
+
+
 def _configure_engine(p: argparse.ArgumentParser) -> None:
     _add_target(p, with_url=False, model="random:llama-3-8b", engine_defaults={"device": "cuda"},
                 scheduler_defaults={"chunk_size": 2048})
@@ -171,6 +179,9 @@ def _configure_engine(p: argparse.ArgumentParser) -> None:
     per_run.add_argument("--duration", type=positive_float, default=None,
                          help="long-short: seconds of sending per run instead of a count")
     g.add_argument("--drain-timeout", type=positive_float, default=120.0, help="long-short drain limit, s")
+    g.add_argument("--mixed-overlap-variants", type=_csv(_overlap_variant), default=None, metavar="off,on",
+                   help="long-short: run each chunk size and rate once per listed mixed-step overlap setting, one "
+                        "right after the other on one engine (started with --mixed-overlap on), and compare them")
     g.add_argument("--warmup-requests", type=nonneg_int, default=16,
                    help="unmeasured long-short requests sent at once before each chunk size's runs (16)")
     g.add_argument("--long-prompt-len", type=positive_int, default=2000, help="long-short long prompt tokens")

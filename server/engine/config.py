@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from metronome.contract.errors import InvalidRequestError
+from metronome.contract.precision import KV_CACHE_DTYPES, QUANTIZATIONS
 from metronome.server.models.moe_config import MOE_BACKENDS
 
 ASYNC_SCHEDULING = ("auto", "on", "off")
+MIXED_OVERLAP = ("off", "on")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA + triton only; False = --enforce-eager)
     async_scheduling: str = "auto"  # ASYNC_SCHEDULING: launch step n+1 before reading step n (auto: on for CUDA)
     moe_backend: str = "auto"  # MOE_BACKENDS: how a mixture of experts runs its experts (auto: triton on CUDA)
+    mixed_overlap: str = "off"  # MIXED_OVERLAP: a mixed step's decodes beside its chunk on two streams (CUDA graphs)
+    quantization: str | None = None  # QUANTIZATIONS; None = as the checkpoint is (FP8 checkpoints load as FP8)
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -48,9 +53,20 @@ class EngineConfig:
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise InvalidRequestError(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}, got "
                                       f"{self.async_scheduling!r}", param="async_scheduling")
+        if self.mixed_overlap not in MIXED_OVERLAP:
+            raise InvalidRequestError(f"mixed_overlap must be one of {', '.join(MIXED_OVERLAP)}, got "
+                                      f"{self.mixed_overlap!r}", param="mixed_overlap")
         if self.moe_backend not in MOE_BACKENDS:
             raise InvalidRequestError(f"moe_backend must be one of {', '.join(MOE_BACKENDS)}, got "
                                       f"{self.moe_backend!r}", param="moe_backend")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                                      f"{self.quantization!r}", param="quantization")
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise InvalidRequestError("FP8 quantization runs at tensor_parallel_size 1", param="quantization")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                                      f"{self.kv_cache_dtype!r}", param="kv_cache_dtype")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise InvalidRequestError("tensor_parallel_size must be an integer >= 1", param="tensor_parallel_size")

@@ -59,20 +59,22 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-_capture_streams: dict[int, Any] = {}
+_capture_streams: dict[tuple[int, str], Any] = {}
 
 
-def capture_cuda(fn: Callable[[], Any], pool: Any) -> tuple[Callable[[], None], Any]:
+def capture_cuda(fn: Callable[[], Any], pool: Any, lane: str = "main") -> tuple[Callable[[], None], Any]:
     """Warm fn up on a side stream (Triton compiles, cuBLAS picks its kernels: neither may happen while
     capturing), then capture it into a CUDA graph in the shared pool. fn returns a tensor or a tuple of them
-    (None allowed), which the graph rewrites in place at each replay.
+    (None allowed), which the graph rewrites in place at each replay. `lane` names the capture stream: graphs
+    that will replay at the same time are captured on different lanes, because a captured matmul keeps the
+    cuBLAS workspace of the stream it was captured on.
 
     CUDAGraph.capture_begin/end directly rather than `torch.cuda.graph`, whose synchronize + gc.collect +
     empty_cache per capture would dominate the start-up with the ~1,200 piece graphs of mixed steps."""
-    device = torch.cuda.current_device()
-    side = _capture_streams.get(device)
+    key = (torch.cuda.current_device(), lane)
+    side = _capture_streams.get(key)
     if side is None:
-        side = _capture_streams[device] = torch.cuda.Stream()
+        side = _capture_streams[key] = torch.cuda.Stream()
     current = torch.cuda.current_stream()
     side.wait_stream(current)
     graph = torch.cuda.CUDAGraph()

@@ -31,8 +31,9 @@ from metronome.kernels import compile_watch
 from metronome.server.engine.block_manager import BlockManager
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.grammar import Grammars, advance
-from metronome.server.engine.kv_cache import bytes_per_block, plan_num_blocks
+from metronome.server.engine.kv_cache import bytes_per_block, kv_cache_dtype, plan_num_blocks
 from metronome.server.engine.kv_layout import kv_layout
+from metronome.server.engine.mixed_overlap import MixedOverlap
 from metronome.server.engine.model_runner import InFlightTokens, ModelRunner
 from metronome.server.engine.output_text import OutputText
 from metronome.server.engine.outputs import EngineStats, GenerationResult, StepStats, TokenEvent
@@ -42,6 +43,7 @@ from metronome.server.engine.sampling import SamplingParams
 from metronome.server.engine.scheduler import ScheduledBatch, Scheduler
 from metronome.server.engine.sequence import PENDING, Sequence, SequenceStatus
 from metronome.server.engine.warm_batch import run_warm_batch
+from metronome.server.models.quant.kv_scales import install_kv_scales
 
 if TYPE_CHECKING:
     from metronome.server.engine.tp_launch import WorkerPool
@@ -104,12 +106,16 @@ class EngineCore:
             set_moe_backend(config.moe_backend)
         dtype = loaded.dtype if isinstance(loaded.dtype, torch.dtype) else getattr(torch, str(loaded.dtype))
         kv_heads = model_config.num_key_value_heads if workers is None else workers.kv_heads_per_rank
+        backend_name = getattr(getattr(loaded.model, "attention_backend", None), "name", config.attention_backend)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, backend_name, config.tensor_parallel_size)
+        # an FP8 cache's scales: the checkpoint's, else calibrated on the model (before any cache exists)
+        self.kv_scales = install_kv_scales(loaded, config.block_size) if kv_dtype == torch.float8_e4m3fn else None
         # Layers with a sliding window keep their KV in groups of their own, whose blocks behind the window are
         # freed (kv_layout.py); a block is one block of every layer of a group.
         self.kv_layout = kv_layout(getattr(model_config, "layer_windows", None)
                                    or (None,) * model_config.num_hidden_layers)
         per_block = bytes_per_block(self.kv_layout.group_size, config.block_size, kv_heads, model_config.head_dim,
-                                    dtype)
+                                    kv_dtype)
         num_blocks = plan_num_blocks(config, per_block, device)
         if workers is not None:
             num_blocks = workers.agree_num_blocks(num_blocks)  # every rank allocates the same cache
@@ -120,7 +126,7 @@ class EngineCore:
         runner_class = ModelRunner if workers is None else workers.runner_class
         self.runner = runner_class(loaded.model, model_config.num_hidden_layers, kv_heads,
                                    model_config.head_dim, num_blocks, config.block_size, self.max_model_len, dtype,
-                                   device, seed=config.seed, layout=self.kv_layout)
+                                   device, seed=config.seed, layout=self.kv_layout, kv_dtype=kv_dtype)
         if device.type == "cuda":
             compile_watch.install()  # before the first kernel: start-up compiles are counted too
         # "cuda_graphs" (decode steps replay captured graphs) or "eager: <why>"; reported in stats().
@@ -128,6 +134,8 @@ class EngineCore:
         if workers is not None:
             self.execution_mode = "eager: tensor parallel (graphs are not captured across ranks)"
         elif config.cuda_graphs:
+            if config.mixed_overlap == "on":
+                self.runner.overlap = MixedOverlap(device)
             self.execution_mode = self.runner.setup_cuda_graphs(scheduler_config.max_num_seqs, self.max_model_len)
         self._warm_up(device, workers is None)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids or ())
@@ -166,7 +174,8 @@ class EngineCore:
             return start_tensor_parallel(cls, config, scheduler_config or SchedulerConfig())
         started = time.perf_counter()
         loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                            attention_backend=config.attention_backend, seed=config.seed, block_size=config.block_size)
+                            attention_backend=config.attention_backend, seed=config.seed, block_size=config.block_size,
+                            quantization=config.quantization)
         loaded_at = time.perf_counter()
         log.info("model %s loaded in %.1fs: %s on %s", loaded.name, loaded_at - started,
                  str(loaded.dtype).removeprefix("torch."), loaded.device)
@@ -181,12 +190,24 @@ class EngineCore:
         tokens = bm.num_blocks * bm.block_size // groups
         windows = (f" ({len(bm.full_groups)} full and {len(bm.window_groups)} sliding-window KV groups of "
                    f"{self.kv_layout.group_size} layers)" if bm.window_groups else "")
-        return (f"KV cache {bm.num_blocks} blocks x {bm.block_size} tokens{windows} = {tokens} tokens; "
-                f"max concurrency {tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens "
+        kv_dtype = str(self.runner.kv_caches[0][0].dtype).removeprefix("torch.")
+        scales = f", scales {self.kv_scales.source}" if self.kv_scales is not None else ""
+        return (f"KV cache {bm.num_blocks} blocks x {bm.block_size} tokens{windows} = {tokens} tokens ({kv_dtype}"
+                f"{scales}); max concurrency {tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens "
                 "(max_model_len); "
-                f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}"
+                f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}; "
+                f"mixed-step overlap {'on' if self.runner.overlap is not None else 'off'}; "
+                f"attention {self.attention_description}"
+                + (f"; {self.loaded.quantization.describe()}" if self.loaded.quantization is not None else "")
                 + (f"; warm-up burst of {self.warm_batch[0]} sequences in {self.warm_batch[1]} steps, "
                    f"{self.warm_batch[2]:.2f}s" if self.warm_batch[0] else ""))
+
+    @property
+    def attention_description(self) -> str:
+        """The attention backend ("auto" names its route per batch class)."""
+        backend = getattr(self.loaded.model, "attention_backend", None)
+        describe = getattr(backend, "describe", None)
+        return describe() if describe is not None else str(getattr(backend, "name", backend))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step afterwards)."""

@@ -22,8 +22,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from metronome.contract.config import ConfigError, QueuePolicy, SchedulerConfig
+from metronome.contract.precision import KV_CACHE_DTYPES, QUANTIZATIONS
 from metronome.server.cli_types import bounded, chunk_tokens, nonneg_int, open_fraction, positive_float, positive_int
-from metronome.server.engine.config import ASYNC_SCHEDULING, EngineConfig
+from metronome.server.engine.config import ASYNC_SCHEDULING, MIXED_OVERLAP, EngineConfig
 from metronome.server.models.moe_config import MOE_BACKENDS
 
 
@@ -76,6 +77,16 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--moe-backend", "moe_backend", "how a mixture-of-experts model runs its experts: auto (triton on CUDA, "
          "reference elsewhere), triton (fused kernels), grouped_mm (torch's grouped GEMM, bf16 on CUDA), reference "
          "(a loop over the experts: exact, no CUDA graphs)", choices=MOE_BACKENDS),
+    Flag("--mixed-overlap", "mixed_overlap", "run a mixed step's decodes (their decode CUDA graph, on a second "
+         "stream) beside its prompt chunk (piecewise graphs), so that the decodes' KV reads overlap the chunk's "
+         "matmuls; needs CUDA graphs", choices=MIXED_OVERLAP),
+    Flag("--quantization", "quantization", "fp8: quantise the decoder's linear layers to FP8 e4m3 on load "
+         "(per-channel weight scales, dynamic per-token activations); an FP8 checkpoint (quant_method fp8 or "
+         "compressed-tensors) is served in FP8 without it", choices=QUANTIZATIONS,
+         unset="the checkpoint's own"),
+    Flag("--kv-cache-dtype", "kv_cache_dtype", "KV cache element type: auto (the model dtype), bf16, or fp8 "
+         "(e4m3 with per-tensor or per-head scales from the checkpoint, else computed: half the bytes, twice the "
+         "blocks)", choices=KV_CACHE_DTYPES),
 )
 
 SCHEDULER_FLAGS: tuple[Flag, ...] = (

@@ -1,5 +1,5 @@
-"""The KV cache tensors: per layer a (key, value) pair `[num_blocks, block_size, n_kv_heads, head_dim]`, and how
-many blocks fit the memory budget."""
+"""The KV cache tensors: per layer a (key, value) pair `[num_blocks, block_size, n_kv_heads, head_dim]`, their
+element type (`--kv-cache-dtype`), and how many blocks fit the memory budget."""
 from __future__ import annotations
 
 import math
@@ -7,11 +7,33 @@ import mmap
 
 import torch
 
+from metronome.contract.errors import InvalidRequestError
 from metronome.server.engine.config import EngineConfig
 
 _GIB = 1 << 30
 # Kept free on a GPU for activations, logits and the allocator's slack when sizing the cache from memory.
 _GPU_ACTIVATION_RESERVE_BYTES = 2 * _GIB
+
+
+def kv_cache_dtype(requested: str, model_dtype: torch.dtype, attention_backend: str,
+                   tensor_parallel_size: int) -> torch.dtype:
+    """The cache's element type: the model's (auto), bfloat16 (for a bfloat16 model: the kernels read a cache of
+    another float type in the model's dtype only), or FP8 e4m3 (one byte; torch and triton attention, one rank)."""
+    if requested == "auto":
+        return model_dtype
+    if requested == "bf16":
+        if model_dtype != torch.bfloat16:
+            raise InvalidRequestError(f"--kv-cache-dtype bf16 needs a bfloat16 model (--dtype bfloat16), this one is "
+                                      f"{str(model_dtype).removeprefix('torch.')}", param="kv_cache_dtype")
+        return torch.bfloat16
+    if requested != "fp8":
+        raise InvalidRequestError(f"unknown kv_cache_dtype {requested!r}", param="kv_cache_dtype")
+    if attention_backend not in ("torch", "triton"):
+        raise InvalidRequestError(f"an FP8 KV cache is read by the torch and triton attention backends, not "
+                                  f"{attention_backend}", param="kv_cache_dtype")
+    if tensor_parallel_size > 1:
+        raise InvalidRequestError("an FP8 KV cache runs at tensor_parallel_size 1", param="kv_cache_dtype")
+    return torch.float8_e4m3fn
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -17,6 +17,7 @@ aligned, and an offset that moved with the batch size would compile a second var
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from metronome.server.engine.cuda_graphs import (
 )
 from metronome.server.engine.kv_cache import allocate_kv_cache
 from metronome.server.engine.kv_layout import KVLayout, kv_layout
+from metronome.server.engine.mixed_overlap import DECODE_LANE, MixedOverlap, OverlapStep, split_point
 from metronome.server.engine.piecewise_graphs import PieceStep, PiecewiseRunner, token_buckets
 from metronome.server.engine.sampler import Sampler
 from metronome.server.engine.scheduler import ScheduledBatch
@@ -51,10 +53,14 @@ class PreparedInputs:
     sampling_seqs: list[Sequence]
     graph_step: GraphStep | None = None  # set when this step replays a captured CUDA graph (inputs are padded)
     piece_step: PieceStep | None = None  # set when this step replays piecewise graphs (mixed steps)
+    overlap_step: OverlapStep | None = None  # set when a mixed step runs as two micro-batches (mixed_overlap.py)
 
     @property
     def kind(self) -> str:
-        """How the forward runs: "graph" (decode graph), "piecewise" or "eager"."""
+        """How the forward runs: "graph" (decode graph), "piecewise", "overlap" (decode graph beside the chunk's
+        piecewise graphs) or "eager"."""
+        if self.overlap_step:
+            return "overlap"
         return "graph" if self.graph_step else "piecewise" if self.piece_step else "eager"
 
 
@@ -128,10 +134,12 @@ class BlockTableMirror:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, max_model_len: int, dtype: torch.dtype, device: torch.device,
-                 seed: int = 0, layout: KVLayout | None = None):
-        """layout: how the layers share the cache (kv_layout.py); None: one group of every layer."""
+                 seed: int = 0, layout: KVLayout | None = None, kv_dtype: torch.dtype | None = None):
+        """layout: how the layers share the cache (kv_layout.py); None: one group of every layer. dtype: the
+        model's (activations, q); kv_dtype: the cache's (default the model's; FP8 e4m3 possible)."""
         self.model = model
         self.device = device
+        self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layout = layout or kv_layout((None,) * num_layers)
@@ -140,8 +148,8 @@ class ModelRunner:
         # One block more than the block manager hands out: the scratch block that padding rows of a captured
         # graph point at (never written: their slot is -1).
         self.scratch_block = num_blocks
-        pairs = allocate_kv_cache(self.layout.group_size, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype,
-                                  device)
+        pairs = allocate_kv_cache(self.layout.group_size, num_blocks + 1, block_size, num_kv_heads, head_dim,
+                                  kv_dtype or dtype, device)
         self.kv_caches = [pairs[slot] for slot in self.layout.layer_slot]
         self.sampler = Sampler(device, seed)
         cols = -(-max_model_len // block_size) + 1
@@ -154,6 +162,8 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         self.pieces: PiecewiseRunner | None = None
         self.graph_capture_s: float | None = None
+        # Mixed steps as two overlapped micro-batches (set before setup_cuda_graphs; None: never split).
+        self.overlap: MixedOverlap | None = None
 
     def release(self, seq: Sequence) -> None:
         """seq left the engine (finished or aborted)."""
@@ -229,7 +239,14 @@ class ModelRunner:
                     self._fill_pending(static.input_ids, pending, in_flight)
                 return PreparedInputs(static.input_ids, static.positions, step.graph.meta, sample_dev, sampling_seqs,
                                       step)
-        t, b = num_tokens, num_seqs
+        if self.overlap is not None and self.overlap.enabled and self.graphs is not None and self.pieces is not None:
+            d = split_point(q_lens)
+            if d:
+                overlapped = self._prepare_overlapped(d, token_array, positions, slots, cu, q_lens, seq_lens, tables,
+                                                      sample_rows, sampling_seqs, pending, in_flight)
+                if overlapped is not None:
+                    return overlapped
+        t = num_tokens
         piece = self.pieces.prepare(token_array, positions, slots, sample_rows) if self.pieces is not None else None
         if piece is None:
             longs, offsets = _aligned([token_array, positions, sample_rows, *slots], np.int64)
@@ -243,6 +260,15 @@ class ModelRunner:
             input_ids, positions_dev, slots_dev = self.pieces.inputs(step)
         if pending:
             self._fill_pending(input_ids, pending, in_flight)
+        meta = self._metadata(cu, q_lens, seq_lens, tables, slots_dev)
+        return PreparedInputs(input_ids, positions_dev, meta, sample_dev, sampling_seqs,
+                              piece_step=piece[0] if piece is not None else None)
+
+    def _metadata(self, cu: np.ndarray, q_lens: np.ndarray, seq_lens: np.ndarray, tables: list[np.ndarray],
+                  slots_dev: list[torch.Tensor]):
+        """The attention metadata of a batch (one object, or one per layer), its int32 arrays uploaded in one copy."""
+        b = len(q_lens)
+        max_cols = tables[0].shape[1]
         ints, offsets = _aligned([cu.astype(np.int32), seq_lens.astype(np.int32),
                                   *(table.reshape(-1) for table in tables)], np.int32)
         ints_dev = self._to_device("ints", ints)
@@ -255,9 +281,43 @@ class ModelRunner:
                                    max_seqlen_q=max_q, max_seqlen_k=max_k, q_lens_host=q_host,
                                    seq_lens_host=lens_host)
                  for o, slot in zip(offsets[2:], slots_dev)]
-        meta = self.per_layer(metas)
-        return PreparedInputs(input_ids, positions_dev, meta, sample_dev, sampling_seqs,
-                              piece_step=piece[0] if piece is not None else None)
+        return self.per_layer(metas)
+
+    def _prepare_overlapped(self, d: int, token_ids: np.ndarray, positions: np.ndarray, slots: list[np.ndarray],
+                            cu: np.ndarray, q_lens: np.ndarray, seq_lens: np.ndarray, tables: list[np.ndarray],
+                            sample_rows: np.ndarray, sampling_seqs: list[Sequence],
+                            pending: list[tuple[int, Sequence]], in_flight: InFlightTokens | None
+                            ) -> PreparedInputs | None:
+        """A mixed step as its d leading decodes (a decode graph) and the rest (piecewise graphs), or None when
+        either part fits no captured graph (the step then runs whole). Rows d.. of the batch are rows 0.. of the
+        chunk part; sampling order (decodes first) is kept."""
+        if self.pieces.bucket_for(len(token_ids) - d) is None:
+            return None
+        chunk_sampled = sample_rows >= d
+        decodes = self.graphs.prepare(token_ids[:d], positions[:d], [s[:d] for s in slots], seq_lens[:d],
+                                      [table[:d] for table in tables], sample_rows[~chunk_sampled])
+        if decodes is None:
+            return None
+        chunk_lens = seq_lens[d:]
+        chunk_cols = int(-(-chunk_lens.max() // self.block_size))
+        chunk = self.pieces.prepare(token_ids[d:], positions[d:], [s[d:] for s in slots],
+                                    sample_rows[chunk_sampled] - d)
+        if chunk is None:
+            return None
+        (decode_step, decode_rows), (chunk_step, chunk_rows) = decodes, chunk
+        input_ids, positions_dev, slots_dev = self.pieces.inputs(chunk_step)
+        if pending:
+            decode_ids = decode_step.graph.static.input_ids
+            on_decodes = [(row, seq) for row, seq in pending if row < d]
+            on_chunk = [(row - d, seq) for row, seq in pending if row >= d]
+            if on_decodes:
+                self._fill_pending(decode_ids, on_decodes, in_flight)
+            if on_chunk:
+                self._fill_pending(input_ids, on_chunk, in_flight)
+        meta = self._metadata(cu[d:] - d, q_lens[d:], chunk_lens, [table[d:, :chunk_cols] for table in tables],
+                              slots_dev)
+        step = OverlapStep(decode_step, chunk_step, decode_rows, chunk_rows)
+        return PreparedInputs(input_ids, positions_dev, meta, chunk_rows, sampling_seqs, overlap_step=step)
 
     def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, Sequence]],
                       in_flight: InFlightTokens | None) -> None:
@@ -311,7 +371,7 @@ class ModelRunner:
         """Piecewise graphs of this runner's model (one with `piece`/`attend`, e.g. LlamaForCausalLM)."""
         k_cache = self.kv_caches[0][0]
         heads = self.model.config.num_attention_heads  # this rank's heads under tensor parallelism
-        return PiecewiseRunner(self.model, self.kv_caches, buckets, (heads, k_cache.shape[3]), k_cache.dtype,
+        return PiecewiseRunner(self.model, self.kv_caches, buckets, (heads, k_cache.shape[3]), self.dtype,
                                self.scratch_block, self.device, capture, pool, self.layer_groups)
 
     @property
@@ -321,16 +381,20 @@ class ModelRunner:
 
     def setup_cuda_graphs(self, max_batch: int, max_model_len: int, max_tokens: int = 4096) -> str:
         """Capture decode-step graphs for batches up to max_batch, and piecewise graphs for other steps of up to
-        max_tokens tokens, where that is safe: on CUDA with the Triton attention backend (the only one whose
-        launches were checked to need no host data at replay). Returns the execution mode: "cuda_graphs",
-        "cuda_graphs: decode only (<why>)" or "eager: <why>". Never raises: a failed capture is logged, and the
-        engine runs eager (or without the piecewise graphs)."""
+        max_tokens tokens, where that is safe: on CUDA, as far as the attention backend allows (`graph_capture`:
+        "all" where its decode launches were checked to need no host data at replay, "pieces" where only the
+        pieces around its eager attentions may be captured). With the mixed-step overlap, the decode graphs get
+        a memory pool and a capture stream of their own (they replay beside the pieces). Returns the execution
+        mode: "cuda_graphs", "cuda_graphs: decode only (<why>)", "cuda_graphs: mixed steps only (<why>)" or
+        "eager: <why>". Never raises: a failed capture is logged, and the engine runs eager (or without the
+        graphs that failed)."""
         backend = getattr(self.model, "attention_backend", None)
         name = getattr(backend, "name", None)
+        allowed = getattr(backend, "graph_capture", "none")
         if not self._on_cuda:
             return "eager: not on CUDA"
-        if name != "triton":
-            return f"eager: attention backend {name!r} is not captured (only triton is)"
+        if allowed == "none":
+            return f"eager: attention backend {name!r} is not captured"
         model_problem = getattr(self.model, "graph_capture_problem", None)
         problem = model_problem(self.device) if model_problem is not None else None
         if problem:
@@ -339,36 +403,47 @@ class ModelRunner:
         if not sizes:
             return "eager: no batch size to capture"
         pool = None
-        try:
-            with torch.cuda.device(self.device):
-                self.model.prepare_rope_tables(self.device, self.kv_caches[0][0].dtype)  # never inside a capture
-                num_kv_heads = self.kv_caches[0][0].shape[2]
-                pool = cuda_graph_pool()
-                graphs = GraphRunner(self.graph_forward, sizes, self.mirror.cols, self.scratch_block, self.device,
-                                     backend_split_classes(backend, num_kv_heads, self.device, max_model_len),
-                                     capture_cuda, pool, layer_groups=self.layer_groups)
-                report = graphs.capture_all()
-                torch.cuda.synchronize(self.device)
-        except Exception as exc:  # noqa: BLE001 - any capture failure means "serve eager", never "crash"
-            return self._capture_failed("CUDA graph", exc)
-        self.graphs = graphs
-        self.graph_capture_s = report.seconds
-        log.info("captured %d CUDA graphs for decode batches of %s sequences in %.1f s", report.graphs,
-                 ",".join(map(str, report.sizes)), report.seconds)
+        with torch.cuda.device(self.device):
+            self.model.prepare_rope_tables(self.device, self.dtype)  # never inside a capture
+        if allowed == "all":
+            try:
+                with torch.cuda.device(self.device):
+                    num_kv_heads = self.kv_caches[0][0].shape[2]
+                    pool = cuda_graph_pool()
+                    capture = capture_cuda
+                    if self.overlap is not None:
+                        capture = functools.partial(capture_cuda, lane=DECODE_LANE)
+                    graphs = GraphRunner(self.graph_forward, sizes, self.mirror.cols, self.scratch_block,
+                                         self.device,
+                                         backend_split_classes(backend, num_kv_heads, self.device, max_model_len),
+                                         capture, pool, layer_groups=self.layer_groups)
+                    report = graphs.capture_all()
+                    torch.cuda.synchronize(self.device)
+            except Exception as exc:  # noqa: BLE001 - any capture failure means "serve eager", never "crash"
+                return self._capture_failed("CUDA graph", exc)
+            self.graphs = graphs
+            self.graph_capture_s = report.seconds
+            log.info("captured %d CUDA graphs for decode batches of %s sequences in %.1f s", report.graphs,
+                     ",".join(map(str, report.sizes)), report.seconds)
+        decode_only = "cuda_graphs: decode only" if self.graphs is not None else "eager"
         buckets = token_buckets(max_tokens)
         if not buckets or not hasattr(self.model, "piece"):
-            return "cuda_graphs: decode only (no token bucket or a model without pieces)"
+            return f"{decode_only} (no token bucket or a model without pieces)"
+        if pool is None or self.overlap is not None:  # overlapped steps replay both kinds at once
+            pool = cuda_graph_pool()
         try:
             with torch.cuda.device(self.device):
                 pieces = self.piecewise_runner(buckets, capture_cuda, pool)
                 piece_report = pieces.capture_all()
                 torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 - decode graphs stay; mixed steps run eager
-            return "cuda_graphs: decode only (" + self._capture_failed("piecewise graph", exc, keep_graphs=True) + ")"
+            return f"{decode_only} (" + self._capture_failed("piecewise graph", exc, keep_graphs=True) + ")"
         self.pieces = pieces
-        self.graph_capture_s += piece_report.seconds
+        self.graph_capture_s = (self.graph_capture_s or 0.0) + piece_report.seconds
         log.info("captured %d piecewise graphs for mixed steps of up to %d tokens (%d buckets) in %.1f s",
                  piece_report.graphs, buckets[-1], len(buckets), piece_report.seconds)
+        if self.graphs is None:
+            return f"cuda_graphs: mixed steps only (attention backend {name!r} runs decode steps eagerly)"
         return "cuda_graphs"
 
     def _capture_failed(self, what: str, exc: Exception, keep_graphs: bool = False) -> str:
@@ -395,9 +470,10 @@ class ModelRunner:
             if backend is not None and heads is not None:
                 config = self.model.config
                 windows = tuple(dict.fromkeys(getattr(config, "layer_windows", None) or (None,)))
+                dtype = {"dtype": self.dtype} if k_cache.dtype != self.dtype else {}  # an FP8 cache
                 launches += backend.warm_up((1, heads, k_cache.shape[3]), k_cache, v_cache, max_model_len,
                                             windows=windows, softcap=getattr(config, "attn_logit_softcapping", None),
-                                            sinks=getattr(config, "attention_sinks", False))
+                                            sinks=getattr(config, "attention_sinks", False), **dtype)
             warm_kernels = getattr(self.model, "warm_up_kernels", None)
             if warm_kernels is not None:  # kernels of the model's own (the MoE tile classes)
                 launches += warm_kernels(self.device)
@@ -412,6 +488,8 @@ class ModelRunner:
     # --- forward + sample ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward_logits(self, inputs: PreparedInputs) -> torch.Tensor | None:
+        if inputs.overlap_step is not None:  # decodes always sample: there are rows
+            return self.model.compute_logits(self.overlap.run(inputs.overlap_step, inputs.meta, self.pieces))
         if inputs.graph_step is not None:
             hidden = GraphRunner.run(inputs.graph_step)  # padded rows; sample_rows pick real ones
         elif inputs.piece_step is not None:

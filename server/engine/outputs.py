@@ -52,7 +52,8 @@ class StepStats:
     finished_e2e_s: list[float] = field(default_factory=list)  # arrival -> finish
     num_preemptions: int = 0
     cuda_graph: bool = False  # this step replayed a captured (decode) CUDA graph
-    forward: str = "eager"  # how the forward ran: "graph" (decode graph), "piecewise" (mixed-step graphs), "eager"
+    forward: str = "eager"  # how the forward ran: "graph" (decode graph), "piecewise" (mixed-step graphs),
+    # "overlap" (a mixed step as its decode graph beside its chunk's piecewise graphs), "eager"
 
     @property
     def kind(self) -> str:

@@ -2,8 +2,9 @@
 to the paged cache, attention through a `metronome.kernels` backend, o_proj.
 
 The per-layer options are the layer's own constants, given to the kernels as parameters of the attention call:
-its sliding window (None: full causal attention), its scale, its logit softcap, and its learned sinks (gpt-oss:
-`self_attn.sinks`, one logit per head in the softmax denominator). On CUDA the QK-norm, rope and
+its sliding window (None: full causal attention), its scale, its logit softcap, its learned sinks (gpt-oss:
+`self_attn.sinks`, one logit per head in the softmax denominator), and with an FP8 KV cache its per-kv-head K and
+V scales (`kv_scales`, set by the engine). On CUDA the QK-norm, rope and
 K/V write are one fused Triton kernel; elsewhere torch ops in transformers' order.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_plus_one)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
         self.attention = attention
+        self.kv_scales: dict[str, torch.Tensor] = {}  # an FP8 KV cache's k_scale / v_scale [n_kv_heads] (engine-set)
 
     def project_and_cache(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                           rotary: RotaryEmbedding, kv_cache: KVCache, fused: bool,
@@ -58,7 +60,7 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.plus_one)
             return rope_write_kv(qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, self.num_heads,
-                                 self.num_kv_heads, q_out, qk_norm=norm)
+                                 self.num_kv_heads, q_out, qk_norm=norm, **self.kv_scales)
         tokens = x.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -67,7 +69,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        self.attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        self.attention.write_kv(k, v, k_cache, v_cache, slot_mapping, **self.kv_scales)
         if q_out is None:
             return q
         q_out.copy_(q)
@@ -78,6 +80,6 @@ class Attention(nn.Module):
         """[T, H, D] attention of q over the cache (the one launch a captured piece leaves out)."""
         if self.sinks is None:
             return self.attention.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, out=out,
-                                            window=self.window, softcap=self.softcap)
+                                            window=self.window, softcap=self.softcap, **self.kv_scales)
         return self.attention.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, out=out, window=self.window,
-                                        softcap=self.softcap, sinks=self.sinks)
+                                        softcap=self.softcap, sinks=self.sinks, **self.kv_scales)

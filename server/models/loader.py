@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from metronome.server.models.default_model import DEFAULT_MODEL_NAME, default_mo
 from metronome.server.models.device import auto_dtype, resolve_device
 from metronome.server.models.families import build_model
 from metronome.server.models.presets import preset_config, preset_names
+from metronome.server.models.quant.scheme import Fp8Scheme, resolve_scheme
 from metronome.server.models.random_weights import init_random_weights
 from metronome.server.models.tokenizer import ByteTokenizer, Tokenizer, load_hf_tokenizer
 
@@ -53,6 +55,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
+    quantization: Fp8Scheme | None = None  # FP8 linear layers (quant/), None = the model dtype throughout
 
 
 @dataclass(frozen=True)
@@ -143,8 +146,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def build_empty_model(config: ModelConfig, attention, device: torch.device, dtype: torch.dtype) -> DecoderForCausalLM:
-    """The module with uninitialised weights of the right dtype, allocated once, on the target device.
+def build_empty_model(config: ModelConfig, attention, device: torch.device, dtype: torch.dtype,
+                      quantization: Fp8Scheme | None = None) -> DecoderForCausalLM:
+    """The module with uninitialised weights of the right dtype, allocated once, on the target device; with
+    `quantization`, the decoder's linear layers are FP8 ones (quant/model_pass.py) before anything is allocated.
 
     Built on the meta device with torch.nn.init switched off: the modules' own random init is overwritten by
     loading anyway, and on meta tensors it runs through Python decompositions (2 s of a cold start for one
@@ -152,7 +157,12 @@ def build_empty_model(config: ModelConfig, attention, device: torch.device, dtyp
     tensors pays the same first-call cost."""
     with _no_init(), torch.device("meta"):
         model = build_model(config, attention)
-    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model = model.to(dtype)
+    if quantization is not None:
+        from metronome.server.models.quant.loading import prepare_model
+
+        prepare_model(model, config, quantization)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.requires_grad_(False)
     return model.eval()
 
@@ -175,10 +185,22 @@ def attention_backend_for(requested: str, device: torch.device, block_size: int,
     """The kernels backend for this device and cache shape ("auto" = the best that fits)."""
     from metronome.kernels import get_backend, select_backend
 
+    if requested in ("auto", "flash_attn") and torch.device(device).type == "cuda":
+        _flash_attn_jit_cache()
     try:
         return get_backend(select_backend(device, block_size, head_dim, requested=requested))
     except ValueError as error:
         raise InvalidRequestError(str(error), param="attention_backend") from None
+
+
+def _flash_attn_jit_cache() -> None:
+    """FA4 compiles its kernels at run time: keep them beside the model cache where that is a mounted volume
+    ($METRONOME_MODEL_CACHE: the operator's pods), else in $TMPDIR; never in the image, which may be read-only."""
+    from metronome.contract.remote_source import CACHE_ENV
+    from metronome.kernels.flash_attn_backend import configure_jit_cache
+
+    root = os.environ.get(CACHE_ENV)
+    configure_jit_cache(Path(root).expanduser() / "jit" / "flash-attn-cute" if root else None)
 
 
 def read_model_config(spec: str | None) -> ModelConfig:
@@ -189,17 +211,19 @@ def read_model_config(spec: str | None) -> ModelConfig:
 
 def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                attention_backend: str = "auto", seed: int = 0, block_size: int = 16,
-               tensor_parallel: TPContext | None = None) -> LoadedModel:
+               tensor_parallel: TPContext | None = None, quantization: str | None = None) -> LoadedModel:
     """Load a model (see the module doc for `spec`). `block_size` only steers the "auto" attention backend
     choice (flash_attn needs multiples of 256); an engine may swap backends later with
     `model.set_attention_backend`. `seed` seeds random weights. With `tensor_parallel`, load only this rank's
-    shard (llama_tp.py; random weights are the same model as without it)."""
+    shard (llama_tp.py; random weights are the same model as without it). An FP8 checkpoint loads as FP8;
+    `quantization="fp8"` quantises any other model's linear layers on load (quant/scheme.py)."""
     source = parse_model_spec(spec)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     started = time.perf_counter()
     reader = _SOURCE_READERS[source.kind](source)
     config = reader.config()
+    scheme, gemm = _quantization(reader, config, quantization, tensor_parallel)
     # The tokenizer (transformers' import, the vocabulary) builds on a second thread while the weights load: both
     # are on a cold start's critical path and the weights' torch ops release the GIL.
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="metronome-load-tokenizer")
@@ -207,18 +231,25 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
     tokenizer_thread.shutdown(wait=False)
     attention = attention_backend_for(attention_backend, torch_device, block_size, config.head_dim)
     if tensor_parallel is None:
-        model = build_empty_model(config, attention, torch_device, torch_dtype)
+        model = build_empty_model(config, attention, torch_device, torch_dtype, scheme)
     else:
         from metronome.server.models.llama_tp import build_empty_tp_model, random_full_weights
 
         model = build_empty_tp_model(config, attention, torch_device, torch_dtype, tensor_parallel)
-    if source.kind == "random" and tensor_parallel is None:
+    if source.kind == "random" and tensor_parallel is None and scheme is None:
         init_random_weights(model, seed)
     else:
+        if source.kind == "random":
+            from metronome.server.models.llama_tp import random_full_weights
         weights = (reader.weights(config) if source.kind != "random"
                    else random_full_weights(config, seed, torch_device, torch_dtype))
         try:
-            model.load_weights(weights)
+            if scheme is None:
+                model.load_weights(weights)
+            else:
+                from metronome.server.models.quant.loading import load_quantized
+
+                load_quantized(model, config, weights, gemm)
         except ValueError as error:
             if isinstance(error, ModelNotFoundError):
                 raise
@@ -229,7 +260,29 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
              time.perf_counter() - weights_done)
     for note in config.notes:
         log.warning("model %s: %s", source.name, note)
-    return LoadedModel(source.name, config, model, tokenizer, torch_dtype, torch_device)
+    if scheme is not None:
+        log.info("model %s: %s", source.name, scheme.describe())
+    return LoadedModel(source.name, config, model, tokenizer, torch_dtype, torch_device, scheme)
+
+
+def _quantization(reader, config: ModelConfig, requested: str | None, tensor_parallel: TPContext | None
+                  ) -> tuple[Fp8Scheme | None, str]:
+    """The FP8 scheme to load with (the checkpoint's, or on the fly when requested) and the CUDA GEMM choice."""
+    from metronome.server.models.quant.cuda_gemm import gemm_from_environment
+
+    try:
+        scheme = resolve_scheme(reader.quantization_config(), requested)
+        gemm = gemm_from_environment() if scheme is not None else "auto"
+    except ValueError as error:
+        if isinstance(error, ModelNotFoundError):
+            raise
+        raise InvalidRequestError(str(error), param="quantization") from None
+    if scheme is not None and tensor_parallel is not None:
+        raise InvalidRequestError("FP8 models are served at tensor_parallel_size 1", param="quantization")
+    if scheme is not None and getattr(config, "moe", None) is not None:
+        raise InvalidRequestError("FP8 weights are served for dense models; this one is a mixture of experts",
+                                  param="quantization")
+    return scheme, gemm
 
 
 class _RandomSource:
@@ -238,6 +291,9 @@ class _RandomSource:
 
     def config(self) -> ModelConfig:
         return preset_config(self.source.target)
+
+    def quantization_config(self) -> None:
+        return None
 
     def tokenizer(self, config: ModelConfig) -> Tokenizer:
         return ByteTokenizer(config.vocab_size, self.source.name, config.bos_token_id, config.eos_token_ids)
@@ -252,6 +308,9 @@ class _GGUFSource:
 
     def config(self) -> ModelConfig:
         return self._gguf.gguf_config(self.reader, self.metadata)
+
+    def quantization_config(self) -> None:
+        return None  # GGUF quantisations are dequantised on load
 
     def weights(self, config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
         return self._gguf.gguf_weights(self.reader, config)
@@ -272,6 +331,11 @@ class _HFFolderSource:
 
     def config(self) -> ModelConfig:
         return self._config
+
+    def quantization_config(self) -> dict | None:
+        raw = self._hf.read_json(self.folder / "config.json")
+        # compressed-tensors checkpoints of 2024 keep theirs under compression_config
+        return raw.get("quantization_config") or raw.get("compression_config")
 
     def weights(self, config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
         return self._hf.hf_weights(self.folder)

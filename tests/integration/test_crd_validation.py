@@ -74,6 +74,10 @@ INVALID = [
      "spec.engine.promptTokenBurstPerClient needs maxPromptTokensPerSecondPerClient"),
     ("extra-args-repeat-token-rate", _with("spec.engine.extraArgs", ["--max-prompt-tokens-per-second-per-client=9"]),
      "spec.engine.extraArgs may not repeat"),
+    ("unknown-quantization", _with("spec.model.quantization", "int4"), "spec.model.quantization"),
+    ("unknown-kv-cache-dtype", _with("spec.engine.kvCacheDtype", "fp16"), "spec.engine.kvCacheDtype"),
+    ("extra-args-repeat-kv-dtype", _with("spec.engine.extraArgs", ["--kv-cache-dtype", "fp8"]),
+     "spec.engine.extraArgs may not repeat"),
 ]
 
 
@@ -84,7 +88,8 @@ def test_invalid_objects_are_rejected_naming_the_field(cluster, ns, obj, expecte
     assert expected in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("path", ["examples/inferenceservice.yaml", "examples/llama-3-8b.yaml"])
+@pytest.mark.parametrize("path", ["examples/inferenceservice.yaml", "examples/llama-3-8b.yaml",
+                                  "examples/llama-3-8b-fp8.yaml"])
 def test_examples_are_accepted(cluster, ns, path):
     obj = yaml.safe_load((ROOT / path).read_text())
     result = _dry_run(cluster, ns, obj)
@@ -104,6 +109,15 @@ def test_defaults_are_filled_in(cluster, ns):
     assert spec["replicas"] == 1 and spec["resources"]["gpus"] == 1 and spec["model"]["dtype"] == "auto"
     assert spec["server"]["chunkSize"] == 512 and spec["server"]["queuePolicy"] == "split"
     assert spec["autotune"]["mode"] == "off" and spec["metrics"]["windowSeconds"] == 60
+    assert spec["engine"]["kvCacheDtype"] == "auto" and "quantization" not in spec["model"]
+
+
+def test_fp8_fields_are_accepted(cluster, ns):
+    obj = _with("spec.model.quantization", "fp8", _with("spec.engine.kvCacheDtype", "fp8"))
+    result = _dry_run(cluster, ns, obj)
+    assert result.returncode == 0, result.stderr
+    spec = json.loads(result.stdout)["spec"]
+    assert (spec["model"]["quantization"], spec["engine"]["kvCacheDtype"]) == ("fp8", "fp8")
 
 
 def test_kubectl_explain_reads_the_descriptions(cluster, ns):

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import httpx
+import pytest
 from api_helpers import k8s_config_dir
 
 from metronome.server.bench import cli
@@ -113,6 +114,27 @@ def test_engine_cpu_smoke_writes_one_json(tmp_path, capsys):
     assert is_png(plot)
 
 
+def test_engine_cpu_smoke_with_fp8_weights_reports_fp8_floors(tmp_path, capsys):
+    out = tmp_path / "engine.json"
+    rc = bench(["engine", *TINY, "--quantization", "fp8", "--sections", "device,decode,prefill", "--copy-mb", "4",
+                "--matmul-size", "64", "--reps", "2", "--batch-sizes", "2", "--context", "24", "--decode-steps", "2",
+                "--prefill-prompt-len", "20", "--prefill-prompts", "2", "--prefill-chunk", "64", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    model = doc["model"]
+    assert "fp8" in model["quantization"] and model["bytes_per_element"]["linear"] == 1
+    assert model["bytes_per_element"]["scales_per_row"] == 1.0  # per-channel scales on the fly
+    assert model["bytes_per_element"]["kv"] == model["bytes_per_element"]["dtype"] == 4  # fp32 on the CPU
+    assert doc["prefill"]["matmul_peak"] == "fp8_matmul_tflops"  # measured on FP8 GPUs only: no share on the CPU
+    assert "share_of_matmul_peak" not in doc["prefill"] and "fp8_matmul" not in doc["device"]
+    from metronome.server.bench.engine import model_math
+    from metronome.server.models.presets import preset_config
+
+    widths = model_math.ByteWidths(4, 1, 4, 1.0)
+    assert model["weights_read_per_decode_step_bytes"] == model_math.weights_read_per_decode_step(
+        preset_config("tiny"), widths) < model_math.weights_read_per_decode_step(preset_config("tiny"), 4)
+
+
 def test_engine_refuses_cuda_without_a_gpu(capsys, monkeypatch):
     import torch
 
@@ -149,3 +171,21 @@ def test_run_and_sweep_against_metronome_serve(tmp_path):
         assert config.is_symlink() and os.readlink(config) == "..data/server.yaml"
         served = httpx.get(url + "/v1/config", timeout=5).json()
         assert served["generation"] == 3 and served["scheduler"]["chunk_size"] == 64
+
+
+def test_engine_longshort_interleaves_overlap_variants(tmp_path, capsys):
+    out = tmp_path / "engine.json"
+    rc = bench(["engine", *TINY, "--sections", "longshort", "--rates", "30,40", "--chunk-sizes", "16",
+                "--num-requests", "2", "--long-prompt-len", "40", "--short-prompt-len", "8", "--output-len", "3",
+                "--warmup-requests", "1", "--mixed-overlap-variants", "off,on", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    runs = doc["longshort"]["runs"]
+    assert [(r["params"]["rate"], r["params"]["mixed_overlap"]) for r in runs] == [
+        (30, "off"), (30, "on"), (40, "off"), (40, "on")]  # back to back per rate
+    assert [row["rate"] for row in doc["longshort"]["overlap_comparison"]] == [30, 40]
+    assert {row["label"] for row in doc["longshort"]["capacity"]} == {"16, overlap off", "16, overlap on"}
+    assert doc["model"]["mixed_overlap"] == "on"  # the variants need its graphs: the engine starts with it
+    assert "overlap: off vs on" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench(["engine", *TINY, "--mixed-overlap-variants", "off,sometimes"])

@@ -9,7 +9,7 @@ import pytest
 from metronome.server.bench.engine import model_math
 from metronome.server.bench.engine.command import evaluate_targets
 from metronome.server.bench.engine.hf_peer import llama_config_for, records_from_outputs
-from metronome.server.bench.engine.sections import UNCHUNKED, capacity_table
+from metronome.server.bench.engine.sections import UNCHUNKED, capacity_table, overlap_comparison
 from metronome.server.bench.load.results import RunEntry
 from metronome.server.bench.load.stats import LatencySummary, RunSummary
 from metronome.server.models.presets import preset_config
@@ -25,6 +25,19 @@ def test_llama3_8b_decode_floor_matches_the_reference_arithmetic():
     assert floors_ms[1] == pytest.approx(3.55, abs=0.01)
     assert floors_ms[64] == pytest.approx(7.49, abs=0.01)
     assert floors_ms[256] == pytest.approx(19.5, abs=0.05)
+
+
+def test_fp8_floors_count_fp8_linear_weights_their_scales_and_an_fp8_kv_cache():
+    fp8 = model_math.ByteWidths(dtype=2, linear=1, kv=1, scales_per_row=1.0)  # per-channel scales
+    linear = LLAMA3_8B.num_hidden_layers * model_math.linear_params_per_layer(LLAMA3_8B)
+    rows = LLAMA3_8B.num_hidden_layers * model_math.linear_rows_per_layer(LLAMA3_8B)
+    bf16 = model_math.weights_read_per_decode_step(LLAMA3_8B, 2)
+    assert model_math.weights_read_per_decode_step(LLAMA3_8B, fp8) == bf16 - linear + 4 * rows
+    assert model_math.weights_read_per_decode_step(LLAMA3_8B, fp8) == pytest.approx(8.04e9, rel=0.002)
+    assert rows == 32 * (4096 + 2 * 1024 + 4096 + 2 * 14336 + 4096)
+    assert model_math.kv_bytes_per_token(LLAMA3_8B, fp8) == 64 * 1024
+    assert model_math.decode_floor_bytes(LLAMA3_8B, fp8, [2048] * 64) / model_math.decode_floor_bytes(
+        LLAMA3_8B, 2, [2048] * 64) == pytest.approx(0.52, abs=0.01)
 
 
 def test_tied_embeddings_are_read_once_as_the_lm_head():
@@ -81,6 +94,23 @@ def test_capacity_table_compares_every_chunk_with_unchunked():
     assert rows[512]["tbt_p99_ms_at_highest_rate"] == 60 and rows[512]["highest_rate"] == 16
     assert rows[256]["capacity_rate"] == 4 and rows[UNCHUNKED]["label"] == "unchunked"
     assert "capacity_ratio_vs_unchunked" not in rows[UNCHUNKED]
+
+
+def test_overlap_variants_get_rows_of_their_own_and_a_comparison():
+    def variant(entry, name):
+        entry.params["mixed_overlap"] = name
+        return entry
+
+    runs = [variant(run(512, 45, 900, 40), "off"), variant(run(512, 45, 920, 30), "on"),
+            variant(run(512, 60, 1000, 50), "off"), variant(run(512, 60, 990, 45, done=9), "on")]
+    rows = {r["label"]: r for r in capacity_table(runs, slo_tbt_ms=35)}
+    assert set(rows) == {"512, overlap off", "512, overlap on"}
+    assert rows["512, overlap on"]["capacity_rate"] == 45 and rows["512, overlap off"]["capacity_rate"] is None
+    pairs = {r["rate"]: r for r in overlap_comparison(runs)}
+    assert pairs[45]["tbt_p99_reduction"] == pytest.approx(0.25)
+    assert pairs[45]["throughput_change"] == pytest.approx(920 / 900 - 1)
+    assert pairs[60]["completed"] == (True, False)
+    assert overlap_comparison([run(512, 45, 900, 40)]) == []  # runs without variants: nothing to compare
 
 
 def test_capacity_ratio_when_unchunked_never_meets_the_slo():

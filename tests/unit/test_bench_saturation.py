@@ -53,7 +53,7 @@ def test_summary_of_a_tiny_run_by_hand():
     whole, part = got["whole_run"], got["decode_part"]
     assert whole["steps"] == 5 and whole["output_tokens"] == 12 and whole["prefill_steps"] == 2
     assert whole["output_tokens_per_s"] == pytest.approx(12 / 0.66)
-    assert whole["forward"] == {"graph": 2, "piecewise": 2, "eager": 1}
+    assert whole["forward"] == {"graph": 2, "piecewise": 2, "overlap": 0, "eager": 1}
     assert part["steps"] == 3 and part["output_tokens"] == 7
     assert part["output_tokens_per_s"] == pytest.approx(7 / 0.06)
     assert part["mean_batch"] == pytest.approx(7 / 3) and part["mean_kv_tokens_read"] == pytest.approx(53)
@@ -62,7 +62,7 @@ def test_summary_of_a_tiny_run_by_hand():
     assert part["floor_tokens_per_s"] == pytest.approx(7 / sum(floor_times))
     assert part["floor_step_ms"] == pytest.approx(1000 * sum(floor_times) / 3)
     assert part["ratio_to_floor"] == pytest.approx(0.06 / sum(floor_times))
-    assert part["forward"] == {"graph": 2, "piecewise": 0, "eager": 1}
+    assert part["forward"] == {"graph": 2, "piecewise": 0, "overlap": 0, "eager": 1}
     assert got["notes"] == ["1 of 3 decode steps did not replay a decode CUDA graph (0 piecewise, 1 eager; decode "
                             "graphs are captured for batches up to 2; the largest decode batch was 3)"]
 

@@ -216,8 +216,8 @@ def test_extra_args_may_not_repeat_the_operators_flags(arg):
 
 
 def test_owned_flags_are_what_the_builder_writes_and_the_crd_refuses():
-    full = service_of(model={"source": "default", "maxModelLen": 4096}, resources={"gpus": 2},
-                      engine={"blockSize": 16, "attentionBackend": "torch", "maxWaiting": 8,
+    full = service_of(model={"source": "default", "maxModelLen": 4096, "quantization": "fp8"}, resources={"gpus": 2},
+                      engine={"blockSize": 16, "attentionBackend": "torch", "maxWaiting": 8, "kvCacheDtype": "fp8",
                               "maxRequestBodyBytes": 65536, "maxWaitingPerClient": 2, "maxRunningPerClient": 4,
                               "maxPromptTokensPerSecondPerClient": 1000, "promptTokenBurstPerClient": 4000})
     written = {a for a in builders.server_args(full) if a.startswith("--")}
@@ -228,6 +228,24 @@ def test_owned_flags_are_what_the_builder_writes_and_the_crd_refuses():
     listed = re.findall(r"'(--[a-z-]+)'", rule["rule"])
     assert listed == list(OPERATOR_OWNED)
     assert re.findall(r"'(--[a-z-]+)='", rule["rule"]) == list(OPERATOR_OWNED)
+
+
+def test_precision_fields_become_server_flags_and_bad_values_name_the_field():
+    from metronome.contract.precision import KV_CACHE_DTYPES, QUANTIZATIONS
+
+    args = builders.server_args(service_of(model={"source": "default", "quantization": "fp8"},
+                                           engine={"kvCacheDtype": "fp8"}))
+    assert args[args.index("--quantization") + 1] == "fp8" and args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    plain = builders.server_args(service_of())
+    assert "--quantization" not in plain and "--kv-cache-dtype" not in plain  # the server's own defaults
+    with pytest.raises(SpecError, match=r"^spec\.model\.quantization: must be one of fp8, got 'int4'"):
+        service_of(model={"source": "default", "quantization": "int4"})
+    with pytest.raises(SpecError, match=r"^spec\.engine\.kvCacheDtype: must be one of auto, bf16, fp8"):
+        service_of(engine={"kvCacheDtype": "fp16"})
+    crd = yaml.safe_load((ROOT / "crds" / "inferenceservice.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert tuple(spec["model"]["properties"]["quantization"]["enum"]) == QUANTIZATIONS
+    assert tuple(spec["engine"]["properties"]["kvCacheDtype"]["enum"]) == KV_CACHE_DTYPES
 
 
 def test_a_token_burst_needs_a_token_rate():

@@ -1,10 +1,12 @@
 """`metronome bench engine`: the in-process engine against the hardware floor and against transformers.
 
-One run, one JSON: device copy bandwidth and matmul peak (measured), decode step time per batch size vs the
-HBM floor, prefill tokens/s vs the matmul peak, host/scheduler share of a step, output tokens/s with the KV cache
-full vs its floor (saturation.py), the long-short workload per chunk size and rate (capacity = highest rate with
-TBT p99 <= SLO), and transformers' continuous batching on the same batch of requests. `targets` compares the
-numbers with the engine's goals (TARGETS); it reports, it does not assert.
+One run, one JSON: device copy bandwidth and matmul peak (measured; bf16, and FP8 on GPUs with FP8 tensor
+cores), decode step time per batch size vs the HBM floor, prefill tokens/s vs the matmul peak, host/scheduler share
+of a step, output tokens/s with the KV cache full vs its floor (saturation.py), the long-short workload per chunk
+size and rate (capacity = highest rate with TBT p99 <= SLO), and transformers' continuous batching on the same
+batch of requests. `targets` compares the numbers with the engine's goals (TARGETS); it reports, it does not assert.
+With `--quantization fp8` / `--kv-cache-dtype fp8` the floors count FP8 weights (and their scales) and an FP8 KV
+cache at their byte widths, and prefill is held against the FP8 matmul peak measured in the same run.
 
 Every size is a flag, so `--model random:tiny --device cpu` with tiny sizes runs in seconds (the CPU smoke test).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import os
 import sys
@@ -116,16 +119,21 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         # These send the same seeded prompts once per chunk size (and rate): with prefix caching every run after
         # the first finds them cached and measures the cache (the H200 batch at chunk 512 after 2048: TTFT 42 ms).
         args.enable_prefix_caching = False
+    if args.mixed_overlap_variants and "longshort" in chosen:
+        args.mixed_overlap = "on"  # its graphs are captured at start; each run switches it on or off
     core = EngineCore.from_config(engine_config_from_args(args), scheduler_from_args(args, max_num_seqs=startup_seqs))
     config = core.loaded.config
     dtype = core.loaded.dtype
-    dtype_bytes = dtype.itemsize
+    dtype_bytes = byte_widths(core)
     sampler = sampler_for_engine(core)
     doc["model"] = {
         "name": core.model_name, "dtype": str(dtype).replace("torch.", ""), "device": str(core.loaded.device),
         "tensor_parallel_size": core.config.tensor_parallel_size,
         "prefix_caching": core.config.enable_prefix_caching,
         "parameters": config.num_parameters(), "kv_blocks": core.block_manager.num_blocks,
+        "quantization": None if core.loaded.quantization is None else core.loaded.quantization.describe(),
+        "kv_cache_dtype": str(core.runner.kv_caches[0][0].dtype).replace("torch.", ""),
+        "bytes_per_element": dataclasses.asdict(dtype_bytes),
         "block_size": core.block_manager.block_size, "max_model_len": core.max_model_len,
         "weights_read_per_decode_step_bytes": sections.model_math.weights_read_per_decode_step(config, dtype_bytes),
         "kv_bytes_per_token": sections.model_math.kv_bytes_per_token(config, dtype_bytes),
@@ -135,6 +143,8 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         # decode batches above the largest size replay no decode graph (piecewise graphs or eager instead)
         "max_num_seqs_at_start": startup_seqs,
         "decode_graph_sizes": getattr(getattr(core.runner, "graphs", None), "sizes", None),
+        "mixed_overlap": "on" if getattr(core.runner, "overlap", None) is not None else "off",
+        "attention": core.attention_description if hasattr(core, "attention_description") else None,
     }
     device_info = doc.get("device") or {}
     bandwidth = device_info.get("copy", {}).get("bandwidth_bytes_per_s")
@@ -142,10 +152,11 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
     if "decode" in chosen:
         doc["decode"] = sections.decode_section(core, args.batch_sizes, args.context, args.decode_steps, sampler,
                                                 args.seed, args.prefill_chunk, bandwidth, dtype_bytes)
-    if "prefill" in chosen:
+    if "prefill" in chosen:  # against the peak of the GEMMs this model runs: FP8 layers, FP8 tensor cores
+        peak_key = "fp8_matmul_tflops" if core.loaded.quantization is not None else "matmul_tflops"
         doc["prefill"] = sections.prefill_section(core, args.prefill_prompt_len, args.prefill_prompts,
-                                                  args.prefill_chunk, sampler, args.seed,
-                                                  device_info.get("matmul_tflops"))
+                                                  args.prefill_chunk, sampler, args.seed, device_info.get(peak_key))
+        doc["prefill"]["matmul_peak"] = peak_key
     if "saturation" in chosen:
         from metronome.server.bench.engine.saturation import saturation_section
 
@@ -166,11 +177,14 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
             core, spec, sampler, args.chunk_sizes if "longshort" in chosen else [],
             args.rates if "longshort" in chosen else [], args.longshort_policy,
             max_num_seqs, stop, args.seed, args.slo_tbt_ms, progress,
-            args.hf_requests if "hf" in chosen else None, args.batch_chunk_size, args.warmup_requests))
+            args.hf_requests if "hf" in chosen else None, args.batch_chunk_size, args.warmup_requests,
+            args.mixed_overlap_variants))
         if "longshort" in chosen:
             doc["longshort"] = {"policy": args.longshort_policy, "slo_tbt_ms": args.slo_tbt_ms,
                                 "capacity": sections.capacity_table(runs, args.slo_tbt_ms),
                                 "runs": [r.to_dict(include_records=not args.no_records) for r in runs]}
+            if args.mixed_overlap_variants:
+                doc["longshort"]["overlap_comparison"] = sections.overlap_comparison(runs)
             doc["_runs"] = runs
         if batches:  # the first chunk size is the compared one (the throughput config); the others stand beside it
             doc["batch_comparison"] = {
@@ -179,6 +193,20 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
     doc["model"]["kernel_compiles_after_ready"] = core.stats().kernel_compiles_after_ready  # 0: no stall
     core.close()  # tensor-parallel workers, if any
     del core
+
+
+def byte_widths(core: Any) -> sections.model_math.ByteWidths:
+    """Bytes per element of what this engine's decode step reads (FP8 linear weights and their scales, an FP8 KV
+    cache), from the loaded model and the allocated cache."""
+    from metronome.server.models.quant.fp8_linear import Fp8Linear
+
+    dtype = core.loaded.dtype.itemsize
+    kv = core.runner.kv_caches[0][0].element_size()
+    layers = [m for m in core.loaded.model.modules() if isinstance(m, Fp8Linear)]
+    if not layers:
+        return sections.model_math.ByteWidths(dtype, dtype, kv)
+    rows = sum(layer.out_features for layer in layers)
+    return sections.model_math.ByteWidths(dtype, 1, kv, sum(layer.weight_scale.numel() for layer in layers) / rows)
 
 
 def _hf_section(args: argparse.Namespace, doc: dict[str, Any]) -> None:
@@ -228,8 +256,9 @@ def _print(doc: dict[str, Any]) -> None:
     out = console()
     if "device" in doc:
         d = doc["device"]
+        fp8 = f", fp8 {d['fp8_matmul_tflops']:.1f} TFLOP/s" if "fp8_matmul_tflops" in d else ""
         out.print(f"device: copy {d['bandwidth_gb_per_s']:.1f} GB/s (read+write), "
-                  f"matmul {d['matmul']['dtype']} {d['matmul']['size']}³ {d['matmul_tflops']:.1f} TFLOP/s")
+                  f"matmul {d['matmul']['dtype']} {d['matmul']['size']}³ {d['matmul_tflops']:.1f} TFLOP/s{fp8}")
     if doc.get("decode"):
         table = Table(title="decode step (pure decode, context as given)")
         for name in ("batch", "step ms", "floor ms", "ratio", "tok/s", "host ms", "host share"):
@@ -261,6 +290,18 @@ def _print(doc: dict[str, Any]) -> None:
                           "-" if row["tbt_p99_ms_at_highest_rate"] is None else
                           f"{row['tbt_p99_ms_at_highest_rate']:.1f}",
                           "-" if cost is None else f"{100 * cost:.0f}%", "-" if ratio is None else f"{ratio:.2f}")
+        out.print(table)
+    comparison_rows = (doc.get("longshort") or {}).get("overlap_comparison")
+    if comparison_rows:
+        table = Table(title="mixed-step overlap: off vs on, each (chunk, rate) run back to back")
+        for name in ("chunk", "rate", "TBT p99 off", "TBT p99 on", "p99 drop", "tok/s off", "tok/s on"):
+            table.add_column(name, justify="right")
+        for row in comparison_rows:
+            drop = row["tbt_p99_reduction"]
+            table.add_row(sections.chunk_label(row["chunk_size"]), f"{row['rate']:g}",
+                          *(("-" if v is None else f"{v:.1f}") for v in (row["tbt_p99_ms_off"], row["tbt_p99_ms_on"])),
+                          "-" if drop is None else f"{100 * drop:.0f}%", f"{row['output_tokens_per_s_off']:.0f}",
+                          f"{row['output_tokens_per_s_on']:.0f}")
         out.print(table)
     if doc.get("saturation"):
         _print_saturation(out, doc["saturation"])

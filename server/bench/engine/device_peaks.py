@@ -1,4 +1,5 @@
-"""What the device can do, measured here: copy bandwidth and dense matmul throughput.
+"""What the device can do, measured here: copy bandwidth and dense matmul throughput (bf16, and FP8 e4m3 with
+per-tensor scales through torch._scaled_mm where the GPU has FP8 tensor cores: compute capability 8.9 and up).
 
 These are the denominators of the engine benchmark's efficiency ratios (decode vs the HBM floor, prefill vs the
 matmul peak), so they are measured on the same device in the same run rather than taken from a datasheet.
@@ -81,12 +82,37 @@ def measure_matmul(device: Any, size: int, reps: int, dtype: Any = None) -> Matm
     return MatmulPeak(size, str(dtype).replace("torch.", ""), median, 2 * size ** 3 / median / 1e12, samples)
 
 
+def has_fp8_tensor_cores(device: Any) -> bool:
+    import torch
+
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def measure_fp8_matmul(device: Any, size: int, reps: int) -> MatmulPeak:
+    """n x n @ n x n in e4m3 with 0-d float32 scales into bf16: the GEMM an FP8 layer with per-tensor scales runs."""
+    import torch
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=generator).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device=device, generator=generator).to(torch.float8_e4m3fn).t()  # column-major
+    one = torch.ones((), device=device)
+    samples = time_op(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device,
+                      reps)
+    median = statistics.median(samples)
+    return MatmulPeak(size, "float8_e4m3fn", median, 2 * size ** 3 / median / 1e12, samples)
+
+
 def device_section(device: Any, copy_mb: int, matmul_size: int, reps: int, dtype: Any = None) -> dict[str, Any]:
     copy = measure_copy_bandwidth(device, copy_mb, reps)
     matmul = measure_matmul(device, matmul_size, reps, dtype)
-    return {
+    out = {
         "copy": asdict(copy),
         "matmul": asdict(matmul),
         "bandwidth_gb_per_s": copy.bandwidth_bytes_per_s / 1e9,
         "matmul_tflops": matmul.tflops,
     }
+    if has_fp8_tensor_cores(device):
+        fp8 = measure_fp8_matmul(device, matmul_size, reps)
+        out["fp8_matmul"] = asdict(fp8)
+        out["fp8_matmul_tflops"] = fp8.tflops
+    return out

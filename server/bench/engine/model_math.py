@@ -10,13 +10,38 @@ against. Pure.
   and the router), attention 4·heads·head_dim per (query, key) pair — L(L+1)/2 pairs on a full layer, fewer on a
   window layer — and the LM head only for the sampled (last) token. head_dim is the config's (256 for Gemma 3,
   not hidden / heads).
+- Widths: every element is `dtype_bytes` wide, or with FP8 weights the decoder's linear weights take 1 byte each
+  (their per-channel or block scales add `scales_per_row` float32 values per output row) and with an FP8 KV
+  cache each K/V element takes 1 byte: pass a `ByteWidths` where an int width is taken (FP8 weights are dense
+  models' only).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from metronome.server.models.moe_config import expected_distinct_experts
+
+
+@dataclass(frozen=True)
+class ByteWidths:
+    """Bytes per element of what a step reads: the model dtype (embeddings, norms, LM head), the decoder's
+    linear weights, and the KV cache; plus float32 weight scales per output row of each linear layer."""
+    dtype: int
+    linear: int
+    kv: int
+    scales_per_row: float = 0.0
+
+    @classmethod
+    def of(cls, widths: int | ByteWidths) -> ByteWidths:
+        return widths if isinstance(widths, ByteWidths) else cls(widths, widths, widths)
+
+
+def linear_rows_per_layer(config: Any) -> int:
+    """Output rows of a layer's linear weights (qkv, o, gate_up, down): where per-row scales are stored."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return q + 2 * kv + config.hidden_size + 2 * config.intermediate_size + config.hidden_size
 
 
 def embedding_params(config: Any) -> int:
@@ -44,7 +69,7 @@ def active_linear_params(config: Any) -> int:
     return config.num_hidden_layers * attention + sparse * sparse_mlp + (config.num_hidden_layers - sparse) * dense_mlp
 
 
-def weights_read_per_decode_step(config: Any, dtype_bytes: int, batch: float | None = None) -> int:
+def weights_read_per_decode_step(config: Any, dtype_bytes: int | ByteWidths, batch: float | None = None) -> int:
     """Bytes of weights a decode step of `batch` sequences must read: all parameters but the gathered input
     embedding table, and of an MoE's routed experts only those its tokens pick under uniform routing (batch None:
     every expert, which a large batch reads anyway)."""
@@ -55,16 +80,21 @@ def weights_read_per_decode_step(config: Any, dtype_bytes: int, batch: float | N
     if moe is not None and batch is not None:
         unread = moe.num_experts - expected_distinct_experts(moe.num_experts, moe.top_k, batch)
         params -= round(config.num_moe_layers * unread * moe.expert_parameters(config.hidden_size))
-    return params * dtype_bytes
+    widths = ByteWidths.of(dtype_bytes)
+    if widths.linear == widths.dtype and not widths.scales_per_row:
+        return params * widths.dtype
+    linear = config.num_hidden_layers * linear_params_per_layer(config)  # FP8 layers: a dense model's
+    scales = config.num_hidden_layers * linear_rows_per_layer(config) * widths.scales_per_row * 4
+    return int((params - linear) * widths.dtype + linear * widths.linear + scales)
 
 
 def layer_windows(config: Any) -> tuple[int | None, ...]:
     return getattr(config, "layer_windows", None) or (None,) * config.num_hidden_layers
 
 
-def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
+def kv_bytes_per_token(config: Any, dtype_bytes: int | ByteWidths) -> int:
     """KV bytes of one token in every layer (what a context within every window costs per token)."""
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * ByteWidths.of(dtype_bytes).kv
 
 
 def effective_kv_tokens(config: Any, context_len: int) -> float:
@@ -73,13 +103,13 @@ def effective_kv_tokens(config: Any, context_len: int) -> float:
     return sum(context_len if w is None else min(w, context_len) for w in windows) / len(windows)
 
 
-def kv_bytes_read(config: Any, dtype_bytes: int, context_len: int) -> int:
+def kv_bytes_read(config: Any, dtype_bytes: int | ByteWidths, context_len: int) -> int:
     """KV bytes one decode reads at this context: each layer its window's worth, or all of it."""
-    per_layer_token = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    per_layer_token = 2 * config.num_key_value_heads * config.head_dim * ByteWidths.of(dtype_bytes).kv
     return per_layer_token * sum(context_len if w is None else min(w, context_len) for w in layer_windows(config))
 
 
-def decode_floor_bytes(config: Any, dtype_bytes: int, context_lens: Iterable[int]) -> int:
+def decode_floor_bytes(config: Any, dtype_bytes: int | ByteWidths, context_lens: Iterable[int]) -> int:
     """A decode step of one sequence per context length: the weights it reads plus each sequence's KV."""
     lens = list(context_lens)
     return weights_read_per_decode_step(config, dtype_bytes, len(lens)) + sum(

@@ -25,7 +25,7 @@ from metronome.server.bench.engine import model_math
 from metronome.server.bench.engine.sections import EngineBenchError, drain, greedy_params
 from metronome.server.bench.load.workloads import TokenSampler
 
-FORWARD_KINDS = ("graph", "piecewise", "eager")
+FORWARD_KINDS = ("graph", "piecewise", "overlap", "eager")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class SatStep:
     decode_tokens: int
     output_tokens: int  # tokens emitted (a prompt's first token or a decode's next one)
     kv_tokens_read: float  # context tokens the step's decodes attended over (a window layer counts its window)
-    forward: str  # "graph" | "piecewise" | "eager"
+    forward: str  # "graph" | "piecewise" | "overlap" | "eager"
     preemptions: int = 0
 
 
@@ -99,7 +99,7 @@ def summarize(steps: list[SatStep], weight_bytes: int, kv_bytes_per_token: int, 
                      "share_of_floor": part["output_tokens_per_s"] / floor})
     result["decode_part"] = part
     counts = part["forward"]
-    not_graph = counts["piecewise"] + counts["eager"]
+    not_graph = counts["piecewise"] + counts["overlap"] + counts["eager"]
     if not_graph:
         where = (f"no decode graph was captured: {execution_mode or 'eager'}" if decode_graph_max_batch is None
                  else f"decode graphs are captured for batches up to {decode_graph_max_batch}")
@@ -150,7 +150,8 @@ def run_requests(core: Any, prompts: list[list[int]], output_len: int, max_steps
 
 
 def saturation_section(core: Any, prompt_len: int, output_len: int, max_requests: int, chunk: int,
-                       sampler: TokenSampler, seed: int, bandwidth: float | None, dtype_bytes: int) -> dict[str, Any]:
+                       sampler: TokenSampler, seed: int, bandwidth: float | None,
+                       dtype_bytes: int | model_math.ByteWidths) -> dict[str, Any]:
     if prompt_len + output_len > core.max_model_len:
         raise EngineBenchError(f"--saturation-prompt-len {prompt_len} + --saturation-output-len {output_len} exceeds "
                                f"max_model_len {core.max_model_len}")

@@ -65,7 +65,8 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def decode_point(core: Any, batch: int, context: int, steps: int, sampler: TokenSampler, seed: int,
-                 prefill_chunk: int, bandwidth: float | None, dtype_bytes: int, warmup_steps: int = 3) -> dict:
+                 prefill_chunk: int, bandwidth: float | None, dtype_bytes: int | model_math.ByteWidths,
+                 warmup_steps: int = 3) -> dict:
     prefill_steps = math.ceil(batch * context / prefill_chunk) + batch + 2  # worst case: one admission per step
     max_tokens = prefill_steps + warmup_steps + steps + 4
     need = kv_blocks_needed(core, batch, context + max_tokens, prefill_chunk)
@@ -133,7 +134,7 @@ def decode_point(core: Any, batch: int, context: int, steps: int, sampler: Token
 
 
 def decode_section(core: Any, batch_sizes: list[int], context: int, steps: int, sampler: TokenSampler, seed: int,
-                   prefill_chunk: int, bandwidth: float | None, dtype_bytes: int) -> list[dict]:
+                   prefill_chunk: int, bandwidth: float | None, dtype_bytes: int | model_math.ByteWidths) -> list[dict]:
     return [decode_point(core, b, context, steps, sampler, seed, prefill_chunk, bandwidth, dtype_bytes)
             for b in batch_sizes]
 
@@ -226,10 +227,12 @@ def chunk_label(chunk: int) -> str:
 async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler, chunk_sizes: list[int],
                             rates: list[float], policy: str, max_num_seqs: int, stop: StopRule, seed: int,
                             slo_tbt_ms: float, progress: bool, batch_requests: int | None,
-                            batch_chunks: list[int], warmup_requests: int = 16
-                            ) -> tuple[list[RunEntry], list[RunEntry]]:
+                            batch_chunks: list[int], warmup_requests: int = 16,
+                            overlap_variants: list[str] | None = None) -> tuple[list[RunEntry], list[RunEntry]]:
     """Runs per (chunk, rate); plus, if batch_requests, the same first N requests sent at once (the batch that
-    the transformers peer also gets), once per chunk size in batch_chunks."""
+    the transformers peer also gets), once per chunk size in batch_chunks. overlap_variants ("off", "on"): each
+    (chunk, rate) runs once per variant, one right after the other, the engine's mixed-step overlap switched
+    between runs (the engine must have been built with it)."""
     from metronome.server.engine.async_engine import AsyncEngine
 
     collector = StepCollector()
@@ -250,14 +253,21 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
             engine.reconfigure(SchedulerConfig(chunk_size=chunk, queue_policy=policy, max_num_seqs=max_num_seqs))
             await warm_up(warmup_requests)
             for rate in sorted(rates):
-                collector.reset()
-                label = f"chunk {chunk_label(chunk)} @ {rate:g} req/s"
-                result = await run_load(client, iter_requests(spec, sampler, seed), LoadPattern(rate=rate), stop,
-                                        seed=seed, progress=progress, label=label)
-                params = {"chunk_size": chunk, "queue_policy": policy, "rate": rate,
-                          "steps": collector.summary(), "scheduler": engine.stats().scheduler.snake_dict()}
-                runs.append(RunEntry(label, params, summarize(result.records, slo_tbt_ms), result.records,
-                                     result.started_at, result.wall_s))
+                for variant in overlap_variants or [None]:
+                    if variant is not None:
+                        set_mixed_overlap(core, variant == "on")
+                    collector.reset()
+                    label = f"chunk {chunk_label(chunk)} @ {rate:g} req/s"
+                    if variant is not None:
+                        label += f", overlap {variant}"
+                    result = await run_load(client, iter_requests(spec, sampler, seed), LoadPattern(rate=rate), stop,
+                                            seed=seed, progress=progress, label=label)
+                    params = {"chunk_size": chunk, "queue_policy": policy, "rate": rate,
+                              "steps": collector.summary(), "scheduler": engine.stats().scheduler.snake_dict()}
+                    if variant is not None:
+                        params["mixed_overlap"] = variant
+                    runs.append(RunEntry(label, params, summarize(result.records, slo_tbt_ms), result.records,
+                                         result.started_at, result.wall_s))
         for batch_chunk in batch_chunks if batch_requests else []:
             engine.reconfigure(SchedulerConfig(chunk_size=batch_chunk, queue_policy=policy,
                                                max_num_seqs=max_num_seqs))
@@ -278,23 +288,57 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
     return runs, batch_entries
 
 
-def capacity_table(runs: list[RunEntry], slo_tbt_ms: float) -> list[dict[str, Any]]:
-    """Per chunk size: capacity (highest rate with every request done and TBT p99 <= SLO), best throughput."""
-    by_chunk: dict[int, list[RunEntry]] = {}
+def set_mixed_overlap(core: Any, on: bool) -> None:
+    """Switch the engine's mixed-step overlap between runs (its graphs were captured at start)."""
+    overlap = getattr(core.runner, "overlap", None)
+    if overlap is None:
+        raise EngineBenchError("overlap variants need an engine started with --mixed-overlap on")
+    overlap.enabled = on
+
+
+def overlap_comparison(runs: list[RunEntry]) -> list[dict[str, Any]]:
+    """Per (chunk, rate) run with the overlap off and on: TBT p99 and output tokens/s of each, the p99's drop
+    (a share of off's) and the throughput's change. Pure."""
+    pairs: dict[tuple[int, float], dict[str, RunEntry]] = {}
     for run in runs:
-        by_chunk.setdefault(run.params["chunk_size"], []).append(run)
+        variant = run.params.get("mixed_overlap")
+        if variant is not None:
+            pairs.setdefault((run.params["chunk_size"], run.params["rate"]), {})[variant] = run
     rows = []
-    for chunk, members in by_chunk.items():
+    for (chunk, rate), pair in sorted(pairs.items()):
+        if set(pair) != {"off", "on"}:
+            continue
+        off, on = pair["off"].summary, pair["on"].summary
+        p99_off, p99_on = off.tbt.p99_ms, on.tbt.p99_ms
+        rows.append({
+            "chunk_size": chunk, "rate": rate, "tbt_p99_ms_off": p99_off, "tbt_p99_ms_on": p99_on,
+            "tbt_p99_reduction": 1 - p99_on / p99_off if p99_off and p99_on is not None else None,
+            "output_tokens_per_s_off": off.output_tokens_per_s, "output_tokens_per_s_on": on.output_tokens_per_s,
+            "throughput_change": (on.output_tokens_per_s / off.output_tokens_per_s - 1
+                                  if off.output_tokens_per_s else None),
+            "completed": (off.num_completed == off.num_requests, on.num_completed == on.num_requests)})
+    return rows
+
+
+def capacity_table(runs: list[RunEntry], slo_tbt_ms: float) -> list[dict[str, Any]]:
+    """Per chunk size (and mixed-overlap variant, where runs have one): capacity (highest rate with every request
+    done and TBT p99 <= SLO), best throughput."""
+    by_chunk: dict[tuple[int, str | None], list[RunEntry]] = {}
+    for run in runs:
+        by_chunk.setdefault((run.params["chunk_size"], run.params.get("mixed_overlap")), []).append(run)
+    rows = []
+    for (chunk, variant), members in by_chunk.items():
         members.sort(key=lambda r: r.params["rate"])
         passing = [r for r in members if r.summary.num_completed == r.summary.num_requests
                    and r.summary.tbt.p99_ms is not None and r.summary.tbt.p99_ms <= slo_tbt_ms]
         top = members[-1]
         rows.append({
-            "chunk_size": chunk, "label": chunk_label(chunk),
+            "chunk_size": chunk, "label": chunk_label(chunk) + (f", overlap {variant}" if variant else ""),
             "capacity_rate": max((r.params["rate"] for r in passing), default=None),
             "max_output_tokens_per_s": max(r.summary.output_tokens_per_s for r in members),
             "highest_rate": top.params["rate"], "tbt_p99_ms_at_highest_rate": top.summary.tbt.p99_ms,
             "ttft_p99_ms_at_highest_rate": top.summary.ttft.p99_ms,
+            **({"mixed_overlap": variant} if variant else {}),
         })
     unchunked = next((r for r in rows if r["chunk_size"] >= UNCHUNKED), None)
     for row in rows:

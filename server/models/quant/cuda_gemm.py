@@ -1,0 +1,71 @@
+"""The FP8 GEMM of an `Fp8Linear` on CUDA: which kernel runs for which scales and batch size.
+
+- block-scaled weights: the Triton kernel of kernels/triton_fp8.py, scales applied per 128-column group inside
+  the K loop;
+- one scale per operand (static per-tensor activations, weights requantised to one scale): `torch._scaled_mm`
+  with 0-d scales (cuBLASLt) writing the model dtype directly — no epilogue;
+- per-token activation scales with per-channel (or per-tensor) weight scales, two ways:
+  `rowwise`: `torch._scaled_mm` with [M, 1] and [1, N] scales (CUTLASS sm90 kernel); measured on the H200 no
+  faster than bf16 below M ≈ 400 and close to per-tensor from M = 2,048;
+  `tensorwise`: `torch._scaled_mm` with unit 0-d scales into float32, then the row and column scales multiplied
+  in (two element-wise passes over [M, N]: cheap next to a decode GEMM that reads the whole weight);
+  `auto` takes `tensorwise` below ROWWISE_MIN_TOKENS rows and `rowwise` from there;
+- `triton`: the Triton kernel for every layout (also the fallback when K or N is not a multiple of 16, which
+  `_scaled_mm` requires).
+
+`METRONOME_FP8_GEMM=auto|rowwise|tensorwise|triton` picks one for benchmarking (read when a model is loaded);
+everything here is capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from metronome.server.models.quant.activation import Fp8Activation
+
+if TYPE_CHECKING:
+    from metronome.server.models.quant.fp8_linear import Fp8Linear
+
+GEMMS = ("auto", "rowwise", "tensorwise", "triton")
+ROWWISE_MIN_TOKENS = 512
+GEMM_ENV = "METRONOME_FP8_GEMM"
+
+
+def gemm_from_environment() -> str:
+    choice = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
+    if choice not in GEMMS:
+        raise ValueError(f"{GEMM_ENV}={choice!r}: use one of {', '.join(GEMMS)}")
+    return choice
+
+
+def fp8_gemm(act: Fp8Activation, layer: Fp8Linear) -> torch.Tensor:
+    """act [M, K] (FP8) @ layer.weight^T with both operands' scales → [M, N] in act.dtype (+ bias)."""
+    from metronome.kernels.triton_fp8 import fp8_matmul
+
+    q, weight = act.q, layer.weight
+    m, k = q.shape
+    n = weight.shape[0]
+    bias = layer.bias
+    if layer.granularity == "block":
+        return fp8_matmul(q, act.scale, weight, layer.weight_scale, act.dtype, bias, group_k=layer.block[1])
+    choice = layer.gemm
+    if choice == "triton" or k % 16 or n % 16 or m == 0 or act.group is not None:
+        return fp8_matmul(q, act.scale, weight, layer.weight_scale, act.dtype, bias)
+    a_scalar, w_scalar = act.scale.dim() == 0, layer.weight_scale.dim() == 0
+    if a_scalar and w_scalar:
+        return torch._scaled_mm(q, weight.t(), scale_a=act.scale, scale_b=layer.weight_scale, bias=bias,
+                                out_dtype=act.dtype)
+    if choice == "auto":
+        choice = "rowwise" if m >= ROWWISE_MIN_TOKENS else "tensorwise"
+    if choice == "rowwise":
+        scale_a = act.scale.expand(m, 1).contiguous() if a_scalar else act.scale
+        out = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=layer.column_scale, out_dtype=act.dtype)
+        return out if bias is None else out.add_(bias)
+    unit = layer.unit_scale
+    out = torch._scaled_mm(q, weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
+    out.mul_(act.scale).mul_(layer.weight_scale)
+    if bias is not None:
+        out.add_(bias)
+    return out.to(act.dtype)

@@ -1,0 +1,238 @@
+"""Which FP8 scheme a model is served with: read from a checkpoint's `quantization_config`, or asked for with
+`--quantization fp8` (on-the-fly quantisation of a bf16 model). No torch here.
+
+Checkpoint layouts read (the ones vLLM serves):
+- `quant_method: fp8` without `weight_block_size` (vLLM / AutoFP8): one `weight_scale` per weight tensor (q, k,
+  v, gate and up each have their own); `activation_scheme: static` adds one calibrated `input_scale` per linear,
+  `dynamic` quantises activations at run time. transformers' FineGrainedFP8 per-tensor variant names them
+  `weight_scale_inv` and `activation_scale`: same meaning (both multiply).
+- `quant_method: fp8` with `weight_block_size: [128, 128]` (DeepSeek style, transformers' FineGrainedFP8):
+  `weight_scale_inv` [ceil(N / 128), ceil(K / 128)], activations dynamic in groups of 128 columns per token.
+- `quant_method: compressed-tensors` with FP8 (`num_bits: 8, type: float`) schemes: weights per `tensor`,
+  `channel` (`weight_scale` [N, 1]) or `block`; input activations static per tensor (`input_scale`), or dynamic
+  per token / per group. `ignore` lists layers left in bf16. `kv_cache_scheme` gives FP8 KV-cache scales.
+
+Dynamic activations are quantised per token (a row's own amax) wherever a layout allows any dynamic scheme:
+vLLM's `quant_method: fp8` uses one dynamic scale for the whole activation matrix, which needs a reduction
+across tokens before the GEMM; per token is at least as accurate and fuses into the RMSNorm and SiLU·mul
+kernels that produce the activation.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
+from metronome.contract.precision import QUANTIZATIONS
+
+WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
+ACTIVATION_SCHEMES = ("static", "token", "group")  # static: one calibrated per-tensor scale per linear
+
+
+class QuantizationConfigError(ModelNotFoundError):
+    """The checkpoint's quantization_config names a scheme this server cannot run."""
+
+
+@dataclass(frozen=True)
+class KVCacheScheme:
+    """FP8 KV-cache scales a checkpoint carries: one per tensor (`k_scale` / `v_scale` per layer) or per kv head."""
+    granularity: str  # "tensor" | "head"
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    source: str  # "fp8" | "compressed-tensors" | "online" (--quantization fp8 on a bf16 model)
+    weights: str  # WEIGHT_GRANULARITIES
+    activations: str  # ACTIVATION_SCHEMES
+    block: tuple[int, int] | None = None  # (rows, columns) of a weight block; activation groups are block[1] wide
+    # checkpoint module names, or "re:<pattern>" matched from the start (compressed-tensors' rule), left unquantised
+    ignore: tuple[str, ...] = ("lm_head",)
+    kv_cache: KVCacheScheme | None = None
+    # which linear layers are quantised: "Linear" = every one; "re:<pattern>" = the checkpoint modules it matches
+    targets: tuple[str, ...] = ("Linear",)
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_GRANULARITIES:
+            raise QuantizationConfigError(f"FP8 weight granularity {self.weights!r} is not one of "
+                                          f"{', '.join(WEIGHT_GRANULARITIES)}")
+        if self.activations not in ACTIVATION_SCHEMES:
+            raise QuantizationConfigError(f"FP8 activation scheme {self.activations!r} is not one of "
+                                          f"{', '.join(ACTIVATION_SCHEMES)}")
+        if (self.weights == "block") != (self.block is not None):
+            raise QuantizationConfigError("FP8 block weights need a block size, and only they have one")
+        if self.block is not None and (len(self.block) != 2 or min(self.block) < 1):
+            raise QuantizationConfigError(f"FP8 weight block size must be two positive integers, got {self.block}")
+        if self.activations == "group" and self.block is None:
+            raise QuantizationConfigError("per-group FP8 activations come with block weights only")
+
+    @property
+    def activation_group(self) -> int | None:
+        """Columns per activation scale: None = the whole row (per token) or static."""
+        return self.block[1] if self.activations == "group" else None
+
+    @property
+    def prequantized(self) -> bool:
+        return self.source != "online"
+
+    def describe(self) -> str:
+        weights = f"block {self.block[0]}x{self.block[1]}" if self.block else f"per-{self.weights}"
+        activations = {"static": "static per-tensor", "token": "dynamic per-token",
+                       "group": f"dynamic per-token groups of {self.activation_group}"}[self.activations]
+        return f"fp8 e4m3 ({self.source}): weights {weights}, activations {activations}"
+
+    def ignores(self, module_name: str) -> bool:
+        """Whether the checkpoint linear `module_name` (e.g. 'model.layers.0.mlp.down_proj') stays unquantised:
+        no target covers it, or the ignore list names it."""
+        targeted = any(t == "Linear" or re.match(t[3:], module_name) for t in self.targets)
+        return not targeted or _matches(self.ignore, module_name)
+
+
+def _matches(patterns: tuple[str, ...], module_name: str) -> bool:
+    return any(re.match(p[3:], module_name) if p.startswith("re:") else module_name == p for p in patterns)
+
+
+def online_scheme() -> Fp8Scheme:
+    """`--quantization fp8` on a bf16 model: per-channel weight scales (each output row its own amax), dynamic
+    per-token activations — the compressed-tensors FP8_DYNAMIC scheme, the most accurate FP8 W8A8 without
+    calibration data."""
+    return Fp8Scheme(source="online", weights="channel", activations="token")
+
+
+def resolve_scheme(quantization_config: dict[str, Any] | None, requested: str | None) -> Fp8Scheme | None:
+    """The scheme to serve: the checkpoint's own when it has one, else `requested` ('fp8' = on the fly)."""
+    if requested is not None and requested not in QUANTIZATIONS:
+        raise InvalidRequestError(f"unknown quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}",
+                                  param="quantization")
+    if quantization_config is not None:
+        return scheme_from_config(quantization_config)
+    return online_scheme() if requested == "fp8" else None
+
+
+def scheme_from_config(raw: Any) -> Fp8Scheme:
+    """A config.json `quantization_config` → Fp8Scheme; QuantizationConfigError naming the field otherwise."""
+    if not isinstance(raw, dict):
+        raise QuantizationConfigError("config.json quantization_config must be an object")
+    method = raw.get("quant_method", "compressed-tensors" if "config_groups" in raw else None)
+    if method == "fp8":
+        return _from_fp8(raw)
+    if method == "compressed-tensors":
+        return _from_compressed_tensors(raw)
+    raise QuantizationConfigError(f"unsupported quantization_config.quant_method {method!r}; supported: fp8, "
+                                  "compressed-tensors (FP8 schemes)")
+
+
+def _from_fp8(raw: dict[str, Any]) -> Fp8Scheme:
+    activation = str(raw.get("activation_scheme", "dynamic")).lower()
+    if activation not in ("static", "dynamic"):
+        raise QuantizationConfigError(f"quantization_config.activation_scheme {activation!r} is neither static nor "
+                                      "dynamic")
+    fmt = raw.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise QuantizationConfigError(f"quantization_config.fmt {fmt!r}: only e4m3 is supported")
+    if raw.get("scale_fmt", "float") != "float":
+        raise QuantizationConfigError(f"quantization_config.scale_fmt {raw['scale_fmt']!r}: only float32 scales "
+                                      "are supported")
+    ignore = tuple(raw.get("ignored_layers") or raw.get("modules_to_not_convert") or ("lm_head",))
+    block = raw.get("weight_block_size")
+    if block is not None:
+        block = _block(block, "quantization_config.weight_block_size")
+        if activation != "dynamic":
+            raise QuantizationConfigError("block-scaled FP8 (weight_block_size) needs activation_scheme dynamic")
+        return Fp8Scheme("fp8", "block", "group", block, ignore)
+    return Fp8Scheme("fp8", "tensor", "static" if activation == "static" else "token", None, ignore)
+
+
+def _block(value: Any, field: str) -> tuple[int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+        raise QuantizationConfigError(f"{field} must be two positive integers, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _from_compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
+    groups = raw.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise QuantizationConfigError("compressed-tensors quantization_config has no config_groups")
+    fmt = raw.get("format")
+    if fmt not in (None, "float-quantized", "naive-quantized", "mixed-precision"):
+        raise QuantizationConfigError(f"compressed-tensors format {fmt!r} is not FP8 (float-quantized)")
+    schemes, targets = set(), []
+    for name, group in groups.items():
+        if not isinstance(group, dict):
+            raise QuantizationConfigError(f"config_groups.{name} must be an object")
+        group_targets = group.get("targets") or []
+        if not group_targets or any(t != "Linear" and not str(t).startswith("re:") for t in group_targets):
+            raise QuantizationConfigError(f"config_groups.{name}.targets {group_targets!r}: only Linear layers "
+                                          "(\"Linear\" or \"re:<module pattern>\") are served")
+        targets += group_targets
+        schemes.add(_ct_group(name, group))
+    if len(schemes) != 1:
+        raise QuantizationConfigError("compressed-tensors config_groups with different FP8 schemes are not served")
+    weights, activations, block = schemes.pop()
+    ignore = tuple(raw.get("ignore") or ())
+    return Fp8Scheme("compressed-tensors", weights, activations, block, ignore, _kv_scheme(raw.get("kv_cache_scheme")),
+                     tuple(dict.fromkeys(targets)))
+
+
+def _ct_args(group: dict[str, Any], key: str, where: str) -> dict[str, Any] | None:
+    args = group.get(key)
+    if args is None:
+        return None
+    if not isinstance(args, dict):
+        raise QuantizationConfigError(f"{where}.{key} must be an object")
+    if args.get("num_bits") != 8 or args.get("type") != "float":
+        raise QuantizationConfigError(f"{where}.{key}: only FP8 (num_bits 8, type float) is served, got num_bits "
+                                      f"{args.get('num_bits')!r} type {args.get('type')!r}")
+    if args.get("symmetric", True) is not True:
+        raise QuantizationConfigError(f"{where}.{key}: asymmetric FP8 is not served")
+    return args
+
+
+def _ct_group(name: str, group: dict[str, Any]) -> tuple[str, str, tuple[int, int] | None]:
+    where = f"config_groups.{name}"
+    weights = _ct_args(group, "weights", where)
+    if weights is None:
+        raise QuantizationConfigError(f"{where} quantises no weights")
+    if group.get("output_activations") is not None:
+        raise QuantizationConfigError(f"{where}.output_activations: output quantisation is not served")
+    strategy = weights.get("strategy")
+    block = None
+    if strategy == "block":
+        block = _block(weights.get("block_structure"), f"{where}.weights.block_structure")
+    elif strategy not in ("tensor", "channel"):
+        raise QuantizationConfigError(f"{where}.weights.strategy {strategy!r}: served are tensor, channel, block")
+    if weights.get("dynamic"):
+        raise QuantizationConfigError(f"{where}.weights.dynamic: weights must carry their scales")
+    inputs = _ct_args(group, "input_activations", where)
+    if inputs is None:
+        raise QuantizationConfigError(f"{where}: weight-only FP8 (no input_activations) is not served")
+    in_strategy = inputs.get("strategy")
+    if not inputs.get("dynamic"):
+        if in_strategy != "tensor":
+            raise QuantizationConfigError(f"{where}.input_activations: static scales must be per tensor, got "
+                                          f"{in_strategy!r}")
+        return strategy, "static", block
+    if in_strategy == "group":
+        size = inputs.get("group_size")
+        if block is None or size != block[1]:
+            raise QuantizationConfigError(f"{where}.input_activations.group_size {size!r} must equal the weight "
+                                          "block's columns (block weights only)")
+        return strategy, "group", block
+    if in_strategy not in ("token", "tensor"):
+        raise QuantizationConfigError(f"{where}.input_activations.strategy {in_strategy!r}: served are token, "
+                                      "tensor, group")
+    return strategy, "token", block
+
+
+def _kv_scheme(raw: Any) -> KVCacheScheme | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or raw.get("num_bits") != 8 or raw.get("type") != "float":
+        raise QuantizationConfigError(f"kv_cache_scheme {raw!r}: only FP8 (num_bits 8, type float) is served")
+    if raw.get("dynamic"):
+        raise QuantizationConfigError("kv_cache_scheme.dynamic: the KV cache needs stored scales")
+    strategy = raw.get("strategy", "tensor")
+    if strategy not in ("tensor", "attn_head"):
+        raise QuantizationConfigError(f"kv_cache_scheme.strategy {strategy!r}: served are tensor, attn_head")
+    return KVCacheScheme("tensor" if strategy == "tensor" else "head")

@@ -1,0 +1,205 @@
+"""The FP8 Triton kernels (kernels/triton_fp8.py, the FP8 functions of kernels/triton_fused.py) against the torch
+reference of metronome.server.models.quant, under Triton's interpreter on the CPU.
+
+As in test_fused_kernels.py, the Triton side runs in a subprocess started with TRITON_INTERPRET=1 (this file run
+as a script) and hands back plain numbers; the checks are here. Quantisation is compared bit for bit (the
+kernels round to the e4m3 grid in integer arithmetic, as torch's cast does); the norm and SiLU·mul inputs are
+float32 so the interpreter's bf16 truncation stays out of it (bf16 runs on the GPU: tests/gpu/test_fp8_gpu.py).
+The GEMM is compared with the float32 emulation of the same FP8 operands.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# (name, tokens, width, group) — widths with a short last group (200 = 3 x 64 + 8) and rows of several chunks
+QUANT_CASES = [("token", 5, 200, None), ("group", 4, 200, 64), ("static", 3, 96, "static"),
+               ("token_wide", 2, 2500, None)]
+# (name, M, N, K, mode) — mode: tensor (0-d scales), token_channel ([M, 1] x [N]), block (groups of 32 along K)
+GEMM_CASES = [("tensor", 5, 48, 64, "tensor"), ("token_channel", 19, 40, 96, "token_channel"),
+              ("block", 33, 64, 80, "block"), ("bias", 7, 32, 32, "bias")]
+
+
+def _quant_results(name, tokens, width, group) -> dict:
+    from metronome.kernels.triton_fp8 import quantize_fp8
+    from metronome.server.models.quant import fp8
+
+    g = torch.Generator().manual_seed(len(name))
+    x = torch.randn(tokens, width, generator=g) * torch.exp(torch.randn(tokens, 1, generator=g))
+    x[0, :7] = torch.tensor([0.0, -0.0, 1e-9, 2 ** -10, 124.3, -3e-3, 1.0])  # zeros, subnormals, a carry
+    if group == "static":
+        scale = torch.tensor(0.01)
+        q, s = quantize_fp8(x, static_scale=scale)
+        rq, rs = fp8.quantize_per_tensor(x, scale)
+    elif group is None:
+        q, s = quantize_fp8(x, chunk=256)
+        rq, rs = fp8.quantize_per_token(x)
+    else:
+        q, s = quantize_fp8(x, group=group)
+        rq, rs = fp8.quantize_per_group(x, group)
+    return {"q_equal": torch.equal(q.view(torch.uint8), rq.view(torch.uint8)),
+            "scale_equal": torch.equal(s.reshape(rs.shape), rs)}
+
+
+def _fused_results() -> dict:
+    from metronome.kernels.triton_fused import add_rms_norm_fp8, silu_mul_fp8
+    from metronome.server.models.layers import RMSNorm
+    from metronome.server.models.quant import fp8
+
+    g = torch.Generator().manual_seed(11)
+    out: dict = {}
+    hidden, inter, tokens = 192, 300, 6
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.1 * torch.randn(hidden, generator=g))
+    x, residual = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, hidden, generator=g)
+    expected = norm(residual + x)
+    for label, group in (("token", None), ("group", 64)):
+        got_residual = residual.clone()
+        q, s = add_rms_norm_fp8(x, got_residual, norm.weight, norm.eps, group=group)
+        rq, rs = fp8.quantize_per_token(expected) if group is None else fp8.quantize_per_group(expected, group)
+        # the kernel's rsqrt and sum order may move a value across a rounding boundary: count, don't demand 0
+        out[f"norm_{label}_q_mismatch"] = (q.float() != rq.float()).float().mean().item()
+        out[f"norm_{label}_scale_rel"] = ((s.reshape(rs.shape) - rs).abs() / rs).max().item()
+        out[f"norm_{label}_residual_equal"] = torch.equal(got_residual, residual + x)
+    q, s = add_rms_norm_fp8(None, residual.clone(), norm.weight, norm.eps, static_scale=torch.tensor(0.02))
+    rq, _ = fp8.quantize_per_tensor(norm(residual), torch.tensor(0.02))
+    out["norm_static_q_mismatch"] = (q.float() != rq.float()).float().mean().item()
+
+    gate_up = torch.randn(tokens, 2 * inter, generator=g)
+    gate, up = gate_up.split(inter, dim=-1)
+    product = torch.nn.functional.silu(gate) * up
+    for label, group, static in (("token", None, None), ("group", 64, None), ("static", None, torch.tensor(0.01))):
+        q, s = silu_mul_fp8(gate_up, group=group, static_scale=static, chunk=128)
+        if static is not None:
+            rq, rs = fp8.quantize_per_tensor(product, static)
+        elif group is None:
+            rq, rs = fp8.quantize_per_token(product)
+        else:
+            rq, rs = fp8.quantize_per_group(product, group)
+        out[f"silu_{label}_q_mismatch"] = (q.float() != rq.float()).float().mean().item()
+        out[f"silu_{label}_scale_rel"] = ((s.reshape(rs.shape) - rs).abs() / rs).max().item()
+    return out
+
+
+def _gemm_results(name, m, n, k, mode) -> dict:
+    from metronome.kernels.triton_fp8 import fp8_matmul
+    from metronome.server.models.quant import fp8
+
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.05
+    bias = None
+    if mode in ("tensor", "bias"):
+        a, sa = fp8.quantize_per_tensor(x)
+        b, sb = fp8.quantize_per_tensor(w)
+        expected = fp8.dequantize(a, sa) @ fp8.dequantize(b, sb).t()
+        if mode == "bias":
+            bias = torch.randn(n, generator=g)
+            expected = expected + bias
+        got = fp8_matmul(a, sa, b, sb, torch.float32, bias)
+    elif mode == "token_channel":
+        a, sa = fp8.quantize_per_token(x)
+        b, sb = fp8.quantize_per_channel(w)
+        expected = fp8.dequantize(a, sa) @ fp8.dequantize(b, sb[:, None]).t()
+        got = fp8_matmul(a, sa, b, sb, torch.float32)
+    else:
+        a, sa = fp8.quantize_per_group(x, 32)
+        b, sb_blocks = fp8.quantize_per_block(w, (16, 32))
+        sb = sb_blocks.repeat_interleave(16, dim=0)[:n]  # one row of block scales per weight row
+        expected = (fp8.dequantize(a, fp8.expand_groups(sa, k, 32))
+                    @ fp8.dequantize(b, fp8.expand_blocks(sb_blocks, (n, k), (16, 32))).t())
+        got = fp8_matmul(a, sa, b, sb, torch.float32, group_k=32)
+    return {"rel": ((got - expected).norm() / expected.norm()).item(), "shape": list(got.shape)}
+
+
+def _model_results() -> dict:
+    """A whole FP8 model with the fused kernels (norms and SiLU·mul hand FP8 activations to the next layer)
+    against the same model on the torch path (each linear quantises its own input)."""
+    from test_model_exact import PagedCache
+
+    from metronome.server.models import load_model
+    from metronome.server.models.quant.model_pass import Fp8OutputGatedMLP, Fp8OutputRMSNorm
+
+    loaded = load_model("random:tiny", dtype="float32", attention_backend="torch", seed=2, quantization="fp8")
+    layer = loaded.model.model.layers[0]
+    classes = [type(layer.input_layernorm), type(layer.post_attention_layernorm), type(layer.mlp)]
+    ids = torch.randint(3, loaded.config.vocab_size, (13,), generator=torch.Generator().manual_seed(5))
+    logits = {}
+    for fused in (False, True):
+        loaded.model.fused = fused
+        cache = PagedCache(loaded.config, 1, len(ids))
+        with torch.inference_mode():
+            hidden = loaded.model(ids, torch.arange(len(ids)), cache.kv, cache.metadata([0], [len(ids)]))
+            logits[fused] = loaded.model.compute_logits(hidden)
+    return {"producers_fuse": classes == [Fp8OutputRMSNorm, Fp8OutputRMSNorm, Fp8OutputGatedMLP],
+            "max_diff": (logits[True] - logits[False]).abs().max().item(),
+            "scale": logits[False].abs().max().item()}
+
+
+def _run_all() -> dict:
+    return {"quant": {c[0]: _quant_results(*c) for c in QUANT_CASES}, "fused": _fused_results(),
+            "gemm": {c[0]: _gemm_results(*c) for c in GEMM_CASES}, "model": _model_results()}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(__file__))
+    assert proc.returncode == 0, f"triton interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", QUANT_CASES, ids=[c[0] for c in QUANT_CASES])
+def test_quantize_kernel_is_bit_exact(results, case):
+    got = results["quant"][case[0]]
+    assert got["q_equal"], "FP8 codes differ from torch's rounding"
+    assert got["scale_equal"], "scales differ from amax / 448"
+
+
+def test_norm_and_silu_mul_quantise_their_output(results):
+    got = results["fused"]
+    for label in ("token", "group"):
+        assert got[f"norm_{label}_residual_equal"]
+        assert got[f"norm_{label}_q_mismatch"] < 0.01, got
+        assert got[f"norm_{label}_scale_rel"] < 1e-5, got
+    assert got["norm_static_q_mismatch"] < 0.01, got
+    for label in ("token", "group", "static"):
+        assert got[f"silu_{label}_q_mismatch"] < 0.01, got
+    for label in ("token", "group"):
+        assert got[f"silu_{label}_scale_rel"] < 1e-5, got
+
+
+@pytest.mark.parametrize("case", GEMM_CASES, ids=[c[0] for c in GEMM_CASES])
+def test_fp8_matmul_matches_the_emulation(results, case):
+    got = results["gemm"][case[0]]
+    assert got["shape"] == [case[1], case[2]]
+    assert got["rel"] < 1e-5, got
+
+
+def test_fused_fp8_model_equals_the_unfused_one(results):
+    got = results["model"]
+    assert got["producers_fuse"], "the norms and the MLP should hand FP8 activations over"
+    assert got["max_diff"] < 1e-4 * max(1.0, got["scale"]), got
+
+
+def test_kernels_refuse_bad_arguments(monkeypatch):
+    from metronome.kernels.triton_fp8 import check_quant_args
+
+    with pytest.raises(ValueError, match="power of two"):
+        check_quant_args(100, 100, None)
+    with pytest.raises(ValueError, match="no groups"):
+        check_quant_args(128, 64, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="one float32"):
+        check_quant_args(128, None, torch.ones(2))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    print(json.dumps(_run_all()))

@@ -1,0 +1,128 @@
+"""Reading FP8 schemes from config.json `quantization_config` (the layouts vLLM serves) and `--quantization fp8`;
+every scheme this server cannot run is refused with the field it comes from."""
+from __future__ import annotations
+
+import pytest
+
+from metronome.contract.errors import InvalidRequestError
+from metronome.server.models.quant.scheme import (
+    Fp8Scheme,
+    QuantizationConfigError,
+    online_scheme,
+    resolve_scheme,
+    scheme_from_config,
+)
+
+
+def _ct(weights: dict, inputs: dict | None, **extra) -> dict:
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                                                **weights},
+             "input_activations": None if inputs is None else {"num_bits": 8, "type": "float", "symmetric": True,
+                                                               **inputs},
+             "output_activations": None}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group},
+            "ignore": ["lm_head"], **extra}
+
+
+@pytest.mark.parametrize("raw, weights, activations, block", [
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "tensor", "static", None),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "tensor", "token", None),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]},
+     "block", "group", (128, 128)),
+    (_ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True}), "channel", "token", None),
+    (_ct({"strategy": "tensor"}, {"strategy": "tensor", "dynamic": False}), "tensor", "static", None),
+    (_ct({"strategy": "block", "block_structure": [128, 128]}, {"strategy": "group", "group_size": 128,
+                                                               "dynamic": True}), "block", "group", (128, 128)),
+    (_ct({"strategy": "tensor"}, {"strategy": "tensor", "dynamic": True}), "tensor", "token", None),
+])
+def test_layouts_read_from_quantization_config(raw, weights, activations, block):
+    scheme = scheme_from_config(raw)
+    assert (scheme.weights, scheme.activations, scheme.block) == (weights, activations, block)
+    assert scheme.prequantized
+    assert scheme.activation_group == (block[1] if block else None)
+
+
+def test_ignore_lists_match_checkpoint_module_names():
+    ignore = ["lm_head", "re:.*layers\\.1\\.mlp\\..*", "model.layers.0.self_attn.o_proj"]
+    scheme = scheme_from_config(_ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True}, ignore=ignore))
+    assert scheme.ignores("lm_head")
+    assert scheme.ignores("model.layers.1.mlp.down_proj")
+    assert scheme.ignores("model.layers.0.self_attn.o_proj")
+    assert not scheme.ignores("model.layers.0.mlp.down_proj")
+    assert not scheme.ignores("model.layers.10.self_attn.o_proj")
+    fp8 = scheme_from_config({"quant_method": "fp8", "modules_to_not_convert": ["model.layers.0.mlp.up_proj"]})
+    assert fp8.ignores("model.layers.0.mlp.up_proj") and not fp8.ignores("lm_head")
+    assert scheme_from_config({"quant_method": "fp8"}).ignores("lm_head")
+
+
+def test_targets_choose_the_quantised_linears():
+    raw = _ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True})
+    raw["config_groups"]["group_0"]["targets"] = ["re:.*mlp\\..*_proj$"]
+    scheme = scheme_from_config(raw)
+    assert not scheme.ignores("model.layers.3.mlp.down_proj")
+    assert scheme.ignores("model.layers.3.self_attn.o_proj")  # no target covers it: stays bf16
+    raw["config_groups"]["group_0"]["targets"] = ["Embedding"]
+    with pytest.raises(QuantizationConfigError, match="only Linear layers"):
+        scheme_from_config(raw)
+
+
+def test_kv_cache_scheme_is_read():
+    raw = _ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True},
+              kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                               "symmetric": True})
+    assert scheme_from_config(raw).kv_cache.granularity == "tensor"
+    raw["kv_cache_scheme"]["strategy"] = "attn_head"
+    assert scheme_from_config(raw).kv_cache.granularity == "head"
+
+
+def test_requested_fp8_quantises_on_the_fly_and_the_checkpoint_wins():
+    assert resolve_scheme(None, None) is None
+    assert resolve_scheme(None, "fp8") == online_scheme()
+    assert not online_scheme().prequantized
+    checkpoint = {"quant_method": "fp8", "activation_scheme": "static"}
+    assert resolve_scheme(checkpoint, "fp8").source == "fp8"
+    assert resolve_scheme(checkpoint, None).source == "fp8"
+    with pytest.raises(InvalidRequestError, match="unknown quantization 'int4'"):
+        resolve_scheme(None, "int4")
+    assert "per-channel" in online_scheme().describe() and "per-token" in online_scheme().describe()
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("fp8", "must be an object"),
+    ({"quant_method": "awq", "bits": 4}, "unsupported quantization_config.quant_method 'awq'"),
+    ({"quant_method": "fp8", "activation_scheme": "smooth"}, "activation_scheme"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3"),
+    ({"quant_method": "fp8", "scale_fmt": "ue8m0"}, "scale_fmt"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size must be two positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "needs activation"),
+    (_ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True}, format="pack-quantized"), "not FP8"),
+    (_ct({"strategy": "group", "group_size": 128}, {"strategy": "token", "dynamic": True}), "weights.strategy"),
+    (_ct({"strategy": "channel", "num_bits": 4, "type": "int"}, None), "only FP8"),
+    (_ct({"strategy": "channel"}, None), "weight-only"),
+    (_ct({"strategy": "channel", "symmetric": False}, {"strategy": "token", "dynamic": True}), "asymmetric"),
+    (_ct({"strategy": "channel"}, {"strategy": "token", "dynamic": False}), "static scales must be per tensor"),
+    (_ct({"strategy": "channel"}, {"strategy": "group", "group_size": 128, "dynamic": True}), "group_size"),
+    (_ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True},
+         kv_cache_scheme={"num_bits": 8, "type": "float", "dynamic": True}), "kv_cache_scheme.dynamic"),
+    ({"quant_method": "compressed-tensors", "config_groups": {}}, "no config_groups"),
+])
+def test_unservable_schemes_are_refused_with_the_field(raw, message):
+    with pytest.raises(QuantizationConfigError, match=message):
+        scheme_from_config(raw)
+
+
+def test_mixed_config_groups_are_refused():
+    raw = _ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True})
+    other = _ct({"strategy": "tensor"}, {"strategy": "tensor", "dynamic": False})["config_groups"]["group_0"]
+    raw["config_groups"]["group_1"] = other
+    with pytest.raises(QuantizationConfigError, match="different FP8 schemes"):
+        scheme_from_config(raw)
+
+
+def test_scheme_invariants():
+    with pytest.raises(QuantizationConfigError, match="block size"):
+        Fp8Scheme("fp8", "block", "group")
+    with pytest.raises(QuantizationConfigError, match="per-group"):
+        Fp8Scheme("fp8", "channel", "group")
+    with pytest.raises(QuantizationConfigError, match="granularity"):
+        Fp8Scheme("fp8", "row", "token")
