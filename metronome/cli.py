@@ -16,6 +16,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("metronome.server.api.serve_cli", "run the OpenAI-compatible streaming server"),
     "bench": ("metronome.server.bench.cli", "measure TTFT/TBT/throughput against a server or in-process engine"),
     "operator": ("metronome.operator.main", "run the Kubernetes operator (kopf)"),
+    "operator-stop": ("metronome.operator.stop", "stop the operator's replicas and remove its Lease (the chart's "
+                      "pre-delete hook)"),
     "fetch-model": ("metronome.server.models.fetch.cli", "download an hf:// or s3:// model into the local cache"),
 }
 

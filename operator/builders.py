@@ -1,5 +1,5 @@
 """Pure builders: an InferenceService → the objects that serve it (Deployment, Service, ConfigMap, PodMonitor,
-PodDisruptionBudget; the InferencePool is inference_pool.py's).
+PodDisruptionBudget; its SLO PrometheusRule is alerts.py's, the InferencePool inference_pool.py's).
 What server.yaml holds is configmap.py's, which generation comes next metronome.contract.config's.
 
 No API calls here. Two rules shape the output:
@@ -19,13 +19,16 @@ from metronome.contract import serve_flags as flag
 from metronome.contract.config import ServerConfigFile
 from metronome.contract.metric_names import PICKER_ENGINE_TYPE, PICKER_ENGINE_TYPE_LABEL_KEYS
 from metronome.operator import model_fetch
+from metronome.operator.alerts import RuleSettings, prometheus_rule
 from metronome.operator.configmap import (
     ANNOTATION_CONFIG_GENERATION,
+    ANNOTATION_SPEC_SERVER,
     CONFIG_DIR,
     CONFIG_KEY,
     CONFIG_PATH,
     Rendered,
     render,
+    spec_server_digest,
 )
 from metronome.operator.metrics_source import QueryWindow, podmonitor_relabelings
 from metronome.operator.pod_template import merge as merge_overlay
@@ -56,11 +59,12 @@ class ChildNames:
     config_map: str
     pod_monitor: str
     disruption_budget: str
+    prometheus_rule: str
 
 
 def child_names(name: str) -> ChildNames:
     return ChildNames(deployment=name, service=name, config_map=f"{name}-config", pod_monitor=name,
-                      disruption_budget=name)
+                      disruption_budget=name, prometheus_rule=name)
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -105,12 +109,13 @@ def config_map(service: InferenceService, config: ServerConfigFile | Rendered) -
     """The ConfigMap serving `config` (or a rendering of it the caller keeps)."""
     rendered = config if isinstance(config, Rendered) else render(config)
     names = child_names(service.name)
+    # Which spec.server this config descends from: a different one in the spec is a change to serve.
+    annotations = {ANNOTATION_CONFIG_GENERATION: str(rendered.config.generation),
+                   ANNOTATION_SPEC_SERVER: spec_server_digest(service.spec.server)}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(
-            service, names.config_map, annotations={ANNOTATION_CONFIG_GENERATION: str(rendered.config.generation)}
-        ),
+        "metadata": _metadata(service, names.config_map, annotations=annotations),
         "data": {CONFIG_KEY: rendered.text},
     }
 
@@ -188,7 +193,13 @@ def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def pod_template(service: InferenceService) -> dict[str, Any]:
+SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(SERVER_PORT),
+                      "prometheus.io/path": "/metrics"}
+
+
+def pod_template(service: InferenceService, scrape_annotations: bool = True) -> dict[str, Any]:
+    """The server pod. `scrape_annotations`: the prometheus.io/* annotations an annotation-discovering Prometheus
+    scrapes by (--scrape-annotations; off while a monitor scrapes the pods, which would count every pod twice)."""
     spec = service.spec
     names = child_names(service.name)
     _, model_volume, model_mount = model_argument_and_volume(spec)
@@ -213,6 +224,8 @@ def pod_template(service: InferenceService) -> dict[str, Any]:
         "command": ["metronome"],
         "args": server_args(service),
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        # A crash says why in the pod's status (and so in Ready): the end of the log when no message was written.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": [
             # The root filesystem is read-only: every cache goes to /tmp.
             {"name": "HOME", "value": "/tmp"},
@@ -261,17 +274,10 @@ def pod_template(service: InferenceService) -> dict[str, Any]:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
     if spec.resources.tolerations:
         pod_spec["tolerations"] = [t.to_k8s() for t in spec.resources.tolerations]
-    built = {
-        "metadata": {
-            "labels": pod_labels(service.name),
-            "annotations": {
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(SERVER_PORT),
-                "prometheus.io/path": "/metrics",
-            },
-        },
-        "spec": pod_spec,
-    }
+    metadata: dict[str, Any] = {"labels": pod_labels(service.name)}
+    if scrape_annotations:
+        metadata["annotations"] = dict(SCRAPE_ANNOTATIONS)
+    built = {"metadata": metadata, "spec": pod_spec}
     return merge_overlay(built, spec.pod_template, selector_labels(service.name))
 
 
@@ -283,7 +289,7 @@ def _lifecycle(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {"lifecycle": {"preStop": {"sleep": {"seconds": seconds}}}} if seconds > 0 else {}
 
 
-def deployment(service: InferenceService) -> dict[str, Any]:
+def deployment(service: InferenceService, scrape_annotations: bool = True) -> dict[str, Any]:
     names = child_names(service.name)
     return {
         "apiVersion": "apps/v1",
@@ -299,7 +305,7 @@ def deployment(service: InferenceService) -> dict[str, Any]:
             }},
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": 1800,
-            "template": pod_template(service),
+            "template": pod_template(service, scrape_annotations),
         },
     }
 
@@ -368,11 +374,20 @@ def pod_monitor(service: InferenceService, extra_labels: Mapping[str, str] | Non
     }
 
 
-def workload_children(service: InferenceService, *, monitoring_available: bool) -> list[dict[str, Any]]:
-    """Every child except the ConfigMap, whose content depends on what is served now (see next_server_config)."""
-    children = [deployment(service), kube_service(service)]
+def workload_children(service: InferenceService, *, scrape_annotations: bool = True,
+                      pod_monitor_labels: Mapping[str, str] | None = None,
+                      scrape_interval_seconds: float | None = None, monitored: bool = False,
+                      rules: RuleSettings | None = None) -> list[dict[str, Any]]:
+    """Every child except the ConfigMap, whose content depends on what is served now (see next_server_config).
+    `monitored`: write a PodMonitor (the cluster serves the kind and --monitor-kind asks for it); `rules`: write
+    the SLO PrometheusRule (the cluster serves the kind and --slo-alerts asks for it)."""
+    children = [deployment(service, scrape_annotations), kube_service(service)]
     if service.spec.disruption.enabled:
         children.append(pod_disruption_budget(service))
-    if monitoring_available:
-        children.append(pod_monitor(service))
+    if monitored:
+        children.append(pod_monitor(service, pod_monitor_labels, scrape_interval_seconds))
+    if rules is not None:
+        rule = prometheus_rule(service, rules, _metadata(service, child_names(service.name).prometheus_rule))
+        if rule is not None:
+            children.append(rule)
     return children

@@ -22,15 +22,19 @@ def _camel(snake: str) -> str:
     return head + "".join(part.title() for part in rest)
 
 
-def describe_child(action: str, before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> EventSpec | None:
-    """An Event for a created/updated child; None when nothing changed."""
+def describe_child(created: bool, before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> EventSpec | None:
+    """An Event for a child the operator just wrote: created, or its spec changed (a concurrent status update, a
+    label or the operator's fingerprint are not news). None when the write changed nothing, or when what was there
+    before is not known."""
     kind, name = after.get("kind", "Object"), (after.get("metadata") or {}).get("name", "?")
-    if action == "Created":
+    if created:
         return EventSpec(NORMAL, "Created", f"created {kind} {name}")
-    if action != "Updated" or before is None:
+    if before is None:
+        return None
+    old_spec, new_spec = before.get("spec") or {}, after.get("spec") or {}
+    if old_spec == new_spec:
         return None
     if kind == "Deployment":
-        old_spec, new_spec = before.get("spec") or {}, after.get("spec") or {}
         if old_spec.get("template") != new_spec.get("template"):
             return EventSpec(NORMAL, "RollingUpdate", f"pod template of Deployment {name} changed: pods roll")
         if old_spec.get("replicas") != new_spec.get("replicas"):
@@ -58,10 +62,18 @@ def describe_config(before: ServerConfigFile | None, after: ServerConfigFile, wh
 
 
 # Reasons that mean something is wrong (not merely on its way), whatever came before.
-PROBLEM_REASONS = frozenset({"PodsFailing", "ProgressDeadlineExceeded", "InvalidConfig", "SLOViolated"})
+PROBLEM_REASONS = frozenset({"PodsFailing", "ProgressDeadlineExceeded", "InvalidConfig", "SLOViolated",
+                             "ReplicaFailure", "ModelDownloadFailed", "ImagePullFailed", "ContainerConfigError",
+                             "Unschedulable"})
 # MetricsAvailable=False because Prometheus failed (not merely idle), and an SLO the autotuner cannot restore.
 PROBLEM_REASONS |= {"PrometheusUnreachable", "PrometheusTimeout", "QueryFailed", "BadResponse", "NoSeries",
                     "InvalidMetricsSettings", "ChunkAtFloor"}
+# Transitions the operator or the user started (a scale-up, a rollout, a new config generation): never a Warning,
+# though a condition falls from True to False.
+PLANNED_REASONS = frozenset({"PodsStarting", "RollingOut", "PodsOnOlderGeneration", "GenerationNotObserved",
+                             "NoReadyPods", "Creating"})
+# Announced by an Event of their own when they happen (the refusal, with the field named), not as a transition.
+ANNOUNCED_REASONS = frozenset({"SpecRejected", "InvalidSpec"})
 
 
 # Conditions whose False is no harm: no rollout under way, nobody but the operator setting the replicas.
@@ -72,20 +84,22 @@ def describe_transitions(
     previous: Iterable[Mapping[str, Any]], current: Iterable[Mapping[str, Any]]
 ) -> list[EventSpec]:
     """Events for conditions whose status or reason changed. A condition's first appearance as Unknown (or as a
-    harmless False: nobody but the operator setting the replicas) is not news. Warnings: a known problem, or a
-    condition that falls from True to False (pods that were ready and are not any more); a service still coming up
-    is Normal."""
+    harmless False: no rollout, nobody but the operator setting the replicas) is not news. Warnings: a known
+    problem, or a condition that falls from True to False (pods that were ready and are not any more) unless the
+    fall is planned; a service still coming up is Normal."""
     before = {c.get("type"): c for c in previous}
     events = []
     for cond in current:
         old = before.get(cond["type"])
         if old is not None and (old.get("status"), old.get("reason")) == (cond["status"], cond["reason"]):
             continue
-        if old is None and (cond["status"] == "Unknown" or (cond["status"] == "False"
-                                                          and cond["type"] in NEUTRAL_TYPES)):
+        first_quiet = old is None and (cond["status"] == "Unknown"
+                                       or (cond["status"] == "False" and cond["type"] in NEUTRAL_TYPES))
+        if first_quiet or cond["reason"] in ANNOUNCED_REASONS:
             continue
         degraded = old is not None and old.get("status") == "True" and cond["status"] == "False"
-        problem = cond["reason"] in PROBLEM_REASONS or (degraded and cond["type"] not in NEUTRAL_TYPES)
+        planned = cond["reason"] in PLANNED_REASONS or cond["type"] in NEUTRAL_TYPES
+        problem = cond["reason"] in PROBLEM_REASONS or (degraded and not planned)
         message = f"{cond['type']}={cond['status']}: {cond['message']}"
         events.append(EventSpec(WARNING if problem else NORMAL, cond["reason"], message))
     return events

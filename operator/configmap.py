@@ -6,15 +6,20 @@ parses only text the operator did not write itself (a hand edit, or a ConfigMap 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from metronome.contract.config import ConfigError, ServerConfigFile, parse_server_config
+from metronome.contract.config import ConfigError, SchedulerConfig, ServerConfigFile, parse_server_config
 
 CONFIG_KEY = "server.yaml"
 CONFIG_DIR = "/etc/metronome"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 ANNOTATION_CONFIG_GENERATION = "metronome.dev/config-generation"
+# The spec.server a ConfigMap's config descends from (a digest): the autotuner may have moved the config on since,
+# but only a different spec.server in the resource is the user's change to serve.
+ANNOTATION_SPEC_SERVER = "metronome.dev/spec-server"
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,11 @@ class Rendered:
 
     config: ServerConfigFile
     text: str
+
+
+def spec_server_digest(scheduler: SchedulerConfig) -> str:
+    text = json.dumps(scheduler.snake_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def render(config: ServerConfigFile) -> Rendered:

@@ -1,12 +1,11 @@
 """The control loop's body: one tick for one InferenceService, between the API and Prometheus.
 
-handlers.refresh_status (every --status-interval) and handlers.reconcile_service (create/update/resume) call
-`tick`. When a reading is due (every spec.autotune.intervalSeconds, and at once after a spec change) it reads
-Prometheus (reconcile.read_metrics), runs the pure step (tuning.autotune.step → tuning.actuation.tune) and carries
-the result out: the new server.yaml generation it rendered from the config observed this tick
-(reconcile.write_config; nothing is read back), the Deployment scaled, Events. What goes into the CR itself
-(spec.replicas, status.lastDecision) comes back in `Tick` for the handler to patch, so no kopf here. One reading
-at a time per object (TunerMemory.lock).
+runtime.Runtime.reconcile calls `tick` on every reconcile of a service. When a reading is due (every
+spec.autotune.intervalSeconds, and at once after a spec change) it reads Prometheus (reconcile.read_metrics), runs
+the pure step (tuning.autotune.step → tuning.actuation.tune) and carries the result out: the new server.yaml
+generation it rendered from the config observed this tick (reconcile.write_config; nothing is read back), Events.
+What goes into the CR itself (spec.replicas, whose next reconcile scales the Deployment, and status.lastDecision)
+comes back in `Tick` for the runtime to patch. One reading at a time per object (TunerMemory.lock).
 """
 from __future__ import annotations
 
@@ -82,10 +81,6 @@ def _actuate(kube: Kube, service: InferenceService, body: Mapping[str, Any], obs
         config = reconcile.write_config(kube, service, body, observed.served_config, result.config,
                                         why=result.config_reason, memory=configs)
         observed = dataclasses.replace(observed, served_config=config, config_error=None)
-    if result.replicas is not None:
-        # kopf counts the handler's own spec patch as handled (no update handler follows): scale the Deployment now.
-        scaled = dataclasses.replace(service, spec=dataclasses.replace(service.spec, replicas=result.replicas))
-        reconcile.sync_children(kube, scaled, body, monitor=None, memory=configs)
     for event in result.events:
         kube.emit_event(body, event.type, event.reason, event.message)
     return observed

@@ -4,25 +4,22 @@ subresource) or the Deployment the operator made for it. While one does, the con
 (it still tunes the chunk and the policy), status says so (condition ReplicasManagedExternally), and a scaler on the
 Deployment keeps the count it set: the operator writes the Deployment with the replicas it has, not spec.replicas.
 
-`scalers_targeting` is pure (tests feed it objects); `find_external_scalers` lists them (I/O).
+Both kinds are the user's (no operator label): the watches deliver every one of the namespaces served into the
+cache, and each event queues the service its scaleTargetRef names (`targeted_services`). A reconcile reads them from
+the cache (`cached_scalers`), never from the API. `scalers_targeting` is pure.
 """
 from __future__ import annotations
 
-import threading
-import time
-import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from metronome.operator import builders
-from metronome.operator.k8s import Kube, KubeError
+from metronome.operator import builders, kinds
+from metronome.operator.cache import LABEL_SERVICE, ObjectCache
 from metronome.operator.spec import GROUP, KIND, InferenceService
 
-HPA_API_VERSION, HPA_KIND = "autoscaling/v2", "HorizontalPodAutoscaler"
-KEDA_API_VERSION, KEDA_KIND = "keda.sh/v1alpha1", "ScaledObject"
-KEDA_CRD = "scaledobjects.keda.sh"
-DEPLOYMENT = "Deployment"
+HPA_KIND, KEDA_KIND = kinds.HORIZONTAL_POD_AUTOSCALER.kind, kinds.SCALED_OBJECT.kind
+DEPLOYMENT = kinds.DEPLOYMENT.kind
 
 
 @dataclass(frozen=True)
@@ -42,10 +39,9 @@ class ExternalScaler:
 
 @dataclass(frozen=True)
 class ScalerView:
-    """What the API said: the scalers found, or why they could not be listed (then `scalers` is empty)."""
+    """The scalers that target one service (empty: nobody but the operator or a person sets its replicas)."""
 
     scalers: tuple[ExternalScaler, ...] = ()
-    error: str | None = None
 
     @property
     def owner(self) -> str | None:
@@ -61,65 +57,52 @@ def _group(api_version: str) -> str:
     return api_version.split("/", 1)[0] if "/" in api_version else ""
 
 
-def _target_kind(ref: Mapping[str, Any], service: InferenceService, default_api_version: str | None) -> str | None:
-    """The kind of this service's object that a scaleTargetRef names, or None when it names something else."""
-    kind = ref.get("kind") or (DEPLOYMENT if default_api_version else None)
-    api_version = ref.get("apiVersion") or default_api_version or ""
-    name = ref.get("name")
-    if kind == KIND and _group(api_version) == GROUP and name == service.name:
-        return KIND
-    if kind == DEPLOYMENT and _group(api_version) == "apps" and name == builders.child_names(service.name).deployment:
-        return DEPLOYMENT
+def scale_target(scaler_kind: str, obj: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(kind, name) of what a scaler's scaleTargetRef names, when that is an InferenceService or an apps/v1
+    Deployment (a ScaledObject's bare name means a Deployment, as KEDA reads it); None for anything else."""
+    ref = (obj.get("spec") or {}).get("scaleTargetRef")
+    if not isinstance(ref, Mapping) or not ref.get("name"):
+        return None
+    default = "apps/v1" if scaler_kind == KEDA_KIND else None
+    kind = ref.get("kind") or (DEPLOYMENT if default else None)
+    group = _group(ref.get("apiVersion") or default or "")
+    if (kind, group) in ((KIND, GROUP), (DEPLOYMENT, "apps")):
+        return kind, ref["name"]
     return None
 
 
 def scalers_targeting(service: InferenceService, hpas: Iterable[Mapping[str, Any]],
                       scaled_objects: Iterable[Mapping[str, Any]] = ()) -> tuple[ExternalScaler, ...]:
-    """The HPAs and ScaledObjects among the given whose target is this service or its Deployment (a ScaledObject's
-    scaleTargetRef defaults to an apps/v1 Deployment, as KEDA reads it)."""
+    """The HPAs and ScaledObjects among the given whose target is this service or its Deployment."""
+    ours = {(KIND, service.name), (DEPLOYMENT, builders.child_names(service.name).deployment)}
     found = []
-    for items, kind, default in ((hpas, HPA_KIND, None), (scaled_objects, KEDA_KIND, "apps/v1")):
+    for items, kind in ((hpas, HPA_KIND), (scaled_objects, KEDA_KIND)):
         for item in items:
-            ref = (item.get("spec") or {}).get("scaleTargetRef") or {}
-            target = _target_kind(ref, service, default) if isinstance(ref, Mapping) else None
-            if target is not None:
+            target = scale_target(kind, item)
+            if target in ours:
                 found.append(ExternalScaler(kind, service.namespace, (item.get("metadata") or {}).get("name", "?"),
-                                            target))
+                                            target[0]))
     return tuple(sorted(found, key=lambda s: (s.kind, s.name)))
 
 
-class _KedaInstalled:
-    """Whether KEDA's CRD is served, asked at most every CRD_RECHECK_S per API client (every refresh of every service
-    looks for scalers; KEDA comes and goes far less often)."""
-
-    CRD_RECHECK_S = 60.0
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seen: weakref.WeakKeyDictionary[Kube, tuple[float, bool]] = weakref.WeakKeyDictionary()
-
-    def __call__(self, kube: Kube) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            seen = self._seen.get(kube)
-        if seen is not None and now - seen[0] < self.CRD_RECHECK_S:
-            return seen[1]
-        installed = kube.crd_exists(KEDA_CRD)
-        with self._lock:
-            self._seen[kube] = (now, installed)
-        return installed
+def targeted_services(scaler_kind: str, obj: Mapping[str, Any] | None, cache: ObjectCache) -> set[tuple[str, str]]:
+    """(namespace, name) of the InferenceService a scaler targets, directly or through its Deployment (one the
+    operator made, found in the cache by its owner label); empty for anything else."""
+    namespace = ((obj or {}).get("metadata") or {}).get("namespace")
+    target = scale_target(scaler_kind, obj) if obj and namespace else None
+    if target is None:
+        return set()
+    kind, name = target
+    if kind == KIND:
+        return {(namespace, name)}
+    deployment = cache.get(DEPLOYMENT, namespace, name) or {}
+    owner = ((deployment.get("metadata") or {}).get("labels") or {}).get(LABEL_SERVICE)
+    return {(namespace, owner)} if owner and builders.child_names(owner).deployment == name else set()
 
 
-keda_installed = _KedaInstalled()
-
-
-def find_external_scalers(kube: Kube, service: InferenceService) -> ScalerView:
-    """List the namespace's HPAs (and ScaledObjects, where KEDA's CRD is served) and keep those targeting the
-    service. An API error (RBAC, an API server away) is reported, never raised: the caller then cannot tell."""
-    try:
-        hpas = kube.list(HPA_API_VERSION, HPA_KIND, service.namespace, "")
-        scaled = kube.list(KEDA_API_VERSION, KEDA_KIND, service.namespace, "") if keda_installed(kube) else []
-    except KubeError as exc:
-        return ScalerView(error=f"cannot list HorizontalPodAutoscalers or ScaledObjects: HTTP {exc.status} "
-                                f"{exc.reason}")
+def cached_scalers(cache: ObjectCache, service: InferenceService, keda_served: bool) -> ScalerView:
+    """The HPAs (and ScaledObjects, while KEDA's CRD is served) of the service's namespace, as the watches last
+    delivered them, that target the service."""
+    hpas = cache.in_namespace(HPA_KIND, service.namespace)
+    scaled = cache.in_namespace(KEDA_KIND, service.namespace) if keda_served else []
     return ScalerView(scalers_targeting(service, hpas, scaled))

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from metronome.operator import builders
+from metronome.operator import builders, kinds
 from metronome.operator.spec import InferenceService
 
-API_VERSION = "inference.networking.k8s.io/v1"
-KIND = "InferencePool"
-CRD = "inferencepools.inference.networking.k8s.io"
+API_VERSION = kinds.INFERENCE_POOL.api_version
+KIND = kinds.INFERENCE_POOL.kind
+CRD = kinds.INFERENCE_POOL.crd
 
 
 def pool_name(service: InferenceService) -> str:

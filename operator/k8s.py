@@ -1,63 +1,51 @@
-"""Thin API glue over the official `kubernetes` client: get, server-side apply, list, Events. No decisions here.
+"""Thin API glue over the official `kubernetes` client: get, server-side apply (and its dry run), merge patches,
+deletes, Events. No decisions here.
 
 Children are written with server-side apply (one field manager, `force`), which makes create-or-patch one
 idempotent call: applying the same object twice changes nothing (same resourceVersion), fields the operator stops
 setting are removed, and a restarted operator never creates duplicates (names are fixed).
+
+Every write first asks the `fence` (leader.Leadership.check): a replica that is no longer sure to hold the Lease
+raises there, before the request leaves, so a paused and resumed leader writes nothing.
 """
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from metronome.contract.rfc3339 import format_time
+from metronome.operator import kinds
 
 FIELD_MANAGER = "metronome-operator"
 EVENT_COMPONENT = "metronome-operator"
 
-_PLURALS = {
-    ("v1", "ConfigMap"): "configmaps",
-    ("v1", "Service"): "services",
-    ("v1", "Pod"): "pods",
-    ("v1", "Event"): "events",
-    ("apps/v1", "Deployment"): "deployments",
-    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
-    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
-    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
-    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
-    ("metronome.dev/v1alpha1", "InferenceService"): "inferenceservices",
-    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
-    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
-}
-
 log = logging.getLogger(__name__)
+
+
+class LeadershipLost(RuntimeError):
+    """This replica may not write any more: it could not renew the Lease in time, or another holds it."""
 
 
 class KubeError(RuntimeError):
     """An API request that failed; carries the HTTP status and the API server's own message."""
 
-    def __init__(self, status: int, reason: str, message: str, request: str):
+    def __init__(self, status: int, reason: str, message: str, request: str,
+                 details: Mapping[str, Any] | None = None):
         super().__init__(f"{request}: HTTP {status} {reason}: {message}")
         self.status = status
         self.reason = reason
         self.message = message
-
-
-class Action(str, enum.Enum):
-    CREATED = "Created"
-    UPDATED = "Updated"
-    UNCHANGED = "Unchanged"
+        self.details = dict(details or {})  # the Status' details: causes with the refused field paths
 
 
 @dataclass(frozen=True)
 class Applied:
-    action: Action
-    before: dict[str, Any] | None
-    after: dict[str, Any]
+    created: bool  # the API server answered 201: the object did not exist
+    obj: dict[str, Any]  # the object as stored (or as it would be, for a dry run)
 
 
 def load_config() -> None:
@@ -71,9 +59,7 @@ def load_config() -> None:
 
 
 def resource_path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None) -> str:
-    plural = _PLURALS.get((api_version, kind))
-    if plural is None:
-        raise ValueError(f"no REST path known for {kind} {api_version}")
+    plural = kinds.by_kind(kind, api_version).plural
     path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     if namespace:
         path += f"/namespaces/{namespace}"
@@ -84,10 +70,16 @@ def resource_path(api_version: str, kind: str, namespace: str | None = None, nam
 class Kube:
     """The handful of API calls the operator makes, on a `kubernetes.client.ApiClient`."""
 
-    def __init__(self, api_client: Any = None):
+    def __init__(self, api_client: Any = None, fence: Callable[[], None] | None = None, cache: Any = None):
         import kubernetes
 
         self.api = api_client or kubernetes.client.ApiClient()
+        self.fence = fence  # raises when this replica may not write (leader.Leadership.check)
+        self.cache = cache  # cache.ObjectCache: every write's answer goes in at once (the watch event follows)
+
+    def _remember(self, obj: Mapping[str, Any]) -> None:
+        if self.cache is not None and obj.get("kind") and obj.get("metadata"):
+            self.cache.put(obj["kind"], obj, written=True)
 
     def _call(
         self,
@@ -97,7 +89,10 @@ class Kube:
         query: list[tuple[str, str]] | None = None,
         body: Any = None,
         content_type: str = "application/json",
-    ) -> dict[str, Any]:
+    ) -> tuple[int, dict[str, Any]]:
+        dry_run = ("dryRun", "All") in (query or [])
+        if method != "GET" and not dry_run and self.fence is not None:
+            self.fence()
         headers = {"Accept": "application/json", "Content-Type": content_type}
         request = self.api.param_serialize(
             method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
@@ -109,12 +104,13 @@ class Kube:
         if not 200 <= response.status <= 299:
             message = payload.get("message", text) if isinstance(payload, dict) else text
             reason = payload.get("reason", response.reason) if isinstance(payload, dict) else response.reason
-            raise KubeError(response.status, str(reason), str(message), f"{method} {path}")
-        return payload if isinstance(payload, dict) else {}
+            details = payload.get("details") if isinstance(payload, dict) else None
+            raise KubeError(response.status, str(reason), str(message), f"{method} {path}", details)
+        return response.status, payload if isinstance(payload, dict) else {}
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
-            return self._call("GET", resource_path(api_version, kind, namespace, name))
+            return self._call("GET", resource_path(api_version, kind, namespace, name))[1]
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -122,27 +118,18 @@ class Kube:
 
     def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         path = resource_path(api_version, kind, namespace)
-        return self._call("GET", path, query=[("labelSelector", label_selector)]).get("items") or []
+        return self._call("GET", path, query=[("labelSelector", label_selector)])[1].get("items") or []
 
-    def apply(self, obj: Mapping[str, Any]) -> Applied:
-        """Create or patch `obj` by server-side apply; say whether anything changed."""
+    def apply(self, obj: Mapping[str, Any], *, dry_run: bool = False) -> Applied:
+        """Create or patch `obj` by server-side apply (`dry_run`: validated and admitted, not stored)."""
         meta = obj["metadata"]
-        before = self.get(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
         path = resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
-        after = self._call(
-            "PATCH",
-            path,
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
-            body=dict(obj),
-            content_type="application/apply-patch+yaml",
-        )
-        if before is None:
-            action = Action.CREATED
-        elif before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
-            action = Action.UPDATED
-        else:
-            action = Action.UNCHANGED
-        return Applied(action, before, after)
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true")] + ([("dryRun", "All")] if dry_run else [])
+        status, after = self._call("PATCH", path, query=query, body=dict(obj),
+                                   content_type="application/apply-patch+yaml")
+        if not dry_run:
+            self._remember(after)
+        return Applied(created=status == 201, obj=after)
 
     def patch(self, api_version: str, kind: str, namespace: str | None, name: str, body: Mapping[str, Any],
               subresource: str | None = None) -> dict[str, Any]:
@@ -150,7 +137,9 @@ class Kube:
         path = resource_path(api_version, kind, namespace, name)
         if subresource:
             path += f"/{subresource}"
-        return self._call("PATCH", path, body=dict(body), content_type="application/merge-patch+json")
+        after = self._call("PATCH", path, body=dict(body), content_type="application/merge-patch+json")[1]
+        self._remember(after)
+        return after
 
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         """Delete one object; False when it was not there (a child the spec no longer asks for)."""
@@ -160,10 +149,10 @@ class Kube:
             if exc.status == 404:
                 return False
             raise
+        finally:
+            if self.cache is not None:
+                self.cache.forget(kind, namespace or "", name)
         return True
-
-    def crd_exists(self, name: str) -> bool:
-        return self.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", None, name) is not None
 
     def emit_event(self, owner: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         """Post a core/v1 Event about `owner` (a CR body). Best effort: an Event that cannot be posted is logged,
@@ -194,8 +183,18 @@ class Kube:
         }
         try:
             self._call("POST", resource_path("v1", "Event", meta.get("namespace")), body=event)
+        except LeadershipLost:
+            raise
+        except KubeError as exc:
+            level = logging.DEBUG if namespace_terminating(exc) else logging.WARNING
+            log.log(level, "could not post Event %s for %s: %s", reason, meta.get("name"), exc)
         except Exception as exc:  # noqa: BLE001 - reporting must never break acting
             log.warning("could not post Event %s for %s: %s", reason, meta.get("name"), exc)
+
+
+def namespace_terminating(exc: KubeError) -> bool:
+    """The API server refuses anything new in a namespace being deleted: nothing to act on or report there."""
+    return exc.status == 403 and "because it is being terminated" in exc.message
 
 
 def _json_or_text(text: str) -> Any:

@@ -9,6 +9,12 @@ has stopped before anyone may take over. Every write is a replace with the read 
 candidates racing for a free Lease one gets 409 Conflict and stays a candidate. On a clean stop the holder
 releases the Lease (empty holder), so a rolling update hands over at once instead of after a lease duration.
 
+A holder's writes are fenced (`Leadership.check`, called by k8s.Kube before every write): a write leaves only
+while the last renewal is younger than the renew deadline on this replica's own monotonic clock. A leader paused
+(SIGSTOP, a VM stall) past the deadline finds on waking that its clock moved on and writes nothing, even before
+its renew thread has noticed: the standby may hold the Lease by then, and an old leader's write would undo the
+new one's.
+
 `plan` is the pure decision; `LeaderElector` is the I/O around it; `StandbyHealth` answers the liveness probe
 while a replica waits (kopf's own endpoint starts only with kopf).
 """
@@ -102,6 +108,14 @@ class LeaderElector:
         self._seen: tuple[Any, ...] | None = None
         self._seen_at = clock()
         self.last_renewed: float | None = None  # our clock, when we last held the Lease
+        self.lost = False  # set once for good: a replica that lost the Lease never writes again
+        self.released = False
+
+    def holds_now(self) -> bool:
+        """May this replica write now: it renewed the Lease less than the renew deadline ago, and never lost it."""
+        if self.lost or self.last_renewed is None:
+            return False
+        return self._clock() - self.last_renewed < self.times.renew_deadline_s
 
     # --- one attempt ---------------------------------------------------------------------------------------
 
@@ -139,7 +153,7 @@ class LeaderElector:
         if action == ACQUIRE:
             log.info("leader election: %s took Lease %s/%s (was %s)", self.identity, self.namespace, self.name,
                      record.holder if record else "free")
-        self.last_renewed = now
+        self.last_renewed = now if not self.lost else self.last_renewed
         return True
 
     def _attempt(self) -> bool:
@@ -169,6 +183,7 @@ class LeaderElector:
                     continue
                 unrenewed = self._clock() - (self.last_renewed or 0.0)
                 if unrenewed >= self.times.renew_deadline_s or not self._still_ours():
+                    self.lost = True
                     log.error("leader election: %s lost Lease %s/%s (not renewed for %.1f s)", self.identity,
                               self.namespace, self.name, unrenewed)
                     on_lost()
@@ -181,6 +196,14 @@ class LeaderElector:
     def _still_ours(self) -> bool:
         """False when the last read showed another holder (someone took over: stop at once)."""
         return self._seen is None or self._seen[0] in (None, self.identity)
+
+    def stand_down(self) -> None:
+        """Stop writing (the fence closes for good), then hand the Lease back; once only."""
+        if self.released:
+            return
+        self.released = True
+        self.lost = True
+        self.release()
 
     def release(self) -> None:
         """Hand the Lease back (empty holder, 1 s lease), if this replica still holds it: the next candidate takes
@@ -215,6 +238,21 @@ def _record_of(lease: Any) -> LeaseRecord:
     return LeaseRecord(holder=spec.holder_identity or None, duration_s=float(spec.lease_duration_seconds or 0),
                        acquire_time=text(spec.acquire_time), renew_time=text(spec.renew_time),
                        transitions=int(spec.lease_transitions or 0), resource_version=meta.resource_version)
+
+
+class Leadership:
+    """The fence of every write (k8s.Kube's `fence`): `check` raises LeadershipLost unless this replica holds the
+    Lease now (always passes when it runs standalone, without an elector)."""
+
+    def __init__(self, elector: LeaderElector | None = None):
+        self.elector = elector
+
+    def check(self) -> None:
+        from metronome.operator.k8s import LeadershipLost
+
+        if self.elector is not None and not self.elector.holds_now():
+            raise LeadershipLost(f"{self.elector.identity} does not hold Lease {self.elector.namespace}/"
+                                 f"{self.elector.name} now: not writing")
 
 
 class StandbyHealth:

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from metronome.operator import monitoring
+from metronome.operator.alerts import RuleSettings
 from metronome.operator.leader import LeaseTimes
 from metronome.operator.metrics_source import PrometheusSettings
 from metronome.operator.monitoring import MonitorSettings
@@ -99,6 +100,19 @@ def _monitor_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument("--monitor-label", action="append", default=[], metavar="KEY=VALUE",
                        help="label of each PodMonitor (repeat; e.g. release=kube-prometheus-stack)")
+    group.add_argument(
+        "--scrape-annotations", choices=monitoring.ANNOTATION_MODES, default=monitoring.AUTO,
+        help="prometheus.io/* scrape annotations on the server pods: auto = only while no PodMonitor of the "
+        "operator scrapes them (a Prometheus that discovers pods by annotation would scrape them twice), always, "
+        "never (e.g. under a ServiceMonitor). Default %(default)s",
+    )
+    group.add_argument("--slo-alerts", action="store_true",
+                       help="write a PrometheusRule per InferenceService with an SLO: its TBT (and TTFT, "
+                       "throughput) target as alerts, where the cluster serves the PrometheusRule API")
+    group.add_argument("--slo-alert-for", type=int, default=10, metavar="MINUTES",
+                       help="how long an SLO is violated before its alert fires (default %(default)s)")
+    group.add_argument("--slo-alert-label", action="append", default=[], metavar="KEY=VALUE",
+                       help="label of each SLO PrometheusRule (repeat; e.g. release=kube-prometheus-stack)")
 
 
 def _leader_flags(group: argparse._ArgumentGroup) -> None:
@@ -146,7 +160,10 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         )
         monitor = MonitorSettings(kind=args.monitor_kind,
                                   labels=tuple(monitoring.parse_label(label) for label in args.monitor_label),
-                                  interval_seconds=args.scrape_interval)
+                                  interval_seconds=args.scrape_interval, scrape_annotations=args.scrape_annotations)
+        rules = RuleSettings(labels=tuple(monitoring.parse_label(label, "--slo-alert-label")
+                                          for label in args.slo_alert_label),
+                             for_minutes=args.slo_alert_for) if args.slo_alerts else None
         leader = _leader_election(args) if _elects(args) else None
     except ValueError as exc:
         raise _fail(str(exc)) from exc
@@ -162,6 +179,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         leader_election=leader,
         status_interval_seconds=args.status_interval,
         server_image=args.server_image,
+        slo_rules=rules,
     )
 
 
@@ -185,10 +203,11 @@ def _leader_election(args: argparse.Namespace) -> LeaderElection:
     return LeaderElection(namespace=namespace, name=args.lease_name, identity=identity, times=times)
 
 
-def _quiet_status_refresh(record) -> bool:
-    """kopf logs every child event handled at INFO; one line per Deployment status change would flood the log."""
+def _quiet_watches(record) -> bool:
+    """kopf logs every watch event handled at INFO; one line per pod or Deployment status change would flood the
+    log (what the reconciles do is logged by the operator itself)."""
     message = record.getMessage()
-    return not (message.startswith("Handler 'child_changed") and message.endswith("succeeded."))
+    return not (message.startswith("Handler 'watch/") and message.endswith("succeeded."))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,21 +218,27 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from metronome.operator import handlers, k8s, leader
+    from metronome.operator import handlers, k8s, leader, runtime
+    from metronome.operator.cache import ObjectCache
     from metronome.operator.operator_metrics import OperatorMetrics
 
     kopf.configure(debug=options.log_level == "DEBUG")
     logging.getLogger().setLevel(options.log_level)
     if options.log_level != "DEBUG":
-        logging.getLogger("kopf.objects").addFilter(_quiet_status_refresh)
+        logging.getLogger("kopf.objects").addFilter(_quiet_watches)
     k8s.load_config()
 
     stop = threading.Event()
     lost = threading.Event()
+    cache = ObjectCache()
+    leadership = leader.Leadership()
+    metrics = OperatorMetrics()
+    service_runtime = runtime.Runtime(k8s.Kube(fence=leadership.check, cache=cache), options, cache, metrics=metrics)
     elector = None
     if options.leader_election is not None:
         election = options.leader_election
         elector = leader.LeaderElector(election.namespace, election.name, election.identity, election.times)
+        leadership.elector = elector
         standby = leader.StandbyHealth(options.health_host, options.health_port) if options.health_port else None
         try:
             if not elector.acquire(stop):
@@ -225,19 +250,25 @@ def run(args: argparse.Namespace) -> int:
         def on_lost() -> None:
             lost.set()
             stop.set()
+            service_runtime.queue.shutdown()  # queued work is dropped; a write in flight is fenced
 
         elector.keep(stop, on_lost)
 
-    metrics = OperatorMetrics()
     metrics_server = metrics.serve(options.metrics_host, options.metrics_port) if options.metrics_port else None
     registry = kopf.OperatorRegistry()
     handlers.register(registry, options)
-    # kopf waits on a threading.Event stop flag in an executor thread: set it however kopf stops (a signal too),
-    # or interpreter shutdown would wait for that thread forever.
-    def release_stop_flag(**_: object) -> None:
-        stop.set()
 
-    kopf.on.cleanup(registry=registry)(release_stop_flag)
+    # On SIGTERM kopf runs the cleanup handlers: the runtime's workers stop (handlers.stop_runtime), then the Lease
+    # is handed back at once, while the operator still has its permissions (an uninstall deletes them next), so a
+    # standby or a reinstall takes over without waiting out the lease. kopf waits on the threading.Event stop flag
+    # in an executor thread: set it however kopf stops (a signal too), or interpreter shutdown would wait for that
+    # thread forever.
+    def stand_down(**_: object) -> None:
+        stop.set()
+        if elector is not None and not lost.is_set():
+            elector.stand_down()
+
+    kopf.on.cleanup(registry=registry)(stand_down)
     try:
         kopf.run(
             registry=registry,
@@ -245,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
             clusterwide=options.clusterwide,
             namespaces=list(options.namespaces),
             liveness_endpoint=options.liveness_endpoint,
-            memo=kopf.Memo(kube=k8s.Kube(), options=options, services=handlers.Services(), metrics=metrics),
+            memo=kopf.Memo(runtime=service_runtime),
             stop_flag=stop,
         )
     finally:
@@ -253,5 +284,5 @@ def run(args: argparse.Namespace) -> int:
         if metrics_server is not None:
             metrics_server.shutdown()
         if elector is not None and not lost.is_set():
-            elector.release()
+            elector.stand_down()
     return LOST_LEADERSHIP_EXIT if lost.is_set() else 0

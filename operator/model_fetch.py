@@ -80,6 +80,8 @@ def fetch_init_container(model: ModelSpec, server: dict[str, Any], cache_dir: st
         "resources": resources,
         "volumeMounts": mounts,
         "securityContext": server["securityContext"],
+        # A failed download says why in the pod's status (and so in Ready): the end of its log.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 

@@ -3,7 +3,7 @@
 annotations), each service's SLO targets (drawn next to the servers' p99s), and the replicas its last reading
 says the service needs (what an HPA or KEDA can drive it by instead of the loop).
 
-`OperatorMetrics` holds one registry; the handlers call `after_tick` on every refresh of a service (its SLO
+`OperatorMetrics` holds one registry; the runtime calls `after_tick` on every reconcile of a service (its SLO
 targets, and the loop's decision when a reading was due) and `forget` when it is deleted. Serving is
 prometheus_client's own HTTP server on a daemon thread.
 """

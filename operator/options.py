@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from metronome.operator.alerts import RuleSettings
 from metronome.operator.leader import LeaseTimes
 from metronome.operator.metrics_source import PrometheusSettings
 from metronome.operator.monitoring import MonitorSettings
@@ -36,6 +37,8 @@ class OperatorOptions:
     status_interval_seconds: float = DEFAULT_STATUS_INTERVAL_SECONDS
     # The server image of InferenceServices without spec.image (--server-image).
     server_image: str = DEFAULT_IMAGE
+    # --slo-alerts: a PrometheusRule with each service's SLO alerts (where the cluster serves that API).
+    slo_rules: RuleSettings | None = None
 
     @property
     def prometheus_url(self) -> str | None:

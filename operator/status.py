@@ -14,6 +14,8 @@ from metronome.contract.budget import prefill_budget, split_sizes
 from metronome.contract.config import ServerConfigFile
 from metronome.operator.builders import selector_string
 from metronome.operator.external_scalers import ScalerView
+from metronome.operator.model_fetch import FETCH_CONTAINER
+from metronome.operator.refusals import Refusal
 from metronome.operator.spec import InferenceService, SLOSpec
 from metronome.operator.tuning.autotune import ServingMetrics
 from metronome.operator.tuning.settings import AutotuneMode
@@ -43,6 +45,9 @@ class Observed:
     # (chunk at its floor, no replicas to add): the condition then says why it stays violated.
     slo_override: tuple[str, str] | None = None
     scalers: ScalerView | None = None  # the HPAs and ScaledObjects that target the service (None: not looked)
+    # The API server refused the children of this generation (refusals.Refusal): nothing of it was written, the
+    # pods run the generation last applied.
+    refusal: Refusal | None = None
 
 
 def condition(
@@ -125,25 +130,122 @@ def rollout_of(deployment: Mapping[str, Any], desired: int) -> Rollout:
     )
 
 
-def pod_problems(pods: Iterable[Mapping[str, Any]], limit: int = 2) -> list[str]:
-    """Why pods are not ready, in the words the scheduler and kubelet used (first few distinct ones)."""
-    problems: list[str] = []
+# Why a container is not running, by the kubelet's waiting reasons, and the condition reason each becomes.
+IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+                                "RegistryUnavailable", "SignatureValidationFailed"})
+CONTAINER_CONFIG_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError"})
+STARTING_REASONS = frozenset({None, "", "ContainerCreating", "PodInitializing"})
+# Which problem Ready names when pods have several (the first of these that occurs).
+PROBLEM_ORDER = ("ModelDownloadFailed", "ImagePullFailed", "ContainerConfigError", "Unschedulable", "PodsFailing")
+TERMINATION_MESSAGE_CHARS = 400  # the end of a container's log is where its error is
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    reason: str  # one of PROBLEM_ORDER
+    text: str
+
+
+def _squeeze(text: str | None, limit: int = TERMINATION_MESSAGE_CHARS) -> str:
+    words = " ".join(str(text or "").split())
+    return words if len(words) <= limit else "…" + words[-limit:]
+
+
+def _exit_text(terminated: Mapping[str, Any] | None) -> str:
+    if not terminated or not terminated.get("exitCode"):
+        return ""
+    text = f"exit code {terminated['exitCode']}"
+    if terminated.get("reason"):
+        text += f" ({terminated['reason']})"
+    message = _squeeze(terminated.get("message"))
+    return f"{text}: {message}" if message else text
+
+
+def container_problem(pod: str, status: Mapping[str, Any], init: bool) -> PodProblem | None:
+    """Why one container of a pod does not run, in the kubelet's words (None: it runs, or is still starting)."""
+    name = status.get("name", "?")
+    state = status.get("state") or {}
+    waiting, terminated = state.get("waiting"), state.get("terminated")
+    last = (status.get("lastState") or {}).get("terminated")
+    fetch = init and name == FETCH_CONTAINER
+    label = f"{pod}: {'init container' if init else 'container'} {name}" + (" (the model download)" if fetch else "")
+    if waiting and waiting.get("reason") not in STARTING_REASONS:
+        why = waiting["reason"]
+        if why in IMAGE_PULL_REASONS:
+            reason = "ImagePullFailed"
+            label += f" image {status.get('image')}" if status.get("image") else ""
+        elif why in CONTAINER_CONFIG_REASONS:
+            reason = "ContainerConfigError"
+        else:
+            reason = "ModelDownloadFailed" if fetch else "PodsFailing"
+        detail = _squeeze(waiting.get("message"))
+        text = f"{label}: {why}" + (f": {detail}" if detail else "")
+        exited = _exit_text(last)
+        return PodProblem(reason, f"{text}; last {exited}" if exited else text)
+    if terminated and terminated.get("exitCode") and (init or not status.get("ready")):
+        return PodProblem("ModelDownloadFailed" if fetch else "PodsFailing", f"{label}: {_exit_text(terminated)}")
+    return None
+
+
+def pod_problems(pods: Iterable[Mapping[str, Any]], limit: int = 2) -> list[PodProblem]:
+    """Why pods are not ready, in the words the scheduler and kubelet used: the first few distinct ones, the most
+    specific first (PROBLEM_ORDER). Pods being deleted are not counted."""
+    problems: list[PodProblem] = []
     for pod in pods:
-        name = (pod.get("metadata") or {}).get("name", "?")
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        name = meta.get("name", "?")
         status = pod.get("status") or {}
         for cond in status.get("conditions") or []:
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-                why = f"{cond.get('reason', 'Unschedulable')}: {cond.get('message', '')}"
-                problems.append(f"{name}: {why}".rstrip(": "))
-        for container in status.get("containerStatuses") or []:
-            waiting = (container.get("state") or {}).get("waiting")
-            if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
-                problems.append(f"{name}: {waiting['reason']}: {waiting.get('message', '')}".rstrip(": "))
+                why = f"{cond.get('reason') or 'Unschedulable'}: {cond.get('message', '')}".rstrip(": ")
+                problems.append(PodProblem("Unschedulable", f"{name}: {why}"))
+        if status.get("phase") == "Failed":
+            why = f"{status.get('reason') or 'Failed'}: {status.get('message') or ''}".rstrip(": ")
+            problems.append(PodProblem("PodsFailing", f"{name}: {why}"))
+        for init, key in ((True, "initContainerStatuses"), (False, "containerStatuses")):
+            for container in status.get(key) or []:
+                problem = container_problem(name, container, init)
+                if problem is not None:
+                    problems.append(problem)
     unique = list(dict.fromkeys(problems))
+    unique.sort(key=lambda p: PROBLEM_ORDER.index(p.reason))
     return unique[:limit]
 
 
-def ready_condition(rollout: Rollout | None, pods: Iterable[Mapping[str, Any]]) -> tuple[str, str, str]:
+def _ready(pod: Mapping[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def _starting(pod: Mapping[str, Any]) -> bool:
+    """A pod on its way up: not scheduled or initialised yet, or its containers not started yet, never restarted."""
+    status = pod.get("status") or {}
+    if status.get("phase") in (None, "Pending"):
+        return True
+    unready = [c for c in status.get("containerStatuses") or [] if not c.get("ready")]
+    return bool(unready) and all(
+        not c.get("restartCount") and (not c.get("started") or (c.get("state") or {}).get("waiting"))
+        for c in unready)
+
+
+def pods_starting(rollout: Rollout, pods: Iterable[Mapping[str, Any]]) -> bool:
+    """The missing ready pods are on their way: not created yet (a scale-up), or every unready pod is starting."""
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    unready = [p for p in live if not _ready(p)]
+    if rollout.replicas < rollout.desired and not unready:
+        return True
+    return bool(unready) and all(_starting(p) for p in unready)
+
+
+def ready_condition(rollout: Rollout | None, pods: Iterable[Mapping[str, Any]],
+                    refusal: Refusal | None = None, generation: int = 0) -> tuple[str, str, str]:
+    pods = list(pods)
+    if refusal is not None:
+        running = f"{rollout.ready}/{rollout.desired} pods ready" if rollout is not None else "no pods"
+        return FALSE, refusal.reason, f"generation {generation} was not applied ({running} of the last one " \
+                                      f"applied): {refusal.message}"
     if rollout is None:
         return FALSE, "DeploymentMissing", "the server Deployment does not exist yet"
     if rollout.desired == 0:
@@ -155,11 +257,18 @@ def ready_condition(rollout: Rollout | None, pods: Iterable[Mapping[str, Any]]) 
         return FALSE, "ReplicaFailure", f"{summary}; {rollout.replica_failure}"
     problems = pod_problems(pods)
     if problems:
-        return FALSE, "PodsFailing", "; ".join([summary, *problems])
+        return FALSE, problems[0].reason, "; ".join([summary, *(p.text for p in problems)])
+    if rollout.ready >= rollout.desired:
+        return FALSE, "RollingOut", f"{summary}; rolling out: {rollout.updated}/{rollout.desired} on the " \
+                                    "current template"
+    if pods_starting(rollout, pods):
+        return FALSE, "PodsStarting", f"{summary}; the others are starting"
     return FALSE, "ReplicasNotReady", summary
 
 
-def progressing_condition(rollout: Rollout | None) -> tuple[str, str, str]:
+def progressing_condition(rollout: Rollout | None, refusal: Refusal | None = None) -> tuple[str, str, str]:
+    if refusal is not None:
+        return FALSE, refusal.reason, "the latest generation was not applied: Ready says why"
     if rollout is None:
         return TRUE, "Creating", "creating the server Deployment"
     if rollout.deadline_exceeded:
@@ -168,8 +277,8 @@ def progressing_condition(rollout: Rollout | None) -> tuple[str, str, str]:
         return FALSE, "Stable", f"{rollout.updated} pods on the current template"
     if rollout.on_current_template and rollout.complete:
         return FALSE, "RolloutComplete", (
-            f"{rollout.updated} pods on the current template, {rollout.available} available; no rollout under way "
-            f"(Ready says why pods are unavailable)"
+            f"the rollout is complete: {rollout.updated} pods on the current template, {rollout.available} "
+            f"available"
         )
     return TRUE, "RollingOut", (
         f"{rollout.updated}/{rollout.desired} pods on the current template, {rollout.available} available"
@@ -191,9 +300,13 @@ def config_condition(observed: Observed, rollout: Rollout | None) -> tuple[str, 
         return UNKNOWN, "GenerationNotObserved", (
             f"generation {config.generation} written; waiting for the pods to report metronome_config_generation"
         )
-    expected = rollout.ready if rollout is not None else 0
-    message = f"{metrics.pods_on_generation}/{expected} ready pods serve generation {config.generation}"
-    if metrics.pods_on_generation >= expected:
+    ready = rollout.ready if rollout is not None else 0
+    if ready == 0:
+        return UNKNOWN, "NoReadyPods", f"generation {config.generation} written; no ready pod to serve it yet"
+    # Prometheus may still count pods that are gone or not ready: only ready pods are counted against.
+    serving = min(metrics.pods_on_generation, ready)
+    message = f"{serving}/{ready} ready pods serve generation {config.generation}"
+    if serving >= ready:
         return TRUE, "AllPodsOnGeneration", message
     return FALSE, "PodsOnOlderGeneration", message
 
@@ -240,9 +353,6 @@ def replicas_condition(service: InferenceService, scalers: ScalerView | None) ->
     not, who does."""
     if scalers is None:
         return UNKNOWN, "NotObserved", "HorizontalPodAutoscalers and ScaledObjects have not been looked at yet"
-    if scalers.error is not None:
-        return UNKNOWN, "ScalersUnknown", f"{scalers.error}: the control loop cannot tell whether another " \
-                                          "autoscaler sets the replicas"
     if scalers.scalers:
         first = scalers.scalers[0]
         targets = " and ".join(sorted({s.target_kind for s in scalers.scalers}))
@@ -256,9 +366,11 @@ def replicas_condition(service: InferenceService, scalers: ScalerView | None) ->
 
 
 def desired_replicas(service: InferenceService, observed: Observed) -> int:
-    """The pods there should be: spec.replicas, or the Deployment's own count while a scaler drives it directly."""
-    if observed.scalers is not None and observed.scalers.on_deployment and observed.deployment is not None:
-        return int((observed.deployment.get("spec") or {}).get("replicas") or 0)
+    """The pods there should be: spec.replicas, or the Deployment's own count while a scaler drives it directly or
+    while the children of this generation are refused (the pods run the generation last applied)."""
+    on_deployment = observed.scalers is not None and observed.scalers.on_deployment
+    if (on_deployment or observed.refusal is not None) and observed.deployment is not None:
+        return int((observed.deployment.get("spec") or {}).get("replicas", service.spec.replicas))
     return service.spec.replicas
 
 
@@ -286,9 +398,13 @@ def compute_status(
     *,
     now: str,
     previous_conditions: Iterable[Mapping[str, Any]] = (),
+    applied_generation: int | None = None,
 ) -> dict[str, Any]:
-    """The full desired status (lastDecision excepted: the control loop owns it). None = clear the field."""
+    """The full desired status (lastDecision excepted: the control loop owns it). None = clear the field.
+    `applied_generation`: the generation last applied, reported as observedGeneration while the children of this
+    one are refused (observed.refusal); otherwise this generation is the applied one."""
     previous = list(previous_conditions)
+    refusal = observed.refusal
     desired = desired_replicas(service, observed)
     rollout = rollout_of(observed.deployment, desired) if observed.deployment is not None else None
     metrics = observed.metrics
@@ -299,8 +415,8 @@ def compute_status(
 
     slo_verdict = slo_condition(service.spec.slo, metrics, observed.slo_override)
     conditions = [
-        make(READY, ready_condition(rollout, observed.pods)),
-        make(PROGRESSING, progressing_condition(rollout)),
+        make(READY, ready_condition(rollout, observed.pods, refusal, service.generation)),
+        make(PROGRESSING, progressing_condition(rollout, refusal)),
         make(METRICS_AVAILABLE, metrics_condition(metrics)),
         make(SLO_MET, slo_verdict),
         make(CONFIG_APPLIED, config_condition(observed, rollout)),
@@ -309,7 +425,7 @@ def compute_status(
     ready = rollout.ready if rollout else 0
     have_metrics = metrics is not None and metrics.available
     return {
-        "observedGeneration": service.generation,
+        "observedGeneration": service.generation if refusal is None else applied_generation,
         "conditions": conditions,
         "replicas": rollout.replicas if rollout else 0,
         "readyReplicas": ready,
@@ -328,3 +444,22 @@ def status_patch(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) 
     """The merge patch that turns `current` into `desired` for the keys `desired` names (None deletes)."""
     current = current or {}
     return {key: value for key, value in desired.items() if current.get(key) != value}
+
+
+def invalid_spec_conditions(message: str, *, generation: int, now: str,
+                            previous: Iterable[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    """A spec the operator cannot use (SpecError): Ready and Progressing say so; what the other conditions say of
+    the pods that still run stays as it was."""
+    previous = list(previous)
+    refused = {
+        READY: (FALSE, "InvalidSpec", f"generation {generation} was not applied: {message}"),
+        PROGRESSING: (FALSE, "InvalidSpec", "the latest generation was not applied: Ready says why"),
+    }
+    out = []
+    for type_ in CONDITION_TYPES:
+        if type_ in refused:
+            status, reason, text = refused[type_]
+            out.append(condition(type_, status, reason, text, generation=generation, now=now, previous=previous))
+        else:
+            out.extend(c for c in previous if c.get("type") == type_)
+    return out

@@ -50,23 +50,28 @@ def _rules(role: dict) -> dict[tuple[str, str], set[str]]:
 def test_rbac_is_least_privilege(cluster):
     (role,) = _by_kind(_template(cluster), "ClusterRole")
     rules = _rules(role)
-    assert rules[("metronome.dev", "inferenceservices")] == {"get", "list", "watch", "patch"}
+    assert rules[("metronome.dev", "inferenceservices")] == {"list", "watch", "patch"}
     assert rules[("metronome.dev", "inferenceservices/status")] == {"patch"}
-    # Deployments and ConfigMaps are watched: their changes refresh the owner's status.
-    assert rules[("apps", "deployments")] == {"get", "list", "watch", "create", "patch"}
-    assert rules[("", "configmaps")] == {"get", "list", "watch", "create", "patch"}
-    assert rules[("", "pods")] == {"list"}
+    # Every child kind is watched (a deletion or an edit is put right) and written by server-side apply.
+    for child in (("apps", "deployments"), ("", "configmaps"), ("", "services")):
+        assert rules[child] == {"get", "list", "watch", "create", "patch"}, child
+    for child in (("policy", "poddisruptionbudgets"), ("monitoring.coreos.com", "podmonitors"),
+                  ("monitoring.coreos.com", "prometheusrules")):
+        assert rules[child] == {"get", "list", "watch", "create", "patch", "delete"}, child
+    assert rules[("", "pods")] == {"list", "watch"}
     assert rules[("", "events")] == {"create"}
     assert rules[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
-    # Other autoscalers are only looked at: whether one targets a service (the loop then leaves replicas alone).
-    assert rules[("autoscaling", "horizontalpodautoscalers")] == rules[("keda.sh", "scaledobjects")] == {"list"}
+    # Other autoscalers are only watched: whether one targets a service (the loop then leaves replicas alone).
+    assert rules[("autoscaling", "horizontalpodautoscalers")] == rules[("keda.sh", "scaledobjects")] == {"list",
+                                                                                                         "watch"}
     every_verb = set().union(*rules.values())
     assert "*" not in every_verb
     # InferencePools: written only where spec.routing asks, and the service's own deleted when it turns off.
-    assert rules[("inference.networking.k8s.io", "inferencepools")] == {"get", "create", "patch", "delete"}
+    assert rules[("inference.networking.k8s.io", "inferencepools")] == {"get", "list", "watch", "create", "patch",
+                                                                         "delete"}
     # Deletes only for children a spec change or --monitor-kind none retires; the rest is garbage-collected.
     assert {resource for (_, resource), verbs in rules.items() if "delete" in verbs} <= {
-        "poddisruptionbudgets", "podmonitors", "inferencepools"}
+        "poddisruptionbudgets", "podmonitors", "prometheusrules", "inferencepools"}
     assert not any(resource == "secrets" or "*" in (group, resource) for group, resource in rules)
 
 
@@ -77,9 +82,10 @@ def test_namespaced_mode_grants_writes_per_namespace_only(cluster):
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
         ("", "namespaces"): {"list", "watch"},  # kopf follows the namespaces it serves
     }
-    roles = [r for r in _by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-leader-election")]
+    own = ("-leader-election", "-uninstall")  # the Lease's Role and the uninstall hook's, in the release namespace
+    roles = [r for r in _by_kind(docs, "Role") if not r["metadata"]["name"].endswith(own)]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    bindings = [b for b in _by_kind(docs, "RoleBinding") if not b["metadata"]["name"].endswith("-leader-election")]
+    bindings = [b for b in _by_kind(docs, "RoleBinding") if not b["metadata"]["name"].endswith(own)]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     (deployment,) = _by_kind(docs, "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -108,10 +114,34 @@ def test_monitoring_objects_only_where_the_api_exists(cluster):
     assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "metronome-server"
     (rule,) = _by_kind(docs, "PrometheusRule")
     alerts = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
-    assert set(alerts) == {"MetronomeKVBlocksLeaked", "MetronomeTBTSLOViolated", "MetronomeConfigReloadErrors"}
+    # Every server's alerts; each service's SLO alerts are the operator's (--slo-alerts), with its own targets.
+    assert set(alerts) == {"MetronomeKVBlocksLeaked", "MetronomeConfigReloadErrors"}
     assert "metronome_kv_blocks_leaked" in alerts["MetronomeKVBlocksLeaked"]["expr"]
-    assert alerts["MetronomeTBTSLOViolated"]["for"] == "10m"
     assert "metronome_config_reload_errors_total" in alerts["MetronomeConfigReloadErrors"]["expr"]
+    assert {"--slo-alerts", "--slo-alert-for=10"} <= set(_args(docs))
+
+
+def test_rules_carry_the_monitors_labels_as_kube_prometheus_stack_selects_them(cluster):
+    api_flags = [arg for api in MONITORING_APIS for arg in ("--api-versions", api)]
+    docs = _template(cluster, *api_flags, "--set", "prometheusRule.enabled=true",
+                     "--set", "monitor.labels.release=kube-prometheus-stack", "--set", "prometheusRule.labels.team=ml")
+    (rule,) = _by_kind(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert rule["metadata"]["labels"]["team"] == "ml"
+    # The operator's per-service rules get the same labels.
+    assert {"--slo-alert-label=release=kube-prometheus-stack", "--slo-alert-label=team=ml"} <= set(_args(docs))
+    assert not [a for a in _args(_template(cluster)) if a.startswith("--slo-alert")]  # off by default
+
+
+def test_scrape_annotations_only_where_no_monitor_scrapes(cluster):
+    api_flags = [arg for api in MONITORING_APIS for arg in ("--api-versions", api)]
+    modes = {kind: next(a for a in _args(_template(cluster, *api_flags, "--set", f"monitor.kind={kind}"))
+                        if a.startswith("--scrape-annotations="))
+             for kind in ("PodMonitor", "ServiceMonitor", "none")}
+    assert modes == {"PodMonitor": "--scrape-annotations=auto", "ServiceMonitor": "--scrape-annotations=never",
+                     "none": "--scrape-annotations=always"}
+    forced = _template(cluster, "--set", "monitor.kind=ServiceMonitor", "--set", "monitor.scrapeAnnotations=always")
+    assert "--scrape-annotations=always" in _args(forced)
 
 
 def _args(docs: list[dict]) -> list[str]:
@@ -222,7 +252,8 @@ def test_helm_install_succeeds_and_the_operator_pod_runs(cluster):
         ("patch", "inferenceservices.metronome.dev", True),
         ("patch", "inferenceservices.metronome.dev/status", True),
         ("create", "deployments.apps", True),
-        ("list", "pods", True),
+        ("watch", "services", True),
+        ("watch", "pods", True),
         ("create", "events", True),
         ("delete", "deployments.apps", False),
         ("get", "secrets", False),

@@ -78,6 +78,37 @@ INVALID = [
     ("unknown-kv-cache-dtype", _with("spec.engine.kvCacheDtype", "fp16"), "spec.engine.kvCacheDtype"),
     ("extra-args-repeat-kv-dtype", _with("spec.engine.extraArgs", ["--kv-cache-dtype", "fp8"]),
      "spec.engine.extraArgs may not repeat"),
+    # What the Deployment API would refuse, refused here already (Kubernetes' own rules, mirrored)
+    ("toleration-exists-with-value", _with("spec.resources.tolerations", [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "value": "present"}]),
+     "spec.resources.tolerations[0].value"),
+    ("toleration-without-key-not-exists", _with("spec.resources.tolerations", [{"operator": "Equal", "value": "a"}]),
+     "operator must be Exists when key is empty"),
+    ("toleration-seconds-without-noexecute", _with("spec.resources.tolerations", [
+        {"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}]),
+     "effect must be NoExecute when tolerationSeconds is set"),
+    ("toleration-bad-key", _with("spec.resources.tolerations", [{"key": "gpu type", "operator": "Exists"}]),
+     "spec.resources.tolerations[0].key"),
+    ("toleration-bad-value", _with("spec.resources.tolerations", [{"key": "gpu", "value": "a b"}]),
+     "spec.resources.tolerations[0].value"),
+    ("negative-cpu", _with("spec.resources.cpu", "-1"), "spec.resources.cpu"),
+    ("negative-shm", _with("spec.resources.shmSize", "-1Gi"), "spec.resources.shmSize"),
+    ("node-selector-bad-key", _with("spec.resources.nodeSelector", {"gpu type": "a100"}),
+     "spec.resources.nodeSelector keys must be label keys"),
+    ("node-selector-bad-value", _with("spec.resources.nodeSelector", {"gpu": "a 100"}),
+     "spec.resources.nodeSelector"),
+    ("pod-label-bad-key", _with("spec.podTemplate", {"metadata": {"labels": {"team name": "ml"}}}),
+     "spec.podTemplate.metadata.labels keys must be label keys"),
+    ("spread-selector-bad-key", _with("spec.podTemplate", {"spec": {"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule",
+         "labelSelector": {"matchLabels": {"app name": "x"}}}]}}), "matchLabels keys must be label keys"),
+    ("affinity-bad-key", _with("spec.podTemplate", {"spec": {"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu type", "operator": "Exists"}]}]}}}}}), "matchExpressions[0].key"),
+    ("topology-key-bad", _with("spec.podTemplate", {"spec": {"topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "zone name", "whenUnsatisfiable": "DoNotSchedule"}]}}), "topologyKey"),
+    ("sidecar-negative-request", _with("spec.podTemplate", {"spec": {"containers": [
+        {"name": "exporter", "image": "busybox", "resources": {"requests": {"cpu": "-100m"}}}]}}), "requests"),
 ]
 
 
@@ -92,6 +123,16 @@ def test_invalid_objects_are_rejected_naming_the_field(cluster, ns, obj, expecte
                                   "examples/llama-3-8b-fp8.yaml"])
 def test_examples_are_accepted(cluster, ns, path):
     obj = yaml.safe_load((ROOT / path).read_text())
+    result = _dry_run(cluster, ns, obj)
+    assert result.returncode == 0, result.stderr
+
+
+def test_what_kubernetes_accepts_stays_accepted(cluster, ns):
+    obj = _with("spec.resources", {
+        "cpu": "+500m", "memory": "1.5Gi", "shmSize": "2e9",
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200", "pool": ""},
+        "tolerations": [{"operator": "Exists"}, {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                        {"key": "dedicated", "value": "ml", "effect": "NoExecute", "tolerationSeconds": 60}]})
     result = _dry_run(cluster, ns, obj)
     assert result.returncode == 0, result.stderr
 

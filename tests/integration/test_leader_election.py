@@ -1,6 +1,7 @@
 """Two operator replicas on the real control plane: exactly one acts (the Lease holder), the other takes over
 within the lease after the leader is killed, and no child is duplicated. Objects carry no finalizer, so a
-resource deleted while no operator runs (a `helm uninstall` with resources left) goes at once.
+resource deleted while no operator runs (a `helm uninstall` with resources left) goes at once. A leader paused
+past its lease (SIGSTOP) writes nothing when it wakes, and the new leader applies every change.
 
 Both operators run under the chart's ServiceAccount, so the chart's Lease RBAC is what they get.
 """
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
+import signal
+import time
 import uuid
 
 import pytest
@@ -92,7 +96,7 @@ def test_one_replica_acts_and_the_other_takes_over_when_it_dies(cluster, k8s_nam
 
     wait_for(ready, "the leader to reconcile the example to Ready", timeout=120)
     assert _holder(cluster, lease_ns, lease) == _identity(first)
-    assert "took Lease" not in second.log_text() and "reconcile_service" not in second.log_text()
+    assert "took Lease" not in second.log_text() and ": Created: " not in second.log_text()
     isvc = get_json(cluster, "inferenceservices.metronome.dev", NAME, "-n", k8s_namespace)
     assert not isvc["metadata"].get("finalizers")  # no timer, no finalizer
     before = _children(cluster, k8s_namespace)
@@ -133,3 +137,53 @@ def test_a_stopped_leader_hands_the_lease_over_at_once(cluster, replicas):
     wait_for(lambda: _holder(cluster, lease_ns, lease) == _identity(second), "the second replica to take the Lease")
     spec = _lease(cluster, lease_ns, lease)["spec"]
     assert spec["leaseDurationSeconds"] == LEASE_DURATION_S
+
+
+PAUSE_S = 20  # longer than a whole lease: the standby takes over while the leader sleeps
+WRITES = ("Created", "Updated", "Scaled", "RollingUpdate", "ConfigCreated", "ConfigUpdated", "Deleted",
+          "SpecRejected")
+
+
+def test_a_paused_leader_writes_nothing_after_waking_and_the_next_change_is_applied(cluster, k8s_namespace,
+                                                                                   replicas):
+    lease_ns, lease, (first, second) = replicas
+    ns = k8s_namespace
+    first.start()
+    wait_for(lambda: _holder(cluster, lease_ns, lease) == _identity(first), "the first replica to take the Lease")
+    second.start()
+    cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+
+    def current(replicas: int):
+        isvc = get_json(cluster, "inferenceservices.metronome.dev", NAME, "-n", ns) or {}
+        ready = condition(isvc, "Ready") or {}
+        status = isvc.get("status") or {}
+        return (ready.get("status") == "True" and status.get("ready") == f"{replicas}/{replicas}"
+                and status.get("observedGeneration") == isvc["metadata"]["generation"])
+
+    wait_for(lambda: current(2), "the leader to reconcile the example to Ready", timeout=120)
+    generation = _config_generation(cluster, ns)
+    paused_at = time.monotonic()
+    os.kill(first.process.pid, signal.SIGSTOP)
+    try:
+        cluster.kubectl("patch", "inferenceservices.metronome.dev", NAME, "-n", ns, "--type=merge",
+                        "-p", json.dumps({"spec": {"server": {"chunkSize": 256}}}))
+        wait_for(lambda: _holder(cluster, lease_ns, lease) == _identity(second), "the standby to take over",
+                 timeout=LEASE_DURATION_S * 5)
+        wait_for(lambda: _config_generation(cluster, ns) == generation + 1, "the new leader to serve the change")
+        time.sleep(max(0.0, PAUSE_S - (time.monotonic() - paused_at)))  # the pause itself
+    finally:
+        os.kill(first.process.pid, signal.SIGCONT)
+    assert first.process.wait(timeout=30) == 1  # it found the Lease gone and stopped
+    log = first.log_text()
+    lost = log.index("lost Lease")
+    assert not [line for line in log[lost:].splitlines() if any(f": {word}: " in line for word in WRITES)], log[lost:]
+
+    cluster.kubectl("patch", "inferenceservices.metronome.dev", NAME, "-n", ns, "--type=merge",
+                    "-p", json.dumps({"spec": {"replicas": 3}}))
+    wait_for(lambda: current(3), "the new leader to scale to 3 with status current", timeout=120)
+    assert get_json(cluster, "deployment", NAME, "-n", ns)["spec"]["replicas"] == 3
+    assert _config_generation(cluster, ns) == generation + 1  # nothing written twice
+    annotations = get_json(cluster, "inferenceservices.metronome.dev", NAME, "-n", ns)["metadata"].get(
+        "annotations") or {}
+    assert not [key for key in annotations if key.startswith("metronome.dev/")], annotations
+    assert all(len(names) == 1 for names in _children(cluster, ns).values() if names), _children(cluster, ns)

@@ -137,8 +137,8 @@ def ns(cluster):
     return namespace
 
 
-def _service(cluster, ns):
-    return get_json(cluster, "inferenceservices.metronome.dev", NAME, "-n", ns)
+def _service(cluster, ns, name: str = NAME):
+    return get_json(cluster, "inferenceservices.metronome.dev", name, "-n", ns)
 
 
 def _deployment(cluster, ns):
@@ -226,16 +226,19 @@ def test_replica_failure_reaches_the_ready_condition(cluster, operator, ns):
 
 
 def test_what_only_the_operator_can_check_is_refused_in_an_event(cluster, operator, ns):
-    """The schema cannot check label keys; the operator does, and says which field in an InvalidSpec Event."""
-    bad = _with("metadata.name", "bad-labels")
-    bad["spec"]["podTemplate"]["metadata"]["labels"] = {"not a key!": "x"}
+    """The schema does not check annotation keys; the operator does, and says which field in Ready and in an
+    InvalidSpec Event."""
+    bad = _with("metadata.name", "bad-annotations")
+    bad["spec"]["podTemplate"]["metadata"]["annotations"] = {"not a key!": "x"}
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(bad))
 
     def refusal():
-        events = events_for(cluster, ns, "bad-labels")
+        events = events_for(cluster, ns, "bad-annotations")
         return next((e for e in events if e["reason"] == "InvalidSpec"), None)
 
-    event = wait_for(refusal, "an InvalidSpec Event for bad-labels")
+    event = wait_for(refusal, "an InvalidSpec Event for bad-annotations")
     assert event["type"] == "Warning"
-    assert event["message"].startswith("spec.podTemplate.metadata.labels: 'not a key!' is not a valid key")
-    assert get_json(cluster, "deployment", "bad-labels", "-n", ns) is None
+    assert event["message"].startswith("spec.podTemplate.metadata.annotations: 'not a key!' is not a valid key")
+    ready = condition(_service(cluster, ns, "bad-annotations"), "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec") and "not a key!" in ready["message"]
+    assert get_json(cluster, "deployment", "bad-annotations", "-n", ns) is None

@@ -8,6 +8,7 @@ import pytest
 
 from metronome.contract.config import QueuePolicy, ServerConfigFile, next_server_config, parse_server_config
 from metronome.operator import builders, configmap
+from metronome.operator.alerts import RuleSettings
 from metronome.operator.changes import describe_child, describe_config
 from metronome.operator.spec import SpecError, parse_service, parse_source
 from metronome.operator.tuning.actuation import scheduler_for
@@ -206,8 +207,11 @@ def test_node_selector_and_tolerations_pass_through():
 def test_every_child_is_owned_by_the_inferenceservice_and_labelled():
     service = service_of()
     config = next_server_config(None, service.spec.server)
-    children = [*builders.workload_children(service, monitoring_available=True), builders.config_map(service, config)]
-    assert {c["kind"] for c in children} == {"Deployment", "Service", "PodDisruptionBudget", "PodMonitor", "ConfigMap"}
+    service = service_of(slo={"tbtP99Ms": 40})
+    children = [*builders.workload_children(service, monitored=True, rules=RuleSettings()),
+                builders.config_map(service, config)]
+    assert {c["kind"] for c in children} == {"Deployment", "Service", "PodDisruptionBudget", "PodMonitor", "ConfigMap",
+                                             "PrometheusRule"}
     for child in children:
         (owner,) = child["metadata"]["ownerReferences"]
         assert owner == {
@@ -218,13 +222,13 @@ def test_every_child_is_owned_by_the_inferenceservice_and_labelled():
         assert child["metadata"]["labels"]["metronome.dev/inferenceservice"] == "chat"
 
 
-def test_pod_monitor_only_when_monitoring_is_available():
-    kinds = [c["kind"] for c in builders.workload_children(service_of(), monitoring_available=False)]
-    assert kinds == ["Deployment", "Service", "PodDisruptionBudget"]
+def test_pod_monitor_and_slo_rule_only_when_asked_for():
+    kinds = [c["kind"] for c in builders.workload_children(service_of(), rules=RuleSettings())]
+    assert kinds == ["Deployment", "Service", "PodDisruptionBudget"]  # no monitor; no SLO, no rule
 
 
 def test_pod_monitor_labels_series_as_the_metrics_source_selects_them():
-    children = builders.workload_children(service_of(metrics={"windowSeconds": 60}), monitoring_available=True)
+    children = builders.workload_children(service_of(metrics={"windowSeconds": 60}), monitored=True)
     monitor = children[-1]
     assert monitor["kind"] == "PodMonitor"
     assert monitor["spec"]["selector"]["matchLabels"] == builders.selector_labels("chat")
@@ -301,10 +305,15 @@ def test_events_describe_what_changed():
     assert describe_config(second, second, "again") is None
     before = builders.deployment(service_of())
     after = builders.deployment(service_of(image="other:1"))
-    assert describe_child("Updated", before, after).reason == "RollingUpdate"
+    assert describe_child(False, before, after).reason == "RollingUpdate"
     scaled = builders.deployment(service_of(replicas=3, maxReplicas=4))
-    assert describe_child("Updated", before, scaled).reason == "Scaled"
-    assert describe_child("Unchanged", before, before) is None
+    assert describe_child(False, before, scaled).reason == "Scaled"
+    assert describe_child(False, before, before) is None
+    assert describe_child(True, None, before).reason == "Created"
+    assert describe_child(False, None, after) is None  # nothing known of before: no claim
+    # A status written meanwhile, a label or a fingerprint is not a change of the child.
+    moved = {**before, "metadata": {**before["metadata"], "labels": {"x": "y"}}, "status": {"readyReplicas": 2}}
+    assert describe_child(False, before, moved) is None
 
 
 # --- parsing ---------------------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
-"""The loop's body (control_loop.tick) against the in-memory API of test_reconcile and a canned reading: it reads
+"""The loop's body (control_loop.tick) against the in-memory API of kube_fakes and a canned reading: it reads
 when due, serves the decision as a new server.yaml generation, scales, announces a blocked loop once, and hands
 the CR's own changes (spec.replicas, status.lastDecision) back to the handler."""
 from __future__ import annotations
 
 import pytest
 import yaml
-from test_reconcile import MemoryKube, body
+from kube_fakes import MemoryKube
+from test_reconcile import body
 
 from metronome.operator import control_loop, reconcile
 from metronome.operator.metrics_source import PrometheusSettings
@@ -40,6 +41,11 @@ def apply_body(**autotune_fields) -> dict:
                 autotune={"mode": "apply", "policy": "multiplicative", "policySwitching": False, **autotune_fields})
 
 
+def sync(kube: MemoryKube, service, owner, configs: reconcile.ConfigMemory | None = None) -> None:
+    reconcile.sync_children(kube.children(), service, owner, configs or reconcile.ConfigMemory(),
+                            reconcile.SyncMemory(), 0.0)
+
+
 def served(kube: MemoryKube) -> dict:
     return yaml.safe_load(kube.objects[("ConfigMap", "ml", "chat-config")]["data"]["server.yaml"])
 
@@ -47,9 +53,9 @@ def served(kube: MemoryKube) -> dict:
 def test_a_due_reading_is_served_as_a_new_generation_and_recorded(prometheus):
     kube, owner = MemoryKube(), apply_body()
     service = parse_service(owner)
-    reconcile.sync_children(kube, service, owner)
+    sync(kube, service, owner)
     memory = autotune.TunerMemory()
-    result = control_loop.tick(kube, service, owner, reconcile.observe(kube, service), memory, LOCAL)
+    result = control_loop.tick(kube, service, owner, reconcile.observe(kube.cache, service), memory, LOCAL)
     assert served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 922  # 1024 x 0.9
     assert result.observed.served_config.generation == 2 and result.observed.metrics.available
     assert result.last_decision["applied"] is True and result.last_decision["to"]["chunkSize"] == 922
@@ -62,38 +68,37 @@ def test_a_due_reading_is_served_as_a_new_generation_and_recorded(prometheus):
     assert served(kube)["generation"] == 2
 
 
-def test_the_next_generation_is_written_from_the_config_observed_not_read_back(prometheus, monkeypatch):
+def test_the_next_generation_is_written_from_the_config_observed_not_read_back(prometheus):
     kube, owner = MemoryKube(), apply_body()
     service = parse_service(owner)
     configs = reconcile.ConfigMemory()
-    reconcile.sync_children(kube, service, owner, memory=configs)
-    observed = reconcile.observe(kube, service, configs)
-    reads = []
-    real_get = kube.get
-    monkeypatch.setattr(kube, "get", lambda api, kind, ns, name: reads.append(kind) or real_get(api, kind, ns, name))
+    sync(kube, service, owner, configs)
+    observed = reconcile.observe(kube.cache, service, configs)
+    kube.requests = []
     result = control_loop.tick(kube, service, owner, observed, autotune.TunerMemory(), LOCAL, configs)
-    assert reads == [] and served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 922
+    assert kube.requests == [("apply", "ConfigMap")]  # nothing read back, one write
+    assert served(kube)["generation"] == 2 and served(kube)["scheduler"]["chunk_size"] == 922
     assert result.observed.served_config is configs.written.config
-    assert reconcile.observe(kube, service, configs).served_config is configs.written.config
+    assert reconcile.observe(kube.cache, service, configs).served_config is configs.written.config
 
 
 def test_a_chunk_at_its_floor_scales_and_hands_back_the_replica_patch(prometheus):
     kube, owner = MemoryKube(), apply_body(minChunkSize=1024, scaleReplicas=True)
     service = parse_service(owner)
-    reconcile.sync_children(kube, service, owner)
-    result = control_loop.tick(kube, service, owner, reconcile.observe(kube, service), autotune.TunerMemory(),
+    sync(kube, service, owner)
+    result = control_loop.tick(kube, service, owner, reconcile.observe(kube.cache, service), autotune.TunerMemory(),
                                LOCAL)
-    assert result.replicas == 3
-    assert kube.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == 3
+    assert result.replicas == 3  # the runtime patches spec.replicas; its next reconcile scales the Deployment
+    assert kube.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == 2
     assert "AutotuneScaled" in [reason for _, reason, _ in kube.events]
 
 
 def test_a_blocked_loop_is_announced_once(prometheus):
     kube, owner = MemoryKube(), apply_body()
     service = parse_service(owner)
-    reconcile.sync_children(kube, service, owner)
+    sync(kube, service, owner)
     memory = autotune.TunerMemory()
-    observed = reconcile.observe(kube, service)
+    observed = reconcile.observe(kube.cache, service)
     first = control_loop.tick(kube, service, owner, observed, memory, PrometheusSettings())
     assert not first.observed.metrics.available and prometheus["reads"] == 0
     memory.next_reading = 0.0  # due again

@@ -4,10 +4,10 @@ tests/integration/test_endpoint_picker.py runs the real picker against the pool 
 from __future__ import annotations
 
 import pytest
-from test_reconcile import MemoryKube
+from kube_fakes import MemoryKube
 
 from metronome.contract import metric_names as names
-from metronome.operator import builders, inference_pool, routing_sync
+from metronome.operator import builders, inference_pool, reconcile
 from metronome.operator.spec import SpecError, parse_service
 
 
@@ -76,49 +76,53 @@ def test_server_pods_carry_the_engine_type_the_pickers_read_but_selectors_do_not
         assert key not in deployment["spec"]["selector"]["matchLabels"]  # immutable once the Deployment exists
 
 
-def _sync(kube: MemoryKube, routing: dict | None):
+def _sync(kube: MemoryKube, routing: dict | None, memory: reconcile.SyncMemory | None = None,
+          generation: int = 1) -> None:
     owner = body(routing)
-    routing_sync.sync_inference_pool(kube, parse_service(owner), owner)
+    owner["metadata"]["generation"] = generation
+    reconcile.sync_children(kube.children(), parse_service(owner), owner, reconcile.ConfigMemory(),
+                            memory or reconcile.SyncMemory(), 0.0)
 
 
-class DeletingKube(MemoryKube):
-    def delete(self, api_version, kind, namespace, name):
-        return self.objects.pop((kind, namespace, name), None) is not None
+def pool_events(kube: MemoryKube) -> list[tuple[str, str]]:
+    return [(t, r) for t, r, m in kube.events if "InferencePool" in r or "InferencePool" in m]
 
 
 def test_sync_writes_the_pool_once_and_removes_it_when_turned_off():
-    kube = DeletingKube(crds=(inference_pool.CRD,))
+    kube = MemoryKube(crds=(inference_pool.CRD,))
     _sync(kube, enabled())
     assert ("InferencePool", "ml", "chat") in kube.objects
-    assert [reason for _, reason, _ in kube.events] == ["Created"]
+    assert pool_events(kube) == [("Normal", "Created")]
     _sync(kube, enabled())
-    assert [reason for _, reason, _ in kube.events] == ["Created"]  # unchanged: nothing said
-    _sync(kube, None)
+    assert pool_events(kube) == [("Normal", "Created")]  # unchanged: nothing said
+    _sync(kube, None, generation=2)
     assert ("InferencePool", "ml", "chat") not in kube.objects
     assert kube.events[-1][1] == "Deleted"
 
 
-def test_sync_without_the_api_writes_nothing_and_warns_only_when_asked_for_a_pool():
-    kube = DeletingKube()
+def test_sync_without_the_api_writes_nothing_and_warns_once_only_when_asked_for_a_pool():
+    kube = MemoryKube()
     _sync(kube, None)
-    assert kube.events == []
-    _sync(kube, enabled())
-    assert kube.objects == {}
-    assert kube.events[-1][:2] == ("Warning", "InferencePoolUnavailable")
+    assert pool_events(kube) == []
+    memory = reconcile.SyncMemory()
+    for _ in range(2):
+        _sync(kube, enabled(), memory)
+    assert not any(key[0] == "InferencePool" for key in kube.objects)
+    assert pool_events(kube) == [("Warning", "InferencePoolUnavailable")]
 
 
 def test_a_pool_of_the_same_name_made_by_someone_else_is_left_alone():
-    kube = DeletingKube(crds=(inference_pool.CRD,))
+    kube = MemoryKube(crds=(inference_pool.CRD,))
     stranger = {"apiVersion": inference_pool.API_VERSION, "kind": "InferencePool",
                 "metadata": {"name": "chat", "namespace": "ml", "labels": {"app.kubernetes.io/managed-by": "Helm"}},
                 "spec": {"selector": {"matchLabels": {"app": "vllm"}}}}
-    kube.apply(stranger)
-    before = dict(kube.objects)
+    kube.put(stranger, watched=False)  # not the operator's label: its watch never shows it
+    before = kube.objects[("InferencePool", "ml", "chat")]
     _sync(kube, enabled())
-    assert kube.objects == before
-    assert kube.events[-1][:2] == ("Warning", "InferencePoolConflict")
-    _sync(kube, None)  # turned off: still not ours to delete
-    assert kube.objects == before
+    assert kube.objects[("InferencePool", "ml", "chat")] == before
+    assert pool_events(kube)[-1] == ("Warning", "InferencePoolConflict")
+    _sync(kube, None, generation=2)  # turned off: still not ours to delete
+    assert kube.objects[("InferencePool", "ml", "chat")] == before
 
 
 def test_the_crds_routing_fields_are_the_parsers():

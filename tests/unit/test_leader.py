@@ -39,3 +39,34 @@ def test_a_takeover_counts_a_transition_and_a_renewal_keeps_the_acquire_time():
 def test_times_that_would_let_two_replicas_act_at_once_are_refused(duration, deadline, retry):
     with pytest.raises(ValueError, match="--lease"):
         LeaseTimes(duration, deadline, retry)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_writes_are_fenced_once_the_last_renewal_is_older_than_the_renew_deadline():
+    from metronome.operator.k8s import LeadershipLost
+    from metronome.operator.leader import LeaderElector, Leadership
+
+    clock = Clock()
+    elector = LeaderElector("ns", "lease", "a", TIMES, api_client=object(), clock=clock)
+    fence = Leadership(elector)
+    with pytest.raises(LeadershipLost):
+        fence.check()  # never held
+    elector.last_renewed = clock.now
+    fence.check()
+    clock.now += TIMES.renew_deadline_s - 0.1
+    fence.check()
+    clock.now += 0.2  # paused past the deadline (SIGSTOP): no write leaves before a renewal succeeds
+    with pytest.raises(LeadershipLost):
+        fence.check()
+    elector.last_renewed = clock.now
+    elector.lost = True  # lost for good: a renewal does not reopen the fence
+    with pytest.raises(LeadershipLost):
+        fence.check()
+    Leadership().check()  # standalone: always allowed

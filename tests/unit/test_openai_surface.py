@@ -70,7 +70,8 @@ def client(served):
 def test_start_up_logs_say_what_was_loaded(served):
     log = served[1].read_text()
     assert "model random:tiny loaded in" in log and "float32 on cpu" in log
-    assert "KV cache 256 blocks x 16 tokens = 4096 tokens; max concurrency 1.00 requests of 4096 tokens" in log
+    assert ("KV cache 256 blocks x 16 tokens = 4096 tokens (float32); "
+            "max concurrency 1.00 requests of 4096 tokens") in log
     assert "execution eager" in log and "API key required" in log
 
 

@@ -72,7 +72,7 @@ def test_not_ready_names_the_pod_problem():
     svc = service()
     status = compute_status(svc, Observed(deployment(ready=1), pods=(pending,), served_config=served(svc)), now=T0)
     ready = conditions_by_type(status)["Ready"]
-    assert (ready["status"], ready["reason"]) == ("False", "PodsFailing") and status["ready"] == "1/2"
+    assert (ready["status"], ready["reason"]) == ("False", "Unschedulable") and status["ready"] == "1/2"
     assert "Insufficient nvidia.com/gpu" in ready["message"] and "chat-abc" in ready["message"]
     assert conditions_by_type(status)["Progressing"]["status"] == "True"
 
@@ -81,7 +81,8 @@ def test_rollout_in_progress_is_not_ready_even_with_enough_ready_pods():
     svc = service()
     status = compute_status(svc, Observed(deployment(ready=2, updated=1, replicas=3, generation=2, observed=2)), now=T0)
     cond = conditions_by_type(status)
-    assert cond["Ready"]["status"] == "False" and cond["Progressing"]["reason"] == "RollingOut"
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("False", "RollingOut")
+    assert cond["Progressing"]["reason"] == "RollingOut"
 
 
 def test_missing_deployment_and_config():
@@ -154,3 +155,104 @@ def test_transition_events():
                           previous_conditions=ready["conditions"])
     events = describe_transitions(ready["conditions"], lost["conditions"])
     assert ("Warning", "ReplicasNotReady") in [(e.type, e.reason) for e in events]
+
+
+# --- why pods do not run -------------------------------------------------------------------------------------
+
+
+def pod(name: str, *, phase: str = "Pending", init: list[dict] = (), containers: list[dict] = (),
+        ready: bool = False) -> dict:
+    return {"metadata": {"name": name}, "status": {
+        "phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        "initContainerStatuses": list(init), "containerStatuses": list(containers)}}
+
+
+def waiting(name: str, reason: str, message: str = "", last: dict | None = None, image: str = "img:1") -> dict:
+    status = {"name": name, "image": image, "ready": False, "restartCount": 3 if last else 0,
+              "state": {"waiting": {"reason": reason, "message": message}}}
+    if last:
+        status["lastState"] = {"terminated": last}
+    return status
+
+
+def ready_of(*pods: dict, ready: int = 0) -> dict:
+    svc = service()
+    status = compute_status(svc, Observed(deployment(ready=ready), pods=pods, served_config=served(svc)), now=T0)
+    return conditions_by_type(status)["Ready"]
+
+
+def test_a_failing_model_download_is_named_with_its_exit_and_the_end_of_its_log():
+    log = "Traceback ...\n" + "x" * 3000 + "\nmetronome fetch-model: error: hf://acme/m: access to this gated repo"
+    crash = waiting("fetch-model", "CrashLoopBackOff", "back-off 40s restarting failed container",
+                    last={"exitCode": 1, "reason": "Error", "message": log})
+    cond = ready_of(pod("chat-a", init=[crash], containers=[waiting("server", "PodInitializing")]))
+    assert (cond["status"], cond["reason"]) == ("False", "ModelDownloadFailed")
+    assert "init container fetch-model (the model download): CrashLoopBackOff" in cond["message"]
+    assert "exit code 1 (Error)" in cond["message"] and "gated repo" in cond["message"]
+    assert len(cond["message"]) < 1000  # the end of the log, not all of it
+
+
+def test_image_pulls_missing_secrets_and_crashes_are_named():
+    pull = waiting("fetch-model", "ImagePullBackOff", 'Back-off pulling image "img:1"')
+    assert ready_of(pod("chat-a", init=[pull]))["reason"] == "ImagePullFailed"
+    secret = waiting("server", "CreateContainerConfigError", 'secret "hf-token" not found')
+    cond = ready_of(pod("chat-a", phase="Running", containers=[secret]))
+    assert cond["reason"] == "ContainerConfigError" and 'secret "hf-token" not found' in cond["message"]
+    oom = waiting("server", "CrashLoopBackOff", "back-off", last={"exitCode": 137, "reason": "OOMKilled"})
+    cond = ready_of(pod("chat-a", phase="Running", containers=[oom]))
+    assert cond["reason"] == "PodsFailing" and "exit code 137 (OOMKilled)" in cond["message"]
+    # The most specific problem names the condition, whatever the pods' order.
+    both = ready_of(pod("chat-a", phase="Running", containers=[oom]), pod("chat-b", init=[pull]))
+    assert both["reason"] == "ImagePullFailed" and "chat-a" in both["message"]
+
+
+def test_pods_on_their_way_up_are_starting_and_a_ready_pod_gone_unready_is_not():
+    creating = pod("chat-a", init=[waiting("fetch-model", "PodInitializing")])
+    assert ready_of(creating, pod("chat-b", phase="Running", ready=True), ready=1)["reason"] == "PodsStarting"
+    loading = pod("chat-a", phase="Running", containers=[{"name": "server", "ready": False, "started": False,
+                                                          "restartCount": 0, "state": {"running": {}}}])
+    assert ready_of(loading, ready=1)["reason"] == "PodsStarting"
+    lost = pod("chat-a", phase="Running", containers=[{"name": "server", "ready": True, "started": True,
+                                                       "restartCount": 0, "state": {"running": {}}}])
+    assert ready_of(lost, pod("chat-b", phase="Running", ready=True), ready=1)["reason"] == "ReplicasNotReady"
+
+
+def test_no_warning_for_a_scale_up_or_a_rollout_and_one_for_pods_that_went_unready():
+    svc = service()
+    ready = compute_status(svc, Observed(deployment(ready=2), served_config=served(svc)), now=T0)
+    bigger = service(replicas=4, maxReplicas=4)
+    scaling = compute_status(bigger, Observed(deployment(ready=2, replicas=2)), now=T1,
+                             previous_conditions=ready["conditions"])
+    assert conditions_by_type(scaling)["Ready"]["reason"] == "PodsStarting"
+    rolling = compute_status(svc, Observed(deployment(ready=2, updated=1, replicas=3)), now=T1,
+                             previous_conditions=ready["conditions"])
+    for after in (scaling, rolling):
+        assert {e.type for e in describe_transitions(ready["conditions"], after["conditions"])} == {"Normal"}
+
+
+def test_config_applied_counts_only_ready_pods():
+    svc = service()
+    metrics = ServingMetrics(available=True, tbt_p99_ms=20, pods_on_generation=3)
+    after_outage = compute_status(svc, Observed(deployment(ready=0), served_config=served(svc), metrics=metrics),
+                                  now=T0)
+    cond = conditions_by_type(after_outage)["ConfigApplied"]
+    assert (cond["status"], cond["reason"]) == ("Unknown", "NoReadyPods") and "3/0" not in cond["message"]
+    two = compute_status(svc, Observed(deployment(ready=2), served_config=served(svc), metrics=metrics), now=T0)
+    assert conditions_by_type(two)["ConfigApplied"]["message"] == "2/2 ready pods serve generation 1"
+
+
+def test_a_refused_generation_keeps_observed_generation_and_says_why():
+    from metronome.operator.refusals import Refusal
+
+    svc = service()
+    refusal = Refusal("Deployment", "chat", 422, "the API server refused it: spec.resources.cpu: must be >= 0")
+    status = compute_status(svc, Observed(deployment(ready=2), served_config=served(svc), refusal=refusal), now=T0,
+                            applied_generation=6)
+    cond = conditions_by_type(status)
+    assert status["observedGeneration"] == 6 and cond["Ready"]["observedGeneration"] == 7
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("False", "SpecRejected")
+    assert "generation 7 was not applied (2/2 pods ready" in cond["Ready"]["message"]
+    assert "spec.resources.cpu" in cond["Ready"]["message"]
+    assert cond["Progressing"]["reason"] == "SpecRejected" and cond["Progressing"]["status"] == "False"
+    assert describe_transitions([], status["conditions"]) == [] or all(
+        e.reason != "SpecRejected" for e in describe_transitions([], status["conditions"]))

@@ -35,23 +35,26 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/*
 What the operator does inside the namespaces it manages — every verb is used:
-- inferenceservices: kopf lists/watches them and patches annotations (progress, last-handled spec); get for reads.
+- inferenceservices: kopf lists/watches them; patch: spec.replicas when the autotuner scales.
 - inferenceservices/status: status patches. inferenceservices/finalizers update: children set
   blockOwnerDeletion on their owner reference (enforced where OwnerReferencesPermissionEnforcement is on).
-- deployments, services, configmaps, podmonitors: get + server-side apply (patch; create for new objects).
-  No delete: children are garbage-collected through their owner references.
-- poddisruptionbudgets: get + server-side apply, and delete when spec.disruption.enabled turns false.
-- inferencepools (Gateway API Inference Extension): get + server-side apply where spec.routing.inferencePool is
-  enabled, and delete (of the service's own pool only) when it turns false.
-- pods list: why pods are not ready (scheduling failures) in the Ready condition.
+- every child kind (configmaps, deployments, services, poddisruptionbudgets, podmonitors, prometheusrules,
+  inferencepools): list/watch (selected by the operator's label: a deleted or edited child is put back), create +
+  patch (server-side apply, and its dry run before a change). delete only for the children a spec change or a flag
+  retires (the PDB, the PodMonitor, the SLO PrometheusRule, the service's own InferencePool); the rest is
+  garbage-collected through owner references. get: a child written before its kind's watch ran (a CRD installed
+  just now) is looked up once; so is a pool of the same name the watch does not show (someone else's, never
+  overwritten) before the service's own is written.
+- pods list/watch (selected by the operator's label): why pods are not ready, in the Ready condition.
 - events create: an Event for every change.
-- horizontalpodautoscalers, scaledobjects list: whether another autoscaler targets a service or its Deployment
-  (then the control loop leaves the replicas to it: condition ReplicasManagedExternally).
+- horizontalpodautoscalers, scaledobjects list/watch (all of them: they are the user's, without the operator's
+  label): whether another autoscaler targets a service or its Deployment (then the control loop leaves the
+  replicas to it: condition ReplicasManagedExternally). Never written.
 */}}
 {{- define "metronome.namespacedRules" -}}
 - apiGroups: [metronome.dev]
   resources: [inferenceservices]
-  verbs: [get, list, watch, patch]
+  verbs: [list, watch, patch]
 - apiGroups: [metronome.dev]
   resources: [inferenceservices/status]
   verbs: [patch]
@@ -62,37 +65,35 @@ What the operator does inside the namespaces it manages — every verb is used:
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
-  resources: [configmaps]
+  resources: [configmaps, services]
   verbs: [get, list, watch, create, patch]
-- apiGroups: [""]
-  resources: [services]
-  verbs: [get, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors, prometheusrules]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, watch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
-- apiGroups: [monitoring.coreos.com]
-  resources: [podmonitors]
-  verbs: [get, create, patch, delete]
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
-  verbs: [get, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
-  verbs: [list]
+  verbs: [list, watch]
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
-  verbs: [list]
+  verbs: [list, watch]
 {{- end -}}
 
 {{/*
-Cluster-scoped reads: kopf discovers resources through CRDs; the operator checks for the PodMonitor CRD. With
-explicit namespaces kopf also observes Namespace objects (to follow namespaces that come and go).
+Cluster-scoped reads: kopf discovers resources through CRDs and watches them (a PodMonitor or PrometheusRule
+CRD installed later is served at once). With explicit namespaces kopf also observes Namespace objects (to follow
+namespaces that come and go).
 */}}
 {{- define "metronome.clusterRules" -}}
 - apiGroups: [apiextensions.k8s.io]
@@ -112,4 +113,29 @@ A ServiceMonitor needs one: 15 unless monitor.intervalSeconds says otherwise.
 {{- define "metronome.scrapeIntervalSeconds" -}}
 {{- $seconds := int .Values.monitor.intervalSeconds -}}
 {{- if and (eq $seconds 0) (eq .Values.monitor.kind "ServiceMonitor") }}15{{ else }}{{ $seconds }}{{ end -}}
+{{- end -}}
+
+
+{{/*
+Whether the server pods carry prometheus.io/* scrape annotations (--scrape-annotations): monitor.scrapeAnnotations
+when set, else by monitor.kind — never under the chart's ServiceMonitor, always without a monitor, and with
+PodMonitors only while the operator writes none (the cluster does not serve the PodMonitor API). One way of
+scraping each pod: a Prometheus that also discovers pods by annotation would otherwise count every pod twice.
+*/}}
+{{- define "metronome.scrapeAnnotations" -}}
+{{- if .Values.monitor.scrapeAnnotations -}}{{ .Values.monitor.scrapeAnnotations }}
+{{- else if eq .Values.monitor.kind "ServiceMonitor" -}}never
+{{- else if eq .Values.monitor.kind "none" -}}always
+{{- else -}}auto
+{{- end -}}
+{{- end -}}
+
+{{/*
+The labels of every PrometheusRule (the chart's and the operator's per-service SLO rules): the monitors' labels,
+which a kube-prometheus-stack selects rules by as it selects monitors (`release: <its release name>`), and
+prometheusRule.labels.
+*/}}
+{{- define "metronome.ruleLabels" -}}
+{{- $labels := merge (deepCopy (.Values.prometheusRule.labels | default dict)) (.Values.monitor.labels | default dict) -}}
+{{- if $labels }}{{ toYaml $labels }}{{ end -}}
 {{- end -}}
