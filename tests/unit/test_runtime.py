@@ -1,11 +1,13 @@
 """The runtime against the in-memory API of kube_fakes: a reconcile brings children and status in line and a second
 one sends nothing; a transition is announced once; watch events queue the owner; a spec the operator cannot use
-is reported once per generation; a failure is retried after a doubling pause; a lost Lease stops the workers."""
+is reported once per generation; a failure is retried after a doubling pause; a lost Lease stops the workers; the
+loop's scale is a fenced patch of spec.replicas that the next reconcile carries to the Deployment."""
 from __future__ import annotations
 
 import copy
 
 from kube_fakes import MemoryKube
+from test_control_loop import LOCAL, apply_body, prometheus  # noqa: F401 - the fixture
 from test_reconcile import body
 
 from metronome.operator import builders, kinds, runtime
@@ -112,3 +114,29 @@ def test_a_fenced_write_leaves_nothing_written_and_the_service_queued_again(monk
     rt.queue.shutdown()  # what main.py does once the renew thread finds the Lease gone
     rt.queue.add(("ml", "other"))
     assert rt.process_next(0) is False
+
+
+def test_the_loops_scale_is_the_runtimes_fenced_patch_of_spec_replicas_and_the_deployment_follows(prometheus):  # noqa: F811
+    kube, owner = MemoryKube(), apply_body(minChunkSize=1024, scaleReplicas=True)  # at its floor, over the SLO
+    kube.put(owner)
+    rt = runtime.Runtime(kube, OperatorOptions(prometheus=LOCAL), cache=kube.cache)
+    later = []
+    rt.queue.add_after = lambda key, delay: later.append((key, delay))
+    leading = [False]
+
+    def fence():
+        if not leading[0]:
+            raise LeadershipLost("another replica holds the Lease")
+
+    kube.fence = fence
+    rt.queue.add(("ml", "chat"))
+    assert rt.process_next(0)
+    assert kube.requests == [] and prometheus["reads"] == 0  # no write, and no reading that would want one
+    assert later == [(("ml", "chat"), runtime.FENCED_RETRY_S)]
+    leading[0] = True
+    rt.reconcile("ml", "chat")
+    assert owner_now(kube)["spec"]["replicas"] == 3 and ("patch", "InferenceService") in kube.requests
+    assert kube.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == 2
+    assert rt.queue.get(0) == ("ml", "chat")  # queued again: its next reconcile scales the Deployment
+    rt.reconcile("ml", "chat")
+    assert kube.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == 3
