@@ -7,7 +7,10 @@ replicas:
   (raising its minReplicas scales spec.replicas and the Deployment follows); once the HPA is gone the loop scales
   again;
 - an HPA on the Deployment itself: the Deployment keeps the count the HPA set, through a spec change that rewrites
-  it, and READY counts against that count.
+  it, and READY counts against that count;
+- KEDA installed while the operator runs (its ScaledObject CRD, reduced to an open schema): a ScaledObject on a
+  service is seen through the watch kopf starts once the CRD is served, and the CRD's removal hands the replicas
+  back.
 
 No metrics server runs here, so an HPA only enforces its bounds: what these tests need of it.
 """
@@ -21,11 +24,11 @@ import yaml
 from metronome_testing.canned_prometheus import CannedPrometheus
 from metronome_testing.chart import chart_release, service_account_kubeconfig
 from metronome_testing.checkout import EXAMPLE
-from metronome_testing.kube_objects import condition, events_for, get_json
+from metronome_testing.kube_objects import condition, events_for, get_json, open_crd
 from metronome_testing.operator_process import OperatorProcess
 from metronome_testing.polling import wait_for
 
-LOOPED, PLAIN = "looped", "plain"
+LOOPED, PLAIN, KEDA = "looped", "plain", "keda"
 WINDOW_S = 10
 
 
@@ -150,3 +153,25 @@ def test_an_hpa_on_the_deployment_keeps_the_count_it_set(cluster, operator, ns):
     assert replicas_of(cluster, ns, PLAIN) == (1, 2)
     assert condition(isvc(cluster, ns, PLAIN), "Ready")["status"] == "True"
     cluster.kubectl("delete", "inferenceservices.metronome.dev", PLAIN, "-n", ns, "--wait=false")
+
+
+def test_keda_installed_later_is_followed(cluster, operator, ns):
+    cluster.apply(manifest(KEDA, 1), namespace=ns)
+    wait_for(lambda: (replicas_condition(cluster, ns, KEDA) or {}).get("reason") == "SpecReplicas",
+             "ReplicasManagedExternally=False", timeout=60)
+    cluster.apply(open_crd("keda.sh", "ScaledObject", "scaledobjects", version="v1alpha1"))
+    try:
+        cluster.kubectl("wait", "--for=condition=Established", "crd/scaledobjects.keda.sh", "--timeout=60s")
+        cluster.apply(yaml.safe_dump({"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+                                      "metadata": {"name": "keda-scaler"},
+                                      "spec": {"scaleTargetRef": {"name": KEDA}, "minReplicaCount": 1,
+                                               "maxReplicaCount": 3}}), namespace=ns)
+        managed = wait_for(lambda: (c := replicas_condition(cluster, ns, KEDA)) and c["status"] == "True" and c,
+                           "ReplicasManagedExternally=True from the ScaledObject", timeout=60)
+        assert managed["reason"] == "ScaledObject"
+        assert f"ScaledObject {ns}/keda-scaler sets the replicas of the Deployment" in managed["message"]
+    finally:
+        cluster.kubectl("delete", "crd", "scaledobjects.keda.sh", "--ignore-not-found", check=False)
+    wait_for(lambda: (replicas_condition(cluster, ns, KEDA) or {}).get("reason") == "SpecReplicas",
+             "the replicas back once KEDA is gone", timeout=60)
+    cluster.kubectl("delete", "inferenceservices.metronome.dev", KEDA, "-n", ns, "--wait=false")
