@@ -1,5 +1,6 @@
 """The objects the operator's watches deliver, as they last arrived (an informer's store): the InferenceServices,
-every kind of child, the server pods, and the CRDs of the optional children. The reconcile reads from here and
+every kind of child, the server pods, the other autoscalers (HPAs, ScaledObjects) and the CRDs of the optional
+kinds. The reconcile reads from here and
 the API only for writes, so an idle operator sends the API server nothing, however many services it serves.
 
 The operator's own writes are put in as the API server answered them (the watch event follows): the next
@@ -41,6 +42,7 @@ class ObjectCache:
         self._clock = clock
         self._objects: dict[Key, dict[str, Any]] = {}
         self._owned: dict[tuple[str, str, str], set[str]] = {}  # (kind, namespace, service) -> names
+        self._by_namespace: dict[tuple[str, str], set[str]] = {}  # (kind, namespace) -> names
         self._unconfirmed: dict[Key, float] = {}  # written by the operator, not delivered by a watch since: when
 
     @staticmethod
@@ -105,17 +107,30 @@ class ObjectCache:
             names = sorted(self._owned.get((kind, namespace, service), ()))
             return [self._objects[(kind, namespace, name)] for name in names]
 
+    def in_namespace(self, kind: str, namespace: str) -> list[dict[str, Any]]:
+        """Every object of `kind` held in `namespace` (another autoscaler's, which carries no owner label)."""
+        with self._lock:
+            names = sorted(self._by_namespace.get((kind, namespace), ()))
+            return [self._objects[(kind, namespace, name)] for name in names]
+
     def names(self, kind: str) -> list[tuple[str, str]]:
         """(namespace, name) of every object of `kind` held."""
         with self._lock:
             return [(ns, name) for k, ns, name in self._objects if k == kind]
 
     def _index(self, key: Key, obj: Mapping[str, Any] | None) -> None:
+        self._by_namespace.setdefault(key[:2], set()).add(key[2])
         service = self._service(obj)
         if service:
             self._owned.setdefault((key[0], key[1], service), set()).add(key[2])
 
     def _unindex(self, key: Key, obj: Mapping[str, Any] | None) -> None:
+        if obj is not None:
+            in_namespace = self._by_namespace.get(key[:2])
+            if in_namespace is not None:
+                in_namespace.discard(key[2])
+                if not in_namespace:
+                    del self._by_namespace[key[:2]]
         service = self._service(obj)
         if service:
             names = self._owned.get((key[0], key[1], service))

@@ -79,13 +79,17 @@ ANNOUNCED_REASONS = frozenset({"SpecRejected", "InvalidSpec"})
 # Conditions whose every step has Events of its own (the experiment's ExperimentStarted, ...Promoted): no second one.
 OWN_EVENTS = frozenset({"Experiment"})
 
+# Conditions whose False is no harm: no rollout under way, nobody but the operator setting the replicas.
+NEUTRAL_TYPES = frozenset({"Progressing", "ReplicasManagedExternally"})
+
 
 def describe_transitions(
     previous: Iterable[Mapping[str, Any]], current: Iterable[Mapping[str, Any]]
 ) -> list[EventSpec]:
-    """Events for conditions whose status or reason changed. A condition's first appearance as Unknown is not
-    news. Warnings: a known problem, or a condition that falls from True to False (pods that were ready and are
-    not any more) unless the fall is planned; a service still coming up is Normal."""
+    """Events for conditions whose status or reason changed. A condition's first appearance as Unknown (or as a
+    harmless False: no rollout, nobody but the operator setting the replicas) is not news. Warnings: a known
+    problem, or a condition that falls from True to False (pods that were ready and are not any more) unless the
+    fall is planned; a service still coming up is Normal."""
     before = {c.get("type"): c for c in previous}
     events = []
     for cond in current:
@@ -94,10 +98,12 @@ def describe_transitions(
         old = before.get(cond["type"])
         if old is not None and (old.get("status"), old.get("reason")) == (cond["status"], cond["reason"]):
             continue
-        if (old is None and cond["status"] == "Unknown") or cond["reason"] in ANNOUNCED_REASONS:
+        first_quiet = old is None and (cond["status"] == "Unknown"
+                                       or (cond["status"] == "False" and cond["type"] in NEUTRAL_TYPES))
+        if first_quiet or cond["reason"] in ANNOUNCED_REASONS:
             continue
         degraded = old is not None and old.get("status") == "True" and cond["status"] == "False"
-        planned = cond["reason"] in PLANNED_REASONS or cond["type"] == "Progressing"
+        planned = cond["reason"] in PLANNED_REASONS or cond["type"] in NEUTRAL_TYPES
         problem = cond["reason"] in PROBLEM_REASONS or (degraded and not planned)
         message = f"{cond['type']}={cond['status']}: {cond['message']}"
         events.append(EventSpec(WARNING if problem else NORMAL, cond["reason"], message))

@@ -61,8 +61,10 @@ def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observe
             # The autotuner holds still while an experiment compares against the served config.
             tuned = service if not trial.pause_tuner else _paused(service)
             ready = rollout_of(observed.deployment, service.spec.replicas).ready if observed.deployment else 0
+            owner = observed.scalers.owner if observed.scalers is not None else None
             result = autotune.step(tuned, observed.served_config, body.get("status") or {}, observation,
-                                   unavailable, now, memory.last_change_time, ready_pods=ready)
+                                   unavailable, now, memory.last_change_time, ready_pods=ready,
+                                   recent=memory.recommendations, replicas_owner=owner)
             result, proposal = _canary(service, observed, result, trial, now)
             experiment = trial.status
             if proposal is not None:
@@ -72,7 +74,9 @@ def tick(kube: Kube, service: InferenceService, body: Mapping[str, Any], observe
                 experiment = trial.status if trial.status is not None else experiment
             observed = _actuate(kube, service, body, observed, result, configs)
             replicas, last_decision, decision = result.replicas, result.last_decision, result.decision
-            problem = memory.remember(result, now, service.generation, service.spec.autotune.interval_seconds)
+            tuning = service.spec.autotune
+            problem = memory.remember(result, now, service.generation, tuning.interval_seconds,
+                                      tuning.scale_down_stabilization_seconds)
             if problem:
                 kube.emit_event(body, "Warning", "AutotuneBlocked", problem)
     served_generation = observed.served_config.generation if observed.served_config is not None else None

@@ -2,11 +2,12 @@
 
 kopf is the watch machinery here (list, watch, re-list after an outage, retries, CRDs that appear later): one
 `on.event` per kind — the InferenceServices, every kind of child and the server pods (selected on the server by
-the operator's own label), and the CRDs of the optional children — hands each event to the runtime, which keeps
-the object in its cache and queues the owner's reconcile (runtime.py). No kopf change handler (create, update,
-resume, field), so no progress or last-handled annotations on the resources: what was applied is read from the
-cluster itself (the children's fingerprints, the ConfigMap's spec.server digest, status.observedGeneration), and
-a new leader trusts nothing an old one wrote about its own progress. No timer or daemon either: kopf would put a
+the operator's own label), the HPAs and KEDA ScaledObjects (which may set a service's replicas), and the CRDs of
+the optional kinds — hands each event to the runtime, which keeps the object in its cache and queues the owner's
+reconcile (runtime.py). No kopf change handler (create, update, resume, field), so no progress or last-handled
+annotations on the resources: what was applied is read from the cluster itself (the children's fingerprints, the
+ConfigMap's spec.server digest, status.observedGeneration), and a new leader trusts nothing an old one wrote about
+its own progress. No timer or daemon either: kopf would put a
 finalizer on every object they serve, which leaves objects stuck when the operator is gone (`helm uninstall`
 with resources left); without one, nothing blocks a deletion and the garbage collector removes the children
 through their owner references.
@@ -98,6 +99,9 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> None:
     for kind in kinds.WATCHED:
         labels = {builders.LABEL_MANAGED_BY: builders.MANAGED_BY}
         on.event(group=kind.group, version=kind.version, plural=kind.plural, labels=labels, registry=registry,
+                 id=f"watch/{kind.plural}")(_watch(kind))
+    for kind in kinds.SCALERS:  # the user's: no label to select on (kopf watches KEDA's once its CRD is served)
+        on.event(group=kind.group, version=kind.version, plural=kind.plural, registry=registry,
                  id=f"watch/{kind.plural}")(_watch(kind))
     crd = kinds.CRD
     on.event(group=crd.group, version=crd.version, plural=crd.plural, when=_optional_crd, registry=registry,

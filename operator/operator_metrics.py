@@ -1,8 +1,9 @@
 """The operator's own Prometheus series (names: metronome.contract.metric_names, OPERATOR_*), served on
 `--metrics-port` for dashboards: the control loop's decisions by action (the Grafana dashboard draws them as
-annotations) and each service's SLO targets (drawn next to the servers' p99s).
+annotations), each service's SLO targets (drawn next to the servers' p99s), and the replicas its last reading
+says the service needs (what an HPA or KEDA can drive it by instead of the loop).
 
-`OperatorMetrics` holds one registry; the handlers call `after_tick` on every refresh of a service (its SLO
+`OperatorMetrics` holds one registry; the runtime calls `after_tick` on every reconcile of a service (its SLO
 targets, and the loop's decision when a reading was due) and `forget` when it is deleted. Serving is
 prometheus_client's own HTTP server on a daemon thread.
 """
@@ -28,6 +29,9 @@ class OperatorMetrics:
                                  registry=self.registry)
         self.slo_target = Gauge(names.OPERATOR_SLO_TARGET, "The service's SLO target, by objective.",
                                 SERVICE_LABELS + [names.SLO_OBJECTIVE_LABEL], registry=self.registry)
+        self.desired_replicas = Gauge(names.OPERATOR_DESIRED_REPLICAS, "The replicas the control loop's last "
+                                      "reading says the offered load needs, within the service's bounds.",
+                                      SERVICE_LABELS, registry=self.registry)
         self._lock = threading.Lock()
         self._actions: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
@@ -42,6 +46,8 @@ class OperatorMetrics:
         if decision is not None:
             self.record(service.namespace, service.name, tuple(action.value for action in decision.actions),
                         applied=not decision.advisory)
+        if decision is not None and decision.recommended_replicas is not None:
+            self.desired_replicas.labels(service.namespace, service.name).set(decision.recommended_replicas)
 
     def record(self, namespace: str, name: str, actions: tuple[str, ...], applied: bool) -> None:
         """One decision of the loop for one service: each of its actions counted once."""
@@ -71,6 +77,10 @@ class OperatorMetrics:
             seen = self._actions.pop((namespace, name), set())
         for action, flag in seen:
             self.decisions.remove(namespace, name, action, flag)
+        try:
+            self.desired_replicas.remove(namespace, name)
+        except KeyError:
+            pass
 
     def serve(self, host: str, port: int):
         """Serve GET /metrics on host:port (a daemon thread); returns the server, whose shutdown() stops it."""

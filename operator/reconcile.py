@@ -25,6 +25,7 @@ from metronome.contract.config import ServerConfigFile, next_server_config
 from metronome.operator import builders, changes, configmap, drift, inference_pool, kinds, refusals
 from metronome.operator.alerts import RuleSettings
 from metronome.operator.cache import ObjectCache
+from metronome.operator.external_scalers import ScalerView
 from metronome.operator.k8s import Kube, KubeError, namespace_terminating
 from metronome.operator.metrics_source import MetricsUnavailable, PrometheusSettings, ServiceSelector, try_observe
 from metronome.operator.monitoring import MonitorSettings
@@ -198,7 +199,8 @@ def _write_planned_config(kube: Kube, owner: Mapping[str, Any], plan: ConfigPlan
 # --- the workload children -----------------------------------------------------------------------------------
 
 
-def desired_children(ctx: Children, service: InferenceService) -> tuple[list[dict[str, Any]], list[kinds.Kind]]:
+def desired_children(ctx: Children, service: InferenceService, scalers: ScalerView = ScalerView()
+                     ) -> tuple[list[dict[str, Any]], list[kinds.Kind]]:
     """The children to keep (stamped), and the kinds of child this service must not have (to delete)."""
     monitored = ctx.monitor.pod_monitors and ctx.crd_served(kinds.POD_MONITOR.crd)
     rules = ctx.rules if ctx.rules is not None and ctx.crd_served(kinds.PROMETHEUS_RULE.crd) else None
@@ -210,7 +212,23 @@ def desired_children(ctx: Children, service: InferenceService) -> tuple[list[dic
     kept = {child["kind"] for child in children}
     retired = [kind for kind in (kinds.DISRUPTION_BUDGET, kinds.POD_MONITOR, kinds.PROMETHEUS_RULE,
                                  kinds.INFERENCE_POOL) if kind.kind not in kept]
-    return [drift.stamped(child) for child in children], retired
+    stamped = [drift.stamped(child) for child in children]
+    if scalers.on_deployment:
+        _keep_scaled_replicas(ctx.cache, service, stamped)
+    return stamped, retired
+
+
+def _keep_scaled_replicas(cache: ObjectCache, service: InferenceService, children: list[dict[str, Any]]) -> None:
+    """While an HPA or a ScaledObject scales the Deployment itself, the Deployment keeps the count it set
+    (spec.replicas would undo it at every write). Its fingerprint stays the one of spec.replicas, so the scaler's
+    moves are no change to write."""
+    live = cache.get(kinds.DEPLOYMENT.kind, service.namespace, builders.child_names(service.name).deployment)
+    replicas = ((live or {}).get("spec") or {}).get("replicas")
+    if not isinstance(replicas, int):
+        return
+    for child in children:
+        if child["kind"] == kinds.DEPLOYMENT.kind:
+            child["spec"] = {**child["spec"], "replicas": replicas}
 
 
 def _pool_notice(ctx: Children, service: InferenceService, children: list[dict[str, Any]]) -> changes.EventSpec | None:
@@ -257,12 +275,13 @@ def _dry_run(kube: Kube, writes: list[dict[str, Any]]) -> refusals.Refusal | Non
 
 
 def sync_children(ctx: Children, service: InferenceService, owner: Mapping[str, Any], memory: ConfigMemory,
-                  refused: SyncMemory, now: float) -> SyncOutcome:
+                  refused: SyncMemory, now: float, scalers: ScalerView = ScalerView()) -> SyncOutcome:
     """Write what differs from the spec (the ConfigMap first: the pods mount it), delete the children the spec no
-    longer asks for; or, when the API server refuses the change, write nothing and say why."""
+    longer asks for; or, when the API server refuses the change, write nothing and say why. `scalers`: the other
+    autoscalers on the service (one on the Deployment keeps its count)."""
     kube, cache = ctx.kube, ctx.cache
     plan = plan_config(cache, service, owner, memory)
-    children, retired = desired_children(ctx, service)
+    children, retired = desired_children(ctx, service, scalers)
     _verify_unconfirmed(kube, cache, children)
     stale = [c for c in children if refused.stale(_cached(cache, c), c)]
     if any(c["kind"] == kinds.INFERENCE_POOL.kind for c in stale) or (
@@ -309,14 +328,16 @@ def sync_children(ctx: Children, service: InferenceService, owner: Mapping[str, 
 
 
 def observe(cache: ObjectCache, service: InferenceService, memory: ConfigMemory | None = None,
-            refusal: refusals.Refusal | None = None) -> Observed:
-    """The Deployment, the served config and the server pods, as the watches last delivered them."""
+            refusal: refusals.Refusal | None = None, scalers: ScalerView | None = None) -> Observed:
+    """The Deployment, the served config and the server pods, as the watches last delivered them (and the
+    scalers the runtime found, for the status)."""
     names = builders.child_names(service.name)
     deployment = cache.get(kinds.DEPLOYMENT.kind, service.namespace, names.deployment)
     existing = cache.get(kinds.CONFIG_MAP.kind, service.namespace, names.config_map)
     config, error = configmap.safe_read_server_config(existing, memory.written if memory is not None else None)
     pods = tuple(cache.owned(kinds.POD.kind, service.namespace, service.name))
-    return Observed(deployment=deployment, pods=pods, served_config=config, config_error=error, refusal=refusal)
+    return Observed(deployment=deployment, pods=pods, served_config=config, config_error=error, refusal=refusal,
+                    scalers=scalers)
 
 
 def read_metrics(

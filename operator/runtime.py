@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metronome.contract.rfc3339 import format_time
-from metronome.operator import kinds, reconcile
+from metronome.operator import external_scalers, kinds, reconcile
 from metronome.operator import status as status_mod
 from metronome.operator.cache import LABEL_SERVICE, ObjectCache
 from metronome.operator.changes import WARNING, describe_transitions
@@ -122,6 +122,9 @@ class Runtime:
     def observe(self, kind: kinds.Kind, event_type: str | None, obj: Mapping[str, Any]) -> None:
         """A watch event (event_type None: the initial listing): keep the object, queue its service."""
         meta = obj.get("metadata") or {}
+        if kind in kinds.SCALERS:
+            self._observe_scaler(kind, event_type, obj)
+            return
         if event_type == "DELETED":
             self.cache.delete(kind.kind, obj)
         else:
@@ -143,6 +146,24 @@ class Runtime:
         owner = (meta.get("labels") or {}).get(LABEL_SERVICE)
         if owner and meta.get("namespace"):
             self.queue.add((meta["namespace"], owner))
+
+    def _observe_scaler(self, kind: kinds.Kind, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        """An HPA or a ScaledObject: queue the services it targeted before and targets now. Its status changes
+        (every few seconds while it scales) move nothing here, so only a new one, a deleted one or a changed
+        scaleTargetRef queues a reconcile."""
+        meta = obj.get("metadata") or {}
+        before = self.cache.get(kind.kind, meta.get("namespace"), meta.get("name") or "")
+        if event_type == "DELETED":
+            self.cache.delete(kind.kind, obj)
+        else:
+            self.cache.put(kind.kind, obj)
+        retargeted = before is None or event_type == "DELETED" or (
+            external_scalers.scale_target(kind.kind, before) != external_scalers.scale_target(kind.kind, obj))
+        if not retargeted:
+            return
+        for key in (external_scalers.targeted_services(kind.kind, before, self.cache)
+                    | external_scalers.targeted_services(kind.kind, obj, self.cache)):
+            self.queue.add(key)
 
     def queue_all(self) -> None:
         for key in self.cache.names(kinds.INFERENCE_SERVICE.kind):
@@ -217,10 +238,13 @@ class Runtime:
         state.invalid_generation = None
         children = reconcile.Children(kube=self.kube, cache=self.cache, monitor=self.options.monitor,
                                       rules=self.options.slo_rules, crd_served=self.crd_served)
-        outcome = reconcile.sync_children(children, service, owner, state.configs, state.refused, time.time())
+        scalers = external_scalers.cached_scalers(self.cache, service,
+                                                  keda_served=self.crd_served(kinds.SCALED_OBJECT.crd))
+        outcome = reconcile.sync_children(children, service, owner, state.configs, state.refused, time.time(),
+                                          scalers)
         if outcome.wrote:  # once more when what was written should have come back through the watches
             self.queue.add_after((namespace, name), reconcile.CONFIRM_S + 1.0)
-        observed = reconcile.observe(self.cache, service, state.configs, outcome.refusal)
+        observed = reconcile.observe(self.cache, service, state.configs, outcome.refusal, scalers)
         result = tick(self.kube, service, owner, observed, state.tuner, self.options.prometheus, state.configs,
                       self.cache)
         if self.metrics is not None:

@@ -198,6 +198,7 @@ AUTOTUNE_FIELDS = {
     "deadbandHigh": "deadband_high", "chunkGranularity": "chunk_granularity",
     "policySwitching": "policy_switching", "scaleReplicas": "scale_replicas", "prefillHeadroom": "prefill_headroom",
     "canary": "canary", "canaryChunkChange": "canary_chunk_change",
+    "scaleDownHeadroom": "scale_down_headroom", "scaleDownStabilizationSeconds": "scale_down_stabilization_seconds",
 }
 
 

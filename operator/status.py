@@ -13,10 +13,12 @@ from typing import Any
 from metronome.contract.budget import prefill_budget, split_sizes
 from metronome.contract.config import ServerConfigFile
 from metronome.operator.builders import selector_string
+from metronome.operator.external_scalers import ScalerView
 from metronome.operator.model_fetch import FETCH_CONTAINER
 from metronome.operator.refusals import Refusal
 from metronome.operator.spec import InferenceService, SLOSpec
 from metronome.operator.tuning.autotune import ServingMetrics
+from metronome.operator.tuning.settings import AutotuneMode
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -24,7 +26,9 @@ METRICS_AVAILABLE = "MetricsAvailable"
 SLO_MET = "SLOMet"
 CONFIG_APPLIED = "ConfigApplied"
 EXPERIMENT = "Experiment"  # only on services that have had an experiment (status.experiment)
-CONDITION_TYPES = (READY, PROGRESSING, METRICS_AVAILABLE, SLO_MET, CONFIG_APPLIED, EXPERIMENT)
+REPLICAS_MANAGED_EXTERNALLY = "ReplicasManagedExternally"
+CONDITION_TYPES = (READY, PROGRESSING, METRICS_AVAILABLE, SLO_MET, CONFIG_APPLIED, REPLICAS_MANAGED_EXTERNALLY,
+                   EXPERIMENT)
 
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 SLO_STATES = {TRUE: "Met", FALSE: "Violated", UNKNOWN: "Unknown"}
@@ -42,6 +46,7 @@ class Observed:
     # (reason, message) that replaces SLOMet's SLOViolated when the control loop cannot fix the violation
     # (chunk at its floor, no replicas to add): the condition then says why it stays violated.
     slo_override: tuple[str, str] | None = None
+    scalers: ScalerView | None = None  # the HPAs and ScaledObjects that target the service (None: not looked)
     # The API server refused the children of this generation (refusals.Refusal): nothing of it was written, the
     # pods run the generation last applied.
     refusal: Refusal | None = None
@@ -358,6 +363,32 @@ def experiment_condition(experiment: Mapping[str, Any]) -> tuple[str, str, str]:
     return FALSE, phase or "Unknown", message
 
 
+def replicas_condition(service: InferenceService, scalers: ScalerView | None) -> tuple[str, str, str]:
+    """Whether an HPA or a KEDA ScaledObject sets the replicas (then the control loop leaves them alone), and if
+    not, who does."""
+    if scalers is None:
+        return UNKNOWN, "NotObserved", "HorizontalPodAutoscalers and ScaledObjects have not been looked at yet"
+    if scalers.scalers:
+        first = scalers.scalers[0]
+        targets = " and ".join(sorted({s.target_kind for s in scalers.scalers}))
+        return TRUE, first.kind, (f"{scalers.owner} sets the replicas of the {targets}: the control loop leaves "
+                                  "them alone and still tunes the chunk size and queue policy")
+    autotune = service.spec.autotune
+    if autotune.scale_replicas and autotune.mode is AutotuneMode.APPLY:
+        return FALSE, "AutotuneScales", (f"the control loop sets spec.replicas within [{autotune.min_replicas}, "
+                                         f"{autotune.max_replicas}]")
+    return FALSE, "SpecReplicas", "spec.replicas as set (by hand, kubectl scale or the scale subresource)"
+
+
+def desired_replicas(service: InferenceService, observed: Observed) -> int:
+    """The pods there should be: spec.replicas, or the Deployment's own count while a scaler drives it directly or
+    while the children of this generation are refused (the pods run the generation last applied)."""
+    on_deployment = observed.scalers is not None and observed.scalers.on_deployment
+    if (on_deployment or observed.refusal is not None) and observed.deployment is not None:
+        return int((observed.deployment.get("spec") or {}).get("replicas", service.spec.replicas))
+    return service.spec.replicas
+
+
 # --- the whole status ----------------------------------------------------------------------------------------
 
 
@@ -389,9 +420,7 @@ def compute_status(
     one are refused (observed.refusal); otherwise this generation is the applied one."""
     previous = list(previous_conditions)
     refusal = observed.refusal
-    desired = service.spec.replicas
-    if refusal is not None and observed.deployment is not None:  # the pods run the last generation applied
-        desired = int((observed.deployment.get("spec") or {}).get("replicas", desired))
+    desired = desired_replicas(service, observed)
     rollout = rollout_of(observed.deployment, desired) if observed.deployment is not None else None
     metrics = observed.metrics
 
@@ -406,6 +435,7 @@ def compute_status(
         make(METRICS_AVAILABLE, metrics_condition(metrics)),
         make(SLO_MET, slo_verdict),
         make(CONFIG_APPLIED, config_condition(observed, rollout)),
+        make(REPLICAS_MANAGED_EXTERNALLY, replicas_condition(service, observed.scalers)),
     ]
     if observed.experiment:
         conditions.append(make(EXPERIMENT, experiment_condition(observed.experiment)))

@@ -76,7 +76,8 @@ OPERATOR_PREFIX = PREFIX + "operator_"
 SERVICE_NAMESPACE_LABEL = "inferenceservice_namespace"
 SERVICE_LABEL = "inferenceservice"
 # The control loop's decisions, by action (the tuner's action kinds: chunk_down, chunk_up, policy_switch,
-# scale_up, slo_unreachable, hold, no_data) and whether they were applied or only advised (label `applied`).
+# scale_up, scale_down, slo_unreachable, hold, no_data) and whether they were applied or only advised (label
+# `applied`).
 OPERATOR_DECISIONS = OPERATOR_PREFIX + "decisions_total"
 DECISION_ACTION_LABEL = "action"
 DECISION_APPLIED_LABEL = "applied"
@@ -84,7 +85,12 @@ DECISION_APPLIED_LABEL = "applied"
 OPERATOR_SLO_TARGET = OPERATOR_PREFIX + "slo_target_seconds"
 SLO_OBJECTIVE_LABEL = "objective"
 SLO_OBJECTIVES = ("tbt_p99", "ttft_p99")
-OPERATOR_NAMES = (OPERATOR_DECISIONS, OPERATOR_SLO_TARGET)
+# The replicas the loop's last reading says the service needs: what carries the offered load with
+# autotune.scaleDownHeadroom by the step model (a scale-up's count while no chunk meets the SLO), within
+# [minReplicas, maxReplicas], whoever sets the replicas. An HPA (an External metric through prometheus-adapter with
+# an AverageValue target of 1) or KEDA's prometheus scaler (threshold 1) can drive the service by it.
+OPERATOR_DESIRED_REPLICAS = OPERATOR_PREFIX + "desired_replicas"
+OPERATOR_NAMES = (OPERATOR_DECISIONS, OPERATOR_SLO_TARGET, OPERATOR_DESIRED_REPLICAS)
 
 # --- the endpoint picker's names -----------------------------------------------------------------------------
 # The Gateway API Inference Extension's endpoint picker (and llm-d's router after it) scrapes each pod of an

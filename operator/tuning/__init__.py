@@ -5,6 +5,8 @@
 - `step_model.py`: the step-time fit and what it predicts;
 - `decision.py`: `CurrentConfig` (what is served, as a prefill budget) and `Decision`;
 - `controller.py`: `decide`, the rules in order;
+- `replicas.py`: the replica half: the offered load, the step model's replica count, the scale-down's
+  stabilization window;
 - `actuation.py`: `tune`, one step for one service (decide, lay the budget out, the next server.yaml), which the
   operator and `metronome bench loop` both call;
 - `autotune.py`: `step`, a reading → status fields, lastDecision, Events and what to write (`TuneResult`), and

@@ -7,6 +7,7 @@ operator's own.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from metronome.contract.budget import with_budget
@@ -14,6 +15,7 @@ from metronome.contract.config import ConfigError, SchedulerConfig, ServerConfig
 from metronome.operator.tuning.controller import decide
 from metronome.operator.tuning.decision import CurrentConfig, Decision
 from metronome.operator.tuning.observation import Observation
+from metronome.operator.tuning.replicas import Recommendation
 from metronome.operator.tuning.settings import AutotuneSpec
 
 
@@ -37,11 +39,15 @@ def scheduler_for(decision: Decision, served: SchedulerConfig) -> SchedulerConfi
 
 
 def tune(observation: Observation | None, served: ServerConfigFile, replicas: int, spec: AutotuneSpec, now: float,
-         last_change_time: float | None = None) -> Tuned:
+         last_change_time: float | None = None, recent: Sequence[Recommendation] = (),
+         replicas_owner: str | None = None) -> Tuned:
     """One step for one service: `observation` None when there is no reading; `last_change_time` when the loop
-    last changed something (None: never). Raises SpecError when the spec cannot be tuned by (no SLO)."""
-    current = CurrentConfig.from_scheduler(served.scheduler, replicas, served.generation, last_change_time)
-    decision = decide(observation, current, spec, now)
+    last changed something (None: never); `recent` the earlier readings' replica recommendations;
+    `replicas_owner` who else sets the replica count (an HPA, a ScaledObject; None: the loop may). Raises SpecError
+    when the spec cannot be tuned by (no SLO)."""
+    current = CurrentConfig.from_scheduler(served.scheduler, replicas, served.generation, last_change_time,
+                                           replicas_owner)
+    decision = decide(observation, current, spec, now, recent)
     if not decision.changed or (decision.chunk_size, decision.queue_policy) == (current.chunk_size,
                                                                                current.queue_policy):
         return Tuned(current, decision)

@@ -21,7 +21,7 @@ Rules:
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from metronome.operator.spec_error import SpecError
 from metronome.operator.tuning.actuation import Tuned, scheduler_for, tune
 from metronome.operator.tuning.decision import CurrentConfig, Decision
 from metronome.operator.tuning.observation import MetricsUnavailable, Observation
+from metronome.operator.tuning.replicas import Recommendation, prune
 from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec
 
 if TYPE_CHECKING:
@@ -160,10 +161,14 @@ def step(
     now: float,
     remembered_change_time: float | None = None,
     ready_pods: int | None = None,
+    recent: Sequence[Recommendation] = (),
+    replicas_owner: str | None = None,
 ) -> TuneResult:
     """One reading of one service. `remembered_change_time` is this process's own record of its last change
     (status may lag a tick behind the patch that wrote it); the later of the two counts. `ready_pods`: the
-    Deployment's ready replicas (None = unknown)."""
+    Deployment's ready replicas (None = unknown). `recent`: the replica recommendations of this process's earlier
+    readings (TunerMemory). `replicas_owner`: the HPA or ScaledObject that sets the replicas (the loop then
+    leaves them alone)."""
     metrics = serving_metrics(observation, unavailable, served.generation if served is not None else None,
                               ready_pods=ready_pods)
     reading = TuneResult(metrics, dict(observation.pod_generations) if observation is not None else None)
@@ -177,7 +182,7 @@ def step(
 
     try:
         tuned = tune(observation if unavailable is None else None, served, service.spec.replicas, spec, now,
-                     _latest(last_change_time(status), remembered_change_time))
+                     _latest(last_change_time(status), remembered_change_time), recent, replicas_owner)
     except SpecError as exc:
         return replace(reading, problem=f"autotune is {spec.mode.value} but cannot run: {exc}")
     decision, current = tuned.decision, tuned.current
@@ -288,6 +293,9 @@ class TunerMemory:
     slo_override: tuple[str, str] | None = None
     last_change_time: float | None = None
     problem: str | None = None
+    # The replica recommendations of the readings within the scale-down stabilization window (and the newest one
+    # before it, which shows the window is covered); lost on restart, so a restarted operator waits a full window.
+    recommendations: tuple[Recommendation, ...] = ()
     # The status timer and the change handlers of one object run in different threads: one reading at a time.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -302,7 +310,8 @@ class TunerMemory:
             return None
         return replace(self.metrics, pods_on_generation=pods_on_generation(self.pod_generations, served_generation))
 
-    def remember(self, result: TuneResult, now: float, spec_generation: int, interval_seconds: float) -> str | None:
+    def remember(self, result: TuneResult, now: float, spec_generation: int, interval_seconds: float,
+                 stabilization_seconds: float = 0.0) -> str | None:
         """Store a reading; return the problem to announce if it is new (None when unchanged or gone)."""
         self.next_reading = now + interval_seconds
         self.spec_generation = spec_generation
@@ -311,6 +320,10 @@ class TunerMemory:
         self.slo_override = result.slo_override
         if result.applied_change:
             self.last_change_time = now
+        recommended = result.decision.recommended_replicas if result.decision is not None else None
+        if recommended is not None:
+            self.recommendations = prune((*self.recommendations, Recommendation(now, recommended)), now,
+                                         stabilization_seconds)
         fresh = result.problem if result.problem != self.problem else None
         self.problem = result.problem
         return fresh

@@ -19,7 +19,8 @@ Order of the rules, first match wins:
    multiplicative_up stays within the policy's aim: target·margin for `model`, the target for `multiplicative`)
    when TBT is under target; over target
    `model` still shrinks as far as its prefill floor (below), which keeps prefill fed; otherwise it holds
-   (replicas + 1 if `scale_replicas`, else `slo_unreachable` while an SLO is broken).
+   (more replicas if `scale_replicas`, rule 6, unless the queue is draining or the step model says the replicas
+   there carry the offered load; else `slo_unreachable` while an SLO is broken).
 4. deadband → hold while deadband_low ≤ p99 / target ≤ upper, where upper is deadband_high (0.95) for
    `model`, which aims at target·margin (0.9) inside the band, and 1.0 for `multiplicative`.
 5. chunk size, by policy:
@@ -38,20 +39,38 @@ Order of the rules, first match wins:
    Every proposal is capped (at most ×max_step_up, ÷max_step_down per decision) and clamped to the bounds;
    a current size outside the bounds (the bounds were edited) is first brought inside them, uncapped.
 6. chunk already at its floor and the SLO still violated → under `split`, whose floor is the short-prompt
-   threshold, `fcfs` with the smaller chunk a rule asked for (when policy switching is on); else replicas + 1 if
-   `scale_replicas` and below the maximum, else `slo_unreachable` with a reason (the handler sets a condition and
-   an Event).
+   threshold, `fcfs` with the smaller chunk a rule asked for (when policy switching is on); else, if
+   `scale_replicas`, nobody else sets the replicas (`replicas_owner`: an HPA, a ScaledObject) and below the
+   maximum, as many replicas as the step model says the offered load needs (replicas.py; at least one more; while
+   requests waited all window and without a fit, the served prefill rate sizes it), held while pods of the last
+   scale-up are still missing; else `slo_unreachable` with a reason (the handler sets a condition and an Event).
+7. replicas down, before any chunk change (the chunk is retuned for the load each remaining replica carries):
+   every reading records a recommendation (the smallest count predicted to carry scale_down_headroom × the
+   offered load; minReplicas for an idle service, whose too few samples are no data otherwise); while the SLO
+   holds, prefill keeps up and no other rule asks the servers to carry less, replicas go down to the largest
+   recommendation of the last scale_down_stabilization_seconds, once the readings (`recent`) cover that window.
 Advise mode computes the same decision and records it as a proposal without acting.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from metronome.contract.config import QueuePolicy
 from metronome.operator.spec_error import SpecError
 from metronome.operator.tuning.decision import ActionKind, CurrentConfig, Decision
 from metronome.operator.tuning.observation import Observation
+from metronome.operator.tuning.replicas import (
+    Recommendation,
+    ReplicaEstimate,
+    is_idle,
+    model_replicas,
+    offered_load,
+    saturated_replicas,
+    stabilized_count,
+    utilization_replicas,
+)
 from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec, TuningPolicy
 from metronome.operator.tuning.step_model import (
     FitError,
@@ -78,6 +97,7 @@ class _Proposal:
     slo_unreachable: bool = False
     predicted_tbt_p99_s: float | None = None
     fit_r_squared: float | None = None
+    wanted_replicas: int | None = None  # the count a scale-up would have chosen where the loop may not scale
 
 
 FAR_OVER_TARGET = 2.0  # p99 TBT / target above which a chunk change goes before a queue-policy switch
@@ -87,8 +107,11 @@ FAR_OVER_TARGET = 2.0  # p99 TBT / target above which a chunk change goes before
 QUEUE_TTFT_SHARE = 0.5
 
 
-def decide(observation: Observation | None, current: CurrentConfig, spec: AutotuneSpec, now: float) -> Decision:
-    """The next step for one service. Pure: same inputs, same Decision. Raises SpecError without an SLO."""
+def decide(observation: Observation | None, current: CurrentConfig, spec: AutotuneSpec, now: float,
+           recent: Sequence[Recommendation] = ()) -> Decision:
+    """The next step for one service. Pure: same inputs, same Decision. `recent`: the replica recommendations of
+    earlier readings (Decision.recommended_replicas with their times), which a scale-down must agree with.
+    Raises SpecError without an SLO."""
     if spec.tbt_p99_target_s is None:
         raise SpecError("spec.slo.tbtP99Ms is required for autotuning")
     if observation is None:
@@ -96,8 +119,9 @@ def decide(observation: Observation | None, current: CurrentConfig, spec: Autotu
                         else f"autotune is off; {METRICS_UNAVAILABLE}")
     tbt = observation.tbt_p99_s
     if tbt is None or not math.isfinite(tbt) or observation.sample_count < spec.min_samples:
-        return _no_data(current, f"{METRICS_UNAVAILABLE}: {observation.sample_count} TBT samples in the "
-                                 f"{observation.window_seconds:.0f} s window (need {spec.min_samples})")
+        no_data = _no_data(current, f"{METRICS_UNAVAILABLE}: {observation.sample_count} TBT samples in the "
+                                    f"{observation.window_seconds:.0f} s window (need {spec.min_samples})")
+        return _idle(observation, current, spec, now, recent) or no_data
     ratio = tbt / spec.tbt_p99_target_s
     ttft_ok = (spec.ttft_p99_target_s is None or observation.ttft_p99_s is None
                or observation.ttft_p99_s <= spec.ttft_p99_target_s)
@@ -112,7 +136,15 @@ def decide(observation: Observation | None, current: CurrentConfig, spec: Autotu
     chunk = _prefill_guard(observation, current, spec, ratio) or _tune_chunk(observation, current, spec, ratio)
     # Far over target the chunk is the coarse knob: a policy switch first would cost a whole settling window.
     chunk_first = ratio > FAR_OVER_TARGET and chunk.chunk_size != current.chunk_size
-    return _finish(switch if switch is not None and not chunk_first else chunk, current, spec, observed)
+    proposal = switch if switch is not None and not chunk_first else chunk
+    pending = _replicas_pending(observation, current, spec, now)
+    if pending is not None and proposal.replicas > current.replicas:
+        proposal = _hold_proposal(current, f"{proposal.reason}; but {pending}: waiting for them before adding more",
+                                  proposal.policy_used)
+    recommended = _recommendation(observation, current, spec, proposal, healthy=observed["slo_met"])
+    # On the way down replicas go first: the chunk is retuned for the load each remaining replica then carries.
+    down = _scale_down(observation, current, spec, proposal, recommended, recent, now)
+    return _finish(down or proposal, current, spec, observed, recommended.replicas)
 
 
 # --- rule 2: let the last change take effect before judging it -------------------------------------------------
@@ -218,16 +250,16 @@ def _prefill_guard(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
         if shrink is not None and shrink.chunk_size < current.chunk_size:
             return replace(shrink, reason=f"{basis}, but chunk {current.chunk_size} is above what prefill needs: "
                                           f"{shrink.reason}")
+    shrank = -(obs.waiting_growth or 0.0)
+    if ratio <= 1.0 and shrank >= spec.queue_growth_limit:
+        # Prefill outruns the arrivals (a backlog from before the last change draining): more replicas would not
+        # serve the requests already queued sooner.
+        return _hold_proposal(current, f"{basis}, but the queue shrank by {shrank:.0f} in "
+                                       f"{obs.window_seconds:.0f} s: prefill is catching up", "prefill-guard")
     room = (f"no room left under the TBT target ({ratio:.0%} of it)" if ratio < 1.0
             else "TBT is over target too")
     basis = f"{basis}: {room}, not shrinking the budget"
-    if spec.scale_replicas and current.replicas < spec.max_replicas:
-        return _Proposal(current.chunk_size, current.queue_policy, current.replicas + 1,
-                         f"{basis}; replicas {current.replicas}→{current.replicas + 1}", (ActionKind.SCALE_UP,),
-                         policy_used="scale")
-    return _Proposal(current.chunk_size, current.queue_policy, current.replicas,
-                     f"{basis}{'' if spec.scale_replicas else ' (scaleReplicas is off)'}",
-                     (ActionKind.SLO_UNREACHABLE,), policy_used="prefill-guard", slo_unreachable=True)
+    return _scale_up(obs, current, spec, basis, "prefill-guard", fit, unless_model_disagrees=True)
 
 
 def _aim(spec: AutotuneSpec) -> float:
@@ -324,7 +356,7 @@ def _proportional_step(obs: Observation, current: CurrentConfig, spec: AutotuneS
                 current.chunk_size)
     reason = f"{note}{_tbt_text(tbt, spec)}: ×{factor:.2f}"
     if chunk >= current.chunk_size:
-        return _at_floor(current, spec, reason, "model-proportional", None, wanted, spec.chunk_granularity)
+        return _at_floor(obs, current, spec, reason, "model-proportional", None, wanted, spec.chunk_granularity)
     return _Proposal(chunk, current.queue_policy, current.replicas,
                      f"{reason} → {chunk}{_cap_note(wanted, chunk, spec, _floor(spec, current))}",
                      (ActionKind.CHUNK_DOWN,), policy_used="model-proportional")
@@ -353,7 +385,7 @@ def _model_step(obs: Observation, current: CurrentConfig, spec: AutotuneSpec,
     def blocked(why: str, wanted: int | None = None) -> _Proposal:
         # Cannot shrink: a capacity problem only once the SLO is actually broken (`wanted`: see _at_floor).
         if violated:
-            return _at_floor(current, spec, why, "model", fit, wanted, spec.chunk_granularity)
+            return _at_floor(obs, current, spec, why, "model", fit, wanted, spec.chunk_granularity)
         return _hold_proposal(current, f"{why}; the SLO still holds, no change", "model", fit)
 
     def predicted(chunk: int) -> float:
@@ -433,7 +465,7 @@ def _multiplicative_step(obs: Observation, current: CurrentConfig, spec: Autotun
     reason = f"{note}{_tbt_text(tbt, spec)}, {rule}: ×{factor:g}"
     if chunk == current.chunk_size:
         if ratio > 1.0 and factor < 1:
-            return _at_floor(current, spec, reason, "multiplicative", None, wanted, 1)
+            return _at_floor(obs, current, spec, reason, "multiplicative", None, wanted, 1)
         return _hold_proposal(current, f"{reason}, but chunk {current.chunk_size} is at its bound",
                               "multiplicative")
     kind = ActionKind.CHUNK_DOWN if chunk < current.chunk_size else ActionKind.CHUNK_UP
@@ -441,10 +473,10 @@ def _multiplicative_step(obs: Observation, current: CurrentConfig, spec: Autotun
                      policy_used="multiplicative")
 
 
-def _at_floor(current: CurrentConfig, spec: AutotuneSpec, basis: str, policy_used: str,
+def _at_floor(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, basis: str, policy_used: str,
               fit: StepFit | None, wanted: int | None = None, granularity: int = 1) -> _Proposal:
     """The budget cannot shrink further: leave `split` for fcfs when only split's floor is in the way (`wanted`:
-    the budget the rule asked for), else add a replica or report the SLO unreachable."""
+    the budget the rule asked for), else add replicas or report the SLO unreachable."""
     r2 = fit.r_squared if fit is not None else None
     escape = _leave_split_floor(current, spec, wanted, granularity)
     if escape is not None:
@@ -452,16 +484,141 @@ def _at_floor(current: CurrentConfig, spec: AutotuneSpec, basis: str, policy_use
                          f"{basis}; split keeps the budget at its short-prompt threshold {_floor(spec, current)}: "
                          f"fcfs with chunk {escape}", (ActionKind.CHUNK_DOWN, ActionKind.POLICY_SWITCH),
                          policy_used=policy_used, fit_r_squared=r2)
-    where = f"chunk {current.chunk_size} cannot go lower (floor {_floor(spec, current)})"
-    if spec.scale_replicas and current.replicas < spec.max_replicas:
-        return _Proposal(current.chunk_size, current.queue_policy, current.replicas + 1,
-                         f"{basis}; {where} and the SLO is violated: replicas {current.replicas}→"
-                         f"{current.replicas + 1}", (ActionKind.SCALE_UP,), policy_used="scale", fit_r_squared=r2)
-    why = ("scaleReplicas is off" if not spec.scale_replicas
-           else f"replicas already at the maximum {spec.max_replicas}")
-    return _Proposal(current.chunk_size, current.queue_policy, current.replicas,
-                     f"{basis}; {where} and the SLO is violated; {why}: SLO unreachable",
-                     (ActionKind.SLO_UNREACHABLE,), policy_used=policy_used, slo_unreachable=True, fit_r_squared=r2)
+    where = f"chunk {current.chunk_size} cannot go lower (floor {_floor(spec, current)}) and the SLO is violated"
+    return _scale_up(obs, current, spec, f"{basis}; {where}", policy_used, fit)
+
+
+# --- replicas ----------------------------------------------------------------------------------------------------
+
+def _replicas_fixed(current: CurrentConfig, spec: AutotuneSpec) -> str | None:
+    """Why the loop may not change the replica count at all, or None."""
+    if current.replicas_owner is not None:
+        return f"replicas are managed by {current.replicas_owner}"
+    if not spec.scale_replicas:
+        return "scaleReplicas is off"
+    return None
+
+
+def _replicas_pending(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, now: float) -> str | None:
+    """Why the last change's replica count has not settled (pods still starting or leaving), or None. A count that
+    never settles (pods that cannot schedule) stops blocking settle_timeout_seconds after the last change."""
+    reporting = len(obs.pod_generations)
+    if not reporting or reporting == current.replicas or current.last_change_time is None:
+        return None
+    if now - current.last_change_time >= spec.settle_timeout_seconds:
+        return None
+    return f"{reporting} pod(s) report where {current.replicas} replica(s) are wanted"
+
+
+def _capacity_fit(obs: Observation, spec: AutotuneSpec) -> StepFit | None:
+    return _usable_fit(obs, spec) if obs.tbt_p99_s is not None else None
+
+
+def _estimate(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, headroom: float) -> ReplicaEstimate | None:
+    """What the offered load (× headroom) needs: by the step model when its fit is usable, else by busy time."""
+    load = offered_load(obs, current.replicas)
+    fit = _capacity_fit(obs, spec)
+    if fit is not None:
+        tbt = obs.tbt_p99_s
+        assert tbt is not None
+        decode_batch = obs.decode_batch_size if obs.decode_batch_size is not None else fit.token_min
+        factor = calibrate_p99_factor(fit, tbt, decode_batch, current.chunk_size)
+        estimate = model_replicas(fit, factor, load.scaled(headroom), _floor(spec, current), spec,
+                                  spec.tbt_p99_target_s * _aim(spec))
+        if estimate is not None:
+            return estimate if headroom == 1 else replace(
+                estimate, basis=f"with ×{headroom:g} the observed load, {estimate.basis}")
+    return utilization_replicas(obs, load, spec, headroom)
+
+
+def _scale_up(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, basis: str, policy_used: str,
+              fit: StepFit | None, unless_model_disagrees: bool = False) -> _Proposal:
+    """No chunk meets the SLO: as many replicas as the step model says the offered load needs (at least one more,
+    at most the maximum), or why not (then the SLO is unreachable). `unless_model_disagrees`: hold when the step
+    model says the replicas there are carry the offered load (a queue that grew by a handful in one window is
+    noise to it, and a replica is a GPU)."""
+    r2 = fit.r_squared if fit is not None else None
+    why = _replicas_fixed(current, spec)
+    if why is None and current.replicas >= spec.max_replicas:
+        return _Proposal(current.chunk_size, current.queue_policy, current.replicas,
+                         f"{basis}; replicas already at the maximum {spec.max_replicas}: SLO unreachable",
+                         (ActionKind.SLO_UNREACHABLE,), policy_used=policy_used, slo_unreachable=True,
+                         fit_r_squared=r2)
+    estimate = _estimate(obs, current, spec, 1.0)
+    modelled = estimate is not None and estimate.predicted_tbt_p99_s is not None
+    if unless_model_disagrees and modelled and estimate.enough and estimate.replicas <= current.replicas:
+        return _hold_proposal(current, f"{basis}; but {estimate.basis}: not adding replicas for it", policy_used,
+                              fit)
+    if not modelled:
+        estimate = saturated_replicas(obs, offered_load(obs, current.replicas), spec)
+    target, how = current.replicas + 1, "one more"
+    if estimate is not None and estimate.replicas > target:
+        target, how = estimate.replicas, estimate.basis
+    target = max(current.replicas, min(spec.max_replicas, target))
+    if why is not None:  # the count is still what the desired-replicas metric reports
+        needs = f" (the load needs {target})" if target > current.replicas else ""
+        return _Proposal(current.chunk_size, current.queue_policy, current.replicas,
+                         f"{basis}; {why}{needs}: SLO unreachable", (ActionKind.SLO_UNREACHABLE,),
+                         policy_used=policy_used, slo_unreachable=True, fit_r_squared=r2, wanted_replicas=target)
+    predicted = estimate.predicted_tbt_p99_s if estimate is not None and estimate.replicas == target else None
+    return _Proposal(current.chunk_size, current.queue_policy, target,
+                     f"{basis}: replicas {current.replicas}→{target} ({how})", (ActionKind.SCALE_UP,),
+                     policy_used="scale", fit_r_squared=r2, predicted_tbt_p99_s=predicted)
+
+
+def _recommendation(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, proposal: _Proposal,
+                    healthy: bool) -> ReplicaEstimate:
+    """This reading's replica recommendation: a scale-up's count; never below the current count while the SLO is
+    broken or prefill lags; else what the load needs with the scale-down headroom (the current count when
+    nothing can tell)."""
+    lowest = max(1, spec.min_replicas)
+    top = max(lowest, spec.max_replicas)
+    if max(proposal.replicas, proposal.wanted_replicas or 0) > current.replicas:
+        return ReplicaEstimate(max(proposal.replicas, proposal.wanted_replicas or 0), True, "scaling up")
+    estimate = _estimate(obs, current, spec, spec.scale_down_headroom)
+    if estimate is None:
+        return ReplicaEstimate(min(top, max(lowest, current.replicas)), True, "nothing to size replicas by")
+    if not healthy or _prefill_bottleneck(obs, spec) is not None:
+        return replace(estimate, replicas=max(estimate.replicas, min(top, current.replicas)))
+    return estimate
+
+
+def _scale_down(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, proposal: _Proposal,
+                recommended: ReplicaEstimate, recent: Sequence[Recommendation], now: float) -> _Proposal | None:
+    """Fewer replicas when every recommendation of the stabilization window agrees, the SLO holds, prefill keeps
+    up and no other rule wants the servers to carry less (a chunk shrink, a policy switch, a scale-up)."""
+    if recommended.replicas >= current.replicas or _replicas_fixed(current, spec) is not None:
+        return None
+    if proposal.actions not in ((ActionKind.HOLD,), (ActionKind.CHUNK_UP,)):
+        return None
+    if _replicas_pending(obs, current, spec, now) is not None:
+        return None
+    window = spec.scale_down_stabilization_seconds
+    target = stabilized_count(recent, recommended.replicas, now, window)
+    if target is None or target >= current.replicas:
+        return None
+    target = max(target, spec.min_replicas, 1)
+    agreed = f"; every recommendation of the last {window:.0f} s is ≤ {target}" if window > 0 else ""
+    return _Proposal(current.chunk_size, current.queue_policy, target,
+                     f"{recommended.basis}{agreed}: replicas {current.replicas}→{target}", (ActionKind.SCALE_DOWN,),
+                     policy_used="scale",
+                     predicted_tbt_p99_s=recommended.predicted_tbt_p99_s)
+
+
+def _idle(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, now: float,
+          recent: Sequence[Recommendation]) -> Decision | None:
+    """No traffic at all (too few TBT samples, nothing arriving, pods reporting): the load needs minReplicas. The
+    recommendation is recorded; replicas go down once the stabilization window agrees. None: not idle."""
+    if spec.mode is AutotuneMode.OFF or not is_idle(obs) or _settling_reason(obs, current, spec, now) is not None:
+        return None
+    lowest = max(1, spec.min_replicas)
+    idle = ReplicaEstimate(lowest, True, f"no requests in the {obs.window_seconds:.0f} s window")
+    hold = _hold_proposal(current, f"{idle.basis}: nothing to tune by")
+    down = _scale_down(obs, current, spec, hold, idle, recent, now)
+    decision = _finish(down or hold, current, spec, {}, lowest)
+    if down is None:
+        return replace(decision, actions=(ActionKind.NO_DATA,), metrics_available=False)
+    return decision
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------
@@ -527,7 +684,8 @@ def _no_data(current: CurrentConfig, reason: str) -> Decision:
     return replace(_hold(current, reason), actions=(ActionKind.NO_DATA,), metrics_available=False)
 
 
-def _finish(p: _Proposal, current: CurrentConfig, spec: AutotuneSpec, observed: dict) -> Decision:
+def _finish(p: _Proposal, current: CurrentConfig, spec: AutotuneSpec, observed: dict,
+            recommended_replicas: int | None = None) -> Decision:
     differs = (p.chunk_size, p.queue_policy, p.replicas) != (current.chunk_size, current.queue_policy,
                                                              current.replicas)
     advisory = spec.mode is AutotuneMode.ADVISE
@@ -536,4 +694,5 @@ def _finish(p: _Proposal, current: CurrentConfig, spec: AutotuneSpec, observed: 
         reason=f"advise only: {p.reason}" if advisory and differs else p.reason,
         changed=differs and not advisory, actions=p.actions, policy_used=p.policy_used, advisory=advisory,
         proposed_change=differs, slo_unreachable=p.slo_unreachable,
-        predicted_tbt_p99_s=p.predicted_tbt_p99_s, fit_r_squared=p.fit_r_squared, **observed)
+        predicted_tbt_p99_s=p.predicted_tbt_p99_s, fit_r_squared=p.fit_r_squared,
+        recommended_replicas=recommended_replicas, **observed)

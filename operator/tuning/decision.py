@@ -16,6 +16,7 @@ class ActionKind(str, enum.Enum):
     CHUNK_UP = "chunk_up"
     POLICY_SWITCH = "policy_switch"
     SCALE_UP = "scale_up"
+    SCALE_DOWN = "scale_down"
     SLO_UNREACHABLE = "slo_unreachable"
 
 
@@ -34,12 +35,14 @@ class CurrentConfig:
     generation: int = 0
     last_change_time: float | None = None  # seconds since the epoch; None = never changed by the controller
     short_prompt_threshold: int = 512  # split admits short prompts whole, so its budget never goes below this
+    # Who else sets the replica count (e.g. "HorizontalPodAutoscaler web/llm"): the loop then never changes it.
+    replicas_owner: str | None = None
 
     @classmethod
     def from_scheduler(cls, scheduler: SchedulerConfig, replicas: int, generation: int = 0,
-                       last_change_time: float | None = None) -> CurrentConfig:
+                       last_change_time: float | None = None, replicas_owner: str | None = None) -> CurrentConfig:
         return cls(prefill_budget(scheduler), QueuePolicy(scheduler.queue_policy).value, replicas, generation,
-                   last_change_time, scheduler.short_prompt_threshold)
+                   last_change_time, scheduler.short_prompt_threshold, replicas_owner)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,9 @@ class Decision:
     tbt_ratio: float | None = None  # observed p99 TBT / target
     predicted_tbt_p99_s: float | None = None
     fit_r_squared: float | None = None
+    # What the observed load needs with the scale-down headroom, within the bounds (None: this reading was not
+    # judged: no data, settling). The caller keeps these for the scale-down's stabilization window.
+    recommended_replicas: int | None = None
 
     def describe_change(self, current: CurrentConfig) -> str:
         """'chunk 4096→1024, policy fcfs→split, replicas 1→2' (only what differs), or 'no change'."""

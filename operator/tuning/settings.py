@@ -53,6 +53,10 @@ class AutotuneSpec:
     scale_replicas: bool = False
     canary: bool = False  # risky moves go through an experiment (operator/experiment/canary.py)
     canary_chunk_change: float = 0.5  # a prefill-budget change above this fraction is risky
+    # Scale-down: the replicas that remain must be predicted to carry this × the observed load within the aim, and
+    # every recommendation of the last `scale_down_stabilization_seconds` must agree (the HPA's default window).
+    scale_down_headroom: float = 1.3
+    scale_down_stabilization_seconds: float = 300.0
     # The model keeps prefill throughput ≥ this × the prompt tokens per second: 1.2 held 384-448 on the H200
     # where 256 rode its prefill limit and won on TBT.
     prefill_headroom: float = 1.2
@@ -72,6 +76,8 @@ class AutotuneSpec:
     long_share_off: float = 0.05  # and back below this one: the gap is the hysteresis
     settle_timeout_seconds: float = 300.0  # stop waiting for lagging pods after this long
     queue_growth_limit: float = 5.0  # requests added to the queue over one window that mean prefill lags
+    # Without a usable step fit, fewer replicas only while their projected busy share of time stays under this.
+    scale_down_max_utilization: float = 0.6
 
     def __post_init__(self) -> None:
         problems = []
@@ -101,6 +107,12 @@ class AutotuneSpec:
             problems.append("spec.autotune.chunkGranularity must be >= 1")
         if not (math.isfinite(self.prefill_headroom) and 1 <= self.prefill_headroom <= 4):
             problems.append(f"spec.autotune.prefillHeadroom must be in [1, 4], got {self.prefill_headroom}")
+        if not (math.isfinite(self.scale_down_headroom) and 1 <= self.scale_down_headroom <= 4):
+            problems.append(f"spec.autotune.scaleDownHeadroom must be in [1, 4], got {self.scale_down_headroom}")
+        if not self.scale_down_stabilization_seconds >= 0:
+            problems.append("spec.autotune.scaleDownStabilizationSeconds must be >= 0")
+        if not 0 < self.scale_down_max_utilization <= 1:
+            problems.append("scale_down_max_utilization must be in (0, 1]")
         if not 0 <= self.long_share_off <= self.long_share_on <= 1:
             problems.append("long-prompt share thresholds need 0 <= off <= on <= 1")
         if self.base_queue_policy not in {p.value for p in QueuePolicy}:

@@ -20,6 +20,7 @@ import json
 import pytest
 import yaml
 from e2e_helpers import (
+    calibrate,
     config_map_generation,
     isvc,
     isvc_columns,
@@ -31,7 +32,6 @@ from e2e_helpers import (
 
 from metronome.server.bench.load.stats import percentile
 from metronome_testing.closedloop import LoadDriver, LoadSpec
-from metronome_testing.closedloop.slo import Calibration, CalibrationError, choose_tbt_target
 from metronome_testing.polling import wait_for
 
 NAME = "smollm2"
@@ -77,33 +77,11 @@ def load(servers):
     driver.stop()
 
 
-def measure_gaps(load: LoadDriver, seconds: float) -> list[float]:
-    """Token gaps of the next `seconds` of load (at least 100 of them)."""
-    mark = load.now()
-    wait_for(lambda: load.now() - mark >= seconds and len(load.gaps_since(mark)) >= 100,
-             f"{seconds:g} s and 100 token gaps of load", timeout=seconds + 180, interval=1.0)
-    return load.gaps_since(mark)
-
-
-def calibrate(load: LoadDriver, attempts: int = 3) -> tuple[Calibration, list[float]]:
-    """A target the initial chunk violates, from its measured gaps. A busy spell on a shared machine can flatten
-    one measurement (a CI run once saw a 619 ms median gap, where the chunk barely moved the p99): measure again."""
-    for attempt in range(1, attempts + 1):
-        gaps = measure_gaps(load, MEASURE_S)
-        assert not load.errors(), load.errors()[:5]
-        try:
-            return choose_tbt_target(percentile(gaps, 50), percentile(gaps, 99), INITIAL_CHUNK, FLOOR_CHUNK), gaps
-        except CalibrationError as exc:
-            if attempt == attempts:
-                raise
-            print(f"\ncalibration attempt {attempt}: {exc}; measuring again")
-
-
 def test_the_operator_retunes_the_chunk_size_until_the_slo_is_met(cluster, standin, prometheus, operator, ns,
                                                                   servers, load):
     # 1-2. Load at the initial chunk; a target that chunk violates, chosen from what it measured.
     wait_for(lambda: load.completed() >= 4, "the first requests to complete", timeout=180, interval=1.0)
-    calibration, initial = calibrate(load)
+    calibration, initial = calibrate(load, INITIAL_CHUNK, FLOOR_CHUNK, MEASURE_S)
     print(f"\ncalibration ({len(initial)} gaps): {calibration.describe()}")
     target_ms = round(calibration.target_s * 1000)
     before = operator_view(prometheus, ns, NAME, WINDOW_S)

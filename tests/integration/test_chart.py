@@ -64,6 +64,9 @@ def test_rbac_is_least_privilege(cluster):
     assert rules[("", "pods")] == {"list", "watch", "patch"}
     assert rules[("", "events")] == {"create"}
     assert rules[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
+    # Other autoscalers are only watched: whether one targets a service (the loop then leaves replicas alone).
+    assert rules[("autoscaling", "horizontalpodautoscalers")] == rules[("keda.sh", "scaledobjects")] == {"list",
+                                                                                                         "watch"}
     every_verb = set().union(*rules.values())
     assert "*" not in every_verb
     # InferencePools: written only where spec.routing asks, and the service's own deleted when it turns off.

@@ -11,6 +11,7 @@ import re
 import pytest
 import yaml
 
+from metronome_testing.canned_prometheus import CannedPrometheus
 from metronome_testing.chart import chart_release, service_account_kubeconfig
 from metronome_testing.checkout import EXAMPLE
 from metronome_testing.kube_objects import condition, events_for, get_json
@@ -118,7 +119,10 @@ def test_example_creates_children_running_pods_columns_and_conditions(cluster, o
 
     status = _isvc(cluster, ns)["status"]
     types = {c["type"]: c for c in status["conditions"]}
-    assert set(types) == {"Ready", "Progressing", "MetricsAvailable", "SLOMet", "ConfigApplied"}
+    assert set(types) == {"Ready", "Progressing", "MetricsAvailable", "SLOMet", "ConfigApplied",
+                          "ReplicasManagedExternally"}
+    assert (types["ReplicasManagedExternally"]["status"], types["ReplicasManagedExternally"]["reason"]) == (
+        "False", "SpecReplicas")
     generation = _isvc(cluster, ns)["metadata"]["generation"]
     for cond in types.values():
         assert cond["observedGeneration"] == generation and cond["reason"] and cond["lastTransitionTime"]
@@ -294,82 +298,16 @@ def test_delete_removes_every_child(cluster, operator, ns):
 
 # --- the closed loop against a fake Prometheus ----------------------------------------------------------------
 # The operator's real path (PrometheusMetricsSource → controller → ConfigMap, status, Events) with canned
-# readings: a small /api/v1/query server on 127.0.0.1 that the service names in spec.metrics.prometheusUrl.
+# readings (metronome_testing.canned_prometheus) that the service names in spec.metrics.prometheusUrl.
 
 TUNED = "tuned"
 SCALED = "scaled"
 TUNED_WINDOW_S = 10
 
 
-class CannedPrometheus:
-    """Answers each query of the metrics source (recognised by its exact PromQL) from `state`; `failing` makes
-    every query a 500."""
-
-    def __init__(self, namespace: str):
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        from urllib.parse import parse_qs, urlparse
-
-        from metronome.operator.metrics_source import QueryWindow, ServiceSelector, build_queries
-
-        window = QueryWindow.for_window(TUNED_WINDOW_S)
-        self.key_of = {query: key for name in (TUNED, SCALED)
-                       for key, query in build_queries(ServiceSelector(namespace, name), window).items()}
-        self.state = {"tbt_p99_s": 0.060, "samples": 5000, "tokens_per_s": 900.0, "generations": {"p0": 1, "p1": 1}}
-        self.failing = True
-        self.queries = 0
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                url = urlparse(self.path)
-                query = parse_qs(url.query).get("query", [""])[0]
-                fake.queries += 1
-                if url.path != "/api/v1/query" or fake.failing:
-                    return self._send(500, {"status": "error", "error": "canned failure"})
-                result = fake.result(fake.key_of.get(query))
-                self._send(200, {"status": "success", "data": {"resultType": "vector", "result": result}})
-
-            def _send(self, status, body):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def result(self, key: str | None) -> list[dict]:
-        from metronome.operator import metrics_source as ms
-
-        def scalar(value: float) -> list[dict]:
-            return [{"metric": {}, "value": [0, repr(float(value))]}]
-
-        state = self.state
-        scalars = {ms.TBT_P99: state["tbt_p99_s"], ms.TBT_COUNT: state["samples"],
-                   ms.TTFT_P99: 0.2, ms.OUTPUT_TOKENS_RATE: state["tokens_per_s"]}
-        if key in scalars:
-            return scalar(scalars[key])
-        if key == ms.GENERATION_BY_POD:
-            return [{"metric": {"pod": pod}, "value": [0, str(g)]} for pod, g in state["generations"].items()]
-        return []  # no step samples, queues, ...: the multiplicative policy needs none
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture(scope="module")
 def canned_prometheus(ns):
-    fake = CannedPrometheus(ns)
+    fake = CannedPrometheus(ns, (TUNED, SCALED), TUNED_WINDOW_S)
     yield fake
     fake.close()
 

@@ -295,3 +295,22 @@ def test_no_series_before_any_pod_is_ready_is_expected_not_a_warning():
     assert serving_metrics(None, missing, served_generation=1, ready_pods=2).reason == MetricsUnavailable.NO_SERIES
     status = compute_status(service(), Observed(None, served_config=served(), metrics=waiting), now="t0")
     assert ("Normal", AWAITING_PODS) in [(e.type, e.reason) for e in describe_transitions([], status["conditions"])]
+
+
+def test_the_memory_keeps_the_recommendations_a_scale_down_must_agree_with():
+    svc = service(policy="model", replicas=3, scaleReplicas=True, scaleDownStabilizationSeconds=60)
+    quiet = observation(tbt_ms=12.0, generations={"chat-a": 3, "chat-b": 3, "chat-c": 3}, output_tokens_per_s=100.0,
+                        prompt_tokens_per_s=500.0, requests_per_s=0.5, waiting_requests=0.0, waiting_growth=0.0,
+                        decode_batch_size=2)
+    memory = TunerMemory()
+    for seconds in (0, 30):
+        result = step(svc, served(), {}, quiet, None, NOW + seconds, recent=memory.recommendations)
+        assert result.replicas is None, result.decision.reason  # the window is not covered yet
+        memory.remember(result, NOW + seconds, 4, 30, svc.spec.autotune.scale_down_stabilization_seconds)
+    assert [r.replicas for r in memory.recommendations] == [1, 1]
+    result = step(svc, served(), {}, quiet, None, NOW + 60, recent=memory.recommendations)
+    assert result.replicas == 1 and result.last_decision["to"]["replicas"] == 1
+    assert [e.reason for e in result.events] == [SCALED] and "replicas 3 -> 1" in result.events[0].message
+    memory.remember(result, NOW + 60, 4, 30, 60)
+    memory.remember(result, NOW + 100, 4, 30, 60)
+    assert [r.time for r in memory.recommendations] == [NOW + 30, NOW + 60, NOW + 100]  # older ones dropped

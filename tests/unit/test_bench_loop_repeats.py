@@ -4,7 +4,6 @@ servers (no process is started)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 
 import pytest
@@ -20,6 +19,7 @@ def run(label, goodputs, repeat=1, static=True):
     suffix = "" if repeat == 1 else f" #{repeat}"
     return {"label": label + suffix, "config_label": label, "repeat": repeat, "static": static,
             "goodput_tok_s": (goodputs[0] * 60 + goodputs[1] * 30) / 90,
+            "goodput_per_server_s": (goodputs[0] * 60 + goodputs[1] * 30) / 90 / 2,  # on two servers
             "phases": [{"goodput_tok_s": g} for g in goodputs]}
 
 
@@ -38,6 +38,7 @@ def test_each_config_is_summarised_over_its_repeats():
     assert a["goodput_tok_s"]["mean"] == pytest.approx(70.0)
     assert (a["goodput_tok_s"]["min"], a["goodput_tok_s"]["max"]) == pytest.approx((200 / 3, 220 / 3))
     assert configs["static B"]["phases"][0]["spread"] == 0.0
+    assert a["goodput_per_server_s"]["mean"] == pytest.approx(35.0)
 
 
 def test_the_oracle_by_means_is_not_the_best_single_run():
@@ -90,25 +91,22 @@ TOKENS = {("loop model", 1): (8, 8), ("static 512/split", 1): (10, 2), ("static 
 def test_the_command_repeats_every_run_and_reports_by_means(tmp_path, monkeypatch, capsys):
     started, written = [], []
 
-    async def fake_start(folder, config, settings, label, progress):
-        started.append(folder.name)
-        return []
+    async def fake_ready(fleet, plan, config, settings, pool, progress, load=None):
+        started.append(fleet.work_dir.name)
 
-    async def fake_run_on(plan, servers, config, settings, load, progress):
+    async def fake_run_on(plan, fleet, config, settings, load, progress):  # on two servers
         records = [RequestRecord(index=phase, kind="short", max_tokens=n, sent_s=2.0 * phase, output_tokens=n,
                                  token_times_s=[2.0 * phase + 0.1 + 0.01 * i for i in range(n)],
                                  end_s=2.0 * phase + 0.1 + 0.01 * n)
                    for phase, n in enumerate(TOKENS[plan.config_label, plan.repeat])]
         return {"label": plan.label, "config_label": plan.config_label, "repeat": plan.repeat,
                 "static": plan.autotune is None, "tuning_policy": None, "initial": {}, "last_generation": 1,
-                "intervals": [], "records": records}
+                "server_seconds": 8.0, "server_seconds_by_phase": [4.0, 4.0], "intervals": [], "records": records}
 
     report = loop.report
     monkeypatch.setattr(loop, "report", lambda runs, *rest: written.append(len(runs)) or report(runs, *rest))
-    monkeypatch.setattr(loop, "_start", fake_start)
+    monkeypatch.setattr(loop, "_ready", fake_ready)
     monkeypatch.setattr(loop, "_run_on", fake_run_on)
-    monkeypatch.setattr(loop, "_ready_load", lambda *args: asyncio.sleep(0))
-    monkeypatch.setattr(loop, "stop_servers", lambda servers: None)
     parser = argparse.ArgumentParser()
     loop_cli.configure(parser)
     out = tmp_path / "loop.json"
@@ -136,6 +134,6 @@ def test_the_command_repeats_every_run_and_reports_by_means(tmp_path, monkeypatc
                                                     {"phase": 1, "config": "static 512/split", "spread": 1.0}]
     summary = capsys.readouterr().out
     assert "loop model               goodput 4.5 (4.0-5.0) tok/s over 2 run(s) (per phase: 5.0 (4.0-6.0), " \
-           "4.0 (4.0-4.0)); vs oracle by means 1.2857" in summary
+           "4.0 (4.0-4.0)), 2.2 (2.0-2.5) tok per server-second; vs oracle by means 1.2857" in summary
     assert ("oracle by means (best static mean per phase: static 512/split, static 256/fcfs of 2 static configs): "
             "3.50 tok/s") in summary

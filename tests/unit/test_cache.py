@@ -1,5 +1,6 @@
 """The operator's object cache (operator/cache.py): the later resourceVersion wins, a deletion removes only the
-object it names, and a service's children and pods are found by its label."""
+object it names, a service's children and pods are found by its label, and
+another autoscaler's objects (no label) by their namespace."""
 from __future__ import annotations
 
 from metronome.operator.cache import LABEL_SERVICE, ObjectCache
@@ -51,3 +52,19 @@ def test_a_write_is_unconfirmed_until_a_watch_delivers_it():
     cache.put("PodMonitor", obj("a", "6"), written=True)
     cache.confirm("PodMonitor", "ml", "a")
     assert not cache.unconfirmed("PodMonitor", "ml", "a", for_s=0.0)
+
+
+def test_objects_without_an_owner_label_are_found_by_namespace():
+    cache = ObjectCache()
+    cache.put("HorizontalPodAutoscaler", obj("a", "1", service=None))
+    cache.put("HorizontalPodAutoscaler", obj("b", "1", service=None))
+    other = obj("c", "1", service=None)
+    other["metadata"]["namespace"] = "web"
+    cache.put("HorizontalPodAutoscaler", other)
+    assert [h["metadata"]["name"] for h in cache.in_namespace("HorizontalPodAutoscaler", "ml")] == ["a", "b"]
+    cache.put("HorizontalPodAutoscaler", obj("a", "2", service=None))  # a new version: still one of it
+    cache.delete("HorizontalPodAutoscaler", obj("b", "3", service=None))
+    assert [h["metadata"]["resourceVersion"] for h in cache.in_namespace("HorizontalPodAutoscaler", "ml")] == ["2"]
+    cache.forget("HorizontalPodAutoscaler", "ml", "a")
+    assert cache.in_namespace("HorizontalPodAutoscaler", "ml") == []
+    assert cache.in_namespace("Pod", "ml") == [] and len(cache.in_namespace("HorizontalPodAutoscaler", "web")) == 1

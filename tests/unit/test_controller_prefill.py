@@ -1,24 +1,19 @@
 """The controller keeps prefill fed: TTFT p99 and queue growth are constraints, the step model sees a
 mixed step's fixed cost, and a change is judged only after the last pod applied it.
 
-The simulated plant is a GPU-like chunked-prefill engine: a step costs a + b·tokens, plus a fixed m when it
-carries prefill tokens (more kernels and launches), so a small chunk spends most of its time on fixed costs and
-prefill throughput C / (a + m + b·(D + C)) falls with C. It reports what the operator's PromQL would: p99 TBT and
-TTFT interpolated from the shared buckets, the waiting queue at the window's start and end, prompt tokens per
+The simulated plant is one GPU-like chunked-prefill server (serving_fleet.py): a step costs a + b·tokens, plus a
+fixed m when it carries prefill tokens (more kernels and launches), so a small chunk spends most of its time on
+fixed costs and prefill throughput C / (a + m + b·(D + C)) falls with C. It reports what the operator's PromQL
+would: p99 TBT and TTFT interpolated from the shared buckets, the waiting queue and its growth, prompt tokens per
 second, and one (tokens, seconds) point per step kind and sub-window.
 """
 from __future__ import annotations
 
-import heapq
-import math
-import random
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import pytest
+from serving_fleet import Fleet, Hardware, Workload
 
-from metronome.contract.histogram import histogram_quantile
-from metronome.contract.metric_names import TBT_BUCKETS, TTFT_BUCKETS
 from metronome.operator.tuning.controller import decide
 from metronome.operator.tuning.decision import ActionKind, CurrentConfig
 from metronome.operator.tuning.observation import Observation, StepSample
@@ -26,93 +21,13 @@ from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec, Tunin
 from metronome.operator.tuning.step_model import fit_step_time, smallest_chunk_for_prefill
 
 TARGET_S, TTFT_LIMIT_S = 0.050, 2.0
-INTERVAL_S, SUB_WINDOW_S = 20.0, 5.0
+INTERVAL_S = 20.0
 A, B, M = 0.010, 25e-6, 0.012  # decode step a + b·tokens; a mixed step costs m more
 
 
-@dataclass
-class _Request:
-    arrival: float
-    prompt_left: int
-    output: int
-
-
-@dataclass
-class _Window:
-    tbt: dict = field(default_factory=dict)  # bucket bound → count
-    ttft: dict = field(default_factory=dict)
-    prompt_tokens: int = 0
-    decode_time: float = 0.0
-    waiting_start: int = 0
-    points: dict = field(default_factory=dict)  # (sub-window, kind) → [tokens, seconds, steps]
-
-
-def _count(histogram: dict, bounds: tuple[float, ...], value: float) -> None:
-    for bound in (*bounds, math.inf):
-        histogram[bound] = histogram.get(bound, 0) + (value <= bound)
-
-
-class Plant:
-    def __init__(self, rate: float, long_fraction: float, seed: int):
-        self.rate, self.long_fraction = rate, long_fraction
-        self.rng = random.Random(seed)
-        self.now = 0.0
-        self.steps = 0
-        self.next_arrival = self.rng.expovariate(rate)
-        self.waiting: deque[_Request] = deque()
-        self.decode_ends: list[int] = []
-
-    def run(self, chunk: int, seconds: float) -> _Window:
-        window = _Window(waiting_start=len(self.waiting))
-        start, end = self.now, self.now + seconds
-        while self.now < end:
-            while self.next_arrival <= self.now:
-                long = self.rng.random() < self.long_fraction
-                prompt = self.rng.randint(1500, 2500) if long else self.rng.randint(20, 80)
-                self.waiting.append(_Request(self.next_arrival, prompt, self.rng.randint(100, 200)))
-                self.next_arrival += self.rng.expovariate(self.rate)
-            decodes, budget, prefilled, first = len(self.decode_ends), chunk, 0, []
-            while self.waiting and budget > 0:
-                head = self.waiting[0]
-                take = min(head.prompt_left, budget)
-                head.prompt_left, budget, prefilled = head.prompt_left - take, budget - take, prefilled + take
-                if head.prompt_left:
-                    break
-                first.append(self.waiting.popleft())
-            tokens = decodes + prefilled
-            if tokens == 0:
-                self.now = min(self.next_arrival, end)
-                continue
-            duration = (A + B * tokens + (M if prefilled else 0.0)) * max(0.5, self.rng.gauss(1.0, 0.03))
-            self.now += duration
-            self.steps += 1
-            for _ in range(decodes):
-                _count(window.tbt, TBT_BUCKETS, duration)
-            for request in first:
-                _count(window.ttft, TTFT_BUCKETS, self.now - request.arrival)
-                heapq.heappush(self.decode_ends, self.steps + request.output - 1)
-            window.prompt_tokens += prefilled
-            window.decode_time += decodes * duration
-            point = window.points.setdefault((int((self.now - start) // SUB_WINDOW_S),
-                                              "mixed" if prefilled else "decode"), [0.0, 0.0, 0])
-            point[0], point[1], point[2] = point[0] + tokens, point[1] + duration, point[2] + 1
-            while self.decode_ends and self.decode_ends[0] <= self.steps:
-                heapq.heappop(self.decode_ends)
-        return window
-
-    def observe(self, window: _Window, generation: int) -> Observation:
-        def p99(histogram: dict) -> float | None:
-            value = histogram_quantile(0.99, histogram.items())
-            return None if math.isnan(value) else value
-
-        return Observation(
-            window_seconds=INTERVAL_S, sample_count=int(window.tbt.get(math.inf, 0)), tbt_p99_s=p99(window.tbt),
-            ttft_p99_s=p99(window.ttft), output_tokens_per_s=window.tbt.get(math.inf, 0) / INTERVAL_S,
-            prompt_tokens_per_s=window.prompt_tokens / INTERVAL_S, decode_batch_size=window.decode_time / INTERVAL_S,
-            step_samples=tuple(StepSample(t / n, s / n, n, "pod-0", kind) for (_, kind), (t, s, n)
-                               in sorted(window.points.items())),
-            pod_generations={"pod-0": generation}, waiting_requests=len(self.waiting),
-            waiting_growth=len(self.waiting) - window.waiting_start)
+def fleet(rate: float, seed: int) -> Fleet:
+    return Fleet(Workload(rate, long_fraction=0.2, long_prompt=(1500, 2500), short_prompt=(20, 80),
+                          output=(100, 200)), Hardware(A, B, M), seed=seed)
 
 
 def spec(**fields) -> AutotuneSpec:
@@ -123,12 +38,13 @@ def spec(**fields) -> AutotuneSpec:
 
 
 def run_loop(start_chunk: int, intervals: int, rate: float, seed: int, autotune: AutotuneSpec):
-    plant = Plant(rate, long_fraction=0.2, seed=seed)
+    plant = fleet(rate, seed)
     plant.run(start_chunk, 10.0)
     current = CurrentConfig(start_chunk, "fcfs", 1, generation=1)
     trace = []
     for _ in range(intervals):
-        observation = plant.observe(plant.run(current.chunk_size, INTERVAL_S), current.generation)
+        window, waiting = plant.run(current.chunk_size, INTERVAL_S)
+        observation = plant.observe(window, waiting, current.generation, INTERVAL_S)
         decision = decide(observation, current, autotune, now=plant.now)
         trace.append((current.chunk_size, observation, decision))
         if decision.changed:

@@ -24,12 +24,15 @@ def test_only_watches_are_registered():
     assert reg._changing.get_all_handlers() == []  # create/update/resume/field: kopf's progress annotations
 
 
-def test_every_child_kind_and_the_pods_are_watched_by_the_operators_label():
+def test_every_child_kind_and_the_pods_are_watched_by_the_operators_label_and_other_autoscalers_whole():
     watched = {(h.selector.group, h.selector.plural): h for h in registry()._watching.get_all_handlers()}
-    expected = {(kind.group, kind.plural) for kind in (kinds.INFERENCE_SERVICE, *kinds.WATCHED, kinds.CRD)}
+    expected = {(kind.group, kind.plural)
+                for kind in (kinds.INFERENCE_SERVICE, *kinds.WATCHED, *kinds.SCALERS, kinds.CRD)}
     assert set(watched) == expected
     for kind in kinds.WATCHED:
         assert watched[kind.group, kind.plural].labels == {builders.LABEL_MANAGED_BY: builders.MANAGED_BY}
+    for kind in kinds.SCALERS:  # the user's HPAs and ScaledObjects carry no label of the operator's
+        assert not watched[kind.group, kind.plural].labels
     settings = kopf.OperatorSettings()
     handlers.configure_settings(settings)
     for kind in kinds.WATCHED:
@@ -41,6 +44,7 @@ def test_every_child_kind_and_the_pods_are_watched_by_the_operators_label():
 def test_only_the_crds_of_optional_children_are_followed():
     assert handlers._optional_crd(name=kinds.POD_MONITOR.crd)
     assert handlers._optional_crd(name=kinds.PROMETHEUS_RULE.crd)
+    assert handlers._optional_crd(name=kinds.SCALED_OBJECT.crd)  # KEDA installed after the operator
     assert not handlers._optional_crd(name="certificates.cert-manager.io")
 
 

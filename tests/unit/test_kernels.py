@@ -37,7 +37,7 @@ class Case:
     sinks: bool = False  # a learned logit per head in every softmax denominator (gpt-oss)
 
 
-# Each axis of the issue's grid is covered at least once: q_len 1..300, contexts up to 2,000, block sizes
+# Each axis of the grid is covered at least once: q_len 1..300, contexts up to 2,000, block sizes
 # 16/64/256, GQA 1/4/8 (and 3, SmolLM2's), head dims 64/128 (and 96, padded), split-K, tiles spanning pages;
 # some contexts end one short of / at a key-tile edge (62, 63, 126), where off-by-one masks show. Leading decodes
 # (own small tiles) and decodes after a chunk (inside chunk tiles) both occur.

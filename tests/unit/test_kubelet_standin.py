@@ -36,7 +36,9 @@ def serve_parser():
 def test_a_gpu_pod_becomes_a_cpu_server_on_its_loopback_address():
     pod = server_pod(pod_for({"model": {"source": "random:tiny"}, "replicas": 2, "resources": {"gpus": 2},
                               "engine": {"blockSize": 32}}))
-    assert (pod.namespace, pod.service, pod.grace_seconds) == ("ml", "chat", 60.0)
+    assert (pod.namespace, pod.service, pod.grace_seconds, pod.pre_stop_seconds) == ("ml", "chat", 60.0, 15.0)
+    quick = server_pod(pod_for({"model": {"source": "default"}, "shutdown": {"preStopSleepSeconds": 0}}))
+    assert quick.pre_stop_seconds == 0.0  # no preStop hook: SIGTERM at once
     mounts = LocalMounts((("/etc/metronome", "/work/cfg"),))
     argv = local_argv(pod, ["/venv/bin/metronome"], "127.0.0.3", 41000, "cpu", mounts, ("--kv-cache-memory-gb", "0.5"))
     assert argv[0] == "/venv/bin/metronome"

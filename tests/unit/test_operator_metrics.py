@@ -82,3 +82,18 @@ def test_served_as_prometheus_scrapes_it():
     (sample,) = [s for s in families[names.OPERATOR_DECISIONS.removesuffix("_total")].samples
                  if s.name == names.OPERATOR_DECISIONS]
     assert sample.labels == {**CHAT, "action": "slo_unreachable", "applied": "true"} and sample.value == 1
+
+
+def test_the_desired_replicas_follow_the_loops_recommendation_whoever_scales():
+    metrics = OperatorMetrics()
+    chat = service({"tbtP99Ms": 25})
+    recommended = Decision(chunk_size=256, queue_policy="fcfs", replicas=2, reason="test", changed=False,
+                           actions=(ActionKind.SLO_UNREACHABLE,), recommended_replicas=3)
+    metrics.after_tick(chat, recommended)
+    assert value(metrics, names.OPERATOR_DESIRED_REPLICAS) == 3
+    metrics.after_tick(chat, decision(ActionKind.HOLD))  # a reading not judged (settling): the last one stands
+    assert value(metrics, names.OPERATOR_DESIRED_REPLICAS) == 3
+    metrics.after_tick(chat, None)
+    assert value(metrics, names.OPERATOR_DESIRED_REPLICAS) == 3
+    metrics.forget("ml", "chat")
+    assert value(metrics, names.OPERATOR_DESIRED_REPLICAS) is None

@@ -1,12 +1,14 @@
 """The runtime against the in-memory API of kube_fakes: a reconcile brings children and status in line and a second
 one sends nothing; a transition is announced once; watch events queue the owner; a spec the operator cannot use
 is reported once per generation; a failure is retried after a doubling pause; a lost Lease stops the workers; an
-experiment is stepped inside the reconcile and its record reaches status."""
+experiment is stepped inside the reconcile and its record reaches status; the loop's scale is a fenced patch of
+spec.replicas that the next reconcile carries to the Deployment."""
 from __future__ import annotations
 
 import copy
 
 from kube_fakes import MemoryKube
+from test_control_loop import LOCAL, apply_body, prometheus  # noqa: F401 - the fixture
 from test_reconcile import body
 
 from metronome.contract import variant
@@ -135,3 +137,29 @@ def test_an_experiment_is_stepped_in_the_reconcile_and_its_record_and_condition_
     kube.requests, kube.events = [], []
     rt.reconcile("ml", "chat")  # no reading due: nothing to step, nothing sent
     assert kube.requests == [] and kube.events == []
+
+
+def test_the_loops_scale_is_the_runtimes_fenced_patch_of_spec_replicas_and_the_deployment_follows(prometheus):  # noqa: F811
+    kube, owner = MemoryKube(), apply_body(minChunkSize=1024, scaleReplicas=True)  # at its floor, over the SLO
+    kube.put(owner)
+    rt = runtime.Runtime(kube, OperatorOptions(prometheus=LOCAL), cache=kube.cache)
+    later = []
+    rt.queue.add_after = lambda key, delay: later.append((key, delay))
+    leading = [False]
+
+    def fence():
+        if not leading[0]:
+            raise LeadershipLost("another replica holds the Lease")
+
+    kube.fence = fence
+    rt.queue.add(("ml", "chat"))
+    assert rt.process_next(0)
+    assert kube.requests == [] and prometheus["reads"] == 0  # no write, and no reading that would want one
+    assert later == [(("ml", "chat"), runtime.FENCED_RETRY_S)]
+    leading[0] = True
+    rt.reconcile("ml", "chat")
+    assert owner_now(kube)["spec"]["replicas"] == 3 and ("patch", "InferenceService") in kube.requests
+    assert kube.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == 2
+    assert rt.queue.get(0) == ("ml", "chat")  # queued again: its next reconcile scales the Deployment
+    rt.reconcile("ml", "chat")
+    assert kube.objects[("Deployment", "ml", "chat")]["spec"]["replicas"] == 3

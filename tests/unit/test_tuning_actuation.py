@@ -71,6 +71,24 @@ class FakeServer:
         self.written.append(config)
 
 
+class FakeFleet:
+    """The servers of bench loop's fleet.ServerFleet, without processes: what _control reads and calls."""
+
+    def __init__(self, servers: list[FakeServer]):
+        self.live, self.draining, self.scaled = servers, [], []
+
+    @property
+    def desired(self) -> int:
+        return len(self.live)
+
+    def write_config(self, config: ServerConfigFile) -> None:
+        for server in self.live:
+            server.write_config(config)
+
+    def scale_to(self, count: int) -> None:
+        self.scaled.append(count)
+
+
 @pytest.mark.parametrize("initial", [(1024, "fcfs"), (2048, "split")])
 def test_bench_loop_serves_what_the_operators_step_gives(monkeypatch, initial):
     monkeypatch.setattr(loop, "observe", lambda scrapes, window, now: reading(60.0))
@@ -79,11 +97,12 @@ def test_bench_loop_serves_what_the_operators_step_gives(monkeypatch, initial):
     plan = loop.RunPlan("loop multiplicative", SPEC, scheduler)
     config = ServerConfigFile(generation=1, scheduler=scheduler)
     servers = [FakeServer(), FakeServer()]
-    state = loop._Loop(plan, config, CurrentConfig.from_scheduler(scheduler, len(servers), 1), {})
+    fleet = FakeFleet(servers)
+    state = loop._Loop(plan, config, CurrentConfig.from_scheduler(scheduler, len(servers), 1), fleet)
     settings = loop.LoopSettings(phases=[], requests=[], servers=2, serve_args=(), work_dir=Path("."), interval_s=10,
                                  window=ms.QueryWindow(20, 5), scrape_interval_s=1, slo_tbt_s=0.030, slo_ttft_s=None)
 
-    loop._control(state, settings, servers, due=30.0, now=30.0)
+    loop._control(state, settings, due=30.0, now=30.0)
 
     expected = tune(reading(60.0), config, len(servers), SPEC, NOW)
     assert state.config == expected.config and all(s.written == [expected.config] for s in servers)
@@ -91,7 +110,9 @@ def test_bench_loop_serves_what_the_operators_step_gives(monkeypatch, initial):
                                     last_change_time=NOW)
     (interval,) = state.intervals
     assert interval["chunk_size"] == initial[0] and interval["decision"]["changed"] is True
-    assert interval["decision"]["to"] == {"chunk_size": expected.decision.chunk_size, "queue_policy": initial[1]}
+    assert interval["decision"]["to"] == {"chunk_size": expected.decision.chunk_size, "queue_policy": initial[1],
+                                          "servers": 2}
+    assert fleet.scaled == [] and interval["servers"] == 2  # scaleReplicas is off: the servers stay
 
 
 def test_bench_loop_refuses_an_initial_config_that_cannot_be():

@@ -49,6 +49,9 @@ What the operator does inside the namespaces it manages — every verb is used:
 - pods list/watch (selected by the operator's label): why pods are not ready, in the Ready condition; patch: an
   experiment's variant label (outside the Deployment's selector: nothing restarts).
 - events create: an Event for every change.
+- horizontalpodautoscalers, scaledobjects list/watch (all of them: they are the user's, without the operator's
+  label): whether another autoscaler targets a service or its Deployment (then the control loop leaves the
+  replicas to it: condition ReplicasManagedExternally). Never written.
 */}}
 {{- define "metronome.namespacedRules" -}}
 - apiGroups: [metronome.dev]
@@ -84,6 +87,12 @@ What the operator does inside the namespaces it manages — every verb is used:
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [list, watch]
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [list, watch]
 {{- end -}}
 
 {{/*

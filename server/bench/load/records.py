@@ -18,6 +18,7 @@ class RequestRecord:
     end_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None  # None: completed normally
+    server: str = ""  # the base URL it was sent to, where a run spreads its load over several
 
     @property
     def ok(self) -> bool:

@@ -30,6 +30,20 @@ def _chunk_policy(text: str) -> tuple[int, str]:
     return size, policy.strip()
 
 
+def _static(text: str) -> tuple[int, str, int | None]:
+    """CHUNK,POLICY[,SERVERS]: a static config, on SERVERS servers (None: --servers)."""
+    head, _, servers = text.rpartition(",")
+    if head.count(",") == 1:
+        try:
+            count = int(servers)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise argparse.ArgumentTypeError(f"expected CHUNK,POLICY[,SERVERS] with SERVERS >= 1, got {text!r}")
+        return (*_chunk_policy(head), count)
+    return (*_chunk_policy(text), None)
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -47,7 +61,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("servers")
     g.add_argument("--model", default=None, help="passed to `metronome serve --model` (default: serve's default)")
     g.add_argument("--device", default=None, help="passed to `metronome serve --device` (default: serve's default)")
-    g.add_argument("--servers", type=positive_int, default=1, help="server processes, all on 127.0.0.1 (1)")
+    g.add_argument("--servers", type=positive_int, default=1,
+                   help="server processes, all on 127.0.0.1: every run's, or with --scale-replicas the most a loop "
+                        "run may start (1)")
+    g.add_argument("--scale-replicas", action="store_true",
+                   help="loop runs decide the number of servers too (the operator's replica loop): they start at "
+                        "--min-servers and start or drain servers within [--min-servers, --servers]; the load goes "
+                        "to the live ones, a server leaves it before it is drained")
+    g.add_argument("--min-servers", type=positive_int, default=1,
+                   help="with --scale-replicas: the fewest servers, where loop runs start (1)")
     g.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="one more word for every `metronome serve` (repeatable; e.g. --serve-arg=--max-num-seqs=64)")
     g.add_argument("--server-timeout", type=positive_float, default=600.0,
@@ -92,9 +114,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="every loop run starts here (4096,fcfs: violating a tight TBT target)")
     g.add_argument("--tuning-policies", default="model",
                    help="one loop run per policy: model, multiplicative (the x0.9/x1.1 rule) (model)")
-    g.add_argument("--static", type=_chunk_policy, action="append", default=[], metavar="CHUNK,POLICY",
-                   help="also run the workload with this config held, no loop (repeatable); the best per phase is "
-                        "the oracle")
+    g.add_argument("--static", type=_static, action="append", default=[], metavar="CHUNK,POLICY[,SERVERS]",
+                   help="also run the workload with this config held on SERVERS servers (default --servers), no "
+                        "loop (repeatable); the best per phase is the oracle")
     g.add_argument("--repeats", type=positive_int, default=1,
                    help="run every loop and static config this many times, round by round; each config is then "
                         "judged by its mean goodput per phase (one run's goodput is noisy) (1)")
@@ -144,6 +166,8 @@ def _main(args: argparse.Namespace) -> int:
         raise ValueError("nothing to run: give --tuning-policies or at least one --static")
     if args.window < args.scrape_interval * 4:
         raise ValueError("--window must hold at least 4 scrapes (--scrape-interval)")
+    if args.min_servers > args.servers:
+        raise ValueError(f"--min-servers {args.min_servers} is more than --servers {args.servers}")
     base = SchedulerConfig()
     initial = loop.initial_scheduler(base, *args.initial)
     slo = SLOSpec(tbt_p99_ms=args.slo_tbt_ms, ttft_p99_ms=args.slo_ttft_ms)
@@ -168,9 +192,16 @@ def _main(args: argparse.Namespace) -> int:
         slo_tbt_s=args.slo_tbt_ms / 1000, slo_ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
         request_timeout_s=args.request_timeout, drain_timeout_s=args.drain_timeout,
         server_timeout_s=args.server_timeout, reuse_servers=args.reuse_servers,
-        client_processes=args.client_processes, warmup_s=args.warmup)
-    plans = [loop.RunPlan(f"loop {p}", loop.autotune_for(autotune, TuningPolicy(p)), initial) for p in policies]
-    plans += [loop.RunPlan(f"static {c}/{p}", None, loop.initial_scheduler(base, c, p)) for c, p in args.static]
+        client_processes=args.client_processes, warmup_s=args.warmup, scale_replicas=args.scale_replicas,
+        min_servers=args.min_servers)
+    # Server counts name the runs once more than one count is in play.
+    counted = args.servers > 1 or any(n is not None for *_, n in args.static)
+    start = args.min_servers if args.scale_replicas else args.servers
+    plans = [loop.RunPlan(f"loop {p}" + (f" x{start}" if counted and not args.scale_replicas else ""),
+                          loop.autotune_for(autotune, TuningPolicy(p), settings), initial, servers=start)
+             for p in policies]
+    plans += [loop.RunPlan(f"static {c}/{p}" + (f" x{n or args.servers}" if counted else ""), None,
+                           loop.initial_scheduler(base, c, p), servers=n or args.servers) for c, p, n in args.static]
     plans = loop.repeated(plans, args.repeats)
     print(f"metronome bench loop: {len(plans)} run(s) of {len(requests)} requests; servers' logs in {work_dir}",
           file=sys.stderr)
@@ -200,7 +231,8 @@ def _summary(result: dict) -> str:
     lines = []
     for run in result["runs"]:
         phases = ", ".join(f"{p['goodput_tok_s']:.1f}" for p in run["phases"])
-        line = f"{run['label']:<24} goodput {run['goodput_tok_s']:8.2f} tok/s (per phase: {phases})"
+        line = (f"{run['label']:<24} goodput {run['goodput_tok_s']:8.2f} tok/s (per phase: {phases}), "
+                f"{run['goodput_per_server_s']:.2f} tok per server-second over {run['server_seconds']:.0f} s")
         if not run["static"]:
             t = run["targets"]
             line += (f"; SLO after {t['intervals_to_slo']} interval(s), {t['changes_per_10_intervals']} changes/10 "
@@ -228,7 +260,8 @@ def _summary_of_repeats(result: dict) -> str:
     lines = []
     for label, config in result["configs"].items():
         line = (f"{label:<24} goodput {over(config['goodput_tok_s'])} tok/s over {config['repeats']} run(s) "
-                f"(per phase: {', '.join(over(p) for p in config['phases'])})")
+                f"(per phase: {', '.join(over(p) for p in config['phases'])}), "
+                f"{over(config['goodput_per_server_s'])} tok per server-second")
         if not config["static"]:
             line += f"; vs oracle by means {config.get('goodput_vs_oracle')}"
         lines.append(line)

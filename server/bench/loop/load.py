@@ -1,5 +1,6 @@
 """The loop benchmark's load: every scheduled request sent on time and every token stamped as it arrives, in this
-process or spread over client processes.
+process or spread over client processes, to a fixed set of servers or to the live ones a routes file lists
+(routes.py: the servers a replica-aware run starts and stops).
 
 One Python process reading ~5,500 streamed tokens/s (the H200's mix at 45 req/s) is busy enough that a token can
 wait in its socket for the event loop: on the H200 the clients' TBT p99 ran 7-12 ms over the one the server timed
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from metronome.server.bench.load.clients import BenchClientError, HttpClient
 from metronome.server.bench.load.records import RequestRecord
 from metronome.server.bench.loop.phases import Scheduled
+from metronome.server.bench.loop.routes import Routes
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class LoadTarget:
     model: str
     request_timeout_s: float
     drain_timeout_s: float  # after the last request is sent, in-flight ones get this long
+    routes_path: str | None = None  # set: request k goes to the k-th of the live URLs this file lists (routes.py)
 
 
 def deal(requests: Sequence[Scheduled], shares: int) -> list[list[Scheduled]]:
@@ -42,7 +45,16 @@ def deal(requests: Sequence[Scheduled], shares: int) -> list[list[Scheduled]]:
 async def send_scheduled(requests: Sequence[Scheduled], target: LoadTarget, t0: float) -> list[RequestRecord]:
     """Send each request at t0 + its offset, stream it to the end (or the drain's), and return one record per
     request in schedule order."""
-    clients = [HttpClient(url, model=target.model, timeout_s=target.request_timeout_s) for url in target.base_urls]
+    clients: dict[str, HttpClient] = {}
+    routes = Routes(target.routes_path) if target.routes_path else None
+
+    def client_for(number: int) -> HttpClient:
+        urls = (routes.urls() if routes is not None else None) or target.base_urls
+        url = urls[number % len(urls)]
+        if url not in clients:
+            clients[url] = HttpClient(url, model=target.model, timeout_s=target.request_timeout_s)
+        return clients[url]
+
     records: list[RequestRecord] = []
     tasks = []
     try:
@@ -51,18 +63,19 @@ async def send_scheduled(requests: Sequence[Scheduled], target: LoadTarget, t0: 
             if delay > 0:
                 await asyncio.sleep(delay)
             request = item.request
+            client = client_for(number)
             record = RequestRecord(index=request.index, kind=request.kind, max_tokens=request.max_tokens,
-                                   prompt_tokens=request.prompt_len, scheduled_s=item.offset_s)
+                                   prompt_tokens=request.prompt_len, scheduled_s=item.offset_s,
+                                   server=client.base_url)
             records.append(record)
-            tasks.append(asyncio.create_task(_send(clients[number % len(clients)], request, record, t0,
-                                                   target.request_timeout_s)))
+            tasks.append(asyncio.create_task(_send(client, request, record, t0, target.request_timeout_s)))
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=target.drain_timeout_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:
-        for client in clients:
+        for client in clients.values():
             await client.close()
     return records
 

@@ -1,7 +1,7 @@
 """The timeline of `metronome bench loop` (matplotlib, Agg): one PNG, four panels over the run's seconds, phase
 boundaries drawn in — the chunk size each loop run served (its queue policy as the marker: o fcfs, s split,
 ^ sjf), the clients' TBT p99 per interval against the target, TTFT p99 against its limit, and goodput per interval
-(loop runs solid, static configs thin and dashed)."""
+(loop runs solid, static configs thin and dashed) — and a fifth, the servers each run had, once more than one ran."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,9 +22,15 @@ def plot_timeline(result: dict[str, Any], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True)
-    chunk_ax, tbt_ax, ttft_ax, good_ax = axes
+    # A fifth panel, the servers each run had, where more than one server ever ran.
+    counted = any(i.get("servers", 1) > 1 for run in runs for i in run["intervals"])
+    fig, axes = plt.subplots(5 if counted else 4, 1, figsize=(11, 13 if counted else 11), sharex=True)
+    chunk_ax, tbt_ax, ttft_ax, good_ax = axes[:4]
     for number, run in enumerate(runs):
+        if counted:
+            axes[4].step([i["t_end"] for i in run["intervals"]], [i.get("servers_live", 1) for i in run["intervals"]],
+                         where="post", label=run["label"], color=f"C{number}",
+                         lw=0.9 if run["static"] else 1.8, ls="--" if run["static"] else "-")
         color = f"C{number}"
         style = dict(color=color, lw=0.9, ls="--", alpha=0.7) if run["static"] else dict(color=color, lw=1.8)
         t = [i["t_end"] for i in run["intervals"]]
@@ -56,7 +62,10 @@ def plot_timeline(result: dict[str, Any], path: str | Path) -> Path:
     ttft_ax.set_yscale("log")
     ttft_ax.set_ylabel("TTFT p99 per interval (ms)")
     good_ax.set_ylabel("goodput (tok/s)")
-    good_ax.set_xlabel("seconds since the load started")
+    if counted:
+        axes[4].set_ylabel("servers taking load")
+        axes[4].yaxis.get_major_locator().set_params(integer=True)
+    axes[-1].set_xlabel("seconds since the load started")
     # Label the chunk sizes served (a log axis would label only powers of two) and write every log axis's
     # labels as plain numbers (TBT's minor labels would read 6×10¹; TTFT spans decades: majors are enough).
     served = sorted({i["chunk_size"] for run in runs if not run["static"] for i in run["intervals"]})

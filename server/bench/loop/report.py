@@ -108,6 +108,7 @@ def config_stats(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
         grouped.setdefault(run["config_label"], []).append(run)
     return {label: {"static": repeats[0]["static"], "repeats": len(repeats),
                     "goodput_tok_s": _over([r["goodput_tok_s"] for r in repeats]),
+                    "goodput_per_server_s": _over([r["goodput_per_server_s"] for r in repeats]),
                     "phases": [_over([r["phases"][n]["goodput_tok_s"] for r in repeats])
                                for n in range(len(repeats[0]["phases"]))]}
             for label, repeats in grouped.items()}
@@ -140,6 +141,12 @@ def spread(configs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 def versus(goodput: float, best: Mapping[str, Any]) -> float | None:
     """A goodput as a fraction of an oracle's (None without an oracle or when its goodput is 0)."""
     return round(goodput / best["goodput_tok_s"], 4) if best and best["goodput_tok_s"] > 0 else None
+
+
+def per_server_second(good_tokens: float, server_seconds: float) -> float:
+    """Good tokens per second of a server process (one replica: on a cluster, one GPU's second): the loop's
+    replica decisions are judged by this against static server counts; 0 when no server ran."""
+    return round(good_tokens / server_seconds, 4) if server_seconds > 0 else 0.0
 
 
 def run_goodput(phases: Sequence[Mapping[str, Any]], durations: Sequence[float]) -> float:

@@ -29,14 +29,16 @@ from metronome.contract.config import ConfigError, SchedulerConfig, ServerConfig
 from metronome.operator import metrics_source as ms
 from metronome.operator.tuning.actuation import tune
 from metronome.operator.tuning.decision import CurrentConfig
+from metronome.operator.tuning.replicas import Recommendation, prune
 from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec
 from metronome.server.bench.load.clients import HttpClient
 from metronome.server.bench.load.records import RequestRecord
 from metronome.server.bench.loop import report as loop_report
+from metronome.server.bench.loop.fleet import ServerFleet
 from metronome.server.bench.loop.load import ClientPool, Load, LoadTarget
 from metronome.server.bench.loop.phases import Phase, Scheduled, phase_bounds
 from metronome.server.bench.loop.scrape import Scrape, observe, parse_scrape
-from metronome.server.bench.loop.servers import LoopServer, LoopServerError, start_servers, stop_servers
+from metronome.server.bench.loop.servers import LoopServer, LoopServerError
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class RunPlan:
     initial: SchedulerConfig
     config_label: str = ""  # the label without the repeat's suffix ("": the label)
     repeat: int = 1
+    servers: int = 1  # servers at the start (a static run keeps them; a loop with scale_replicas moves them)
 
     def __post_init__(self) -> None:
         if not self.config_label:
@@ -78,6 +81,8 @@ class LoopSettings:
     client_processes: int = 1  # >1: the load spread over that many client processes (load.py)
     warmup_s: float = 0.0  # the first phase's first seconds sent, unrecorded, once per server start
     env: dict[str, str] = field(default_factory=dict)
+    scale_replicas: bool = False  # loop runs decide the number of servers too, within [min_servers, servers]
+    min_servers: int = 1
 
 
 def initial_scheduler(base: SchedulerConfig, chunk: int, policy: str) -> SchedulerConfig:
@@ -94,15 +99,18 @@ class _Loop:
     plan: RunPlan
     config: ServerConfigFile
     current: CurrentConfig
-    scrapes: dict[str, list[Scrape]]
+    fleet: ServerFleet
+    scrapes: dict[str, list[Scrape]] = field(default_factory=dict)
     intervals: list[dict[str, Any]] = field(default_factory=list)
+    recent: tuple[Recommendation, ...] = ()  # the replica recommendations a scale-down must agree with
 
 
 async def run_plans(plans: Sequence[RunPlan], settings: LoopSettings, progress=print,
                     on_run=None) -> list[dict[str, Any]]:
-    """Every plan in turn, each on fresh servers, or all on one set with `settings.reuse_servers` (each run then
-    starts from its own initial config as a new generation, once the servers are idle). `on_run(runs)` is called
-    after each run with the runs so far (the CLI writes its JSON then: a command cut short keeps what it measured)."""
+    """Every plan in turn, each on a fresh fleet, or all on one with `settings.reuse_servers` (each run then starts
+    from its own initial config as a new generation and its own server count, once the servers are idle).
+    `on_run(runs)` is called after each run with the runs so far (the CLI writes its JSON then: a command cut
+    short keeps what it measured)."""
     done = on_run or (lambda runs: None)
     pool = await asyncio.to_thread(ClientPool, settings.client_processes) if settings.client_processes > 1 else None
     runs: list[dict[str, Any]] = []
@@ -110,65 +118,63 @@ async def run_plans(plans: Sequence[RunPlan], settings: LoopSettings, progress=p
         if not settings.reuse_servers:
             for plan in plans:
                 folder = settings.work_dir / plan.label.replace(" ", "-").replace("/", "-")
+                fleet = ServerFleet(folder, settings.serve_args, settings.env, settings.server_timeout_s, progress)
                 config = ServerConfigFile(generation=1, scheduler=plan.initial)
-                servers = await _start(folder, config, settings, plan.label, progress)
                 try:
-                    load = await _ready_load(servers, config, settings, pool, progress)
-                    runs.append(await _run_on(plan, servers, config, settings, load, progress))
+                    load = await _ready(fleet, plan, config, settings, pool, progress)
+                    runs.append(await _run_on(plan, fleet, config, settings, load, progress))
                 finally:
-                    await asyncio.to_thread(stop_servers, servers)
+                    await fleet.close()
                 done(runs)
             return runs
-        config = ServerConfigFile(generation=1, scheduler=plans[0].initial)
-        servers = await _start(settings.work_dir / "servers", config, settings, "all runs", progress)
+        fleet = ServerFleet(settings.work_dir / "servers", settings.serve_args, settings.env,
+                            settings.server_timeout_s, progress)
         try:
-            load = await _ready_load(servers, config, settings, pool, progress)
+            load = None
             for plan in plans:
-                if runs:  # a new generation even when the initial config repeats: the server applies it anew
-                    config = ServerConfigFile(generation=runs[-1]["last_generation"] + 1, scheduler=plan.initial)
-                    for server in servers:
-                        server.write_config(config)
-                    await _wait_idle_on(servers, config.generation, timeout_s=settings.drain_timeout_s + 60)
-                runs.append(await _run_on(plan, servers, config, settings, load, progress))
+                # a new generation even when the initial config repeats: the server applies it anew
+                config = ServerConfigFile(generation=runs[-1]["last_generation"] + 1 if runs else 1,
+                                          scheduler=plan.initial)
+                load = await _ready(fleet, plan, config, settings, pool, progress, load)
+                await _wait_idle_on(fleet.live, config.generation, timeout_s=settings.drain_timeout_s + 60)
+                runs.append(await _run_on(plan, fleet, config, settings, load, progress))
                 done(runs)
         finally:
-            await asyncio.to_thread(stop_servers, servers)
+            await fleet.close()
         return runs
     finally:
         if pool is not None:
             pool.close()
 
 
-async def _ready_load(servers: Sequence[LoopServer], config: ServerConfigFile, settings: LoopSettings,
-                      pool: ClientPool | None, progress) -> Load:
-    """The load for these servers (their model asked once), after `settings.warmup_s` of the first phase's requests
-    sent and thrown away: a server's first seconds (allocator growth, first batch shapes) would otherwise fall on
-    whichever run comes first."""
-    probe = HttpClient(servers[0].base_url, timeout_s=settings.request_timeout_s)
-    try:
-        await probe.discover()
-    finally:
-        await probe.close()
-    target = LoadTarget(base_urls=tuple(s.base_url for s in servers), model=probe.model,
-                        request_timeout_s=settings.request_timeout_s, drain_timeout_s=settings.drain_timeout_s)
-    load = Load(target, pool)
+async def _ready(fleet: ServerFleet, plan: RunPlan, config: ServerConfigFile, settings: LoopSettings,
+                 pool: ClientPool | None, progress, load: Load | None = None) -> Load:
+    """The fleet at the plan's server count on `config`, and the load for it (the model asked once). When servers
+    were started, `settings.warmup_s` of the first phase's requests are sent and thrown away first: a server's
+    first seconds (allocator growth, first batch shapes) would otherwise fall on whichever run comes first."""
+    started = time.monotonic()
+    before = len(fleet.live)
+    await fleet.start(plan.servers, config)
+    if len(fleet.live) > before:
+        progress(f"[{plan.label}] {len(fleet.live)} server(s) ready in {time.monotonic() - started:.0f} s")
+    if load is None:
+        probe = HttpClient(fleet.live[0].base_url, timeout_s=settings.request_timeout_s)
+        try:
+            await probe.discover()
+        finally:
+            await probe.close()
+        target = LoadTarget(base_urls=tuple(s.base_url for s in fleet.live), model=probe.model,
+                            request_timeout_s=settings.request_timeout_s, drain_timeout_s=settings.drain_timeout_s,
+                            routes_path=str(fleet.routes_path))
+        load = Load(target, pool)
     warmup = [item for item in settings.requests if item.phase == 0 and item.offset_s < settings.warmup_s]
-    if warmup:
+    if warmup and len(fleet.live) > before:
         started = time.monotonic()
         records = await load.send(warmup, started)
         progress(f"[warm-up] {sum(r.ok for r in records)}/{len(records)} requests of the first "
                  f"{settings.warmup_s:g} s completed in {time.monotonic() - started:.0f} s (not recorded)")
-        await _wait_idle_on(servers, config.generation, timeout_s=settings.drain_timeout_s + 60)
+        await _wait_idle_on(fleet.live, config.generation, timeout_s=settings.drain_timeout_s + 60)
     return load
-
-
-async def _start(folder: Path, config: ServerConfigFile, settings: LoopSettings, label: str,
-                 progress) -> list[LoopServer]:
-    started = time.monotonic()
-    servers = await asyncio.to_thread(start_servers, settings.servers, folder, config, settings.serve_args,
-                                      settings.env, settings.server_timeout_s)
-    progress(f"[{label}] {len(servers)} server(s) ready in {time.monotonic() - started:.0f} s")
-    return servers
 
 
 async def _wait_idle_on(servers: Sequence[LoopServer], generation: int, timeout_s: float) -> None:
@@ -194,97 +200,120 @@ async def _wait_idle_on(servers: Sequence[LoopServer], generation: int, timeout_
             await asyncio.sleep(0.5)
 
 
-async def _run_on(plan: RunPlan, servers: Sequence[LoopServer], config: ServerConfigFile, settings: LoopSettings,
+async def _run_on(plan: RunPlan, fleet: ServerFleet, config: ServerConfigFile, settings: LoopSettings,
                   load: Load, progress) -> dict[str, Any]:
-    """Drive the workload on running servers serving `config`, with the loop unless the plan is static; returns the
+    """Drive the workload on the fleet serving `config`, with the loop unless the plan is static; returns the
     run's JSON (with `records` for the report)."""
-    progress(f"[{plan.label}] {len(settings.requests)} requests over {sum(p.duration_s for p in settings.phases):g} s")
-    state = _Loop(plan, config, CurrentConfig.from_scheduler(plan.initial, len(servers), config.generation),
-                  {s.name: [] for s in servers})
-    records = await _drive(settings, servers, load, state, progress)
+    progress(f"[{plan.label}] {len(settings.requests)} requests over {sum(p.duration_s for p in settings.phases):g} "
+             f"s on {len(fleet.live)} server(s)")
+    state = _Loop(plan, config, CurrentConfig.from_scheduler(plan.initial, fleet.desired, config.generation), fleet)
+    t0 = time.monotonic()
+    records = await _drive(settings, load, state, t0, progress)
+    end = sum(p.duration_s for p in settings.phases)
     return {"label": plan.label, "config_label": plan.config_label, "repeat": plan.repeat,
             "static": plan.autotune is None,
             "tuning_policy": plan.autotune.policy.value if plan.autotune else None,
-            "initial": {"chunk_size": prefill_budget(plan.initial), "queue_policy": plan.initial.queue_policy},
+            "initial": {"chunk_size": prefill_budget(plan.initial), "queue_policy": plan.initial.queue_policy,
+                        "servers": plan.servers},
+            "server_seconds": round(fleet.server_seconds(t0, t0 + end), 3),
+            "server_timeline": fleet.timeline(t0, t0 + end),
+            "server_seconds_by_phase": [round(fleet.server_seconds(t0 + a, t0 + b), 3)
+                                        for a, b in phase_bounds(settings.phases)],
             "last_generation": state.config.generation, "intervals": state.intervals, "records": records}
 
 
-async def _drive(settings: LoopSettings, servers: Sequence[LoopServer], load: Load, state: _Loop,
-                 progress) -> list[RequestRecord]:
+async def _drive(settings: LoopSettings, load: Load, state: _Loop, t0: float, progress) -> list[RequestRecord]:
     import httpx
 
-    t0 = time.monotonic()
     sending = asyncio.create_task(load.send(settings.requests, t0))
     end = sum(p.duration_s for p in settings.phases)
     next_decision = settings.interval_s
     async with httpx.AsyncClient(timeout=5.0) as http:
         while True:
             now = time.monotonic() - t0
-            await _scrape(http, servers, state, t0, keep_s=settings.window.window_seconds + settings.interval_s)
+            await _scrape(http, state, t0, keep_s=settings.window.window_seconds + settings.interval_s)
             if now >= next_decision:
-                _control(state, settings, servers, next_decision, now)
+                state.fleet.check()
+                _control(state, settings, next_decision, now)
                 interval = state.intervals[-1]
                 progress(f"[{state.plan.label}] t={now:5.0f} s chunk {interval['chunk_size']:>5} "
-                         f"{interval['queue_policy']:<5} {interval['decision']['summary']}")
+                         f"{interval['queue_policy']:<5} x{interval['servers']} {interval['decision']['summary']}")
                 next_decision += settings.interval_s
             if now >= end:
                 break
             await asyncio.sleep(max(0.0, settings.scrape_interval_s - (time.monotonic() - t0 - now)))
-    return await sending
+    records = await sending
+    await state.fleet.settle()  # drains under way finish before the next run starts
+    return records
 
 
-async def _scrape(http, servers: Sequence[LoopServer], state: _Loop, t0: float, keep_s: float) -> None:
+async def _scrape(http, state: _Loop, t0: float, keep_s: float) -> None:
+    """Every live and draining server once; a stopped server's history goes (Prometheus marks its series stale)."""
+    servers = state.fleet.scraped()
+
     async def one(server: LoopServer) -> None:
         with contextlib.suppress(Exception):  # a missed scrape is a gap in the window, as with Prometheus
             response = await http.get(server.base_url + "/metrics")
             # parsed off the event loop: it also timestamps every streamed token of the run
             scrape = await asyncio.to_thread(parse_scrape, response.text, server.name, time.monotonic() - t0)
-            history = state.scrapes[server.name]
+            history = state.scrapes.setdefault(server.name, [])
             history.append(scrape)
             while history and history[0].time < scrape.time - keep_s:
                 history.pop(0)
 
     await asyncio.gather(*(one(s) for s in servers))
+    names = {s.name for s in servers}
+    for gone in [name for name in state.scrapes if name not in names]:
+        del state.scrapes[gone]
 
 
-def _control(state: _Loop, settings: LoopSettings, servers: Sequence[LoopServer], due: float, now: float) -> None:
+def _control(state: _Loop, settings: LoopSettings, due: float, now: float) -> None:
     """One control interval: observe, decide (unless static), carry the decision out, record it."""
     try:
         observation = observe(state.scrapes, settings.window, now)
     except ms.MetricsUnavailable:
         observation = None
     before = state.current
+    fleet = state.fleet
+    servers = {"servers": fleet.desired, "servers_live": len(fleet.live), "servers_draining": len(fleet.draining)}
     if state.plan.autotune is None:
         summary = reason = "static config"
-        changed, actions, to = False, ["static"], (before.chunk_size, before.queue_policy)
+        changed, actions, to = False, ["static"], (before.chunk_size, before.queue_policy, before.replicas)
     elif due < settings.window.window_seconds:
         # A running service's window is always full; the load here started at 0, so the first decision waits.
-        summary, changed, actions, to = "warm-up", False, ["warm_up"], (before.chunk_size, before.queue_policy)
+        summary, changed, actions = "warm-up", False, ["warm_up"]
+        to = (before.chunk_size, before.queue_policy, before.replicas)
         reason = f"warm-up: the {settings.window.window_seconds:g} s window is not full yet"
     else:
         wall = time.time()  # the servers stamp config_applied in Unix time
-        tuned = tune(observation, state.config, before.replicas, state.plan.autotune, wall, before.last_change_time)
+        tuned = tune(observation, state.config, before.replicas, state.plan.autotune, wall, before.last_change_time,
+                     state.recent)
         decision = tuned.decision
         changed, actions, reason = decision.changed, [a.value for a in decision.actions], decision.reason
-        to = (decision.chunk_size, decision.queue_policy)
+        to = (decision.chunk_size, decision.queue_policy, decision.replicas)
         summary = decision.describe_change(before) if changed else actions[0]
         if tuned.problem is not None:
             raise ConfigError(tuned.problem)
+        if decision.recommended_replicas is not None:
+            state.recent = prune((*state.recent, Recommendation(wall, decision.recommended_replicas)), wall,
+                                 state.plan.autotune.scale_down_stabilization_seconds)
         if changed:
             if tuned.config is not None:  # None: the decision lays out as the config already served
                 state.config = tuned.config
-            for server in servers:
-                server.write_config(state.config)
-            state.current = CurrentConfig.from_scheduler(state.config.scheduler, before.replicas,
+                fleet.write_config(state.config)
+            if decision.replicas != before.replicas:
+                fleet.scale_to(decision.replicas)
+            state.current = CurrentConfig.from_scheduler(state.config.scheduler, fleet.desired,
                                                          state.config.generation, last_change_time=wall)
     generations = observation.pod_generations if observation else {}
     state.intervals.append({
         "t_start": round(due - settings.interval_s, 3), "t_end": round(due, 3),
         "chunk_size": before.chunk_size, "queue_policy": before.queue_policy, "generation": before.generation,
+        **servers,
         "pods_on_generation": sum(1 for g in generations.values() if g >= before.generation),
         "observed": _observed(observation),
         "decision": {"changed": changed, "actions": actions, "summary": summary, "reason": reason,
-                     "to": {"chunk_size": to[0], "queue_policy": to[1]}},
+                     "to": {"chunk_size": to[0], "queue_policy": to[1], "servers": to[2]}},
     })
 
 
@@ -323,8 +352,17 @@ def report(runs: list[dict[str, Any]], settings: LoopSettings, command: str) -> 
         run["phases"] = [dict(label=p.label, **s.to_dict()) for p, s in
                          zip(settings.phases, loop_report.phase_stats(records, good, bounds), strict=True)]
         run["goodput_tok_s"] = round(loop_report.run_goodput(run["phases"], durations), 3)
+        run["goodput_per_server_s"] = loop_report.per_server_second(run["goodput_tok_s"] * sum(durations),
+                                                                    run["server_seconds"])
+        for phase, duration, seconds in zip(run["phases"], durations, run["server_seconds_by_phase"], strict=True):
+            phase["goodput_per_server_s"] = loop_report.per_server_second(phase["goodput_tok_s"] * duration, seconds)
+        by_server: dict[str, int] = {}
+        for record in records:
+            by_server[record.server] = by_server.get(record.server, 0) + 1
         run["requests"] = {"scheduled": len(records), "sent": sum(1 for r in records if r.sent_s is not None),
                            "completed": sum(1 for r in records if r.ok), "good": len(good),
+                           "aborted": sum(1 for r in records if r.finish_reason == "abort"),
+                           "by_server": by_server,
                            "errors": sorted({(r.error or "")[:80] for r in records if r.error})[:5]}
         for interval in run["intervals"]:
             interval["client"] = loop_report.window_stats(records, good, interval["t_start"],
@@ -362,5 +400,7 @@ def _phase_at(bounds: Sequence[tuple[float, float]], t: float) -> int:
     return next((i for i, (start, end) in enumerate(bounds) if start <= t < end), len(bounds) - 1)
 
 
-def autotune_for(base: AutotuneSpec, policy) -> AutotuneSpec:
-    return replace(base, mode=AutotuneMode.APPLY, policy=policy, scale_replicas=False)
+def autotune_for(base: AutotuneSpec, policy, settings: LoopSettings) -> AutotuneSpec:
+    """A loop run's spec: apply mode, the policy, and the replica bounds of the fleet when it scales."""
+    return replace(base, mode=AutotuneMode.APPLY, policy=policy, scale_replicas=settings.scale_replicas,
+                   min_replicas=settings.min_servers, max_replicas=settings.servers)

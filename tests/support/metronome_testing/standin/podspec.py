@@ -94,6 +94,7 @@ class ServerPod:
     grace_seconds: float = 30.0
     env: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     container_port: int | None = None  # the server container's first declared port
+    pre_stop_seconds: float = 0.0  # the server container's preStop sleep (lifecycle.preStop.sleep.seconds)
 
     @property
     def key(self) -> str:
@@ -149,7 +150,9 @@ def server_pod(pod: Mapping[str, Any], container_name: str = SERVER_CONTAINER) -
         config_maps=tuple(config_maps), host_paths=tuple(host_paths), scratch_mounts=tuple(scratch),
         grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)), env=env,
         container_port=int(ports[0]) if ports else None, labels=tuple(sorted(labels.items())),
-        annotations=tuple(sorted((metadata.get("annotations") or {}).items())))
+        annotations=tuple(sorted((metadata.get("annotations") or {}).items())),
+        pre_stop_seconds=float((((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {})
+                               .get("seconds", 0)))
 
 
 def _config_map_source(source: Mapping[str, Any]) -> ConfigMapSource:

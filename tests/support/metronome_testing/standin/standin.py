@@ -11,8 +11,10 @@ for each Running one it
   (podspec.py maps host/port/device and mount paths), restarting it with back-off if it dies,
 - lists it in a Prometheus file_sd targets file with the labels namespace/service/pod (targets.py), and writes
   its address on the Pod (annotation `metronome.dev/standin-address`) for Kubernetes service discovery,
-and stops the process (SIGTERM, grace, SIGKILL) when the pod is deleted. It only ever talks to the API server and
-to 127.0.0.0/8; pod IPs are never read.
+and stops the process when the pod is deleted as a kubelet would: the server leaves `servers()` and the targets
+file at once (the endpoints' removal), keeps serving through the pod's preStop sleep (at most
+`max_pre_stop_seconds`), then gets SIGTERM (its drain), the grace period and SIGKILL. It only ever talks to the API
+server and to 127.0.0.0/8; pod IPs are never read.
 
 With `pod_network` it also plays the pod network, for clients that go by pod IP (an InferencePool's endpoint
 picker): each server listens on its pod's container port at a loopback address of its own, and that address is
@@ -80,6 +82,7 @@ class StandInOptions:
     last_address: str = "127.0.0.254"
     resync_seconds: float = 0.5
     max_grace_seconds: float = 10.0  # a pod may ask for 60 s; a local stop should not take that long
+    max_pre_stop_seconds: float = 5.0  # the pod's preStop sleep, at most this long here
     max_restart_backoff_seconds: float = 30.0
     config_delay: DelayRange | None = None  # None: $METRONOME_STANDIN_CONFIG_DELAY, else the kubelet's 30-90 s
     seed: int | None = None  # of the delays' random source (None: unseeded)
@@ -136,6 +139,7 @@ class KubeletStandIn:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._retiring: list[threading.Thread] = []  # servers of deleted pods on their way out
         self._api: Any = None
         self._watch: Any = None
         self.config_delay = options.config_delay or DelayRange.from_env()
@@ -168,6 +172,9 @@ class KubeletStandIn:
         for thread in self._threads:
             thread.join(timeout=30)
         self._threads = []
+        for thread in self._retiring:
+            thread.join(timeout=60)
+        self._retiring = []
         with self._lock:
             running = list(self._state.running.items())
             self._state.running.clear()
@@ -286,7 +293,7 @@ class KubeletStandIn:
             gone = [key for key in self._state.running if key not in wanted]
             stopping = [(key, self._state.running.pop(key)) for key in gone]
         for key, entry in stopping:
-            self._stop_server(key, entry)
+            self._retire(key, entry)
         config_maps: dict[tuple[str, str], dict[str, str] | None] = {}
         for key, pod in wanted.items():
             try:
@@ -405,6 +412,18 @@ class KubeletStandIn:
             mounts.append((mount, str(scratch)))
         return local_argv(pod, self._program, address, port, self.options.device, LocalMounts(tuple(mounts)),
                           self.options.extra_args)
+
+    def _retire(self, key: str, entry: _Running) -> None:
+        """A deleted pod's server, already out of `servers()` and the targets: its preStop sleep, then the stop,
+        in a thread of its own (the sync goes on meanwhile)."""
+        def run() -> None:
+            self._stopping.wait(min(entry.pod.pre_stop_seconds, self.options.max_pre_stop_seconds))
+            self._stop_server(key, entry)
+
+        self._retiring = [t for t in self._retiring if t.is_alive()]
+        thread = threading.Thread(target=run, name=f"standin-retire-{entry.pod.name}", daemon=True)
+        self._retiring.append(thread)
+        thread.start()
 
     def _stop_server(self, key: str, entry: _Running) -> None:
         with self._lock:

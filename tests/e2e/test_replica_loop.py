@@ -1,0 +1,170 @@
+"""The replica loop end to end: the control plane, the operator (a local process under the chart's ServiceAccount),
+Debian's Prometheus and real `metronome serve` processes (SmolLM2-135M on CPU, one core each) that the kubelet
+stand-in starts for each pod the operator's Deployment asks for, and stops — after the pod's preStop sleep — for
+each pod it removes. The load is a closed loop spread over the service's ready servers (closedloop/service_load.py).
+
+1. One replica at chunk 512; the TBT target comes from the gaps measured there (closedloop/slo.py, as in
+   test_closed_loop.py), and with it the loop shrinks the chunk: the chunk goes first.
+2. A TTFT limit from the first tokens measured at the chunk the loop chose (a CPU server's TTFT under a closed loop
+   grows with the clients per server: the limit sits between what one server gives the stepped-up load and what
+   two give it), then the load steps up to three times the clients: one replica cannot serve it. The loop adds a
+   replica because prefill is the bottleneck, and the SLO is met on two.
+3. The load drops to one client with short prompts: within the scale-down stabilization window and a bounded time
+   the loop removes the replica again, back to minReplicas, while requests stream on both servers — and none of
+   them fails (the pod leaves the load's endpoints first, its server finishes what it streams). The replica count
+   reverses at most once.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import yaml
+from e2e_helpers import calibrate, isvc, service_namespace
+
+from metronome.server.bench.load.stats import percentile
+from metronome_testing.closedloop import LoadSpec, ServiceLoad
+from metronome_testing.kube_objects import events_for
+from metronome_testing.polling import wait_for
+
+NAME = "replicated"
+INITIAL_CHUNK = 512
+FLOOR_CHUNK = 32
+WINDOW_S = 20
+MEASURE_S = 20.0
+CLIENTS = 4  # per replica, as the closed-loop test's load
+STEP = 3  # the load step: three times the clients, which one CPU replica cannot serve within the TTFT limit
+STABILIZATION_S = 30
+# From the load's drop to one replica: the stabilization window, a full metrics window of the low load before it,
+# the interval and a settling window after the last change, with room for a busy machine.
+SCALE_DOWN_BOUND_S = STABILIZATION_S + 3 * WINDOW_S + 120
+
+
+def manifest() -> str:
+    return yaml.safe_dump({
+        "apiVersion": "metronome.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": NAME},
+        "spec": {
+            "model": {"source": "default"},
+            "replicas": 1, "minReplicas": 1, "maxReplicas": 2,  # two servers, one core each, on a 2-core machine
+            "resources": {"gpus": 1, "cpu": "1", "memory": "2Gi"},
+            "server": {"chunkSize": INITIAL_CHUNK, "queuePolicy": "fcfs", "maxNumSeqs": 16},
+            "autotune": {"mode": "off", "policy": "model", "intervalSeconds": 5, "cooldownSeconds": 10,
+                         "minChunkSize": FLOOR_CHUNK, "maxChunkSize": 1024, "chunkGranularity": 32,
+                         "deadbandLow": 0.3, "policySwitching": False, "scaleReplicas": True,
+                         "scaleDownStabilizationSeconds": STABILIZATION_S},
+            "metrics": {"windowSeconds": WINDOW_S},
+            # The stand-in plays the preStop sleep: the pod leaves the load's endpoints, then its server stops.
+            "shutdown": {"preStopSleepSeconds": 5},
+        },
+    })
+
+
+@pytest.fixture(scope="module")
+def ns(cluster, operator):
+    with service_namespace(cluster, "e2e-replicas", manifest()) as namespace:
+        yield namespace
+
+
+def status(cluster, ns) -> dict:
+    return isvc(cluster, ns, NAME).get("status") or {}
+
+
+def replicas(cluster, ns) -> int:
+    return isvc(cluster, ns, NAME)["spec"]["replicas"]
+
+
+def patch(cluster, ns, spec: dict) -> None:
+    cluster.kubectl("patch", "inferenceservices.metronome.dev", NAME, "-n", ns, "--type=merge", "-p",
+                    json.dumps({"spec": spec}))
+
+
+def scalings(cluster, ns) -> list[tuple[int, int]]:
+    """(from, to) of every AutotuneScaled Event, oldest first."""
+    events = sorted((e for e in events_for(cluster, ns, NAME) if e["reason"] == "AutotuneScaled"),
+                    key=lambda e: e.get("firstTimestamp") or e.get("eventTime") or "")
+    out = []
+    for event in events:
+        head = event["message"].split(":", 1)[0]  # "replicas 1 -> 2"
+        before, after = head.removeprefix("replicas ").split(" -> ")
+        out.append((int(before), int(after)))
+    return out
+
+
+def test_the_loop_shrinks_the_chunk_adds_a_replica_and_removes_it_again(cluster, standin, prometheus, operator, ns):
+    standin.wait_for_servers(1, namespace=ns, service=NAME, timeout_s=300)
+    load = ServiceLoad(lambda: [s.base_url for s in standin.servers(ns, NAME)], LoadSpec(), CLIENTS).start()
+    try:
+        run(cluster, standin, ns, load)
+    finally:
+        load.stop()
+
+
+def run(cluster, standin, ns, load: ServiceLoad) -> None:
+    # 1. The chunk first: a TBT target chunk 512 violates, and the loop shrinks the chunk on one replica.
+    wait_for(lambda: load.completed() >= 4, "the first requests to complete", timeout=240, interval=1.0)
+    calibration, _ = calibrate(load, INITIAL_CHUNK, FLOOR_CHUNK, MEASURE_S)
+    target_ms = round(calibration.target_s * 1000)
+    print(f"\ncalibration: {calibration.describe()}")
+    patch(cluster, ns, {"slo": {"tbtP99Ms": target_ms}, "autotune": {"mode": "apply"}})
+    wait_for(lambda: status(cluster, ns).get("slo") == "Met" and status(cluster, ns).get("chunkSize", INITIAL_CHUNK)
+             < INITIAL_CHUNK and status(cluster, ns).get("podsOnGeneration") == 1,
+             f"the loop to shrink the chunk until SLO=Met (target {target_ms} ms)", timeout=420, interval=2.0)
+    chunk = status(cluster, ns)["chunkSize"]
+    assert replicas(cluster, ns) == 1 and scalings(cluster, ns) == [], "the chunk goes first"
+
+    # 2. The TTFT limit, from what the chosen chunk gives CLIENTS clients on one server: the stepped-up load gives
+    # one server about STEP times that and two servers about STEP / 2 times; the limit is their geometric middle.
+    mark = load.now()
+    wait_for(lambda: load.now() - mark >= MEASURE_S and len(load.ttfts_since(mark)) >= 8,
+             "first tokens at the chosen chunk", timeout=MEASURE_S + 180, interval=1.0)
+    base_ttft = percentile(load.ttfts_since(mark), 99)
+    limit_ms = math.ceil(base_ttft * math.sqrt(STEP * STEP / 2) * 1000)
+    print(f"chunk {chunk}: client TTFT p99 {base_ttft * 1e3:.0f} ms with {CLIENTS} clients → limit {limit_ms} ms")
+    patch(cluster, ns, {"slo": {"tbtP99Ms": target_ms, "ttftP99Ms": limit_ms}})
+    first = set(load.servers_used(0.0))
+    load.set_load(CLIENTS * STEP)
+    stepped = load.now()
+
+    # The loop adds the replica because prefill cannot keep up (TTFT over the limit while requests wait).
+    wait_for(lambda: replicas(cluster, ns) == 2, "the loop to add a replica", timeout=420, interval=2.0)
+    decision = status(cluster, ns)["lastDecision"]
+    print(f"scale-up after {load.now() - stepped:.0f} s: {decision['reason'][:300]}")
+    assert (decision["from"]["replicas"], decision["to"]["replicas"]) == (1, 2) and decision["policy"] == "scale"
+    assert "prefill is the bottleneck" in decision["reason"]
+    servers = standin.wait_for_servers(2, namespace=ns, service=NAME, timeout_s=300)
+    (second,) = [s.base_url for s in servers if s.base_url not in first]
+    wait_for(lambda: load.servers_used(load.now() - MEASURE_S).get(second, 0) > 0, "the new server to take load",
+             timeout=120, interval=1.0)
+
+    def met_on_two():
+        current = status(cluster, ns)
+        since = load.now() - MEASURE_S
+        ttft, gaps = load.ttft_p99_s(since), load.gaps_since(since)
+        done = (current.get("slo") == "Met" and current.get("readyReplicas") == 2 and ttft is not None
+                and ttft * 1000 < limit_ms and len(gaps) >= 100 and percentile(gaps, 99) * 1000 < target_ms)
+        return done and (ttft, percentile(gaps, 99))
+
+    ttft, tbt = wait_for(met_on_two, f"SLO=Met on two replicas (TTFT < {limit_ms} ms, TBT < {target_ms} ms)",
+                         timeout=420, interval=2.0)
+    print(f"two replicas: client TTFT p99 {ttft * 1e3:.0f} ms, TBT p99 {tbt * 1e3:.0f} ms")
+    assert replicas(cluster, ns) == 2
+
+    # 3. The load drops: one client, short prompts. Back to one replica within the bound, none of the requests
+    # failing, while both servers had requests streaming.
+    load.set_load(1, LoadSpec(long_fraction=0.0))
+    dropped, dropped_at = load.now(), time.monotonic()
+    wait_for(lambda: replicas(cluster, ns) == 1 and len(standin.servers(ns, NAME)) == 1,
+             "the loop to remove the replica", timeout=SCALE_DOWN_BOUND_S + 60, interval=2.0)
+    took = time.monotonic() - dropped_at
+    decision = status(cluster, ns)["lastDecision"]
+    print(f"scale-down {took:.0f} s after the drop: {decision['reason'][:300]}")
+    assert took <= SCALE_DOWN_BOUND_S
+    assert (decision["from"]["replicas"], decision["to"]["replicas"]) == (2, 1)
+    assert f"every recommendation of the last {STABILIZATION_S} s" in decision["reason"]
+    mark = load.now()
+    wait_for(lambda: load.completed(mark) >= 3, "requests on the one server left", timeout=120, interval=1.0)
+    assert len(load.servers_used(dropped)) == 2, "requests streamed on both servers after the drop"
+    assert load.errors() == [], load.errors()[:5]
+    assert scalings(cluster, ns) == [(1, 2), (2, 1)], "one reversal: up for the step, down after the drop"
