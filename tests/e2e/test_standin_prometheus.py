@@ -112,4 +112,7 @@ def test_a_deleted_pod_stops_its_server_and_the_replacement_gets_one(cluster, st
                                 and standin.wait_for_servers(2, ns, timeout_s=60)),
                        "a server for the replacement pod", timeout=120)
     assert victim.pod not in {s.pod for s in servers}
-    assert victim.pid is not None and not os.path.exists(f"/proc/{victim.pid}")  # stopped and reaped
+    # The stopped server leaves servers() at once but exits after the pod's preStop sleep and its drain.
+    assert victim.pid is not None
+    wait_for(lambda: not os.path.exists(f"/proc/{victim.pid}"), f"{victim.pod}'s server to exit and be reaped",
+             timeout=60)
