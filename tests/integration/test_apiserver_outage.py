@@ -85,19 +85,10 @@ def _deployment_says(cluster, ns) -> tuple[int, str]:
 def cluster(tmp_path_factory):
     """A control plane of this module's own (it overrides the session's `cluster`): stopping kube-apiserver leaves
     nodes tainted and the scheduler backing off for minutes, which the session's later tests must not inherit."""
-    from metronome_testing.localcluster.local import LocalCluster
-    from metronome_testing.localcluster.session import SessionCluster
-    from metronome_testing.localcluster.tools import ToolSet
+    from metronome_testing.localcluster.session import private_cluster
 
-    local = LocalCluster(tmp_path_factory.mktemp("outage-cluster"), tools=ToolSet.default())
-    info = local.up()
-    handle = SessionCluster(kubeconfig=info.kubeconfig, bin_dir=info.bin_dir, api_url=info.api_url,
-                            logs_dir=info.logs_dir, local=local, owns_control_plane=True,
-                            kubernetes_version=info.kubernetes_version)
-    try:
+    with private_cluster(tmp_path_factory.mktemp("outage-cluster")) as handle:
         yield handle
-    finally:
-        handle.close()
 
 
 @pytest.fixture

@@ -30,19 +30,10 @@ LABEL = re.compile(r'(\w+)="([^"]*)"')
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A control plane of this module's own (overrides the session's `cluster`)."""
-    from metronome_testing.localcluster.local import LocalCluster
-    from metronome_testing.localcluster.session import SessionCluster
-    from metronome_testing.localcluster.tools import ToolSet
+    from metronome_testing.localcluster.session import private_cluster
 
-    local = LocalCluster(tmp_path_factory.mktemp("idle-cluster"), tools=ToolSet.default())
-    info = local.up()
-    handle = SessionCluster(kubeconfig=info.kubeconfig, bin_dir=info.bin_dir, api_url=info.api_url,
-                            logs_dir=info.logs_dir, local=local, owns_control_plane=True,
-                            kubernetes_version=info.kubernetes_version)
-    try:
+    with private_cluster(tmp_path_factory.mktemp("idle-cluster")) as handle:
         yield handle
-    finally:
-        handle.close()
 
 
 @pytest.fixture(scope="module")

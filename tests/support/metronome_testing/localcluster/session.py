@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,3 +123,18 @@ def open_test_cluster(scratch_dir: Path, build: bool = True) -> SessionCluster:
     return SessionCluster(kubeconfig=info.kubeconfig, bin_dir=info.bin_dir, api_url=info.api_url,
                        logs_dir=info.logs_dir, prometheus_url=info.prometheus_url, local=local,
                        owns_control_plane=not info.reused, kubernetes_version=info.kubernetes_version)
+
+
+@contextmanager
+def private_cluster(state_dir: Path) -> Iterator[SessionCluster]:
+    """A control plane of a test module's own in `state_dir`, down when the block ends: for tests that disturb the
+    API server (an outage) or measure its load (idle cost), which the session's cluster must not share."""
+    local = LocalCluster(state_dir, tools=ToolSet.default())
+    info = local.up()
+    handle = SessionCluster(kubeconfig=info.kubeconfig, bin_dir=info.bin_dir, api_url=info.api_url,
+                            logs_dir=info.logs_dir, local=local, owns_control_plane=True,
+                            kubernetes_version=info.kubernetes_version)
+    try:
+        yield handle
+    finally:
+        handle.close()
