@@ -5,10 +5,10 @@ each pod it removes. The load is a closed loop spread over the service's ready s
 
 1. One replica at chunk 512; the TBT target comes from the gaps measured there (closedloop/slo.py, as in
    test_closed_loop.py), and with it the loop shrinks the chunk: the chunk goes first.
-2. A TTFT limit from the first tokens measured at the chunk the loop chose (a CPU server's TTFT under a closed loop
-   grows with the clients per server: the limit sits between what one server gives the stepped-up load and what
-   two give it), then the load steps up to three times the clients: one replica cannot serve it. The loop adds a
-   replica because prefill is the bottleneck, and the SLO is met on two.
+2. A TTFT limit and a load step from the first tokens measured at the chunk the loop chose (closedloop/slo.py:
+   a CPU server's TTFT under a closed loop grows with the clients it carries; the limit is a TTFT bucket bound that
+   one server exceeds at the stepped-up load and two servers meet). One replica cannot serve the step: the loop
+   adds a replica because prefill is the bottleneck, and the SLO is met on two.
 3. The load drops to one client with short prompts: within the scale-down stabilization window and a bounded time
    the loop removes the replica again, back to minReplicas, while requests stream on both servers — and none of
    them fails (the pod leaves the load's endpoints first, its server finishes what it streams). The replica count
@@ -17,7 +17,6 @@ each pod it removes. The load is a closed loop spread over the service's ready s
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import pytest
@@ -26,6 +25,7 @@ from e2e_helpers import calibrate, isvc, service_namespace
 
 from metronome.server.bench.load.stats import percentile
 from metronome_testing.closedloop import LoadSpec, ServiceLoad
+from metronome_testing.closedloop.slo import choose_load_step
 from metronome_testing.kube_objects import events_for
 from metronome_testing.polling import wait_for
 
@@ -35,7 +35,6 @@ FLOOR_CHUNK = 32
 WINDOW_S = 20
 MEASURE_S = 20.0
 CLIENTS = 4  # per replica, as the closed-loop test's load
-STEP = 3  # the load step: three times the clients, which one CPU replica cannot serve within the TTFT limit
 STABILIZATION_S = 30
 # From the load's drop to one replica: the stabilization window, a full metrics window of the low load before it,
 # the interval and a settling window after the last change, with room for a busy machine.
@@ -114,17 +113,17 @@ def run(cluster, standin, ns, load: ServiceLoad) -> None:
     chunk = status(cluster, ns)["chunkSize"]
     assert replicas(cluster, ns) == 1 and scalings(cluster, ns) == [], "the chunk goes first"
 
-    # 2. The TTFT limit, from what the chosen chunk gives CLIENTS clients on one server: the stepped-up load gives
-    # one server about STEP times that and two servers about STEP / 2 times; the limit is their geometric middle.
+    # 2. The TTFT limit and the load step, from what the chosen chunk gives CLIENTS clients on one server.
     mark = load.now()
     wait_for(lambda: load.now() - mark >= MEASURE_S and len(load.ttfts_since(mark)) >= 8,
              "first tokens at the chosen chunk", timeout=MEASURE_S + 180, interval=1.0)
     base_ttft = percentile(load.ttfts_since(mark), 99)
-    limit_ms = math.ceil(base_ttft * math.sqrt(STEP * STEP / 2) * 1000)
-    print(f"chunk {chunk}: client TTFT p99 {base_ttft * 1e3:.0f} ms with {CLIENTS} clients → limit {limit_ms} ms")
+    step = choose_load_step(base_ttft, CLIENTS)
+    limit_ms = round(step.limit_s * 1000)
+    print(f"chunk {chunk}: client TTFT p99 {base_ttft * 1e3:.0f} ms with {CLIENTS} clients; {step.describe()}")
     patch(cluster, ns, {"slo": {"tbtP99Ms": target_ms, "ttftP99Ms": limit_ms}})
     first = set(load.servers_used(0.0))
-    load.set_load(CLIENTS * STEP)
+    load.set_load(step.clients)
     stepped = load.now()
 
     # The loop adds the replica because prefill cannot keep up (TTFT over the limit while requests wait).
@@ -142,9 +141,12 @@ def run(cluster, standin, ns, load: ServiceLoad) -> None:
         current = status(cluster, ns)
         since = load.now() - MEASURE_S
         ttft, gaps = load.ttft_p99_s(since), load.gaps_since(since)
-        done = (current.get("slo") == "Met" and current.get("readyReplicas") == 2 and ttft is not None
-                and ttft * 1000 < limit_ms and len(gaps) >= 100 and percentile(gaps, 99) * 1000 < target_ms)
-        return done and (ttft, percentile(gaps, 99))
+        tbt = percentile(gaps, 99) if gaps else None
+        seen = (f"status slo={current.get('slo')} ready={current.get('readyReplicas')} "
+                f"chunk={current.get('chunkSize')}; client TTFT p99 {ttft} s, TBT p99 {tbt} s over {len(gaps)} gaps")
+        assert current.get("slo") == "Met" and current.get("readyReplicas") == 2, seen
+        assert ttft is not None and ttft * 1000 < limit_ms and len(gaps) >= 100 and tbt * 1000 < target_ms, seen
+        return ttft, tbt
 
     ttft, tbt = wait_for(met_on_two, f"SLO=Met on two replicas (TTFT < {limit_ms} ms, TBT < {target_ms} ms)",
                          timeout=420, interval=2.0)

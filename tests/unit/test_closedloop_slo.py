@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from metronome_testing.closedloop.load import require_loopback
-from metronome_testing.closedloop.slo import CalibrationError, choose_tbt_target
+from metronome_testing.closedloop.slo import CalibrationError, choose_load_step, choose_tbt_target
 
 
 def test_an_idle_machine_gets_a_tight_bucket_bound():
@@ -31,6 +31,32 @@ def test_a_flat_response_is_refused_with_the_numbers():
         choose_tbt_target(0.0, 0.6, 512, 32)
     with pytest.raises(CalibrationError):
         choose_tbt_target(0.1, 0.6, 32, 64)
+
+
+def test_the_load_step_puts_a_ttft_bucket_bound_between_one_server_and_two():
+    # 6.7 s with 4 clients (a busy CI machine): 8 clients give one server ~13.4 s and two ~6.7 s; 10 s lies in
+    # [1.4 x 6.7, 13.4 / 1.2]. The old limit there, 14.2 s, sat inside the 10-20 s bucket, where a few slow first
+    # tokens read as a p99 near 20 s on two servers.
+    step = choose_load_step(6.7, 4)
+    assert (step.clients, step.limit_s) == (8, 10.0)
+    assert step.one_server_s == pytest.approx(13.4) and step.two_servers_s == pytest.approx(6.7)
+    assert "8 clients" in step.describe() and "limit 10000 ms" in step.describe()
+
+
+def test_the_load_steps_further_when_no_bound_fits_at_twice_the_clients():
+    # 4.1 s: at 8 clients the band is [5.74, 6.83] and holds no bound (5, 7.5); 9 clients: [6.46, 7.69] holds 7.5.
+    step = choose_load_step(4.1, 4)
+    assert (step.clients, step.limit_s) == (9, 7.5)
+    for base in (0.05, 0.3, 1.2, 2.5, 3.3, 9.0, 14.0):
+        step = choose_load_step(base, 4)
+        assert step.two_servers_s * 1.4 <= step.limit_s <= step.one_server_s / 1.2
+
+
+def test_a_load_step_beyond_the_buckets_is_refused():
+    with pytest.raises(CalibrationError, match="no TTFT bucket bound"):
+        choose_load_step(30.0, 4)  # two servers would need a bound above 40 s, and 80 s is where quantiles clamp
+    with pytest.raises(CalibrationError):
+        choose_load_step(0.0, 4)
 
 
 def test_load_goes_only_to_loopback():

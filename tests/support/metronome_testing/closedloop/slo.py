@@ -7,6 +7,13 @@ either trivially met or out of reach somewhere. Under long-short load, the media
 The target is a bucket bound of the TBT histogram (Prometheus' quantile is exact at bucket bounds, so Met and
 Violated are crisp there), below its largest finite bound (beyond it histogram_quantile clamps to that bound and
 a violation would read as Met), reachable at the floor chunk with slack, and clearly violated at the initial chunk.
+
+The replica test's load step follows the same idea for TTFT (choose_load_step): under a closed loop a saturated
+server's TTFT grows with the clients it carries, so from the TTFT p99 measured with `clients` on one server, N
+clients give one server about N / clients times that and two servers half as much. The limit is a TTFT bucket
+bound — between two bounds histogram_quantile interpolates, and a few slow first tokens in a wide bucket (10 s to
+20 s) read as a p99 near its top — that one server clearly exceeds and two servers clearly meet, with more room on
+the two-server side: two servers on a 2-core machine share their cores with the control plane and the load.
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from metronome.contract.metric_names import TBT_BUCKETS
+from metronome.contract.metric_names import TBT_BUCKETS, TTFT_BUCKETS
 
 
 class CalibrationError(ValueError):
@@ -52,3 +59,35 @@ def choose_tbt_target(median_s: float, p99_s: float, initial_chunk: int, floor_c
             f"p99 {p99_s * 1e3:.0f} ms at chunk {initial_chunk}); the machine is too busy for a meaningful run")
     return Calibration(target_s=fitting[-1], per_token_s=per_token, floor_p99_s=at_floor, median_s=median_s,
                        p99_s=p99_s)
+
+
+@dataclass(frozen=True)
+class LoadStep:
+    clients: int  # the stepped-up load, all servers together
+    limit_s: float  # the TTFT limit: a TTFT bucket bound
+    one_server_s: float  # predicted TTFT p99 with all of them on one server
+    two_servers_s: float  # ... spread over two
+
+    def describe(self) -> str:
+        return (f"{self.clients} clients: predicted TTFT p99 {self.one_server_s * 1e3:.0f} ms on one server, "
+                f"{self.two_servers_s * 1e3:.0f} ms on two → limit {self.limit_s * 1e3:.0f} ms")
+
+
+def choose_load_step(base_ttft_s: float, clients: int, buckets: Sequence[float] = TTFT_BUCKETS,
+                     over_margin: float = 1.2, under_margin: float = 1.4, max_factor: int = 6) -> LoadStep:
+    """The smallest load, from twice `clients` up to `max_factor` times, with a TTFT bucket bound that one server
+    exceeds by `over_margin` and two servers meet by `under_margin` (the bound nearest the middle of that band)."""
+    if not (base_ttft_s > 0 and clients > 0):
+        raise CalibrationError(f"need a positive TTFT p99 ({base_ttft_s}) and client count ({clients})")
+    bounds = sorted(b for b in buckets if math.isfinite(b))[:-1]  # beyond the largest, histogram_quantile clamps
+    for total in range(2 * clients, max_factor * clients + 1):
+        one = base_ttft_s * total / clients
+        two = one / 2
+        low, high = two * under_margin, one / over_margin
+        fitting = [b for b in bounds if low <= b <= high]
+        if fitting:
+            middle = math.sqrt(low * high)
+            limit = min(fitting, key=lambda b: abs(math.log(b / middle)))
+            return LoadStep(clients=total, limit_s=limit, one_server_s=one, two_servers_s=two)
+    raise CalibrationError(f"no TTFT bucket bound separates one server from two for a TTFT p99 of "
+                           f"{base_ttft_s * 1e3:.0f} ms with {clients} clients, up to {max_factor} times the load")
