@@ -7,34 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_models import FAMILIES, VOCAB
-from test_model_exact import PagedCache
-
-from metronome.kernels import get_backend
-from metronome.server.models.gguf_loader import gguf_config, gguf_metadata, gguf_weights, open_gguf
-from metronome.server.models.loader import build_empty_model
+from family_models import FAMILIES
+from gguf_files import assert_computes_as, decoder_writer, finish, load_gguf
 
 GGUF_ARCH = {"qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3"}
 
 
 def write_llama_cpp_gguf(path: Path, hf_model, arch: str) -> None:
-    import gguf
-
     config = hf_model.config
-    arch_enum = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
-    names = gguf.get_tensor_name_map(arch_enum, config.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer, names = decoder_writer(path, config, arch)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
     rope = config.rope_parameters
     if arch == "gemma3":
         writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
@@ -57,10 +39,7 @@ def write_llama_cpp_gguf(path: Path, hf_model, arch: str) -> None:
         if arch == "gemma3" and base.endswith("norm"):
             array = array + 1  # llama.cpp's Gemma convention
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 @pytest.mark.parametrize("family", sorted(GGUF_ARCH))
@@ -82,16 +61,8 @@ def test_llama_cpp_gguf_of_each_family_matches_transformers(tmp_path, family):
     path = tmp_path / f"{family}.gguf"
     write_llama_cpp_gguf(path, hf_model, GGUF_ARCH[family])
 
-    reader = open_gguf(path)
-    ours = gguf_config(reader, gguf_metadata(reader))
+    ours, model = load_gguf(path)
     windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types) \
         if family == "gemma3" else (config.sliding_window,) * config.num_hidden_layers
     assert ours.architecture == family and ours.layer_windows == windows
-    model = build_empty_model(ours, get_backend("torch"), torch.device("cpu"), torch.float32)
-    model.load_weights(gguf_weights(reader, ours))
-    ids = torch.randint(3, VOCAB, (50,), generator=torch.Generator().manual_seed(4)).tolist()
-    cache = PagedCache(ours, 1, len(ids))
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)), cache.kv, cache.metadata([0], [len(ids)]))
-        expected = hf_model(torch.tensor([ids])).logits[0]
-        torch.testing.assert_close(model.compute_logits(hidden), expected, rtol=0, atol=1e-4)
+    assert_computes_as(model, ours, hf_model, tokens=50, seed=4)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_files import decoder_writer, finish, llama_cpp_permute
 from test_model_exact import PagedCache
 
 from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
@@ -166,12 +167,6 @@ def test_unsupported_configs_say_why():
         config_from_hf_dict({k: v for k, v in base.items() if k != "intermediate_size"})
 
 
-def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf does to Q/K rows of llama-architecture models (for its rope)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2) \
-        .reshape(weight.shape)
-
-
 def test_gguf_unpermute_inverts_llama_cpp_permutation():
     weight = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
     for heads in (1, 2, 8):
@@ -182,19 +177,9 @@ def test_gguf_unpermute_inverts_llama_cpp_permutation():
 
 def write_gguf(path: Path, hf_model, arch: str) -> None:
     """Write a transformers model as llama.cpp's converter would (float32 tensors, Q/K permuted for llama)."""
-    import gguf
-
     config = hf_model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer, _ = decoder_writer(path, config, arch)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -217,10 +202,7 @@ def write_gguf(path: Path, hf_model, arch: str) -> None:
             elif arch == "llama" and module == "self_attn.k_proj":
                 array = llama_cpp_permute(array, config.num_key_value_heads)
         writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
