@@ -31,7 +31,10 @@ def test_live_objects_leave_the_walked_generations_and_garbage_is_collected_firs
 
     frozen = freeze_startup_heap()
 
-    assert frozen == gc.get_freeze_count() >= len(live)
+    assert frozen >= len(live)
+    # Nothing joins the permanent generation after the freeze; objects leave it only when freed (other threads of
+    # this process may free some between the two readings).
+    assert 0 < gc.get_freeze_count() <= frozen
     walked = gc.get_objects()
     assert len(walked) < walked_before / 10
     assert not any(o is live[0] for o in walked)
