@@ -73,14 +73,14 @@ def _layer(layout: str, bias: bool) -> tuple[Fp8Linear, torch.Tensor]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("gemm", ["auto", "rowwise", "tensorwise", "triton"])
+@pytest.mark.parametrize("gemm", ["auto", "skinny", "rowwise", "tensorwise", "triton"])
 def test_fp8_gemm_matches_the_emulation(layout, gemm):
     torch.backends.cuda.matmul.allow_tf32 = False
     layer, weight = _layer(layout, bias=layout == "channel-token")
     layer.finalize(gemm)
     g = torch.Generator(device="cuda").manual_seed(7)
     worst = {}
-    for m in (1, 16, 100, 600, 2048):
+    for m in (1, 16, 33, 64, 100, 600, 2048):
         x = torch.randn(m, K, generator=g, device="cuda").to(torch.bfloat16)
         act = quantize_activation(x, layer.activation_quant)
         got = layer(act)

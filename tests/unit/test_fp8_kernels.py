@@ -20,9 +20,13 @@ import torch
 # (name, tokens, width, group) — widths with a short last group (200 = 3 x 64 + 8) and rows of several chunks
 QUANT_CASES = [("token", 5, 200, None), ("group", 4, 200, 64), ("static", 3, 96, "static"),
                ("token_wide", 2, 2500, None)]
-# (name, M, N, K, mode) — mode: tensor (0-d scales), token_channel ([M, 1] x [N]), block (groups of 32 along K)
-GEMM_CASES = [("tensor", 5, 48, 64, "tensor"), ("token_channel", 19, 40, 96, "token_channel"),
-              ("block", 33, 64, 80, "block"), ("bias", 7, 32, 32, "bias")]
+# (name, M, N, K, mode, kernel) — mode: tensor (0-d scales), token_channel ([M, 1] x [N]), block (groups of 32
+# along K); kernel: the tiled FP8 GEMM or the small-M one (kernels/triton_fp8_skinny.py: K not a multiple of its
+# tile, N not a multiple of its column tile, 1 to 33 rows)
+GEMM_CASES = [("tensor", 5, 48, 64, "tensor", "tiled"), ("token_channel", 19, 40, 96, "token_channel", "tiled"),
+              ("block", 33, 64, 80, "block", "tiled"), ("bias", 7, 32, 32, "bias", "tiled"),
+              ("skinny_token_channel", 1, 48, 200, "token_channel", "skinny"),
+              ("skinny_tensor", 5, 40, 96, "tensor", "skinny"), ("skinny_bias", 33, 72, 64, "bias", "skinny")]
 
 
 def _quant_results(name, tokens, width, group) -> dict:
@@ -74,8 +78,10 @@ def _fused_results() -> dict:
     gate_up = torch.randn(tokens, 2 * inter, generator=g)
     gate, up = gate_up.split(inter, dim=-1)
     product = torch.nn.functional.silu(gate) * up
-    for label, group, static in (("token", None, None), ("group", 64, None), ("static", None, torch.tensor(0.01))):
-        q, s = silu_mul_fp8(gate_up, group=group, static_scale=static, chunk=128)
+    # chunk 128: per-token rows in two streaming passes; the default: each row whole in one program's registers
+    for label, group, static, chunk in (("token", None, None, 128), ("token_whole", None, None, None),
+                                        ("group", 64, None, 128), ("static", None, torch.tensor(0.01), 128)):
+        q, s = silu_mul_fp8(gate_up, group=group, static_scale=static, **({"chunk": chunk} if chunk else {}))
         if static is not None:
             rq, rs = fp8.quantize_per_tensor(product, static)
         elif group is None:
@@ -87,9 +93,14 @@ def _fused_results() -> dict:
     return out
 
 
-def _gemm_results(name, m, n, k, mode) -> dict:
+def _gemm_results(name, m, n, k, mode, kernel) -> dict:
     from metronome.kernels.triton_fp8 import fp8_matmul
+    from metronome.kernels.triton_fp8_skinny import SkinnyTiles, fp8_skinny_matmul
     from metronome.server.models.quant import fp8
+
+    if kernel == "skinny":
+        def fp8_matmul(a, sa, b, sb, out_dtype, bias=None):  # noqa: F811 - the same call, the small-M kernel
+            return fp8_skinny_matmul(a, sa, b, sb, out_dtype, bias, tiles=SkinnyTiles(32, 64, 4, 1))
 
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g)
@@ -170,9 +181,9 @@ def test_norm_and_silu_mul_quantise_their_output(results):
         assert got[f"norm_{label}_q_mismatch"] < 0.01, got
         assert got[f"norm_{label}_scale_rel"] < 1e-5, got
     assert got["norm_static_q_mismatch"] < 0.01, got
-    for label in ("token", "group", "static"):
+    for label in ("token", "token_whole", "group", "static"):
         assert got[f"silu_{label}_q_mismatch"] < 0.01, got
-    for label in ("token", "group"):
+    for label in ("token", "token_whole", "group"):
         assert got[f"silu_{label}_scale_rel"] < 1e-5, got
 
 
@@ -203,3 +214,11 @@ def test_kernels_refuse_bad_arguments(monkeypatch):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     print(json.dumps(_run_all()))
+
+
+def test_the_gemm_choice_by_rows():
+    from metronome.server.models.quant.cuda_gemm import SKINNY_ROWS, per_token_path
+
+    assert [per_token_path("auto", m) for m in (1, SKINNY_ROWS, SKINNY_ROWS + 1)] == ["skinny", "skinny", "rowwise"]
+    assert per_token_path("skinny", 4096) == "rowwise"  # the small-M kernel only where its rows fit
+    assert [per_token_path(c, 1) for c in ("rowwise", "tensorwise", "triton")] == ["rowwise", "tensorwise", "triton"]

@@ -11,11 +11,15 @@
   in (three more passes over [M, N]);
   `auto` runs `rowwise`: on the H200 it was the faster of the two at every Llama-3-8B shape from 1 to 8,192 rows
   (docs/perf/fp8-h200.md), `tensorwise` 1.09-2.38x slower;
+- `skinny`: at decode-sized batches (M <= 64) the Triton small-M kernel of kernels/triton_fp8_skinny.py (operands
+  swapped so the weight streams through many narrow column tiles), any per-tensor or per-channel layout; larger
+  batches take `rowwise`;
 - `triton`: the Triton kernel for every layout (also the fallback when K or N is not a multiple of 16, which
   `_scaled_mm` requires).
 
-`METRONOME_FP8_GEMM=auto|rowwise|tensorwise|triton` picks one for benchmarking (read when a model is loaded);
-everything here is capturable in a CUDA graph.
+`auto` runs `skinny` up to SKINNY_ROWS rows and `rowwise` (or the per-tensor `_scaled_mm`) above.
+`METRONOME_FP8_GEMM=auto|skinny|rowwise|tensorwise|triton` picks one for benchmarking (read when a model is
+loaded); everything here is capturable in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from metronome.server.models.quant.activation import Fp8Activation
 if TYPE_CHECKING:
     from metronome.server.models.quant.fp8_linear import Fp8Linear
 
-GEMMS = ("auto", "rowwise", "tensorwise", "triton")
+GEMMS = ("auto", "skinny", "rowwise", "tensorwise", "triton")
+SKINNY_ROWS = 64  # `auto` takes the small-M kernel up to here
 GEMM_ENV = "METRONOME_FP8_GEMM"
 
 
@@ -40,9 +45,12 @@ def gemm_from_environment() -> str:
     return choice
 
 
-def per_token_path(choice: str) -> str:
-    """The `_scaled_mm` path a per-token activation takes for a layer's GEMM choice (`auto` resolved)."""
-    return "rowwise" if choice == "auto" else choice
+def per_token_path(choice: str, m: int) -> str:
+    """The path an M-row activation with per-token (or static) scales takes for a layer's GEMM choice, `auto`
+    resolved: `skinny` up to SKINNY_ROWS rows, else the `_scaled_mm` path (`rowwise` for `auto`)."""
+    if choice in ("auto", "skinny"):
+        return "skinny" if m <= SKINNY_ROWS else "rowwise"
+    return choice
 
 
 def fp8_gemm(act: Fp8Activation, layer: Fp8Linear) -> torch.Tensor:
@@ -55,14 +63,17 @@ def fp8_gemm(act: Fp8Activation, layer: Fp8Linear) -> torch.Tensor:
     bias = layer.bias
     if layer.granularity == "block":
         return fp8_matmul(q, act.scale, weight, layer.weight_scale, act.dtype, bias, group_k=layer.block[1])
-    choice = layer.gemm
-    if choice == "triton" or k % 16 or n % 16 or m == 0 or act.group is not None:
+    path = per_token_path(layer.gemm, m)
+    if path == "triton" or k % 16 or n % 16 or m == 0 or act.group is not None:
         return fp8_matmul(q, act.scale, weight, layer.weight_scale, act.dtype, bias)
+    if path == "skinny":
+        from metronome.kernels.triton_fp8_skinny import fp8_skinny_matmul
+        return fp8_skinny_matmul(q, act.scale, weight, layer.weight_scale, act.dtype, bias)
     a_scalar, w_scalar = act.scale.dim() == 0, layer.weight_scale.dim() == 0
     if a_scalar and w_scalar:
         return torch._scaled_mm(q, weight.t(), scale_a=act.scale, scale_b=layer.weight_scale, bias=bias,
                                 out_dtype=act.dtype)
-    if per_token_path(choice) == "rowwise":
+    if path == "rowwise":
         scale_a = act.scale.expand(m, 1).contiguous() if a_scalar else act.scale
         out = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=layer.column_scale, out_dtype=act.dtype)
         return out if bias is None else out.add_(bias)
