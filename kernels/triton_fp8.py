@@ -2,7 +2,8 @@
 
 - `quantize_fp8(x, group=None, static_scale=None)`: x [T, K] → (q e4m3 [T, K], scales): one scale per token
   (`group` None: [T, 1]), per `group` columns of a token ([T, ceil(K / group)]), or the given static scale (0-d).
-  One program per token row; a per-token row is read twice (amax, then quantise), groups and static scales once.
+  One program per token row; a per-token row up to WHOLE_ROW_MAX columns is read once and quantised from
+  registers, a wider one twice (amax, then quantise); groups and static scales once.
 - `fp8_matmul(a, a_scale, b, b_scale, ...)`: a [M, K] e4m3 @ b [N, K] e4m3 (a weight as stored, rows = output
   features) → [M, N] in the output dtype. Scales either multiply once after the K loop (a: 0-d or per row [M],
   b: 0-d or per column [N]) or, with `group_k`, per K group inside the loop (a [M, ceil(K / g)], b [N, ceil(K / g)]
@@ -75,13 +76,17 @@ def _quantize_registers(y, cols, mask, q_row, s_row, static_ptr, N, BLOCK: tl.co
 
 @triton.jit
 def _quantize_rows(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, stride_s, N,
-                   CHUNK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr):
+                   CHUNK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr, WHOLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
     s_row = s_ptr + row * stride_s
     offs = tl.arange(0, CHUNK)
-    if STATIC or GROUP != 0:  # every chunk is self-contained (CHUNK == GROUP for groups)
+    if WHOLE:  # the row fits one chunk: read once, its amax and codes from registers
+        mask = offs < N
+        y = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        _quantize_registers(y, offs, mask, q_row, s_row, static_ptr, N, CHUNK, GROUP, STATIC)
+    elif STATIC or GROUP != 0:  # every chunk is self-contained (CHUNK == GROUP for groups)
         for start in range(0, N, CHUNK):
             cols = start + offs
             mask = cols < N
@@ -101,6 +106,24 @@ def _quantize_rows(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, stride_s
             y = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(q_row + cols, _fp8_of(y, scale), mask=mask)
         tl.store(s_row, scale)
+
+
+WHOLE_ROW_MAX = 16384  # a per-token row up to this many columns is quantised from registers in one pass
+STREAM_CHUNK = 1024  # otherwise columns per step of the two passes (amax, then codes)
+
+
+def whole_row_warps(width: int) -> int:
+    """Warps for one program holding a whole row of `width` columns (about 32 fp32 values a thread)."""
+    return min(16, max(4, triton.next_power_of_2(width) // 512))
+
+
+def row_chunk(width: int, group: int | None, chunk: int, whole: bool) -> int:
+    """Columns a row-quantising program takes per step: the whole row, one group, or a streaming chunk."""
+    if whole:
+        return triton.next_power_of_2(width)
+    if group is not None:
+        return group
+    return min(chunk, STREAM_CHUNK, triton.next_power_of_2(width))
 
 
 def scale_buffer(rows: int, width: int, group: int | None, static_scale: torch.Tensor | None,
@@ -123,8 +146,9 @@ def check_quant_args(width: int, group: int | None, static_scale: torch.Tensor |
 
 
 def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
-                 chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] (contiguous rows) → (q e4m3 [T, K], scales) as the module doc says."""
+                 chunk: int = WHOLE_ROW_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (contiguous rows) → (q e4m3 [T, K], scales) as the module doc says; a per-token row of at most
+    `chunk` columns in one pass from registers, wider ones in two streaming passes."""
     rows, width = x.shape
     check_quant_args(width, group, static_scale)
     q = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=x.device)
@@ -134,11 +158,12 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.
     if x.stride(-1) != 1:
         raise ValueError("quantize_fp8 needs rows with a contiguous last axis")
     require_runnable(x.device)
-    block = group if group is not None else min(chunk, triton.next_power_of_2(width))
+    whole = group is None and static_scale is None and triton.next_power_of_2(width) <= chunk
     _quantize_rows[(rows,)](
         x, q, scales, static_scale if static_scale is not None else scales, x.stride(0), q.stride(0),
         scales.stride(0) if scales.dim() == 2 else 0, width,
-        CHUNK=block, GROUP=group or 0, STATIC=static_scale is not None, num_warps=4,
+        CHUNK=row_chunk(width, group, chunk, whole), GROUP=group or 0, STATIC=static_scale is not None,
+        WHOLE=whole, num_warps=whole_row_warps(width) if whole else 4,
     )
     return q, scales
 

@@ -26,7 +26,16 @@ import triton
 import triton.language as tl
 
 from .triton_attention import require_runnable
-from .triton_fp8 import _fp8_of, _quantize_registers, _scale_of, check_quant_args, scale_buffer
+from .triton_fp8 import (
+    WHOLE_ROW_MAX,
+    _fp8_of,
+    _quantize_registers,
+    _scale_of,
+    check_quant_args,
+    row_chunk,
+    scale_buffer,
+    whole_row_warps,
+)
 
 
 @triton.jit
@@ -148,13 +157,17 @@ def _silu_mul_value(gate_up_row, cols, mask, N, ROUND: tl.constexpr, BF16: tl.co
 @triton.jit
 def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, stride_s, N,
                   CHUNK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr, ROUND: tl.constexpr,
-                  BF16: tl.constexpr):
+                  BF16: tl.constexpr, WHOLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     gate_up_row = gate_up_ptr + row * stride_g
     q_row = q_ptr + row * stride_q
     s_row = s_ptr + row * stride_s
     offs = tl.arange(0, CHUNK)
-    if STATIC or GROUP != 0:  # every chunk is self-contained (CHUNK == GROUP for groups)
+    if WHOLE:  # the row fits one chunk: computed once, its amax and codes from registers
+        mask = offs < N
+        y = _silu_mul_value(gate_up_row, offs, mask, N, ROUND, BF16)
+        _quantize_registers(y, offs, mask, q_row, s_row, static_ptr, N, CHUNK, GROUP, STATIC)
+    elif STATIC or GROUP != 0:  # every chunk is self-contained (CHUNK == GROUP for groups)
         for start in range(0, N, CHUNK):
             cols = start + offs
             mask = cols < N
@@ -178,9 +191,11 @@ def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, str
 
 
 def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
-                 chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                 chunk: int = WHOLE_ROW_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [T, 2I] (gate columns first) → (q e4m3 [T, I], scales) of silu(gate) * up rounded to the model
-    dtype, quantised per token (group None), per `group` columns or with a static scale."""
+    dtype, quantised per token (group None), per `group` columns or with a static scale. A per-token row of at
+    most `chunk` columns is held whole in one program's registers (one pass, 16 warps): at decode batches a
+    program per row is all the parallelism there is, and two passes of small chunks made it latency-bound."""
     rows, width = gate_up.shape
     n = width // 2
     check_quant_args(n, group, static_scale)
@@ -191,12 +206,13 @@ def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: 
     if gate_up.stride(-1) != 1:
         raise ValueError("silu_mul_fp8 needs rows with a contiguous last axis")
     require_runnable(gate_up.device)
+    whole = group is None and static_scale is None and triton.next_power_of_2(n) <= chunk
     _silu_mul_fp8[(rows,)](
         gate_up, q, scales, static_scale if static_scale is not None else scales, gate_up.stride(0), q.stride(0),
         scales.stride(0) if scales.dim() == 2 else 0, n,
-        CHUNK=group if group is not None else min(chunk, triton.next_power_of_2(n)), GROUP=group or 0,
-        STATIC=static_scale is not None, ROUND=gate_up.dtype in (torch.bfloat16, torch.float16),
-        BF16=gate_up.dtype == torch.bfloat16, num_warps=4,
+        CHUNK=row_chunk(n, group, chunk, whole), GROUP=group or 0, STATIC=static_scale is not None,
+        ROUND=gate_up.dtype in (torch.bfloat16, torch.float16), BF16=gate_up.dtype == torch.bfloat16, WHOLE=whole,
+        num_warps=whole_row_warps(n) if whole else 4,
     )
     return q, scales
 
