@@ -18,7 +18,8 @@ A logit softcap (cap * tanh(score / cap)) is a compiled-in option too, and so ar
 learned logit per head that joins each row's softmax denominator, added once per row after its key loop (in the
 merge when the keys were split).
 Softmax is online in fp32 with exp2; fp32 inputs use exact ("ieee") dots. An FP8 (e4m3) cache is read as is and
-converted to q's dtype in registers (exact); its per-kv-head scales multiply the scores (K's) and the output (V's).
+converted in registers (exact) to fp16 on the GPU with half-precision queries (`fp8_read_mode`), else to q's
+dtype; its per-kv-head scales multiply the scores (K's) and the output (V's).
 
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported): tests only.
 """
@@ -119,6 +120,8 @@ def _attention_tile(
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
+    if KV_FP8 == FP8_AS_FP16:
+        q = q.to(tl.float16)
 
     if KV_FP8:  # K's scale multiplies every score of this kv head, V's the output
         scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
@@ -269,6 +272,22 @@ def _merge_splits(
     out = tl.sum(acc * weight[:, None], 0) / denom
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
+
+
+FP8_AS_Q = 1  # an e4m3 cache converted to the queries' dtype
+FP8_IN_FP16 = 2  # an e4m3 cache met in fp16, the half-precision queries converted once per tile
+FP8_AS_FP16 = tl.constexpr(FP8_IN_FP16)  # the same, as the kernels compare it
+
+
+def fp8_read_mode(kv_fp8: bool, q_dtype: torch.dtype, on_cuda: bool) -> int:
+    """How the kernel reads an FP8 cache (its KV_FP8 constexpr; 0: the cache is not FP8). On the GPU with bf16 or
+    fp16 queries the dots run in fp16: e4m3 → fp16 is one packed conversion per two values and exact, where
+    e4m3 → bf16 costs several instructions a value, enough to make the decode kernel issue-bound rather than
+    bandwidth-bound; fp16 holds every e4m3 value and a bf16 query's 8 mantissa bits (queries beyond fp16's
+    65,504 would not fit, far outside what attention layers produce)."""
+    if not kv_fp8:
+        return 0
+    return FP8_IN_FP16 if on_cuda and q_dtype in (torch.bfloat16, torch.float16) else FP8_AS_Q
 
 
 def require_runnable(device: torch.device) -> None:
@@ -425,7 +444,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton's interpreter (3.9) computes bf16 x bf16 dots wrongly; it upcasts the operands instead.
         UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16, WINDOW=window or 0, SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None, KV_FP8=kv_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_SINKS=sinks is not None, KV_FP8=fp8_read_mode(kv_fp8, q.dtype, on_cuda), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _merge_splits[(num_tokens, n_heads)](
