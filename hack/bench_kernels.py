@@ -5,7 +5,8 @@
 Times decode-only and mixed batches of a Llama-3-8B layer (32 query heads, 8 kv heads, head_dim 128, bf16) with
 triton.testing.do_bench and prints achieved bandwidth (unique K/V bytes read + q/out, over the time) next to the
 GPU's measured copy bandwidth, and TFLOP/s for batches with prefill chunks. `--sweep` also tries a grid of tile
-configs and split counts per case, to tune `choose_config` / `choose_num_splits` in one GPU call. `--json PATH`
+configs and split counts per case, to tune `choose_config` / `choose_num_splits` in one GPU call. `--kv-fp8` stores
+the cache in e4m3 (per-head scales of 1) and counts its bytes as one per element. `--json PATH`
 writes every row. It reads the kernels' private tiling helpers on purpose: it is their tuning tool.
 """
 from __future__ import annotations
@@ -102,12 +103,13 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() * 2 / ms / 1e6
 
 
-def sweep_grid(decode: bool, group_pad: int):
+def sweep_grid(decode: bool, group_pad: int, kv_fp8: bool = False):
     """Tile configs worth trying; each is one compile, so the grid stays small."""
     from metronome.kernels.triton_attention import TileConfig
     if decode:
         shapes = [(4, 2), (4, 3), (4, 4), (2, 3), (8, 3)]
-        return [TileConfig(64, 64, w, st, decode_block_n=n) for n in (32, 64, 128) for w, st in shapes]
+        keys = (64, 128, 256) if kv_fp8 else (32, 64, 128)  # an FP8 key is half the bytes: twice the keys a step
+        return [TileConfig(64, 64, w, st, decode_block_n=n) for n in keys for w, st in shapes]
     shapes = [(4, 2), (4, 3), (8, 2)]
     return [TileConfig(max(m, group_pad), 64, w, st, decode_block_n=dn)
             for m in (64, 128) for w, st in shapes for dn in (64, 128)]
@@ -120,6 +122,7 @@ def run(args) -> list[dict]:
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
     elem = torch.finfo(dtype).bits // 8
+    kv_elem = 1 if args.kv_fp8 else elem
     n_kv, group, head_dim = args.kv_heads, args.group, args.head_dim
     n_heads = n_kv * group
     bw = copy_bandwidth(device)
@@ -132,18 +135,24 @@ def run(args) -> list[dict]:
         q, k_cache, v_cache, meta = build_batch(q_lens, ctx_lens, args.block_size, n_kv, group, head_dim, dtype,
                                                 device)
         scale = 1.0 / math.sqrt(head_dim)
-        moved = kv_bytes(meta, n_kv, head_dim, elem) + 2 * q.numel() * elem
+        kv_scales: dict = {}
+        if args.kv_fp8:
+            k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+            ones = torch.ones(n_kv, dtype=torch.float32, device=device)
+            kv_scales = {"k_scale": ones, "v_scale": ones}
+        moved = kv_bytes(meta, n_kv, head_dim, kv_elem) + 2 * q.numel() * elem
         flops = attention_flops(meta, n_heads, head_dim)
         group_pad = 1 << (group - 1).bit_length()
         configs: list[tuple[TileConfig | None, int | None]] = [(None, None)]
         if args.sweep:
-            configs += [(c, None) for c in sweep_grid(meta.max_seqlen_q == 1, group_pad)]
+            configs += [(c, None) for c in sweep_grid(meta.max_seqlen_q == 1, group_pad, args.kv_fp8)]
             if meta.num_tokens <= 256:
                 configs += [(None, s) for s in (1, 2, 4, 8, 16)]
         best = None
         for cfg, splits in configs:
-            def call(cfg=cfg, splits=splits, q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, scale=scale):
-                return paged_attention(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits)
+            def call(cfg=cfg, splits=splits, q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, scale=scale,
+                     kv_scales=kv_scales):
+                return paged_attention(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits, **kv_scales)
             try:
                 timing = time_call(call, full=cfg is None and splits is None)
             except Exception as exc:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
@@ -202,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--sweep", action="store_true", help="also try a grid of tile configs and split counts")
+    parser.add_argument("--kv-fp8", action="store_true", help="an e4m3 KV cache (per-head scales of 1)")
     parser.add_argument("--sdpa-peer", action="store_true", help="time torch SDPA on a dense cache for decodes")
     parser.add_argument("--cases", help="comma-separated substrings: run only the cases whose names contain one")
     parser.add_argument("--json", help="write all rows to this file")

@@ -16,10 +16,15 @@
 #          → fp8-engine.json, fp8-tbt-vs-throughput.png
 #   bf16   the same model in bf16: device, decode batch 1 and 64, prefill (the prefill ratio's denominator, same call)
 #          → bf16-engine.json
-#   gemm   hack/fp8_gemm_bench.py: bf16 vs each FP8 GEMM path at Llama-3-8B shapes and M = 1 … 8,192 → fp8-gemm.json
+#   gemm   hack/fp8_gemm_bench.py: bf16 vs each FP8 GEMM path at Llama-3-8B shapes and M = 1 … 8,192, timed as graph
+#          replays with the weights from HBM (GEMM_ARGS, e.g. --skinny-sweep) → fp8-gemm.json
+#   attn   hack/bench_kernels.py --kv-fp8 --sweep: the decode attention over an FP8 cache per tile config
+#          → fp8-attention.json
+#   profile  hack/profile_decode.py: a decode step's kernel time by kind and kernel, batch 1 and 64, per FP8 GEMM
+#          path, against the bytes floor → decode-profile.json
 #   then   fp8-summary.json (the issue's targets from the above), gpu_fp8.log
-# Knobs (environment): PARTS, BUDGET, KV (fp8|auto), RATES, DURATION, CHUNKS, SAT_MAX, GEMM_ROWS, METRONOME_FP8_GEMM,
-# and
+# Knobs (environment): PARTS, BUDGET, KV (fp8|auto), RATES, DURATION, CHUNKS, SAT_MAX, GEMM_ROWS, GEMM_ARGS,
+# FP8_SECTIONS, METRONOME_FP8_GEMM, and
 # SMOKE=1 (the bench parts on the CPU with a tiny model: checks this script's plumbing, not the GPU).
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,6 +40,8 @@ DURATION=${DURATION:-3}
 CHUNKS=${CHUNKS:-256,512,1024,unchunked}
 SAT_MAX=${SAT_MAX:-512}
 GEMM_ROWS=${GEMM_ROWS:-1,16,64,256,512,2048,8192}
+GEMM_ARGS=${GEMM_ARGS:-}
+FP8_SECTIONS=${FP8_SECTIONS:-device,decode,prefill,saturation,longshort}
 START=$SECONDS
 LOG=$OUT/gpu_fp8.log
 stamp() { echo "[gpu_fp8 +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
@@ -73,9 +80,11 @@ fi
 
 if has fp8; then
   stamp "bench fp8 (weights fp8, kv $KV; limit $(limit 230)s)"
-  PLOT=(); python3 -c "import matplotlib" 2>/dev/null && PLOT=(--plot "$OUT/fp8-tbt-vs-throughput.png")
+  PLOT=()  # the figure is drawn from the long-short runs
+  case ",$FP8_SECTIONS," in *,longshort,*) python3 -c "import matplotlib" 2>/dev/null &&
+    PLOT=(--plot "$OUT/fp8-tbt-vs-throughput.png");; esac
   timeout -k 10 "$(limit 230)" "${BENCH[@]}" --quantization fp8 --kv-cache-dtype "$KV" \
-    --sections device,decode,prefill,saturation,longshort --saturation-max-requests "$SAT_MAX" \
+    --sections "$FP8_SECTIONS" --saturation-max-requests "$SAT_MAX" \
     --rates "$RATES" --duration "$DURATION" --chunk-sizes "$CHUNKS" --warmup-requests 8 --drain-timeout 10 \
     --no-prefix-caching "${PLOT[@]}" --out "$OUT/fp8-engine.json" > "$WORK/bench-fp8.log" 2>&1
   stamp "bench fp8 rc=$?"; grep -E "^(device|prefill|saturation)" "$WORK/bench-fp8.log" | tee -a "$LOG"
@@ -89,12 +98,27 @@ if has bf16; then
 fi
 
 if has gemm && [ "$(left)" -gt 15 ]; then
-  stamp "GEMM paths (limit $(limit 90)s)"
-  timeout -k 5 "$(limit 90)" python3 -m hack.fp8_gemm_bench --rows "$GEMM_ROWS" --reps 10 --out "$OUT/fp8-gemm.json" \
-    > "$WORK/gemm.log" 2>&1
-  stamp "GEMM paths rc=$?"; tail -n 4 "$WORK/gemm.log" | tee -a "$LOG"
+  stamp "GEMM paths (limit $(limit 150)s)"
+  # shellcheck disable=SC2086 # GEMM_ARGS is a list of flags
+  timeout -k 5 "$(limit 150)" python3 -m hack.fp8_gemm_bench --rows "$GEMM_ROWS" --reps 10 $GEMM_ARGS \
+    --out "$OUT/fp8-gemm.json" > "$WORK/gemm.log" 2>&1
+  stamp "GEMM paths rc=$?"; grep -E "M=" "$WORK/gemm.log" | tee -a "$LOG"
 fi
 
-python3 -m hack.fp8_summary "$OUT" 2>&1 | tee -a "$LOG"
+if has attn && [ "$(left)" -gt 15 ]; then
+  stamp "FP8-cache decode attention sweep (limit $(limit 70)s)"
+  timeout -k 5 "$(limit 70)" python3 -m hack.bench_kernels --kv-fp8 --sweep --cases decode \
+    --json "$OUT/fp8-attention.json" > "$WORK/attn.log" 2>&1
+  stamp "attention rc=$?"; grep -E "decode|best" "$WORK/attn.log" | tee -a "$LOG"
+fi
+
+if has profile && [ "$(left)" -gt 30 ]; then
+  stamp "decode profile (limit $(limit 150)s)"
+  timeout -k 5 "$(limit 150)" python3 -m hack.profile_decode --kv-cache-dtype "$KV" --out "$OUT/decode-profile.json" \
+    > "$WORK/profile.log" 2>&1
+  stamp "profile rc=$?"; grep -vE "^(USDT|STAGE|\[W)" "$WORK/profile.log" | tail -n 60 | tee -a "$LOG"
+fi
+
+has fp8 && python3 -m hack.fp8_summary "$OUT" 2>&1 | tee -a "$LOG"
 cat "$WORK"/*.log > "$OUT/fp8-bench.log" 2>/dev/null
 stamp "done"
