@@ -27,6 +27,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
           "down_proj": (4096, 14336)}
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     from metronome.server.bench.engine.device_peaks import device_section
 
     peaks = device_section(device, 2048, 8192, 10)
-    doc = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "reps": args.reps,
+    doc = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "reps": args.reps,
            "bandwidth_gb_per_s": peaks["bandwidth_gb_per_s"], "command": " ".join(sys.argv),
            "unit": "microseconds per GEMM (median of graph replays, weights from HBM)",
            "shapes": measure(SHAPES, rows, args.reps, device, args.weight_mb, args.skinny_sweep)}

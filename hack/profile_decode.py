@@ -16,6 +16,7 @@ import collections
 import json
 import random
 import sys
+import time
 
 KINDS = (("attention", ("attention", "merge_splits")),
          ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "skinny", "sm90", "cublas")),
@@ -109,7 +110,8 @@ def main() -> int:
     peaks = device_section(torch.device(device), 4 if args.smoke else 2048, 64 if args.smoke else 8192, 10)
     model_config = core.loaded.config
     widths = byte_widths(core)
-    result: dict = {"command": " ".join(sys.argv), "model": args.model, "quantization": args.quantization,
+    result: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "command": " ".join(sys.argv), "model": args.model, "quantization": args.quantization,
                     "kv_cache_dtype": args.kv_cache_dtype, "context": args.context,
                     "device": device if args.smoke else torch.cuda.get_device_name(),
                     "bandwidth_gb_per_s": peaks["bandwidth_gb_per_s"], "runs": {}}
