@@ -42,6 +42,12 @@ class Calibration:
                 f"{self.floor_p99_s * 1e3:.0f} ms → target {self.target_s * 1e3:.0f} ms")
 
 
+def usable_bounds(buckets: Sequence[float]) -> list[float]:
+    """The finite bucket bounds a quantile can be judged at exactly: all but the largest, beyond which
+    histogram_quantile clamps."""
+    return sorted(b for b in buckets if math.isfinite(b))[:-1]
+
+
 def choose_tbt_target(median_s: float, p99_s: float, initial_chunk: int, floor_chunk: int,
                       buckets: Sequence[float] = TBT_BUCKETS, reach_slack: float = 1.25,
                       violation_factor: float = 1.5) -> Calibration:
@@ -50,7 +56,7 @@ def choose_tbt_target(median_s: float, p99_s: float, initial_chunk: int, floor_c
                                f"floor ({floor_chunk}) > 0")
     per_token = (p99_s - median_s) / initial_chunk
     at_floor = median_s + per_token * floor_chunk
-    bounds = sorted(b for b in buckets if math.isfinite(b))[:-1]
+    bounds = usable_bounds(buckets)
     fitting = [b for b in bounds if b >= reach_slack * at_floor and p99_s >= violation_factor * b]
     if not fitting:
         raise CalibrationError(
@@ -79,7 +85,7 @@ def choose_load_step(base_ttft_s: float, clients: int, buckets: Sequence[float] 
     exceeds by `over_margin` and two servers meet by `under_margin` (the bound nearest the middle of that band)."""
     if not (base_ttft_s > 0 and clients > 0):
         raise CalibrationError(f"need a positive TTFT p99 ({base_ttft_s}) and client count ({clients})")
-    bounds = sorted(b for b in buckets if math.isfinite(b))[:-1]  # beyond the largest, histogram_quantile clamps
+    bounds = usable_bounds(buckets)
     for total in range(2 * clients, max_factor * clients + 1):
         one = base_ttft_s * total / clients
         two = one / 2
