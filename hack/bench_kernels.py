@@ -69,13 +69,13 @@ def attention_flops(meta: AttentionMetadata, n_heads: int, head_dim: int) -> int
     return 4 * visible * n_heads * head_dim
 
 
-def chosen_config(meta: AttentionMetadata, n_kv_heads: int, group_pad: int, head_dim: int):
+def chosen_config(meta: AttentionMetadata, n_kv_heads: int, group_pad: int, head_dim: int, kv_fp8: bool):
     """The tile config paged_attention picks by itself for this batch (for the printout)."""
     from metronome.kernels.triton_attention import _batch_shape, _sm_count, choose_config
     lead, any_decode = _batch_shape(meta)
     busy = meta.num_seqs * n_kv_heads >= _sm_count(torch.cuda.current_device())
     return choose_config(lead == meta.num_seqs, not any_decode, busy, group_pad,
-                         max(16, 1 << (head_dim - 1).bit_length()), True)
+                         max(16, 1 << (head_dim - 1).bit_length()), True, kv_fp8)
 
 
 def time_call(fn, full: bool = True) -> dict:
@@ -165,7 +165,7 @@ def run(args) -> list[dict]:
             if best is None or ms < best["gpu_ms"]:
                 best = row
             if cfg is None and splits is None:
-                used = chosen_config(meta, n_kv, group_pad, head_dim)
+                used = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
                 print(f"{name:30s} {used}: gpu {ms * 1e3:7.1f} us  {row['gb_per_s']:6.0f} GB/s "
                       f"({row['bw_fraction']:.0%} of copy) {row['tflop_per_s']:6.1f} TFLOP/s | eager "
                       f"{timing['eager_ms'] * 1e3:7.1f} us, host {timing['host_ms'] * 1e3:6.1f} us/call")

@@ -19,12 +19,12 @@
 #   gemm   hack/fp8_gemm_bench.py: bf16 vs each FP8 GEMM path at Llama-3-8B shapes and M = 1 … 8,192, timed as graph
 #          replays with the weights from HBM (GEMM_ARGS, e.g. --skinny-sweep) → fp8-gemm.json
 #   attn   hack/bench_kernels.py --kv-fp8 --sweep: the decode attention over an FP8 cache per tile config
-#          → fp8-attention.json
+#          → fp8-attention.json, and over a bf16 cache with its default tiles (in gpu_fp8.log)
 #   profile  hack/profile_decode.py: a decode step's kernel time by kind and kernel, batch 1 and 64, per FP8 GEMM
 #          path, against the bytes floor → decode-profile.json
 #   then   fp8-summary.json (the issue's targets from the above), gpu_fp8.log
-# Knobs (environment): PARTS, BUDGET, KV (fp8|auto), RATES, DURATION, CHUNKS, SAT_MAX, GEMM_ROWS, GEMM_ARGS,
-# FP8_SECTIONS, METRONOME_FP8_GEMM, and
+# Knobs (environment): PARTS, BUDGET, TESTS_K (pytest -k of the tests part), KV (fp8|auto), RATES, DURATION,
+# CHUNKS, SAT_MAX, GEMM_ROWS, GEMM_ARGS, FP8_SECTIONS, METRONOME_FP8_GEMM, and
 # SMOKE=1 (the bench parts on the CPU with a tiny model: checks this script's plumbing, not the GPU).
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -74,7 +74,7 @@ fi
 if has tests; then
   stamp "tests/gpu/test_fp8_gpu.py (limit $(limit 170)s)"
   OUT=$OUT timeout -k 5 "$(limit 170)" python3 -m pytest tests/gpu/test_fp8_gpu.py -q -s -p no:cacheprovider \
-    -o addopts="" > "$OUT/fp8-tests.log" 2>&1
+    -o addopts="" --durations=5 ${TESTS_K:+-k "$TESTS_K"} > "$OUT/fp8-tests.log" 2>&1
   stamp "tests rc=$?: $(tail -n 1 "$OUT/fp8-tests.log")"
 fi
 
@@ -106,10 +106,12 @@ if has gemm && [ "$(left)" -gt 15 ]; then
 fi
 
 if has attn && [ "$(left)" -gt 15 ]; then
-  stamp "FP8-cache decode attention sweep (limit $(limit 70)s)"
-  timeout -k 5 "$(limit 70)" python3 -m hack.bench_kernels --kv-fp8 --sweep --cases decode \
+  stamp "FP8-cache decode attention sweep, then the bf16 cache's defaults (limit $(limit 150)s)"
+  timeout -k 5 "$(limit 150)" python3 -m hack.bench_kernels --kv-fp8 --sweep --cases decode \
     --json "$OUT/fp8-attention.json" > "$WORK/attn.log" 2>&1
   stamp "attention rc=$?"; grep -E "decode|best" "$WORK/attn.log" | tee -a "$LOG"
+  timeout -k 5 "$(limit 40)" python3 -m hack.bench_kernels --cases decode > "$WORK/attn-bf16.log" 2>&1
+  grep -E "^decode" "$WORK/attn-bf16.log" | sed 's/^/bf16 cache: /' | tee -a "$LOG"
 fi
 
 if has profile && [ "$(left)" -gt 30 ]; then

@@ -310,12 +310,13 @@ class TileConfig:
 
 
 def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: int, d_pad: int,
-                  on_cuda: bool) -> TileConfig:
+                  on_cuda: bool, kv_fp8: bool = False) -> TileConfig:
     """Fixed tiles by batch class, so a server compiles a handful of variants, never one per batch.
 
     From an H200 sweep (bench_kernels --sweep, Llama-3-8B layer, bf16): decode-only batches that fill the GPU
     (`busy`) stream best with 64-key steps and 2 stages, small ones with 128-key steps; pure prefill chunks like
-    128-row tiles on 8 warps; mixed batches like 64-row tiles on 4 warps, 3 stages.
+    128-row tiles on 8 warps; mixed batches like 64-row tiles on 4 warps, 3 stages. An FP8 key is half a bf16
+    key's bytes, so busy FP8 decodes take 128-key steps: the same bytes in flight per stage.
     """
     if not on_cuda:  # interpreter: big tiles mean few Python-level steps
         return TileConfig(max(64, group_pad), 128, num_stages=1, decode_block_n=128)
@@ -325,7 +326,8 @@ def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: i
                           decode_block_n=64)
     if decode_only:
         block_m = max(64, group_pad)  # unused by decode tiles, but must stay a multiple of the group
-        return TileConfig(block_m, decode_block_n=64 if busy else 128, num_stages=2 if busy else 3)
+        return TileConfig(block_m, decode_block_n=(128 if kv_fp8 else 64) if busy else 128,
+                          num_stages=2 if busy else 3)
     if chunks_only and d_pad <= 128:
         return TileConfig(max(128, group_pad), 64, num_warps=8, num_stages=2)
     return TileConfig(max(64, group_pad), 64, num_warps=4, num_stages=3, decode_block_n=128)
@@ -399,8 +401,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lead_decodes, any_decode = _batch_shape(meta)
     has_chunks = lead_decodes < num_seqs
     sm_count = _sm_count(q.device.index or 0) if on_cuda else 1
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     cfg = config or choose_config(not has_chunks, not any_decode, num_seqs * n_kv_heads >= sm_count, group_pad,
-                                  d_pad, on_cuda)
+                                  d_pad, on_cuda, kv_fp8)
     if cfg.block_m % group_pad or min(cfg.block_m, cfg.block_n, cfg.decode_block_n) < 16:
         raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and every side >= 16")
     block_q = cfg.block_m // group_pad
@@ -426,7 +429,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # never touched
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     if kv_fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
     require_runnable(q.device)
