@@ -315,8 +315,8 @@ def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: i
 
     From an H200 sweep (bench_kernels --sweep, Llama-3-8B layer, bf16): decode-only batches that fill the GPU
     (`busy`) stream best with 64-key steps and 2 stages, small ones with 128-key steps; pure prefill chunks like
-    128-row tiles on 8 warps; mixed batches like 64-row tiles on 4 warps, 3 stages. An FP8 key is half a bf16
-    key's bytes, so busy FP8 decodes take 128-key steps: the same bytes in flight per stage.
+    128-row tiles on 8 warps; mixed batches like 64-row tiles on 4 warps, 3 stages. Over an FP8 cache (the same
+    sweep with --kv-fp8) busy decodes like 2 warps and 3 stages of 64 keys, small ones 2 stages of 128 keys.
     """
     if not on_cuda:  # interpreter: big tiles mean few Python-level steps
         return TileConfig(max(64, group_pad), 128, num_stages=1, decode_block_n=128)
@@ -326,8 +326,10 @@ def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: i
                           decode_block_n=64)
     if decode_only:
         block_m = max(64, group_pad)  # unused by decode tiles, but must stay a multiple of the group
-        return TileConfig(block_m, decode_block_n=(128 if kv_fp8 else 64) if busy else 128,
-                          num_stages=2 if busy else 3)
+        if kv_fp8:
+            return TileConfig(block_m, num_warps=2 if busy else 4, num_stages=3 if busy else 2,
+                              decode_block_n=64 if busy else 128)
+        return TileConfig(block_m, decode_block_n=64 if busy else 128, num_stages=2 if busy else 3)
     if chunks_only and d_pad <= 128:
         return TileConfig(max(128, group_pad), 64, num_warps=8, num_stages=2)
     return TileConfig(max(64, group_pad), 64, num_warps=4, num_stages=3, decode_block_n=128)

@@ -45,8 +45,7 @@ from metronome.kernels.metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 # Padded batch sizes captured (up to the engine's max_num_seqs): dense where small batches are common.
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896,
-                 1024)
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 # A capture returns (replay, output): replay() recomputes output in place from the static inputs.
 Capture = Callable[[Callable[[], torch.Tensor], Any], tuple[Callable[[], None], torch.Tensor]]
