@@ -309,14 +309,21 @@ class TileConfig:
     decode_block_n: int = 128  # keys per inner step of a decode tile (rows: max(16, padded group))
 
 
+LONG_CHUNK_TOKENS = 2048  # a mixed batch with this many chunk tokens takes a pure chunk batch's tiles
+
+
 def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: int, d_pad: int,
-                  on_cuda: bool, kv_fp8: bool = False) -> TileConfig:
+                  on_cuda: bool, kv_fp8: bool = False, chunk_tokens: int = 0) -> TileConfig:
     """Fixed tiles by batch class, so a server compiles a handful of variants, never one per batch.
 
     From an H200 sweep (bench_kernels --sweep, Llama-3-8B layer, bf16): decode-only batches that fill the GPU
     (`busy`) stream best with 64-key steps and 2 stages, small ones with 128-key steps; pure prefill chunks like
     128-row tiles on 8 warps; mixed batches like 64-row tiles on 4 warps, 3 stages. Over an FP8 cache (the same
     sweep with --kv-fp8) busy decodes like 2 warps and 3 stages of 64 keys, small ones 2 stages of 128 keys.
+    A mixed batch whose chunks carry LONG_CHUNK_TOKENS or more is mostly chunk work, and takes the chunk tiles: in
+    an H200 profile (hack/profile_mixed.py) 64 decodes beside a 2,048-token chunk spent 30.9 ms a step in
+    attention on the mixed tiles and 13.6 ms with the chunk on its own tiles (each 16-token tile re-reads every
+    key before it, twice as often as a 32-token one).
     """
     if not on_cuda:  # interpreter: big tiles mean few Python-level steps
         return TileConfig(max(64, group_pad), 128, num_stages=1, decode_block_n=128)
@@ -330,7 +337,7 @@ def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: i
             return TileConfig(block_m, num_warps=2 if busy else 4, num_stages=3 if busy else 2,
                               decode_block_n=64 if busy else 128)
         return TileConfig(block_m, decode_block_n=64 if busy else 128, num_stages=2 if busy else 3)
-    if chunks_only and d_pad <= 128:
+    if (chunks_only or chunk_tokens >= LONG_CHUNK_TOKENS) and d_pad <= 128:
         return TileConfig(max(128, group_pad), 64, num_warps=8, num_stages=2)
     return TileConfig(max(64, group_pad), 64, num_warps=4, num_stages=3, decode_block_n=128)
 
@@ -405,7 +412,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sm_count = _sm_count(q.device.index or 0) if on_cuda else 1
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     cfg = config or choose_config(not has_chunks, not any_decode, num_seqs * n_kv_heads >= sm_count, group_pad,
-                                  d_pad, on_cuda, kv_fp8)
+                                  d_pad, on_cuda, kv_fp8, num_tokens - lead_decodes)
     if cfg.block_m % group_pad or min(cfg.block_m, cfg.block_n, cfg.decode_block_n) < 16:
         raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and every side >= 16")
     block_q = cfg.block_m // group_pad

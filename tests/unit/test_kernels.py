@@ -47,6 +47,7 @@ CASES = [
     Case("mixed_b256_g8_d64", (300, 1, 17, 1), (1700, 255, 256, 0), 256, 1, 8, 64),
     Case("chunks_b16_g3_d96", (16, 1, 33, 5), (16, 40, 100, 126), 16, 1, 3, 96),
     Case("small_tiles_span_pages", (1, 45, 1), (400, 20, 77), 16, 2, 4, 64, tile=(16, 64)),
+    Case("chunk_tiles_with_leading_decodes", (1, 1, 150, 1), (300, 40, 100, 7), 16, 1, 4, 64, tile=(128, 64)),
     Case("split_k_decode", (1, 1, 1), (1500, 3, 600), 64, 1, 8, 128, num_splits=4),
     Case("split_k_mixed", (1, 20, 1), (500, 300, 90), 16, 1, 4, 64, num_splits=2),
     Case("bf16_mixed", (1, 70, 1), (900, 30, 0), 64, 2, 4, 64, dtype="bfloat16"),
@@ -293,6 +294,11 @@ def test_split_and_tile_choices_stay_within_the_compiled_variants():
                 assert splits == 1  # a full GPU or a short context gains nothing from splitting
             assert max_k // splits >= 256 or splits == 1
     assert choose_num_splits(8, num_tokens=300, max_seqlen_k=8192, sm_count=132) == 1  # big batches never split
+    from metronome.kernels.triton_attention import LONG_CHUNK_TOKENS
+    # a long chunk beside decodes takes the chunk tiles; a short one keeps the mixed batch's
+    pure_chunks = choose_config(False, True, False, 4, 128, on_cuda=True)
+    assert choose_config(False, False, True, 4, 128, on_cuda=True, chunk_tokens=LONG_CHUNK_TOKENS) == pure_chunks
+    assert choose_config(False, False, True, 4, 128, on_cuda=True, chunk_tokens=512) != pure_chunks
     for decode_only, chunks_only, busy in [(True, False, True), (True, False, False), (False, True, False),
                                            (False, False, True)]:
         for group_pad in (1, 4, 8, 16):
