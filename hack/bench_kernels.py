@@ -31,6 +31,9 @@ MIXED_CASES = [
     ("prefill_chunk512_ctx1536", [512], [1536]),
     ("prefill_2048_fresh", [2048], [0]),
     ("prefill_4x1024_fresh", [1024] * 4, [0] * 4),
+    # the engine's order: running decodes lead, the prompt chunk comes last
+    ("lead64dec_2k_chunk512", [1] * 64 + [512], [2047] * 64 + [0]),
+    ("lead64dec_2k_chunk2048", [1] * 64 + [2048], [2047] * 64 + [0]),
 ]
 
 
@@ -75,7 +78,8 @@ def chosen_config(meta: AttentionMetadata, n_kv_heads: int, group_pad: int, head
     lead, any_decode = _batch_shape(meta)
     busy = meta.num_seqs * n_kv_heads >= _sm_count(torch.cuda.current_device())
     return choose_config(lead == meta.num_seqs, not any_decode, busy, group_pad,
-                         max(16, 1 << (head_dim - 1).bit_length()), True, kv_fp8)
+                         max(16, 1 << (head_dim - 1).bit_length()), True, kv_fp8,
+                         chunk_tokens=meta.num_tokens - lead)
 
 
 def time_call(fn, full: bool = True) -> dict:
