@@ -334,8 +334,13 @@ class _HFFolderSource:
 
     def quantization_config(self) -> dict | None:
         raw = self._hf.read_json(self.folder / "config.json")
-        # compressed-tensors checkpoints of 2024 keep theirs under compression_config
-        return raw.get("quantization_config") or raw.get("compression_config")
+        # compressed-tensors checkpoints of 2024 keep theirs under compression_config; ModelOpt exports before it
+        # wrote config.json's carry theirs in hf_quant_config.json only
+        found = raw.get("quantization_config") or raw.get("compression_config")
+        modelopt = self.folder / "hf_quant_config.json"
+        if found is None and modelopt.is_file():
+            found = self._hf.read_json(modelopt)
+        return found
 
     def weights(self, config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
         return self._hf.hf_weights(self.folder)

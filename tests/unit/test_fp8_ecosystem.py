@@ -11,6 +11,9 @@
   FineGrainedFP8Config): a DeepSeek-style `quant_method: fp8` checkpoint with 128 x 128 `weight_scale_inv`.
   transformers can only dequantise it on the CPU, so the reference is that dequantised model with its linear
   inputs fake-quantised per token group by compressed-tensors' quantiser.
+- NVIDIA ModelOpt (`nvidia-modelopt`: the tool behind the FP8 checkpoints TensorRT-LLM publishes): its FP8 and
+  FP8_PER_CHANNEL_PER_TOKEN recipes calibrated on the CPU and exported with `export_hf_checkpoint`. The reference
+  is ModelOpt's own quantised model before export (FP8 weights and inputs fake-quantised in float32).
 """
 from __future__ import annotations
 
@@ -180,3 +183,69 @@ def test_transformers_finegrained_fp8_checkpoint_matches_its_dequantised_model(t
             expected = theirs(torch.tensor([prompt])).logits[0].float()
         torch.testing.assert_close(our_prefill_logits(ours, prompt), expected, rtol=0, atol=1e-5)
     shutil.rmtree(tmp_path)
+
+
+def _modelopt_checkpoint(folder, recipe: str, kv_cache: bool = False) -> list[torch.Tensor]:
+    """A tiny Llama quantised by ModelOpt's `recipe` (calibrated on random tokens) and exported to `folder`;
+    returns the quantised model's logits for PROMPTS, computed before export (export turns its weights to FP8)."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model = _tiny_llama(64, 128)
+    model.config.architectures = ["LlamaForCausalLM"]
+    config = copy.deepcopy(getattr(mtq, recipe))
+    if kv_cache:
+        config["quant_cfg"] += mtq.FP8_KV_CFG["quant_cfg"]
+    calibration = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1))
+    model = mtq.quantize(model, config, lambda m: m(calibration))
+    with torch.inference_mode():
+        expected = [model(torch.tensor([prompt])).logits[0].float() for prompt in PROMPTS]
+    export_hf_checkpoint(model, export_dir=folder)
+    write_tokenizer(folder)
+    return expected
+
+
+@pytest.mark.parametrize("recipe, weights, activations", [
+    ("FP8_DEFAULT_CFG", "tensor", "static"), ("FP8_PER_CHANNEL_PER_TOKEN_CFG", "channel", "token")])
+def test_modelopt_checkpoint_matches_modelopt(tmp_path, recipe, weights, activations):
+    expected = _modelopt_checkpoint(tmp_path, recipe)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"] == "modelopt"
+    ours = load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
+    assert (ours.quantization.source, ours.quantization.weights, ours.quantization.activations) == \
+        ("modelopt", weights, activations)
+    for prompt, logits in zip(PROMPTS, expected):
+        torch.testing.assert_close(our_prefill_logits(ours, prompt), logits, rtol=0, atol=1e-5)
+
+
+def test_modelopt_hf_quant_config_and_kv_scales(tmp_path):
+    """An export whose config.json has no quantization_config (ModelOpt's before it wrote one) is read from
+    hf_quant_config.json, and its FP8 KV-cache scales (`k_proj.k_scale`, `v_proj.v_scale`) become the cache's.
+    With the cache in FP8 the logits are ModelOpt's up to where a K or V value lies on an e4m3 rounding boundary:
+    ModelOpt quantises x * (448 / amax), the cache x / scale with scale = amax / 448, one float32 rounding apart."""
+    from safetensors.torch import load_file
+    from test_model_exact import PagedCache
+
+    from metronome.server.models.quant.kv_scales import install_kv_scales
+
+    expected = _modelopt_checkpoint(tmp_path, "FP8_DEFAULT_CFG", kv_cache=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["kv_cache_quant_algo"] == "FP8"
+    ours = load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
+    assert ours.quantization.source == "modelopt" and ours.quantization.kv_cache.granularity == "tensor"
+    scales = install_kv_scales(ours)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert scales.source == "checkpoint"
+    for layer in range(2):
+        for kind, values in (("k", scales.k[layer]), ("v", scales.v[layer])):
+            checkpoint = stored[f"model.layers.{layer}.self_attn.{kind}_proj.{kind}_scale"]
+            assert torch.equal(values, checkpoint.float().reshape(1).expand(2))
+    for prompt, logits in zip(PROMPTS, expected):
+        cache = PagedCache(ours.config, 1, len(prompt), dtype=torch.float8_e4m3fn)
+        with torch.inference_mode():
+            hidden = ours.model(torch.tensor(prompt), torch.arange(len(prompt)), cache.kv,
+                                cache.metadata([0], [len(prompt)]))
+            torch.testing.assert_close(ours.model.compute_logits(hidden), logits, rtol=0, atol=2e-2)

@@ -75,6 +75,33 @@ def test_kv_cache_scheme_is_read():
     assert scheme_from_config(raw).kv_cache.granularity == "head"
 
 
+MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}
+
+
+def test_modelopt_configs_are_read_in_both_forms():
+    """config.json's form (flat, compressed-tensors-like) and hf_quant_config.json's (nested under quantization,
+    glob exclusions): the quant_algo decides, not the config_groups written beside it."""
+    flat = {"quant_method": "modelopt", "quant_algo": "FP8", "producer": MODELOPT_PRODUCER,
+            "ignore": ["lm_head", "model.embed_tokens"],
+            "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "dynamic": False},
+                                          "input_activations": {"num_bits": 8, "type": "float", "dynamic": False},
+                                          "targets": ["Linear"]}},
+            "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}
+    scheme = scheme_from_config(flat)
+    assert (scheme.source, scheme.weights, scheme.activations) == ("modelopt", "tensor", "static")
+    assert scheme.kv_cache.granularity == "tensor" and scheme.ignores("lm_head")
+    nested = {"producer": MODELOPT_PRODUCER,
+              "quantization": {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "kv_cache_quant_algo": None,
+                               "exclude_modules": ["lm_head", "model.layers.*.mlp.down_proj", "model.layers.1"]}}
+    scheme = scheme_from_config(nested)
+    assert (scheme.weights, scheme.activations, scheme.kv_cache) == ("channel", "token", None)
+    assert scheme.ignores("model.layers.7.mlp.down_proj") and not scheme.ignores("model.layers.7.mlp.up_proj")
+    assert scheme.ignores("model.layers.1.self_attn.q_proj")  # a parent module excludes its linears
+    assert not scheme.ignores("model.layers.10.self_attn.q_proj")
+    nested["quantization"]["kv_cache_quant_algo"] = "FP8"
+    assert scheme_from_config(nested).kv_cache.granularity == "tensor"
+
+
 def test_requested_fp8_quantises_on_the_fly_and_the_checkpoint_wins():
     assert resolve_scheme(None, None) is None
     assert resolve_scheme(None, "fp8") == online_scheme()
@@ -105,6 +132,12 @@ def test_requested_fp8_quantises_on_the_fly_and_the_checkpoint_wins():
     (_ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True},
          kv_cache_scheme={"num_bits": 8, "type": "float", "dynamic": True}), "kv_cache_scheme.dynamic"),
     ({"quant_method": "compressed-tensors", "config_groups": {}}, "no config_groups"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt quant_algo 'NVFP4' is not served"),
+    ({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8_PB_WO"}}, "'FP8_PB_WO' is not served"),
+    ({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}},
+     "kv_cache_quant_algo 'NVFP4'"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": "NVFP4"}, "kv_cache_scheme"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "ignore": "lm_head"}, "must be a list"),
 ])
 def test_unservable_schemes_are_refused_with_the_field(raw, message):
     with pytest.raises(QuantizationConfigError, match=message):

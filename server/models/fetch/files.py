@@ -9,7 +9,7 @@ from metronome.contract.errors import ModelNotFoundError
 # What the Hugging Face folder loader reads (hf_loader.py, tokenizer.py); nothing else is downloaded, so a repo
 # that also carries PyTorch .bin files, ONNX exports or `original/` checkpoints costs only what is used.
 HF_FOLDER_PATTERNS = (
-    "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+    "config.json", "generation_config.json", "hf_quant_config.json", "*.safetensors", "model.safetensors.index.json",
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
 )

@@ -2,11 +2,12 @@
 
 K and V are stored as `e4m3(x / scale)` and read back as `q * scale` in registers, so a cache element takes one
 byte. The scales come from the checkpoint when it has them — `self_attn.k_scale` / `v_scale` (compressed-tensors'
-`kv_cache_scheme`, vLLM's FP8 checkpoints), or the older `k_proj.output_scale` / `v_proj.output_scale`, one value
-per layer (per tensor) or one per kv head — and are otherwise computed at start-up by `calibrate`: one prefill of a
-fixed text through the model's torch path, recording each layer's K and V amax per kv head as they are written to
-the cache, scale = HEADROOM x amax / 448 (values past the calibrated range saturate at ±448 x scale rather than
-overflow). A per-tensor scale is stored as that value for every head, so the kernels have one form to read.
+`kv_cache_scheme`, vLLM's FP8 checkpoints), the older `k_proj.output_scale` / `v_proj.output_scale`, or ModelOpt's
+`k_proj.k_scale` / `v_proj.v_scale`, one value per layer (per tensor) or one per kv head — and are otherwise
+computed at start-up by `calibrate`: one prefill of a fixed text through the model's torch path, recording each
+layer's K and V amax per kv head as they are written to the cache, scale = HEADROOM x amax / 448 (values past the
+calibrated range saturate at ±448 x scale rather than overflow). A per-tensor scale is stored as that value for
+every head, so the kernels have one form to read.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ CALIBRATION_TEXT = (
     "was coming in from the west. def area(radius):\n    return 3.14159 * radius ** 2\n\n"
     "Question: what is 17 times 23? Answer: 17 x 23 = 391. Les étoiles brillent au-dessus de la mer; 東京の夜景. "
 )
-_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
+_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\."
+                   r"(?:(k|v)_scale|(k|v)_proj\.output_scale|(k|v)_proj\.\4_scale)$")
 
 
 @dataclass
@@ -47,7 +49,7 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], num_layers: int, num_kv_he
         match = _NAME.match(name)
         if match is None:
             raise ValueError(f"checkpoint tensor {name!r} is not a KV-cache scale this server reads")
-        layer, kind = int(match.group(1)), match.group(2) or match.group(3)
+        layer, kind = int(match.group(1)), match.group(2) or match.group(3) or match.group(4)
         if layer >= num_layers:
             raise ValueError(f"checkpoint tensor {name!r}: the model has {num_layers} layers")
         values = tensor.float().reshape(-1)

@@ -3,12 +3,12 @@
     prepare_model(model, config, scheme)     # on the meta device: decoder linears → Fp8Linear
     load_quantized(model, config, weights)   # route FP8 tensors and scales, the rest to model.load_weights
 
-Routing: a checkpoint tensor `<module>.<suffix>` whose module is (a shard of) an Fp8Linear goes to it —
-`weight`, `weight_scale` / `weight_scale_inv` (the same thing under the block layout's name), `input_scale` /
-`activation_scale` (transformers' name for it). KV-cache scales (`self_attn.k_scale` / `v_scale`, or the older
-`k_proj.output_scale` / `v_proj.output_scale`) are collected into `kv_scales`. Everything else (norms,
-embeddings, biases, the LM head) goes to the model's own loader; an FP8 tensor that reaches it would be read
-without its scale, so that is an error instead.
+Routing: a checkpoint tensor `<module>.<suffix>` whose module is (a shard of) an Fp8Linear goes to it — `weight`,
+`weight_scale` / `weight_scale_inv` (the same thing under the block layout's name), `input_scale` /
+`activation_scale` (transformers' name for it). KV-cache scales (`self_attn.k_scale` / `v_scale`, the older
+`k_proj.output_scale` / `v_proj.output_scale`, or ModelOpt's `k_proj.k_scale` / `v_proj.v_scale`) are collected into
+`kv_scales`. Everything else (norms, embeddings, biases, the LM head) goes to the model's own loader; an FP8 tensor
+that reaches it would be read without its scale, so that is an error instead.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 TENSOR_KINDS = {"weight": "weight", "weight_scale": "weight_scale", "weight_scale_inv": "weight_scale",
                 "input_scale": "input_scale", "activation_scale": "input_scale"}
 KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_proj.output_scale",
-                  "self_attn.v_proj.output_scale")
+                  "self_attn.v_proj.output_scale", "self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")
 
 
 def prepare_model(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme) -> None:

@@ -11,6 +11,12 @@ Checkpoint layouts read (the ones vLLM serves):
 - `quant_method: compressed-tensors` with FP8 (`num_bits: 8, type: float`) schemes: weights per `tensor`,
   `channel` (`weight_scale` [N, 1]) or `block`; input activations static per tensor (`input_scale`), or dynamic
   per token / per group. `ignore` lists layers left in bf16. `kv_cache_scheme` gives FP8 KV-cache scales.
+- `quant_method: modelopt` (NVIDIA ModelOpt's Hugging Face export, the checkpoints TensorRT-LLM publishes): its
+  `quant_algo` decides — `FP8` is per-tensor weights with static per-tensor input scales, `FP8_PER_CHANNEL_PER_TOKEN`
+  per-channel weights with dynamic per-token activations. config.json carries `quant_algo`, `ignore` and
+  `kv_cache_scheme` at the top; `hf_quant_config.json` (and config.json of older exports) nests `quant_algo`,
+  `kv_cache_quant_algo` and `exclude_modules` (glob patterns) under `quantization`. KV scales are
+  `self_attn.k_proj.k_scale` / `v_proj.v_scale`.
 
 Dynamic activations are quantised per token (a row's own amax) wherever a layout allows any dynamic scheme:
 vLLM's `quant_method: fp8` uses one dynamic scale for the whole activation matrix, which needs a reduction
@@ -19,6 +25,7 @@ kernels that produce the activation.
 """
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +49,7 @@ class KVCacheScheme:
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    source: str  # "fp8" | "compressed-tensors" | "online" (--quantization fp8 on a bf16 model)
+    source: str  # "fp8" | "compressed-tensors" | "modelopt" | "online" (--quantization fp8 on a bf16 model)
     weights: str  # WEIGHT_GRANULARITIES
     activations: str  # ACTIVATION_SCHEMES
     block: tuple[int, int] | None = None  # (rows, columns) of a weight block; activation groups are block[1] wide
@@ -113,13 +120,19 @@ def scheme_from_config(raw: Any) -> Fp8Scheme:
     """A config.json `quantization_config` → Fp8Scheme; QuantizationConfigError naming the field otherwise."""
     if not isinstance(raw, dict):
         raise QuantizationConfigError("config.json quantization_config must be an object")
-    method = raw.get("quant_method", "compressed-tensors" if "config_groups" in raw else None)
+    method = raw.get("quant_method")
+    if method is None and (raw.get("producer") or {}).get("name") == "modelopt":
+        method = "modelopt"  # hf_quant_config.json names its producer, not a method
+    if method is None and "config_groups" in raw:
+        method = "compressed-tensors"
     if method == "fp8":
         return _from_fp8(raw)
     if method == "compressed-tensors":
         return _from_compressed_tensors(raw)
+    if method == "modelopt":
+        return _from_modelopt(raw)
     raise QuantizationConfigError(f"unsupported quantization_config.quant_method {method!r}; supported: fp8, "
-                                  "compressed-tensors (FP8 schemes)")
+                                  "compressed-tensors, modelopt (FP8 schemes)")
 
 
 def _from_fp8(raw: dict[str, Any]) -> Fp8Scheme:
@@ -236,3 +249,35 @@ def _kv_scheme(raw: Any) -> KVCacheScheme | None:
     if strategy not in ("tensor", "attn_head"):
         raise QuantizationConfigError(f"kv_cache_scheme.strategy {strategy!r}: served are tensor, attn_head")
     return KVCacheScheme("tensor" if strategy == "tensor" else "head")
+
+
+MODELOPT_ALGOS = {"FP8": ("tensor", "static"), "FP8_PER_CHANNEL_PER_TOKEN": ("channel", "token")}
+
+
+def _from_modelopt(raw: dict[str, Any]) -> Fp8Scheme:
+    nested = raw.get("quantization")
+    if nested is not None and not isinstance(nested, dict):
+        raise QuantizationConfigError("modelopt quantization must be an object")
+    details = nested if nested is not None else raw
+    algo = details.get("quant_algo")
+    if algo not in MODELOPT_ALGOS:
+        raise QuantizationConfigError(f"modelopt quant_algo {algo!r} is not served; served: "
+                                      f"{', '.join(MODELOPT_ALGOS)}")
+    weights, activations = MODELOPT_ALGOS[algo]
+    excluded = details.get("exclude_modules") if nested is not None else raw.get("ignore")
+    if not isinstance(excluded or [], list) or not all(isinstance(p, str) for p in excluded or []):
+        raise QuantizationConfigError("modelopt exclude_modules / ignore must be a list of module names")
+    if nested is not None:
+        kv_algo = details.get("kv_cache_quant_algo")
+        if kv_algo not in (None, "FP8"):
+            raise QuantizationConfigError(f"modelopt kv_cache_quant_algo {kv_algo!r}: only FP8 is served")
+        kv_cache = KVCacheScheme("tensor") if kv_algo == "FP8" else None
+    else:
+        kv_cache = _kv_scheme(raw.get("kv_cache_scheme"))
+    return Fp8Scheme("modelopt", weights, activations, None, _globs(excluded or ["lm_head"]), kv_cache)
+
+
+def _globs(patterns: list[str]) -> tuple[str, ...]:
+    """ModelOpt's exclusions are glob patterns over module names ('model.layers.*.mlp.gate'); a module also
+    stays unquantised when a pattern names its parent."""
+    return tuple(f"re:{fnmatch.translate(p + suffix)}" for p in patterns for suffix in ("", ".*"))
