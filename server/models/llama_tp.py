@@ -64,8 +64,10 @@ def random_full_weights(config: ModelConfig, seed: int, device: torch.device,
     """The exact weights `random_weights.init_random_weights` gives the whole model (same generator, same
     order, same device and dtype), produced one full tensor at a time under transformers' names, so every rank
     can keep its shard of the very model tensor_parallel_size 1 would run."""
+    from metronome.server.models.families import build_model
+
     with torch.device("meta"):
-        full = LlamaForCausalLM(config, attention=None)
+        full = build_model(config, attention=None)  # any family: the FP8 path loads random weights this way too
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, meta_param in full.named_parameters():
         values = torch.empty(meta_param.shape, dtype=dtype, device=device)
@@ -81,7 +83,7 @@ def _unfused(name: str, values: torch.Tensor, config: ModelConfig) -> Iterator[t
     for fused, parts in _UNFUSE.items():
         if fused in name:
             sizes = ([config.q_size, config.kv_size, config.kv_size] if "qkv" in fused
-                     else [config.intermediate_size, config.intermediate_size])
+                     else [values.shape[0] // 2, values.shape[0] // 2])
             for part, piece in zip(parts, values.split(sizes, dim=0)):
                 yield name.replace(fused, part), piece
             return

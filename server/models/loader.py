@@ -249,7 +249,7 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
             else:
                 from metronome.server.models.quant.loading import load_quantized
 
-                load_quantized(model, config, weights, gemm)
+                load_quantized(model, config, scheme, weights, gemm)
         except ValueError as error:
             if isinstance(error, ModelNotFoundError):
                 raise
@@ -279,9 +279,6 @@ def _quantization(reader, config: ModelConfig, requested: str | None, tensor_par
         raise InvalidRequestError(str(error), param="quantization") from None
     if scheme is not None and tensor_parallel is not None:
         raise InvalidRequestError("FP8 models are served at tensor_parallel_size 1", param="quantization")
-    if scheme is not None and getattr(config, "moe", None) is not None:
-        raise InvalidRequestError("FP8 weights are served for dense models; this one is a mixture of experts",
-                                  param="quantization")
     return scheme, gemm
 
 

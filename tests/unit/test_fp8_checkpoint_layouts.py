@@ -179,15 +179,6 @@ def test_checkpoints_that_do_not_fit_are_refused_by_name(tmp_path):
         load_model(spec, attention_backend="torch")
 
 
-def test_fp8_weights_of_a_mixture_of_experts_are_refused():
-    from metronome.server.models.presets import PRESETS, preset_config
-
-    moe = next(name for name in PRESETS if getattr(preset_config(name), "moe", None) is not None)
-    with pytest.raises(InvalidRequestError, match="mixture of experts") as error:
-        load_model(f"random:{moe}", attention_backend="torch", quantization="fp8")
-    assert error.value.param == "quantization"
-
-
 def test_bad_quantization_requests_are_refused(monkeypatch):
     with pytest.raises(InvalidRequestError, match="unknown quantization 'int8'") as error:
         load_model("random:tiny", attention_backend="torch", quantization="int8")

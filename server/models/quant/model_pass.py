@@ -21,14 +21,18 @@ from metronome.server.models.quant.scheme import Fp8Scheme, QuantizationConfigEr
 
 DECODER_PREFIX = "model.layers."
 
+# a mixture of experts' shared-expert gate ([1, H]) stays in the model dtype, as every FP8 MoE checkpoint keeps it
+# (the router is no nn.Linear here; the routed experts are dequantised on load: expert_weights.py)
+UNQUANTISED = (".shared_expert_gate",)
+
 # our fused module → the checkpoint modules it stacks, in row order
 FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def _shard_sizes(fused: str, config: ModelConfig) -> tuple[int, ...]:
+def _shard_sizes(fused: str, config: ModelConfig, out_features: int) -> tuple[int, ...]:
     if fused == "qkv_proj":
         return config.q_size, config.kv_size, config.kv_size
-    return config.intermediate_size, config.intermediate_size
+    return out_features // 2, out_features // 2  # a dense MLP's, or a shared expert's own size
 
 
 def swap_linears(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme) -> int:
@@ -36,7 +40,7 @@ def swap_linears(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme) -> in
     weights are materialised); returns how many were swapped."""
     swapped = 0
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or not name.startswith(DECODER_PREFIX):
+        if type(module) is not nn.Linear or not name.startswith(DECODER_PREFIX) or name.endswith(UNQUANTISED):
             continue
         parent_name, _, attr = name.rpartition(".")
         parts = FUSED_SHARDS.get(attr)
@@ -47,7 +51,7 @@ def swap_linears(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme) -> in
         if any(ignored):
             raise QuantizationConfigError(f"quantization_config leaves some of {list(checkpoint_names)} unquantised "
                                           "but not all; this server multiplies them as one matrix")
-        sizes = _shard_sizes(attr, config) if parts else (module.out_features,)
+        sizes = _shard_sizes(attr, config, module.out_features) if parts else (module.out_features,)
         layer = Fp8Linear(module.in_features, module.out_features, bias=module.bias is not None, scheme=scheme,
                           shard_sizes=sizes, dtype=module.weight.dtype, device=module.weight.device,
                           checkpoint_names=checkpoint_names)
