@@ -14,13 +14,18 @@ A batch of T tokens routed to k experts each has S = T * k pairs; pair p = token
    epilogue, written per pair: [S, H]; the k rows of a token are then summed.
 Blocks past `num_padded` exit at once, so the grid is fixed per T too.
 
+FP8 experts (an FP8 checkpoint's, W8A16): the weights are e4m3 with float32 scales [E, N, G] per output row and
+per group of `group_k` input columns (G = 1: one scale a row). Each weight tile is converted to the activations'
+dtype in registers (exact: every e4m3 value is a bf16 one) and the scales are applied to the float32 partial
+sums: once after the K loop for row scales, per K step for group scales (a K step never straddles two groups).
+
 Every rounding the torch reference does (models/moe_experts.py) is reproduced in the epilogues: the projection
 rounded to the model dtype, then the bias, then each activation op, then the weight product. On CPU the kernels
 run in Triton's interpreter (TRITON_INTERPRET=1 before triton is imported): tests only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -150,18 +155,26 @@ def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Rout
     return RoutePlan(sorted_pairs, block_experts, num_padded, num_m_blocks, block_m)
 
 
+@triton.jit
+def _weight_scales(b_scale_ptr, expert, rows, n_valid, group, stride_bse, stride_bsn):
+    return tl.load(b_scale_ptr + expert * stride_bse + rows * stride_bsn + group, mask=n_valid, other=0.0)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _moe_gemm(
     a_ptr, b_ptr, bias_ptr, out_ptr, route_weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
-    num_pairs, num_m_blocks, N, K,
-    stride_am, stride_be, stride_bn, stride_bias_e, stride_om,
+    b_scale_ptr, num_pairs, num_m_blocks, N, K,
+    stride_am, stride_be, stride_bn, stride_bias_e, stride_om, stride_bse, stride_bsn,
     A_ROW_DIV: tl.constexpr, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr, OUT_KIND: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr, OUT_KIND: tl.constexpr, B_SCALE: tl.constexpr,
+    GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """out[pair, n] for the BLOCK_M pairs of one row block (one expert) and BLOCK_N output columns. A row is
-    a[pair // A_ROW_DIV]; b is [E, N(, +N for the up rows when ACTIVATION), K] with K contiguous."""
+    a[pair // A_ROW_DIV]; b is [E, N(, +N for the up rows when ACTIVATION), K] with K contiguous. B_SCALE: 0 for
+    weights in the activations' dtype, 1 for e4m3 weights with a scale per row, 2 with a scale per row and GROUP_K
+    columns (b_scale [E, rows, groups])."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_n
@@ -187,17 +200,35 @@ def _moe_gemm(
         k_valid = offs_k < K - k_step * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_valid[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        if B_SCALE != 0:
+            b = b.to(a_ptr.dtype.element_ty)
         if UPCAST_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if B_SCALE == 2:
+            group = (k_step * BLOCK_K) // GROUP_K
+            scale = _weight_scales(b_scale_ptr, expert, offs_n, n_valid, group, stride_bse, stride_bsn)
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION) * scale[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if ACTIVATION != 0:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+            if B_SCALE != 0:
+                b_up = b_up.to(a_ptr.dtype.element_ty)
             if UPCAST_DOT:
                 b_up = b_up.to(tl.float32)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            if B_SCALE == 2:
+                scale_up = _weight_scales(b_scale_ptr, expert, offs_n + N, n_valid, group, stride_bse, stride_bsn)
+                acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION) * scale_up[None, :]
+            else:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if B_SCALE == 1:
+        acc = acc * _weight_scales(b_scale_ptr, expert, offs_n, n_valid, 0, stride_bse, stride_bsn)[None, :]
+        if ACTIVATION != 0:
+            acc_up = acc_up * _weight_scales(b_scale_ptr, expert, offs_n + N, n_valid, 0, stride_bse,
+                                             stride_bsn)[None, :]
 
     out = _round(acc, OUT_KIND)
     if HAS_BIAS:
@@ -266,16 +297,20 @@ def representative_token_counts(top_k: int, num_experts: int) -> list[int]:
 
 
 def _gemm(a, b, bias, out, route_weights, plan: RoutePlan, num_pairs: int, n: int, k: int, a_row_div: int,
-          activation: int, alpha: float, limit: float, tiles: MoeTiles, block_n: int) -> None:
+          activation: int, alpha: float, limit: float, tiles: MoeTiles, block_n: int,
+          b_scale: torch.Tensor | None = None, group_k: int = 0) -> None:
     on_cuda = a.device.type == "cuda"
     grid = (plan.num_m_blocks * triton.cdiv(n, block_n),)
+    scale_kind = 0 if b_scale is None else (1 if b_scale.shape[2] == 1 else 2)
     _moe_gemm[grid](
         a, b, bias if bias is not None else b, out, route_weights if route_weights is not None else out,
-        plan.sorted_pairs, plan.block_experts, plan.num_padded,
+        plan.sorted_pairs, plan.block_experts, plan.num_padded, b_scale if b_scale is not None else out,
         num_pairs, plan.num_m_blocks, n, k,
         a.stride(0), b.stride(0), b.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
+        b_scale.stride(0) if b_scale is not None else 0, b_scale.stride(1) if b_scale is not None else 0,
         A_ROW_DIV=a_row_div, ACTIVATION=activation, ALPHA=alpha, LIMIT=limit,
         HAS_BIAS=bias is not None, MUL_WEIGHT=route_weights is not None, OUT_KIND=_OUT_KINDS[out.dtype],
+        B_SCALE=scale_kind, GROUP_K=group_k if scale_kind == 2 else 0,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         # Triton's interpreter computes bf16 x bf16 dots wrongly; it upcasts the operands instead.
@@ -284,21 +319,41 @@ def _gemm(a, b, bias, out, route_weights, plan: RoutePlan, num_pairs: int, n: in
     )
 
 
+@dataclass(frozen=True)
+class Fp8ExpertScales:
+    """The float32 scales of e4m3 expert weights: gate_up [E, 2I, G] and down [E, H, G'], per output row and per
+    `group_k` input columns (G = ceil(H / group_k); G = 1 and group_k = 0 for one scale a row)."""
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    group_k: int = 0
+
+
+def _check_fp8_scales(scales: Fp8ExpertScales, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    for name, scale, weight in (("gate_up", scales.gate_up, gate_up), ("down", scales.down, down)):
+        groups = 1 if not scales.group_k else -(-weight.shape[2] // scales.group_k)
+        if scale.dtype != torch.float32 or tuple(scale.shape) != (*weight.shape[:2], groups) or \
+                not scale.is_contiguous():
+            raise ValueError(f"{name} scales must be contiguous float32 {(*weight.shape[:2], groups)}, got "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+
+
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0,
                   gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                  tiles: MoeTiles | None = None) -> torch.Tensor:
+                  tiles: MoeTiles | None = None, fp8_scales: Fp8ExpertScales | None = None) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H] (gate rows, then up), down [E, H, I], topk_weights/ids [T, k] → [T, H] in
     x's dtype. Biases (gpt-oss): gate_up_bias [E, 2I], down_bias [E, H]. The weights scale each expert's output
-    in their own dtype's precision (pass them as the family's router made them)."""
+    in their own dtype's precision (pass them as the family's router made them). With `fp8_scales` the expert
+    weights are e4m3 (float8_e4m3fn) and x stays in its dtype."""
     tokens, hidden = x.shape
     num_experts, two_i, _ = gate_up.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     if activation not in ACTIVATION_CODES:
         raise ValueError(f"unknown MoE activation {activation!r}")
-    if x.dtype not in _OUT_KINDS or gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise ValueError(f"x and the expert weights must share one float dtype, got {x.dtype}, {gate_up.dtype}, "
+    weight_dtype = torch.float8_e4m3fn if fp8_scales is not None else x.dtype
+    if x.dtype not in _OUT_KINDS or gate_up.dtype != weight_dtype or down.dtype != weight_dtype:
+        raise ValueError(f"expert weights must be {weight_dtype} for x in {x.dtype}, got {gate_up.dtype}, "
                          f"{down.dtype}")
     if down.shape != (num_experts, hidden, inter) or gate_up.shape[2] != hidden or two_i % 2:
         raise ValueError(f"expert shapes gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not fit "
@@ -309,14 +364,23 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     num_pairs = tokens * top_k
     if tiles is None:
         tiles = choose_tiles(tokens, top_k, num_experts, x.device.type == "cuda")
+    group_k = 0
+    if fp8_scales is not None:
+        _check_fp8_scales(fp8_scales, gate_up, down)
+        group_k = fp8_scales.group_k
+        if group_k and group_k % tiles.block_k:  # a K step must lie within one scale group
+            block_k = group_k & -group_k
+            if block_k < 16:
+                raise ValueError(f"FP8 expert scales per {group_k} columns: K steps need a multiple of 16")
+            tiles = replace(tiles, block_k=block_k)
     plan = align_routes(topk_ids, num_experts, tiles.block_m)
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _gemm(x, gate_up, gate_up_bias, act, None, plan, num_pairs, inter, hidden, top_k, ACTIVATION_CODES[activation],
-          alpha, limit, tiles, tiles.block_n)
+          alpha, limit, tiles, tiles.block_n, fp8_scales.gate_up if fp8_scales else None, group_k)
     out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1)
     if not weights.is_contiguous():
         weights = weights.contiguous()
     _gemm(act, down, down_bias, out, weights, plan, num_pairs, hidden, inter, 1, 0, alpha, limit, tiles,
-          tiles.down_block_n or tiles.block_n)
+          tiles.down_block_n or tiles.block_n, fp8_scales.down if fp8_scales else None, group_k)
     return out.view(tokens, top_k, hidden).sum(dim=1) if top_k > 1 else out

@@ -17,6 +17,12 @@ Backends for the routed experts (`MOE_BACKENDS`): `reference` (the exact per-exp
 default, not graph-capturable), `triton` (the fused kernels, kernels/triton_moe.py; CUDA default) and
 `grouped_mm` (torch's grouped GEMM). The router and the shared expert are the same torch ops on every backend.
 `block.backend` is "auto" (triton where the model runs fused, i.e. on CUDA; the reference elsewhere) or one of them.
+
+FP8 experts (an FP8 checkpoint's, `StackedExperts.store_fp8`): the stacked weights are e4m3 with float32 scales
+`experts.gate_up_scale` [E, 2I, G] / `experts.down_scale` [E, H, G'] per output row (G = 1) or per row and 128
+input columns (block-scaled checkpoints), loaded from each expert's `weight_scale` / `weight_scale_inv`. They
+compute on unquantised activations (W8A16): the fused kernels convert the weight tiles in registers, the torch
+backends dequantise the weights to the model dtype per call.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from metronome.server.models.moe_config import MOE_BACKENDS, MoeSpec
 from metronome.server.models.moe_experts import ExpertWeights, experts_grouped_mm, experts_reference
 from metronome.server.models.moe_routing import route
 from metronome.server.models.mxfp4 import dequantize_mxfp4
+from metronome.server.models.quant import fp8
 
 
 def resolve_moe_backend(requested: str, device: torch.device) -> str:
@@ -85,9 +92,61 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i)) if spec.expert_bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(e, h)) if spec.expert_bias else None
+        self.gate_up_scale: nn.Parameter | None = None  # FP8 experts only: see store_fp8
+        self.down_scale: nn.Parameter | None = None
+        self.fp8_block: tuple[int, int] | None = None
+        self.model_dtype: torch.dtype | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.gate_up_scale is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the experts compute in (the model's)."""
+        return self.model_dtype if self.fp8 else self.gate_up_proj.dtype
+
+    def store_fp8(self, block: tuple[int, int] | None) -> None:
+        """Hold the weights as e4m3 with float32 scales per output row, and per block[1] input columns for a
+        block-scaled checkpoint (its blocks expanded to rows, so gate and up rows line up whatever their size).
+        Called before the weights are materialised (on the meta device)."""
+        e, two_i, h = self.gate_up_proj.shape
+        device, width = self.gate_up_proj.device, None if block is None else block[1]
+        self.model_dtype, self.fp8_block = self.gate_up_proj.dtype, block
+        self.gate_up_proj = nn.Parameter(torch.empty(e, two_i, h, dtype=fp8.FP8_DTYPE, device=device),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, two_i // 2, dtype=fp8.FP8_DTYPE, device=device),
+                                      requires_grad=False)
+        groups_up, groups_down = (1, 1) if width is None else (-(-h // width), -(-(two_i // 2) // width))
+        self.gate_up_scale = nn.Parameter(torch.empty(e, two_i, groups_up, device=device), requires_grad=False)
+        self.down_scale = nn.Parameter(torch.empty(e, h, groups_down, device=device), requires_grad=False)
+
+    def scale_rows(self, scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """A checkpoint's scale of one [rows, cols] expert weight in this module's form: [rows, groups]."""
+        scale = scale.float()
+        if self.fp8_block is not None:
+            block_rows, block_cols = self.fp8_block
+            grid = (-(-rows // block_rows), -(-cols // block_cols))
+            if tuple(scale.shape) != grid:
+                raise ValueError(f"has shape {tuple(scale.shape)}, expected {grid} ({block_rows} x {block_cols} "
+                                 "blocks)")
+            return scale.repeat_interleave(block_rows, dim=0)[:rows]
+        if scale.numel() == 1:
+            return scale.reshape(1, 1).expand(rows, 1)
+        if scale.numel() == rows:
+            return scale.reshape(rows, 1)
+        raise ValueError(f"has shape {tuple(scale.shape)}: neither one scale nor one per row ({rows})")
 
     def weights(self) -> ExpertWeights:
-        return ExpertWeights(self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
+        """The weights in the model dtype (FP8 ones dequantised: the torch backends' view)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.fp8:
+            gate_up, down = self._dequantized(gate_up, self.gate_up_scale), self._dequantized(down, self.down_scale)
+        return ExpertWeights(gate_up, down, self.gate_up_proj_bias, self.down_proj_bias)
+
+    def _dequantized(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        width = q.shape[-1] if self.fp8_block is None else self.fp8_block[1]
+        return fp8.dequantize(q, scale.repeat_interleave(width, dim=-1)[..., :q.shape[-1]]).to(self.model_dtype)
 
 
 class SparseMoeBlock(nn.Module):
@@ -129,11 +188,15 @@ class SparseMoeBlock(nn.Module):
         if backend == "grouped_mm":
             return experts_grouped_mm(x, self.experts.weights(), topk_weights, topk_ids, spec)
         if backend == "triton":
-            from metronome.kernels.triton_moe import fused_experts
+            from metronome.kernels.triton_moe import Fp8ExpertScales, fused_experts
 
             e = self.experts
+            scales = None
+            if e.fp8:
+                scales = Fp8ExpertScales(e.gate_up_scale, e.down_scale, e.fp8_block[1] if e.fp8_block else 0)
             return fused_experts(x, e.gate_up_proj, e.down_proj, topk_weights, topk_ids, spec.activation,
-                                 spec.swiglu_alpha, spec.swiglu_limit, e.gate_up_proj_bias, e.down_proj_bias)
+                                 spec.swiglu_alpha, spec.swiglu_limit, e.gate_up_proj_bias, e.down_proj_bias,
+                                 fp8_scales=scales)
         raise ValueError(f"unknown MoE backend {backend!r}")
 
     # ---- checkpoint tensors ----------------------------------------------------------------------------------
@@ -143,9 +206,9 @@ class SparseMoeBlock(nn.Module):
         shards: set[tuple[str, int]] = set()
         experts = self.spec.num_experts
         for name, _ in self.named_parameters():
-            if name == "experts.gate_up_proj":
+            if name in ("experts.gate_up_proj", "experts.gate_up_scale"):
                 shards.update((name, s) for s in range(2 * experts))
-            elif name == "experts.down_proj":
+            elif name in ("experts.down_proj", "experts.down_scale"):
                 shards.update((name, s) for s in range(experts))
             elif name == "shared_expert.gate_up_proj.weight":
                 shards.update({(name, 0), (name, 1)})
@@ -159,15 +222,23 @@ class SparseMoeBlock(nn.Module):
         spec = self.spec
         per_expert = _PER_EXPERT.fullmatch(name)
         if per_expert:
-            expert, kind = int(per_expert.group(1)), _EXPERT_ROLES[per_expert.group(2)]
+            expert, kind, part = int(per_expert.group(1)), _EXPERT_ROLES[per_expert.group(2)], per_expert.group(3)
             if expert >= spec.num_experts:
                 raise ValueError(f"checkpoint tensor {name!r}: expert {expert} of {spec.num_experts}")
+            if part != "weight":
+                return self._expert_scale(name, expert, kind, part, tensor)
+            if (tensor.dtype == fp8.FP8_DTYPE) != self.experts.fp8:
+                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but this model's experts are "
+                                 f"{'FP8 (quantization_config covers them)' if self.experts.fp8 else 'not FP8'}")
             if kind == "down":
                 return self._copy(name, "experts.down_proj", self.experts.down_proj[expert], tensor, expert)
             shard = 2 * expert + (kind == "up")
             rows = self.experts.gate_up_proj[expert].narrow(0, (kind == "up") * spec.intermediate_size,
                                                             spec.intermediate_size)
             return self._copy(name, "experts.gate_up_proj", rows, tensor, shard)
+        if self.experts.fp8 and (_STACKED_PROJECTION.fullmatch(name) or _MXFP4.fullmatch(name) or name in (
+                "experts.gate_up_proj", "experts.down_proj")):
+            raise ValueError(f"checkpoint tensor {name!r}: FP8 experts load from one weight and scale per expert")
         stacked = _STACKED_PROJECTION.fullmatch(name)
         if stacked:  # GGUF's experts: one [E, out, in] tensor per projection
             if stacked.group(1) == "down":
@@ -196,6 +267,28 @@ class SparseMoeBlock(nn.Module):
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in this MoE block")
         return self._copy(name, target, params[target], tensor, -1)
+
+    def _expert_scale(self, name: str, expert: int, kind: str, part: str, tensor: torch.Tensor
+                      ) -> list[tuple[str, int]]:
+        """An FP8 expert's weight scale, in the module's form; its input scale has nothing to scale (W8A16)."""
+        if part in ("input_scale", "activation_scale"):
+            return []
+        experts, size = self.experts, self.spec.intermediate_size
+        if not experts.fp8:
+            raise ValueError(f"checkpoint tensor {name!r} scales an FP8 expert, but this model's experts are not "
+                             "FP8 (quantization_config leaves them out)")
+        if kind == "down":
+            rows, cols = experts.down_proj.shape[1:]
+            target, destination, shard = "experts.down_scale", experts.down_scale[expert], expert
+        else:
+            rows, cols = size, experts.gate_up_proj.shape[2]
+            target, shard = "experts.gate_up_scale", 2 * expert + (kind == "up")
+            destination = experts.gate_up_scale[expert].narrow(0, (kind == "up") * size, size)
+        try:
+            values = experts.scale_rows(tensor, rows, cols)
+        except ValueError as error:
+            raise ValueError(f"checkpoint tensor {name!r} {error}") from None
+        return self._copy(name, target, destination, values, shard)
 
     def pending(self) -> list[str]:
         """MXFP4 halves still waiting for their other half (a complete checkpoint leaves none)."""
@@ -253,7 +346,8 @@ def _deinterleave(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 _EXPERT_ROLES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-_PER_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
+_PER_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\."
+                         r"(weight|weight_scale|weight_scale_inv|input_scale|activation_scale)")
 _MXFP4 = re.compile(r"experts\.(gate_up_proj|down_proj)_(blocks|scales)")
 _STACKED_PROJECTION = re.compile(r"experts\.(gate|up|down)_proj\.weight")
 _SHARED = re.compile(r"shared_expert\.(gate|up|down)_proj\.weight")

@@ -106,7 +106,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         from metronome.kernels.triton_moe import representative_token_counts
 
         spec = self.config.moe
-        dtype = block.experts.gate_up_proj.dtype
+        dtype = block.experts.dtype
         generator = torch.Generator(device=device).manual_seed(0)
         launches = 0
         for tokens in representative_token_counts(spec.top_k, spec.num_experts):

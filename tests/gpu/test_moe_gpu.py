@@ -91,6 +91,41 @@ def test_fused_paths_match_the_reference_at_model_shapes(shape):
             assert error < 1e-2, (name, tokens, path, error)
 
 
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["rows", "blocks"])
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=[s[0] for s in SHAPES[:2]])
+def test_fused_fp8_experts_match_the_reference_on_their_dequantised_weights(shape, block):
+    """e4m3 experts (an FP8 checkpoint's, per row or per 128 x 128 block) on bf16 activations: the fused kernels
+    against the reference loop on the same weights dequantised to bf16."""
+    from metronome.kernels.triton_moe import Fp8ExpertScales
+    from metronome.server.models.quant import fp8
+
+    name, experts, top_k, hidden, inter, gpt_oss = shape
+    spec = _spec(experts, top_k, inter, gpt_oss)
+    layer = _layer(experts, hidden, inter, gpt_oss)
+    quantised, scales, dequantised = [], [], []
+    for stacked in (layer.gate_up, layer.down):
+        pairs = [fp8.quantize_per_block(m.float(), block) if block else fp8.quantize_per_channel(m.float())
+                 for m in stacked]
+        q = torch.stack([p[0] for p in pairs])
+        rows = torch.stack([p[1].repeat_interleave(block[0], 0)[:stacked.shape[1]] if block else p[1][:, None]
+                            for p in pairs]).contiguous()
+        width = block[1] if block else stacked.shape[2]
+        quantised.append(q)
+        scales.append(rows)
+        dequantised.append(fp8.dequantize(q, rows.repeat_interleave(width, -1)[..., :stacked.shape[2]])
+                           .to(torch.bfloat16))
+    reference_layer = ExpertWeights(*dequantised, layer.gate_up_bias, layer.down_bias)
+    fp8_scales = Fp8ExpertScales(scales[0], scales[1], block[1] if block else 0)
+    for tokens in (1, 64, 1000):
+        x, weights, ids = _routing(tokens, experts, top_k, hidden, tokens)
+        expected = experts_reference(x, reference_layer, weights, ids, spec)
+        got = fused_experts(x, *quantised, weights, ids, spec.activation, spec.swiglu_alpha, spec.swiglu_limit,
+                            layer.gate_up_bias, layer.down_bias, fp8_scales=fp8_scales)
+        error = _rel(got, expected)
+        print(f"{name} fp8 {block} T={tokens}: relative error {error:.2e}")
+        assert torch.isfinite(got).all() and error < 1e-2, (name, block, tokens, error)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_blocks_match_transformers_on_the_gpu_with_the_hidden_routing_cases(family, dtype):

@@ -1,7 +1,7 @@
 """FP8 checkpoints of mixtures of experts: every decoder linear and every routed expert stored as e4m3 with its
 scales, the experts one tensor per expert and projection as the Hub's FP8 MoE checkpoints store them. The routed
-experts are dequantised on load and run on unquantised activations (W8A16); attention, dense MLPs and shared
-experts run FP8 W8A8. The reference is transformers' forward with every weight dequantised and the inputs of the
+experts stay FP8 and run on unquantised activations (W8A16); attention, dense MLPs and shared experts run FP8
+W8A8. The reference is transformers' forward with every weight dequantised and the inputs of the
 W8A8 linears fake-quantised (fp8_checkpoints.py), so our loader, the expert routing of scales and the emulated
 GEMMs must reproduce it to float32 rounding."""
 from __future__ import annotations
@@ -112,9 +112,9 @@ def test_fp8_moe_checkpoint_matches_its_reference(tmp_path, family, layout):
     model = loaded.model.model
     moe_layer = next(layer for layer in model.layers if hasattr(layer.mlp, "experts"))
     assert isinstance(moe_layer.self_attn.qkv_proj, Fp8Linear)
-    assert moe_layer.mlp.experts.gate_up_proj.dtype == torch.float32  # dequantised into the model dtype
+    assert moe_layer.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     layer_index = int(expert_up.split(".")[2])
-    stored = model.layers[layer_index].mlp.experts.gate_up_proj[3].chunk(2, dim=0)[1]
+    stored = model.layers[layer_index].mlp.experts.weights().gate_up[3].chunk(2, dim=0)[1]
     assert torch.equal(stored, dequantised[expert_up])
     if family == "qwen2_moe":  # the shared expert is W8A8, its gate stays in the model dtype
         block = model.layers[layer_index].mlp
@@ -132,7 +132,8 @@ def test_an_expert_without_its_scale_is_named(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     from metronome.contract.errors import ModelNotFoundError
 
-    with pytest.raises(ModelNotFoundError, match=r"no scale for 'model\.layers\.2\.mlp\.experts\.5\.down_proj'"):
+    missing = r"lacks 1 tensors, e\.g\. \['model\.layers\.2\.mlp\.experts\.down_scale'"
+    with pytest.raises(ModelNotFoundError, match=missing):
         load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
 
 

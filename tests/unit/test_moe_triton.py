@@ -1,15 +1,16 @@
-"""The fused MoE kernels (kernels/triton_moe.py) against transformers' blocks and our reference loop, under
-Triton's interpreter on the CPU.
+"""The fused MoE kernels (kernels/triton_moe.py) against transformers' blocks and our reference loop, under Triton's
+interpreter on the CPU.
 
-As in test_fused_kernels.py, the Triton side runs in a subprocess started with TRITON_INTERPRET=1 (this file run
-as a script) and hands back plain numbers; the checks are here. Each activation runs every routing case of
-metronome_testing.moe_cases in float32 (the hidden ones included: ties, every token on the same experts, fewer
-pairs than experts, one token), the other families the cases that shape the segments, and two cases run in bf16;
-the alignment kernels are checked on their own for invariants at real expert counts, several block sizes and
-several chunks; and whole tiny MoE models (gpt-oss: sinks, windows, float32-scaled norms; Qwen3-MoE: QK-norm, a
-dense layer) run their fused path against their torch path. The epilogues round in integer arithmetic, so bf16
-rounds here as on the GPU; it is compared with a one-step tolerance (the token's k outputs are summed in float32,
-see test_moe_block.py), and tests/gpu/test_moe_gpu.py repeats this on the H200.
+As in test_fused_kernels.py, the Triton side runs in a subprocess started with TRITON_INTERPRET=1 (this file run as
+a script) and hands back plain numbers; the checks are here. Each activation runs every routing case of
+metronome_testing.moe_cases in float32 (the hidden ones included: ties, every token on the same experts, fewer pairs
+than experts, one token), the other families the cases that shape the segments, and two cases run in bf16; the
+alignment kernels are checked on their own for invariants at real expert counts, several block sizes and several
+chunks; whole tiny MoE models (gpt-oss: sinks, windows, float32-scaled norms; Qwen3-MoE: QK-norm, a dense layer) run
+their fused path against their torch path; and FP8 experts (per-row and block scales) run the fused kernels against
+the reference loop on their dequantised weights. The epilogues round in integer arithmetic, so bf16 rounds here as
+on the GPU; it is compared with a one-step tolerance (the token's k outputs are summed in float32, see
+test_moe_block.py), and tests/gpu/test_moe_gpu.py repeats this on the H200.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ FULL_FAMILIES = ("qwen3_moe", "gpt_oss")
 OTHER_CASES = ("random", "same_experts", "fewer_pairs_than_experts")
 BF16_CASES = ("random", "tied_logits")
 MODEL_PRESETS = ("tiny-gpt-oss", "tiny-qwen3-moe")
+# FP8 experts (W8A16): scales per row, per 32 x 32 block, and per 16 x 16 block (groups narrower than the
+# interpreter's 32-column K step: the kernel takes 16-column steps); gpt-oss adds its biases.
+FP8_CASES = [("qwen3_moe", None), ("qwen3_moe", (32, 32)), ("gpt_oss", (16, 16))]
 
 
 def _align_case(num_experts, tokens, top_k, block_m, routing) -> dict:
@@ -90,6 +94,34 @@ def _block_case(family: str, case: str, tokens: int, dtype: torch.dtype, tiles=N
     }
 
 
+def _fp8_block_case(family: str, block: tuple[int, int] | None) -> dict:
+    """A block's experts quantised to e4m3 (per row, or per block) the way a checkpoint stores them: the fused
+    kernels on the FP8 weights against the reference loop on the same weights dequantised."""
+    from metronome.server.models.quant import fp8
+    from metronome_testing.moe_cases import build_case
+
+    _, ours, x, _ = build_case(family, "many_tokens", 40, torch.float32)
+    experts = ours.experts
+    with torch.no_grad():
+        weights, ids = ours.gate(x)
+        unquantised = ours.routed(x, weights, ids, "reference")
+    originals = experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
+    experts.store_fp8(block)
+    for stored, scales, original in ((experts.gate_up_proj, experts.gate_up_scale, originals[0]),
+                                     (experts.down_proj, experts.down_scale, originals[1])):
+        for expert, matrix in enumerate(original):
+            q, scale = fp8.quantize_per_block(matrix, block) if block else fp8.quantize_per_channel(matrix)
+            stored.data[expert] = q
+            scales.data[expert] = experts.scale_rows(scale, *matrix.shape)
+    with torch.no_grad():
+        reference = ours.routed(x, weights, ids, "reference")
+        fused = ours.routed(x, weights, ids, "triton")
+    scale = reference.abs().max().item()
+    return {"vs_reference": (fused - reference).abs().max().item() / scale, "finite": bool(fused.isfinite().all()),
+            "fp8": experts.gate_up_proj.dtype == torch.float8_e4m3fn,
+            "fp8_error": (reference - unquantised).abs().max().item() / scale}
+
+
 def _model_case(preset: str) -> dict:
     """A whole MoE model on its fused path (Triton attention with sinks and windows, fused norms and rope, the
     fused experts) against its torch path, same weights: a mixed batch (a 30-token chunk and a 5-token prompt),
@@ -124,7 +156,8 @@ def _run_all() -> dict:
     from metronome_testing.moe_cases import CASES, FAMILIES
 
     out: dict = {"align": [_align_case(*case) for case in ALIGN_CASES], "blocks": {},
-                 "models": {preset: _model_case(preset) for preset in MODEL_PRESETS}}
+                 "models": {preset: _model_case(preset) for preset in MODEL_PRESETS},
+                 "fp8": [_fp8_block_case(*case) for case in FP8_CASES]}
     for family in FAMILIES:
         for case, tokens in CASES:
             if family in FULL_FAMILIES or case in OTHER_CASES:
@@ -165,6 +198,14 @@ def test_fused_experts_match_transformers_and_the_reference(results):
         assert got["finite"] and got["dtype_kept"], name
         assert got["vs_reference"] < tol, (name, got)
         assert got["block_vs_transformers"] < tol, (name, got)
+
+
+@pytest.mark.parametrize("index", range(len(FP8_CASES)), ids=[f"{f}-{b}" for f, b in FP8_CASES])
+def test_fused_fp8_experts_match_the_reference_on_their_dequantised_weights(results, index):
+    got = results["fp8"][index]
+    assert got["fp8"] and got["finite"]
+    assert got["vs_reference"] < 1e-5, got
+    assert 1e-4 < got["fp8_error"] < 0.1, got  # the weights were rounded to e4m3, and only that
 
 
 @pytest.mark.parametrize("preset", MODEL_PRESETS)

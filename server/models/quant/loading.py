@@ -1,7 +1,8 @@
 """Loading an FP8 model: the hooks `load_model` calls.
 
-    prepare_model(model, config, scheme)     # on the meta device: decoder linears → Fp8Linear
-    load_quantized(model, config, scheme, weights)   # route FP8 tensors and scales, the rest to model.load_weights
+    prepare_model(model, config, scheme)     # on the meta device: decoder linears → Fp8Linear, an FP8
+                                             # checkpoint's routed experts → FP8 storage
+    load_quantized(model, config, weights)   # route FP8 tensors and scales, the rest to model.load_weights
 
 Routing: a checkpoint tensor `<module>.<suffix>` whose module is (a shard of) an Fp8Linear goes to it — `weight`,
 `weight_scale` / `weight_scale_inv` (the same thing under the block layout's name), `input_scale` /
@@ -9,11 +10,12 @@ Routing: a checkpoint tensor `<module>.<suffix>` whose module is (a shard of) an
 `k_proj.output_scale` / `v_proj.output_scale`, or ModelOpt's `k_proj.k_scale` / `v_proj.v_scale`) are collected into
 `kv_scales`. Everything else (norms, embeddings, biases, the LM head) goes to the model's own loader; an FP8 tensor
 that reaches it would be read without its scale, so that is an error instead — except a mixture of experts'
-routed experts, dequantised as they load (expert_weights.py).
+routed experts, whose weights and scales the MoE block loads itself (moe.py).
 """
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -21,21 +23,23 @@ from torch import nn
 
 from metronome.server.models.config import ModelConfig
 from metronome.server.models.quant import fp8
-from metronome.server.models.quant.expert_weights import ExpertDequantizer
 from metronome.server.models.quant.fp8_linear import Fp8Linear
-from metronome.server.models.quant.model_pass import fp8_layers, fuse_activation_quant, swap_linears
+from metronome.server.models.quant.model_pass import fp8_layers, fuse_activation_quant, store_fp8_experts, swap_linears
 from metronome.server.models.quant.scheme import Fp8Scheme
 
 log = logging.getLogger(__name__)
 
 TENSOR_KINDS = {"weight": "weight", "weight_scale": "weight_scale", "weight_scale_inv": "weight_scale",
                 "input_scale": "input_scale", "activation_scale": "input_scale"}
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # the MoE block's own: FP8 weight and scale pairs
 KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_proj.output_scale",
                   "self_attn.v_proj.output_scale", "self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")
 
 
 def prepare_model(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme) -> None:
     swapped = swap_linears(model, config, scheme)
+    if scheme.prequantized:
+        swapped += store_fp8_experts(model, scheme)
     if swapped == 0:
         log.warning("quantization %s covers none of the decoder's linear layers", scheme.describe())
 
@@ -43,8 +47,7 @@ def prepare_model(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme) -> N
 class Fp8Router:
     """Routes checkpoint tensors to the model's Fp8Linear shards (see the module doc)."""
 
-    def __init__(self, model: nn.Module, scheme: Fp8Scheme):
-        self.experts = ExpertDequantizer(scheme)
+    def __init__(self, model: nn.Module):
         self.layers = [layer for _, layer in fp8_layers(model)]
         self.routes: dict[str, tuple[Fp8Linear, int | None]] = {}
         for name, layer in fp8_layers(model):
@@ -56,9 +59,8 @@ class Fp8Router:
 
     def route(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
-            ready = self.experts.take(name, tensor)
-            if ready is not None:
-                yield from ready
+            if _ROUTED_EXPERT.search(name):
+                yield name, tensor
                 continue
             module, _, suffix = name.rpartition(".")
             kind = TENSOR_KINDS.get(suffix)
@@ -78,18 +80,17 @@ class Fp8Router:
                 raise ValueError(f"checkpoint tensor {name!r} {what} but quantization_config leaves its layer "
                                  "unquantised (or this model has no such FP8 layer)")
             yield name, tensor
-        self.experts.finish()  # before the model's loader counts what is missing: name the expert's half
 
     def finish(self, gemm: str = "auto") -> None:
         for layer in self.layers:
             layer.finalize(gemm)
 
 
-def load_quantized(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme,
-                   weights: Iterable[tuple[str, torch.Tensor]], gemm: str = "auto") -> None:
+def load_quantized(model: nn.Module, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
+                   gemm: str = "auto") -> None:
     """Load every tensor (FP8 shards through the router, the rest through model.load_weights), finalize the
     FP8 layers (`gemm`: their CUDA GEMM choice), then fuse activation quantisation into their producers."""
-    router = Fp8Router(model, scheme)
+    router = Fp8Router(model)
     model.load_weights(router.route(weights))
     router.finish(gemm)
     fuse_activation_quant(model, config)

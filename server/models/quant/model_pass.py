@@ -22,7 +22,7 @@ from metronome.server.models.quant.scheme import Fp8Scheme, QuantizationConfigEr
 DECODER_PREFIX = "model.layers."
 
 # a mixture of experts' shared-expert gate ([1, H]) stays in the model dtype, as every FP8 MoE checkpoint keeps it
-# (the router is no nn.Linear here; the routed experts are dequantised on load: expert_weights.py)
+# (the router is no nn.Linear here; the routed experts have FP8 storage of their own: store_fp8_experts)
 UNQUANTISED = (".shared_expert_gate",)
 
 # our fused module → the checkpoint modules it stacks, in row order
@@ -58,6 +58,19 @@ def swap_linears(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme) -> in
         setattr(model.get_submodule(parent_name), attr, layer)
         swapped += 1
     return swapped
+
+
+def store_fp8_experts(model: nn.Module, scheme: Fp8Scheme) -> int:
+    """Give the routed experts of every MoE block that the checkpoint quantises FP8 storage (moe.py); returns how
+    many blocks. On the fly (`--quantization fp8`) the experts stay in the model dtype."""
+    from metronome.server.models.moe import StackedExperts
+
+    stored = 0
+    for name, module in model.named_modules():
+        if isinstance(module, StackedExperts) and not scheme.ignores(f"{name}.0.gate_proj"):
+            module.store_fp8(scheme.block)
+            stored += 1
+    return stored
 
 
 def fp8_layers(model: nn.Module) -> Iterator[tuple[str, Fp8Linear]]:
