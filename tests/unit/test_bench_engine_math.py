@@ -2,6 +2,7 @@
 transformers adapter's pure parts."""
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -190,6 +191,26 @@ def test_moe_decode_floor_reads_only_the_experts_the_batch_picks():
     dense = preset_config("llama-3-8b")  # a dense model reads the same weights at any batch
     assert model_math.weights_read_per_decode_step(dense, 2, batch=1) == model_math.weights_read_per_decode_step(
         dense, 2)
+
+
+def test_fp8_moe_floors_count_fp8_attention_and_experts_by_their_own_widths():
+    qwen = preset_config("qwen3-30b-a3b")
+    attention = 2048 * (4096 + 1024) + 4096 * 2048
+    expert_params, expert_rows = 3 * 2048 * 768, 2 * 768 + 2048
+    bf16 = model_math.weights_read_per_decode_step(qwen, 2, batch=64)
+    read = 48 * 128 * (1 - (1 - 8 / 128) ** 64)  # experts a batch of 64 picks, over the 48 sparse layers
+    assert model_math.fp8_linear_params_and_rows(qwen) == (48 * attention, 48 * (4096 + 2 * 512 + 2048))
+    online = model_math.ByteWidths(dtype=2, linear=1, kv=1, scales_per_row=1.0)  # experts stay bf16
+    assert model_math.weights_read_per_decode_step(qwen, online, batch=64) == pytest.approx(
+        bf16 - 48 * attention + 4 * 48 * (4096 + 1024 + 2048), rel=1e-9)
+    checkpoint = model_math.ByteWidths(dtype=2, linear=1, kv=1, scales_per_row=16.0, experts=1,
+                                       expert_scales_per_row=8.0)  # 128-column groups
+    assert model_math.weights_read_per_decode_step(qwen, checkpoint, batch=64) == pytest.approx(
+        bf16 - 48 * attention + 16 * 4 * 48 * (4096 + 1024 + 2048) - read * expert_params
+        + 8 * 4 * read * expert_rows, rel=1e-9)
+    shared = replace(qwen, moe=replace(qwen.moe, shared_expert_intermediate_size=512))  # runs W8A8 too
+    assert model_math.fp8_linear_params_and_rows(shared) == (48 * (attention + 3 * 2048 * 512),
+                                                             48 * (4096 + 2 * 512 + 2048 + 2 * 512 + 2048))
 
 
 def test_moe_prefill_counts_the_active_experts_only():

@@ -198,15 +198,25 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
 def byte_widths(core: Any) -> sections.model_math.ByteWidths:
     """Bytes per element of what this engine's decode step reads (FP8 linear weights and their scales, an FP8 KV
     cache), from the loaded model and the allocated cache."""
+    from metronome.server.models.moe import StackedExperts
     from metronome.server.models.quant.fp8_linear import Fp8Linear
 
     dtype = core.loaded.dtype.itemsize
     kv = core.runner.kv_caches[0][0].element_size()
-    layers = [m for m in core.loaded.model.modules() if isinstance(m, Fp8Linear)]
-    if not layers:
-        return sections.model_math.ByteWidths(dtype, dtype, kv)
-    rows = sum(layer.out_features for layer in layers)
-    return sections.model_math.ByteWidths(dtype, 1, kv, sum(layer.weight_scale.numel() for layer in layers) / rows)
+    modules = list(core.loaded.model.modules())
+    layers = [m for m in modules if isinstance(m, Fp8Linear)]
+    linear, scales_per_row = dtype, 0.0
+    if layers:
+        linear = 1
+        rows = sum(layer.out_features for layer in layers)
+        scales_per_row = sum(layer.weight_scale.numel() for layer in layers) / rows
+    experts = [m for m in modules if isinstance(m, StackedExperts) and m.fp8]
+    expert_width, expert_scales = None, 0.0
+    if experts:
+        rows = sum(m.gate_up_scale.shape[0] * (m.gate_up_scale.shape[1] + m.down_scale.shape[1]) for m in experts)
+        expert_width = 1
+        expert_scales = sum(m.gate_up_scale.numel() + m.down_scale.numel() for m in experts) / rows
+    return sections.model_math.ByteWidths(dtype, linear, kv, scales_per_row, expert_width, expert_scales)
 
 
 def _hf_section(args: argparse.Namespace, doc: dict[str, Any]) -> None:

@@ -12,8 +12,9 @@ against. Pure.
   not hidden / heads).
 - Widths: every element is `dtype_bytes` wide, or with FP8 weights the decoder's linear weights take 1 byte each
   (their per-channel or block scales add `scales_per_row` float32 values per output row) and with an FP8 KV
-  cache each K/V element takes 1 byte: pass a `ByteWidths` where an int width is taken (FP8 weights are dense
-  models' only).
+  cache each K/V element takes 1 byte: pass a `ByteWidths` where an int width is taken. In a mixture of experts
+  the FP8 linears are attention, dense MLPs and shared experts; the routed experts have widths of their own (an
+  FP8 checkpoint's stay e4m3, `--quantization fp8` leaves them in the model dtype).
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class ByteWidths:
     linear: int
     kv: int
     scales_per_row: float = 0.0
+    experts: int | None = None  # an MoE's routed expert weights; None: the model dtype
+    expert_scales_per_row: float = 0.0
 
     @classmethod
     def of(cls, widths: int | ByteWidths) -> ByteWidths:
@@ -42,6 +45,22 @@ def linear_rows_per_layer(config: Any) -> int:
     """Output rows of a layer's linear weights (qkv, o, gate_up, down): where per-row scales are stored."""
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     return q + 2 * kv + config.hidden_size + 2 * config.intermediate_size + config.hidden_size
+
+
+def fp8_linear_params_and_rows(config: Any) -> tuple[int, int]:
+    """(weights, output rows) of the linears an FP8 model runs W8A8, over all layers: every layer's attention,
+    the dense MLPs, and a sparse layer's shared expert (not its router, its shared-expert gate or its routed
+    experts)."""
+    layers, h = config.num_hidden_layers, config.hidden_size
+    dense_mlp, dense_rows = 3 * h * config.intermediate_size, 2 * config.intermediate_size + h
+    attention = linear_params_per_layer(config) - dense_mlp
+    attention_rows = linear_rows_per_layer(config) - dense_rows
+    moe = getattr(config, "moe", None)
+    sparse = config.num_moe_layers if moe is not None else 0
+    shared = moe.shared_expert_intermediate_size if moe is not None else 0
+    params = layers * attention + (layers - sparse) * dense_mlp + sparse * 3 * h * shared
+    rows = layers * attention_rows + (layers - sparse) * dense_rows + (sparse * (2 * shared + h) if shared else 0)
+    return params, rows
 
 
 def embedding_params(config: Any) -> int:
@@ -77,15 +96,21 @@ def weights_read_per_decode_step(config: Any, dtype_bytes: int | ByteWidths, bat
     if not config.tie_word_embeddings:
         params -= embedding_params(config)
     moe = getattr(config, "moe", None)
-    if moe is not None and batch is not None:
-        unread = moe.num_experts - expected_distinct_experts(moe.num_experts, moe.top_k, batch)
-        params -= round(config.num_moe_layers * unread * moe.expert_parameters(config.hidden_size))
+    experts = 0.0  # routed expert parameters read
+    if moe is not None:
+        read = moe.num_experts if batch is None else expected_distinct_experts(moe.num_experts, moe.top_k, batch)
+        experts = config.num_moe_layers * read * moe.expert_parameters(config.hidden_size)
+        params -= round(config.num_moe_layers * moe.num_experts * moe.expert_parameters(config.hidden_size))
     widths = ByteWidths.of(dtype_bytes)
-    if widths.linear == widths.dtype and not widths.scales_per_row:
-        return params * widths.dtype
-    linear = config.num_hidden_layers * linear_params_per_layer(config)  # FP8 layers: a dense model's
-    scales = config.num_hidden_layers * linear_rows_per_layer(config) * widths.scales_per_row * 4
-    return int((params - linear) * widths.dtype + linear * widths.linear + scales)
+    total = (params + experts) * widths.dtype
+    if widths.linear != widths.dtype or widths.scales_per_row:
+        linear, rows = fp8_linear_params_and_rows(config)
+        total += linear * (widths.linear - widths.dtype) + rows * widths.scales_per_row * 4
+    if moe is not None and widths.experts is not None:
+        expert_rows = experts / moe.expert_parameters(config.hidden_size) * (
+            2 * moe.intermediate_size + config.hidden_size)
+        total += experts * (widths.experts - widths.dtype) + expert_rows * widths.expert_scales_per_row * 4
+    return round(total)
 
 
 def layer_windows(config: Any) -> tuple[int | None, ...]:
