@@ -249,7 +249,7 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
             else:
                 from metronome.server.models.quant.loading import load_quantized
 
-                load_quantized(model, config, weights, gemm)
+                load_quantized(model, config, scheme, weights, gemm)
         except ValueError as error:
             if isinstance(error, ModelNotFoundError):
                 raise

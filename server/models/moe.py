@@ -121,6 +121,20 @@ class StackedExperts(nn.Module):
         self.gate_up_scale = nn.Parameter(torch.empty(e, two_i, groups_up, device=device), requires_grad=False)
         self.down_scale = nn.Parameter(torch.empty(e, h, groups_down, device=device), requires_grad=False)
 
+    def quantize_loaded(self) -> None:
+        """`--quantization fp8` on a model loaded in its dtype: each expert's rows to e4m3 with a scale per row,
+        one expert at a time (the float32 copy of a whole stack would not fit beside the model on a GPU)."""
+        def per_row(stacked: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter]:
+            q = torch.empty(stacked.shape, dtype=fp8.FP8_DTYPE, device=stacked.device)
+            scale = torch.empty((*stacked.shape[:2], 1), dtype=torch.float32, device=stacked.device)
+            for expert, matrix in enumerate(stacked):
+                q[expert], scale[expert, :, 0] = fp8.quantize_per_channel(matrix)
+            return nn.Parameter(q, requires_grad=False), nn.Parameter(scale, requires_grad=False)
+
+        self.model_dtype, self.fp8_block = self.gate_up_proj.dtype, None
+        self.gate_up_proj, self.gate_up_scale = per_row(self.gate_up_proj.data)
+        self.down_proj, self.down_scale = per_row(self.down_proj.data)
+
     def scale_rows(self, scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """A checkpoint's scale of one [rows, cols] expert weight in this module's form: [rows, groups]."""
         scale = scale.float()

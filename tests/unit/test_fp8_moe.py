@@ -137,12 +137,19 @@ def test_an_expert_without_its_scale_is_named(tmp_path):
         load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
 
 
-def test_fp8_on_the_fly_quantises_a_moe_s_dense_linears_and_keeps_its_experts():
+def test_fp8_on_the_fly_quantises_a_moe_s_linears_and_its_experts_per_row():
     bf16 = load_model("random:tiny-qwen3-moe", attention_backend="torch", dtype="float32")
     fp8 = load_model("random:tiny-qwen3-moe", attention_backend="torch", dtype="float32", quantization="fp8")
     layer = fp8.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Fp8Linear)
-    assert torch.equal(layer.mlp.experts.gate_up_proj, bf16.model.model.layers[0].mlp.experts.gate_up_proj)
+    experts, original = layer.mlp.experts, bf16.model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_scale.shape[-1] == 1
+    for ours, theirs in ((experts.weights().gate_up, original.gate_up_proj), (experts.weights().down,
+                                                                            original.down_proj)):
+        assert ours.dtype == theirs.dtype and not torch.equal(ours, theirs)
+        # e4m3 keeps 3 mantissa bits: each value within 1/16 of itself, or of its row's scale near zero
+        row_scale = theirs.abs().amax(dim=-1, keepdim=True) / 448
+        assert ((ours - theirs).abs() <= theirs.abs() / 16 + row_scale).all()
     ours, theirs = our_prefill_logits(fp8, PROMPT), our_prefill_logits(bf16, PROMPT)
     assert ours.isfinite().all() and not torch.equal(ours, theirs)
     assert (ours - theirs).abs().mean() < 0.1 * theirs.abs().mean()

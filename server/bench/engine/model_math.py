@@ -14,7 +14,7 @@ against. Pure.
   (their per-channel or block scales add `scales_per_row` float32 values per output row) and with an FP8 KV
   cache each K/V element takes 1 byte: pass a `ByteWidths` where an int width is taken. In a mixture of experts
   the FP8 linears are attention, dense MLPs and shared experts; the routed experts have widths of their own (an
-  FP8 checkpoint's stay e4m3, `--quantization fp8` leaves them in the model dtype).
+  FP8 checkpoint's and `--quantization fp8`'s are e4m3, with scales per row or per 128-column group).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     prepare_model(model, config, scheme)     # on the meta device: decoder linears → Fp8Linear, an FP8
                                              # checkpoint's routed experts → FP8 storage
-    load_quantized(model, config, weights)   # route FP8 tensors and scales, the rest to model.load_weights
+    load_quantized(model, config, scheme, weights)   # route FP8 tensors and scales, the rest to load_weights
 
 Routing: a checkpoint tensor `<module>.<suffix>` whose module is (a shard of) an Fp8Linear goes to it — `weight`,
 `weight_scale` / `weight_scale_inv` (the same thing under the block layout's name), `input_scale` /
@@ -24,7 +24,13 @@ from torch import nn
 from metronome.server.models.config import ModelConfig
 from metronome.server.models.quant import fp8
 from metronome.server.models.quant.fp8_linear import Fp8Linear
-from metronome.server.models.quant.model_pass import fp8_layers, fuse_activation_quant, store_fp8_experts, swap_linears
+from metronome.server.models.quant.model_pass import (
+    fp8_layers,
+    fuse_activation_quant,
+    quantize_loaded_experts,
+    store_fp8_experts,
+    swap_linears,
+)
 from metronome.server.models.quant.scheme import Fp8Scheme
 
 log = logging.getLogger(__name__)
@@ -86,13 +92,16 @@ class Fp8Router:
             layer.finalize(gemm)
 
 
-def load_quantized(model: nn.Module, config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
-                   gemm: str = "auto") -> None:
+def load_quantized(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme,
+                   weights: Iterable[tuple[str, torch.Tensor]], gemm: str = "auto") -> None:
     """Load every tensor (FP8 shards through the router, the rest through model.load_weights), finalize the
-    FP8 layers (`gemm`: their CUDA GEMM choice), then fuse activation quantisation into their producers."""
+    FP8 layers (`gemm`: their CUDA GEMM choice), then fuse activation quantisation into their producers. On the
+    fly, a mixture of experts' routed experts are quantised per row once loaded."""
     router = Fp8Router(model)
     model.load_weights(router.route(weights))
     router.finish(gemm)
+    if not scheme.prequantized:
+        quantize_loaded_experts(model)
     fuse_activation_quant(model, config)
     model.fp8_kv_scales = router.kv_scales
     if router.kv_scales:

@@ -62,7 +62,8 @@ def swap_linears(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme) -> in
 
 def store_fp8_experts(model: nn.Module, scheme: Fp8Scheme) -> int:
     """Give the routed experts of every MoE block that the checkpoint quantises FP8 storage (moe.py); returns how
-    many blocks. On the fly (`--quantization fp8`) the experts stay in the model dtype."""
+    many blocks. On the fly (`--quantization fp8`) the experts load in the model dtype and are quantised after
+    (quantize_loaded_experts)."""
     from metronome.server.models.moe import StackedExperts
 
     stored = 0
@@ -71,6 +72,15 @@ def store_fp8_experts(model: nn.Module, scheme: Fp8Scheme) -> int:
             module.store_fp8(scheme.block)
             stored += 1
     return stored
+
+
+def quantize_loaded_experts(model: nn.Module) -> int:
+    from metronome.server.models.moe import StackedExperts
+
+    blocks = [m for m in model.modules() if isinstance(m, StackedExperts) and not m.fp8]
+    for experts in blocks:
+        experts.quantize_loaded()
+    return len(blocks)
 
 
 def fp8_layers(model: nn.Module) -> Iterator[tuple[str, Fp8Linear]]:
