@@ -159,7 +159,7 @@ def test_fp8_graph_replay_equals_eager(kv_cache_dtype):
 
 def test_fp8_moe_graph_replay_equals_eager():
     """A mixture of experts in FP8 (attention and dense MLP W8A8, each FP8 linear quantising its own input; routed
-    experts in bf16 on the fused Triton MoE kernels): graphs replay what eager steps compute."""
+    experts e4m3 per row on the fused Triton MoE kernels, W8A16): graphs replay what eager steps compute."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 300))] for _ in range(8)]
     eager, _ = _greedy(_engine("fp8", cuda_graphs=False, model="random:tiny-qwen3-moe"), prompts, 16)
