@@ -226,10 +226,14 @@ class DecoderForCausalLM(nn.Module):
                 filled.update((target, s) for s in self._expected_shards().get(target, [-1]))
             else:
                 filled.add((target, shard))
-        missing = [name for name, shards in self._expected_shards().items()
+        missing = [self.shard_tensor_name(name, shard) for name, shards in self._expected_shards().items()
                    for shard in shards if (name, shard) not in filled]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
+
+    def shard_tensor_name(self, name: str, shard: int) -> str:
+        """What a checkpoint calls shard `shard` of parameter `name` (for saying what it lacks)."""
+        return name
 
     def load_own_tensor(self, name: str, tensor: torch.Tensor) -> list[tuple[str, int]] | None:
         """A family that stores some tensors its own way loads them here and returns the (parameter, shard) pairs

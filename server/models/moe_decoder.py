@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from metronome.kernels import AttentionBackend
 
 _LAYER_MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.(.+)")
+_STACKED_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj|gate_up_scale|down_scale)")
 
 
 def moe_or_dense_mlp(config: ModelConfig, layer: int, linear) -> torch.nn.Module:
@@ -84,6 +85,17 @@ class MoeForCausalLM(LlamaForCausalLM):
                    for part in block.pending()]
         if pending:
             raise ValueError(f"checkpoint holds MXFP4 halves without their other half, e.g. {pending[:2]}")
+
+    def shard_tensor_name(self, name: str, shard: int) -> str:
+        """A stacked expert parameter's shard as one expert's tensor: experts.gate_up_scale shard 11 is expert 5's
+        up_proj.weight_scale (Qwen's names; Mixtral's w1/w3/w2 load the same)."""
+        found = _STACKED_EXPERT.fullmatch(name)
+        if found is None or shard < 0:
+            return name
+        prefix, param = found.group(1), found.group(2)
+        expert, projection = (shard // 2, ("gate_proj", "up_proj")[shard % 2]) if param.startswith("gate_up") \
+            else (shard, "down_proj")
+        return f"{prefix}.{expert}.{projection}.{'weight_scale' if param.endswith('scale') else 'weight'}"
 
     def _expected_shards(self) -> dict[str, list[int]]:
         expected = {name: shards for name, shards in super()._expected_shards().items()

@@ -124,7 +124,7 @@ def test_fp8_moe_checkpoint_matches_its_reference(tmp_path, family, layout):
     torch.testing.assert_close(our_prefill_logits(loaded, PROMPT), expected, rtol=0, atol=1e-5)
 
 
-def test_a_checkpoint_missing_an_expert_scale_is_refused_naming_the_scales(tmp_path):
+def test_a_checkpoint_missing_an_expert_scale_is_refused_naming_it(tmp_path):
     hf_model = save_hf_model(tmp_path, FAMILIES["qwen3_moe"]())
     _write_fp8_moe(tmp_path, hf_model, "fp8-block")
     tensors = load_file(str(tmp_path / "model.safetensors"))
@@ -132,7 +132,7 @@ def test_a_checkpoint_missing_an_expert_scale_is_refused_naming_the_scales(tmp_p
     save_file(tensors, str(tmp_path / "model.safetensors"))
     from metronome.contract.errors import ModelNotFoundError
 
-    missing = r"lacks 1 tensors, e\.g\. \['model\.layers\.2\.mlp\.experts\.down_scale'"
+    missing = r"lacks 1 tensors, e\.g\. \['model\.layers\.2\.mlp\.experts\.5\.down_proj\.weight_scale'"
     with pytest.raises(ModelNotFoundError, match=missing):
         load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
 
