@@ -23,7 +23,8 @@
 #   profile  hack/profile_decode.py: a decode step's kernel time by kind and kernel, batch 1 and 64, per FP8 GEMM
 #          path, against the bytes floor → decode-profile.json
 #   then   fp8-summary.json (the issue's targets from the above), gpu_fp8.log
-# Knobs (environment): PARTS, BUDGET, TESTS_K (pytest -k of the tests part), KV (fp8|auto), RATES, DURATION,
+# Knobs (environment): PARTS, BUDGET, MODEL (the fp8 and bf16 parts' model: e.g. random:qwen3-30b-a3b, whose experts
+# `--quantization fp8` quantises per row), TESTS_K (pytest -k of the tests part), KV (fp8|auto), RATES, DURATION,
 # CHUNKS, SAT_MAX, GEMM_ROWS, GEMM_ARGS, FP8_SECTIONS, METRONOME_FP8_GEMM, and
 # SMOKE=1 (the bench parts on the CPU with a tiny model: checks this script's plumbing, not the GPU).
 export PYTHONUNBUFFERED=1
@@ -57,7 +58,7 @@ fi
 export PYTHONPATH=$WH:$ROOT/tests/support  # the test support package the GPU tests import (as hack/gpu_run.sh)
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')" 2>&1 | tee -a "$LOG"
-BENCH=(python3 -m metronome.cli bench engine --model random:llama-3-8b --device cuda --no-progress --skip-hf
+BENCH=(python3 -m metronome.cli bench engine --model "${MODEL:-random:llama-3-8b}" --device cuda --no-progress --skip-hf
        --no-records --context 2048 --batch-sizes 1,64 --decode-steps 20 --prefill-prompts 8 --prefill-prompt-len 2048
        --prefill-chunk 8192)
 if [ "${SMOKE:-0}" = 1 ]; then  # the plumbing on the CPU with a tiny model (no tests, no GEMM paths)
