@@ -48,9 +48,11 @@ def _per_expert(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
     return {f"{prefix}.{e}.down_proj.weight": value[e] for e in range(len(value))}
 
 
-def _write_fp8_moe(folder, hf_model, layout: str) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """The checkpoint in `layout`; returns the dequantised weight by checkpoint tensor name, and the names of
-    the linears that run W8A8 (their inputs are fake-quantised in the reference)."""
+def _write_fp8_moe(folder, hf_model, layout: str, experts: bool = True, ignore: tuple[str, ...] = ()
+                   ) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The checkpoint in `layout` (the routed experts in FP8 too unless `experts` is false; `ignore` added to the
+    config's ignore list); returns the dequantised weight by checkpoint tensor name, and the names of the linears
+    that run W8A8 (their inputs are fake-quantised in the reference)."""
     quant_config, granularity, scale_name, input_name, _ = LAYOUTS[layout]
     state = {}
     for name, value in load_file(str(folder / "model.safetensors")).items():
@@ -59,7 +61,7 @@ def _write_fp8_moe(folder, hf_model, layout: str) -> tuple[dict[str, torch.Tenso
     tensors, dequantised, w8a8 = {}, {}, set()
     for name, value in state.items():
         linear = (name.startswith("model.layers.") and name.endswith(".weight") and value.dim() == 2
-                  and not name.endswith(UNQUANTISED))
+                  and not name.endswith(UNQUANTISED) and (experts or ".experts." not in name))
         if not linear:
             tensors[name] = value.contiguous()
             continue
@@ -75,7 +77,7 @@ def _write_fp8_moe(folder, hf_model, layout: str) -> tuple[dict[str, torch.Tenso
         old.unlink()
     save_file(tensors, str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = quant_config
+    config["quantization_config"] = {**quant_config, "ignore": [*quant_config.get("ignore", []), *ignore]}
     (folder / "config.json").write_text(json.dumps(config))
     return dequantised, w8a8
 
@@ -122,6 +124,26 @@ def test_fp8_moe_checkpoint_matches_its_reference(tmp_path, family, layout):
         assert type(block.shared_expert_gate) is torch.nn.Linear
     expected = _reference_logits(hf_model, dequantised, w8a8, LAYOUTS[layout][4])
     torch.testing.assert_close(our_prefill_logits(loaded, PROMPT), expected, rtol=0, atol=1e-5)
+
+
+def test_experts_the_checkpoint_leaves_unquantised_load_in_the_model_dtype(tmp_path):
+    hf_model = save_hf_model(tmp_path, FAMILIES["qwen3_moe"]())
+    dequantised, w8a8 = _write_fp8_moe(tmp_path, hf_model, "ct-channel", experts=False, ignore=("re:.*experts.*",))
+    loaded = load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
+    experts = loaded.model.model.layers[0].mlp.experts
+    assert not experts.fp8 and experts.gate_up_proj.dtype == torch.float32
+    expected = _reference_logits(hf_model, dequantised, w8a8, "token")
+    torch.testing.assert_close(our_prefill_logits(loaded, PROMPT), expected, rtol=0, atol=1e-5)
+
+
+def test_fp8_experts_the_config_leaves_out_are_refused(tmp_path):
+    from metronome.contract.errors import ModelNotFoundError
+
+    hf_model = save_hf_model(tmp_path, FAMILIES["qwen3_moe"]())
+    _write_fp8_moe(tmp_path, hf_model, "ct-channel", ignore=("re:.*experts.*",))
+    with pytest.raises(ModelNotFoundError, match=r"experts\.\d+\.\w+_proj\.weight' is torch\.float8_e4m3fn, but "
+                                                 r"this model's experts are not FP8"):
+        load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
 
 
 def test_a_checkpoint_missing_an_expert_scale_is_refused_naming_it(tmp_path):
