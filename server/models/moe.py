@@ -21,8 +21,9 @@ default, not graph-capturable), `triton` (the fused kernels, kernels/triton_moe.
 FP8 experts (an FP8 checkpoint's, `StackedExperts.store_fp8`): the stacked weights are e4m3 with float32 scales
 `experts.gate_up_scale` [E, 2I, G] / `experts.down_scale` [E, H, G'] per output row (G = 1) or per row and 128
 input columns (block-scaled checkpoints), loaded from each expert's `weight_scale` / `weight_scale_inv`. They
-compute on unquantised activations (W8A16): the fused kernels convert the weight tiles in registers, the torch
-backends dequantise the weights to the model dtype per call.
+compute on unquantised activations (W8A16): the fused kernels convert the weight tiles in registers; the torch
+backends dequantise every expert to the model dtype on each call (the exact reference, and slow: on CUDA the fused
+kernels are the FP8 path).
 """
 from __future__ import annotations
 
@@ -159,7 +160,9 @@ class StackedExperts(nn.Module):
         return ExpertWeights(gate_up, down, self.gate_up_proj_bias, self.down_proj_bias)
 
     def _dequantized(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        width = q.shape[-1] if self.fp8_block is None else self.fp8_block[1]
+        if scale.shape[-1] == 1:  # one scale a row: broadcast
+            return fp8.dequantize(q, scale).to(self.model_dtype)
+        width = self.fp8_block[1]
         return fp8.dequantize(q, scale.repeat_interleave(width, dim=-1)[..., :q.shape[-1]]).to(self.model_dtype)
 
 
