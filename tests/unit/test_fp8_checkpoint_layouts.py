@@ -22,12 +22,7 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=80, num_hidden_lay
 PROMPT = torch.randint(3, 320, (20,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _llama(folder, **overrides):

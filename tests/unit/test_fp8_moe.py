@@ -30,12 +30,7 @@ def _expert(name: str) -> tuple[str, int, str]:
     return prefix.rsplit(".", 1)[0].replace("block_sparse_moe", "mlp"), int(expert), ROLES[projection]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _per_expert(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:

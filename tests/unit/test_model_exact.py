@@ -109,14 +109,7 @@ def run_transformers(hf_model, prompt: list[int], new_tokens: int):
     return generated, prefill_logits, torch.stack([step[0].float() for step in out.logits])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP workers spin-waiting for a busy core make a
-    2-thread matmul several times slower than a 1-thread one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

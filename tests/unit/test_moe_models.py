@@ -28,13 +28,7 @@ from metronome.server.models.hf_config import config_from_hf_dict
 from metronome.server.models.moe_config import MoeSpec
 from metronome.server.models.presets import preset_config
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _logits(loaded, ids: list[int]) -> torch.Tensor:

@@ -74,13 +74,13 @@ def store_fp8_experts(model: nn.Module, scheme: Fp8Scheme) -> int:
     return stored
 
 
-def quantize_loaded_experts(model: nn.Module) -> int:
+def quantize_loaded_experts(model: nn.Module) -> None:
+    """`--quantization fp8`: the routed experts, loaded in the model dtype, to e4m3 per row."""
     from metronome.server.models.moe import StackedExperts
 
-    blocks = [m for m in model.modules() if isinstance(m, StackedExperts) and not m.fp8]
-    for experts in blocks:
-        experts.quantize_loaded()
-    return len(blocks)
+    for module in list(model.modules()):
+        if isinstance(module, StackedExperts) and not module.fp8:
+            module.quantize_loaded()
 
 
 def fp8_layers(model: nn.Module) -> Iterator[tuple[str, Fp8Linear]]:
