@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from metronome.operator import handlers, k8s, leader, runtime
+    from metronome.operator import crd_removal, handlers, k8s, leader, runtime
     from metronome.operator.cache import ObjectCache
     from metronome.operator.operator_metrics import OperatorMetrics
 
@@ -257,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
     metrics_server = metrics.serve(options.metrics_host, options.metrics_port) if options.metrics_port else None
     registry = kopf.OperatorRegistry()
     handlers.register(registry, options)
+    crd_removal.tolerate_unserved_kinds()
 
     # On SIGTERM kopf runs the cleanup handlers: the runtime's workers stop (handlers.stop_runtime), then the Lease
     # is handed back at once, while the operator still has its permissions (an uninstall deletes them next), so a
