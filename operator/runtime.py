@@ -170,8 +170,12 @@ class Runtime:
             self.queue.add(key)
 
     def crd_served(self, name: str) -> bool:
-        crd = self.cache.get(kinds.CRD.kind, None, name)
-        conditions = ((crd or {}).get("status") or {}).get("conditions") or []
+        """Established and not being deleted: a terminating CRD stays Established while its objects go, but the
+        API server refuses new ones (and writing one would be reported as a refused spec)."""
+        crd = self.cache.get(kinds.CRD.kind, None, name) or {}
+        if (crd.get("metadata") or {}).get("deletionTimestamp"):
+            return False
+        conditions = (crd.get("status") or {}).get("conditions") or []
         return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
 
     # --- the workers and the clock -----------------------------------------------------------------------------

@@ -68,6 +68,11 @@ def test_watch_events_queue_the_owner_and_an_optional_crd_queues_every_service()
            "status": {"conditions": [{"type": "Established", "status": "True"}]}}
     rt.observe(kinds.CRD, None, crd)
     assert rt.crd_served(kinds.POD_MONITOR.crd) and rt.queue.get(0) == ("ml", "chat")
+    rt.queue.done(("ml", "chat"))
+    # Being deleted: still Established while its objects go, but no longer a kind to write.
+    terminating = {**crd, "metadata": {**crd["metadata"], "deletionTimestamp": "2026-12-03T07:43:48Z"}}
+    rt.observe(kinds.CRD, "MODIFIED", terminating)
+    assert not rt.crd_served(kinds.POD_MONITOR.crd) and rt.queue.get(0) == ("ml", "chat")
 
 
 def test_a_spec_the_operator_cannot_use_is_reported_once_per_generation():
