@@ -15,7 +15,11 @@ The object it yields (metronome_testing.localcluster.session.SessionCluster) off
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+
+OPERATOR_LOG_LINES = 60
 
 
 def _localcluster():
@@ -57,3 +61,19 @@ def k8s_namespace(cluster) -> str:
     name = cluster.namespace("t")
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failing test that ran operators shows the end of each operator log written while it ran: in CI that
+    log is the only account of what the operator did."""
+    outcome = yield
+    report = outcome.get_result()
+    processes = sys.modules.get("metronome_testing.operator_process")
+    if not report.failed or processes is None:
+        return
+    from metronome.server.bench.processes import log_tail
+
+    for path in processes.logs_written_since(call.start):
+        report.sections.append((f"operator log {path} (last {OPERATOR_LOG_LINES} lines)",
+                                log_tail(path, OPERATOR_LOG_LINES)))

@@ -23,6 +23,14 @@ class OperatorStartError(RuntimeError):
     pass
 
 
+# Every operator log of the session, so that a failing test's report can show the ones written while it ran.
+SESSION_LOGS: list[Path] = []
+
+
+def logs_written_since(start: float) -> list[Path]:
+    return [path for path in SESSION_LOGS if path.exists() and path.stat().st_mtime >= start]
+
+
 @dataclass
 class OperatorProcess:
     kubeconfig: Path
@@ -58,6 +66,7 @@ class OperatorProcess:
         self.health_port, self.metrics_port = free_port(), free_port()
         self.starts += 1
         self.logs.append(self.log_dir / f"operator-{self.starts}.log")
+        SESSION_LOGS.append(self.log_path)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "w") as log:
