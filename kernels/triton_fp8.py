@@ -1,7 +1,9 @@
 """FP8 (e4m3) Triton kernels: dynamic activation quantisation and the scaled FP8 GEMM.
 
-- `quantize_fp8(x, group=None, static_scale=None)`: x [T, K] → (q e4m3 [T, K], scales): one scale per token
-  (`group` None: [T, 1]), per `group` columns of a token ([T, ceil(K / group)]), or the given static scale (0-d).
+- `quantize_fp8(x, group=None, static_scale=None, amax_ub=None)`: x [T, K] → (q e4m3 [T, K], scales): one scale
+  per token (`group` None: [T, 1]), per `group` columns of a token ([T, ceil(K / group)]), or the given static
+  scale (0-d). `amax_ub` bounds a token's amax before its scale is taken (FBGEMM's activation_scale_ub: values
+  past it saturate at ±448), per token only.
   One program per token row; a per-token row up to WHOLE_ROW_MAX columns is read once and quantised from
   registers, a wider one twice (amax, then quantise); groups and static scales once.
 - `fp8_matmul(a, a_scale, b, b_scale, ...)`: a [M, K] e4m3 @ b [N, K] e4m3 (a weight as stored, rows = output
@@ -49,25 +51,26 @@ def _fp8_of(x, scale):
 
 
 @triton.jit
-def _scale_of(amax):
-    return tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+def _scale_of(amax, amax_ub):
+    return tl.maximum(tl.math.div_rn(tl.minimum(amax, amax_ub), 448.0), 1.0 / (448.0 * 512.0))
 
 
 @triton.jit
-def _quantize_registers(y, cols, mask, q_row, s_row, static_ptr, N, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                        STATIC: tl.constexpr):
+def _quantize_registers(y, cols, mask, q_row, s_row, static_ptr, amax_ub, N, BLOCK: tl.constexpr,
+                        GROUP: tl.constexpr, STATIC: tl.constexpr):
     """Quantise a whole row y [BLOCK] (fp32, columns `cols`, valid where `mask`) held in registers: per token
-    (GROUP 0), per GROUP columns, or with the static scale at static_ptr. Stores q and the scale(s)."""
+    (GROUP 0, its amax bounded by `amax_ub`), per GROUP columns, or with the static scale at static_ptr. Stores q
+    and the scale(s)."""
     if STATIC:
         scale = tl.load(static_ptr)
         tl.store(q_row + cols, _fp8_of(y, scale), mask=mask)
     elif GROUP == 0:
-        scale = _scale_of(tl.max(tl.where(mask, tl.abs(y), 0.0), 0))
+        scale = _scale_of(tl.max(tl.where(mask, tl.abs(y), 0.0), 0), amax_ub)
         tl.store(q_row + cols, _fp8_of(y, scale), mask=mask)
         tl.store(s_row, scale)
     else:
         groups = tl.reshape(tl.where(mask, tl.abs(y), 0.0), (BLOCK // GROUP, GROUP))
-        scale = _scale_of(tl.max(groups, 1))
+        scale = _scale_of(tl.max(groups, 1), amax_ub)
         per_col = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK // GROUP, GROUP)), (BLOCK,))
         tl.store(q_row + cols, _fp8_of(y, per_col), mask=mask)
         g = tl.arange(0, BLOCK // GROUP)
@@ -75,7 +78,7 @@ def _quantize_registers(y, cols, mask, q_row, s_row, static_ptr, N, BLOCK: tl.co
 
 
 @triton.jit
-def _quantize_rows(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, stride_s, N,
+def _quantize_rows(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, stride_s, amax_ub, N,
                    CHUNK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr, WHOLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -85,21 +88,21 @@ def _quantize_rows(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, stride_s
     if WHOLE:  # the row fits one chunk: read once, its amax and codes from registers
         mask = offs < N
         y = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        _quantize_registers(y, offs, mask, q_row, s_row, static_ptr, N, CHUNK, GROUP, STATIC)
+        _quantize_registers(y, offs, mask, q_row, s_row, static_ptr, amax_ub, N, CHUNK, GROUP, STATIC)
     elif STATIC or GROUP != 0:  # every chunk is self-contained (CHUNK == GROUP for groups)
         for start in range(0, N, CHUNK):
             cols = start + offs
             mask = cols < N
             y = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            _quantize_registers(y, cols, mask, q_row, s_row + start // CHUNK, static_ptr, N - start, CHUNK,
-                                GROUP, STATIC)
+            _quantize_registers(y, cols, mask, q_row, s_row + start // CHUNK, static_ptr, amax_ub, N - start,
+                                CHUNK, GROUP, STATIC)
     else:
         amax = tl.zeros((CHUNK,), dtype=tl.float32)
         for start in range(0, N, CHUNK):
             cols = start + offs
             y = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(y))
-        scale = _scale_of(tl.max(amax, 0))
+        scale = _scale_of(tl.max(amax, 0), amax_ub)
         for start in range(0, N, CHUNK):
             cols = start + offs
             mask = cols < N
@@ -136,7 +139,12 @@ def scale_buffer(rows: int, width: int, group: int | None, static_scale: torch.T
                        device=device)
 
 
-def check_quant_args(width: int, group: int | None, static_scale: torch.Tensor | None) -> None:
+def check_quant_args(width: int, group: int | None, static_scale: torch.Tensor | None,
+                     amax_ub: float | None = None) -> None:
+    if amax_ub is not None and (group is not None or static_scale is not None):
+        raise ValueError("an amax bound applies to per-token FP8 scales only")
+    if amax_ub is not None and not 0 < amax_ub < float("inf"):
+        raise ValueError(f"the FP8 amax bound must be a positive finite number, got {amax_ub}")
     if group is not None and (group < 16 or group & (group - 1)):
         raise ValueError(f"FP8 activation groups must be a power of two >= 16, got {group}")
     if group is not None and static_scale is not None:
@@ -145,12 +153,17 @@ def check_quant_args(width: int, group: int | None, static_scale: torch.Tensor |
         raise ValueError("the static FP8 scale must be one float32 value")
 
 
+def ub_arg(amax_ub: float | None) -> float:
+    """The kernels' amax bound: none is +inf."""
+    return float("inf") if amax_ub is None else float(amax_ub)
+
+
 def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
-                 chunk: int = WHOLE_ROW_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+                 chunk: int = WHOLE_ROW_MAX, amax_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] (contiguous rows) → (q e4m3 [T, K], scales) as the module doc says; a per-token row of at most
     `chunk` columns in one pass from registers, wider ones in two streaming passes."""
     rows, width = x.shape
-    check_quant_args(width, group, static_scale)
+    check_quant_args(width, group, static_scale, amax_ub)
     q = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=x.device)
     scales = scale_buffer(rows, width, group, static_scale, x.device)
     if rows == 0:
@@ -161,7 +174,7 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.
     whole = group is None and static_scale is None and triton.next_power_of_2(width) <= chunk
     _quantize_rows[(rows,)](
         x, q, scales, static_scale if static_scale is not None else scales, x.stride(0), q.stride(0),
-        scales.stride(0) if scales.dim() == 2 else 0, width,
+        scales.stride(0) if scales.dim() == 2 else 0, ub_arg(amax_ub), width,
         CHUNK=row_chunk(width, group, chunk, whole), GROUP=group or 0, STATIC=static_scale is not None,
         WHOLE=whole, num_warps=whole_row_warps(width) if whole else 4,
     )

@@ -34,6 +34,7 @@ from .triton_fp8 import (
     check_quant_args,
     row_chunk,
     scale_buffer,
+    ub_arg,
     whole_row_warps,
 )
 
@@ -94,8 +95,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool =
 
 @triton.jit
 def _add_rms_norm_fp8(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_r, stride_q,
-                      stride_s, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_X: tl.constexpr, GROUP: tl.constexpr,
-                      STATIC: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr):
+                      stride_s, eps, amax_ub, N: tl.constexpr, BLOCK: tl.constexpr, HAS_X: tl.constexpr,
+                      GROUP: tl.constexpr, STATIC: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -111,18 +112,19 @@ def _add_rms_norm_fp8(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, static_ptr,
         y = _rounded(w * _rounded(r32 * inv, BF16), BF16)
     else:
         y = w * (r32 * inv)
-    _quantize_registers(y, cols, mask, q_ptr + row * stride_q, s_ptr + row * stride_s, static_ptr, N, BLOCK,
-                        GROUP, STATIC)
+    _quantize_registers(y, cols, mask, q_ptr + row * stride_q, s_ptr + row * stride_s, static_ptr, amax_ub, N,
+                        BLOCK, GROUP, STATIC)
 
 
 def add_rms_norm_fp8(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     group: int | None = None, static_scale: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     group: int | None = None, static_scale: torch.Tensor | None = None,
+                     amax_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm whose output goes straight to FP8: residual [T, N] updated in place as add_rms_norm does;
     returns (q e4m3 [T, N], scales) of weight * rmsnorm(residual) rounded to the model dtype, quantised per token
-    (group None), per `group` columns or with a static scale (triton_fp8.quantize_fp8's conventions)."""
+    (group None, its amax bounded by `amax_ub`), per `group` columns or with a static scale (triton_fp8.quantize_fp8's
+    conventions)."""
     rows, n = residual.shape
-    check_quant_args(n, group, static_scale)
+    check_quant_args(n, group, static_scale, amax_ub)
     q = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=residual.device)
     scales = scale_buffer(rows, n, group, static_scale, residual.device)
     if rows == 0:
@@ -136,7 +138,7 @@ def add_rms_norm_fp8(x: torch.Tensor | None, residual: torch.Tensor, weight: tor
         x if x is not None else residual, residual, weight, q, scales,
         static_scale if static_scale is not None else scales,
         x.stride(0) if x is not None else 0, residual.stride(0), q.stride(0),
-        scales.stride(0) if scales.dim() == 2 else 0, eps,
+        scales.stride(0) if scales.dim() == 2 else 0, eps, ub_arg(amax_ub),
         N=n, BLOCK=block, HAS_X=x is not None, GROUP=min(group or 0, block), STATIC=static_scale is not None,
         ROUND=residual.dtype in (torch.bfloat16, torch.float16), BF16=residual.dtype == torch.bfloat16,
         num_warps=min(16, max(4, block // 512)),
@@ -155,7 +157,7 @@ def _silu_mul_value(gate_up_row, cols, mask, N, ROUND: tl.constexpr, BF16: tl.co
 
 
 @triton.jit
-def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, stride_s, N,
+def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, stride_s, amax_ub, N,
                   CHUNK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr, ROUND: tl.constexpr,
                   BF16: tl.constexpr, WHOLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -166,14 +168,14 @@ def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, str
     if WHOLE:  # the row fits one chunk: computed once, its amax and codes from registers
         mask = offs < N
         y = _silu_mul_value(gate_up_row, offs, mask, N, ROUND, BF16)
-        _quantize_registers(y, offs, mask, q_row, s_row, static_ptr, N, CHUNK, GROUP, STATIC)
+        _quantize_registers(y, offs, mask, q_row, s_row, static_ptr, amax_ub, N, CHUNK, GROUP, STATIC)
     elif STATIC or GROUP != 0:  # every chunk is self-contained (CHUNK == GROUP for groups)
         for start in range(0, N, CHUNK):
             cols = start + offs
             mask = cols < N
             y = _silu_mul_value(gate_up_row, cols, mask, N, ROUND, BF16)
-            _quantize_registers(y, cols, mask, q_row, s_row + start // CHUNK, static_ptr, N - start, CHUNK,
-                                GROUP, STATIC)
+            _quantize_registers(y, cols, mask, q_row, s_row + start // CHUNK, static_ptr, amax_ub, N - start,
+                                CHUNK, GROUP, STATIC)
     else:  # per token: the row's amax first, then quantise (the second read of gate_up mostly hits L2)
         amax = tl.zeros((CHUNK,), dtype=tl.float32)
         for start in range(0, N, CHUNK):
@@ -181,7 +183,7 @@ def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, str
             mask = cols < N
             amax = tl.maximum(amax, tl.where(mask, tl.abs(_silu_mul_value(gate_up_row, cols, mask, N, ROUND, BF16)),
                                              0.0))
-        scale = _scale_of(tl.max(amax, 0))
+        scale = _scale_of(tl.max(amax, 0), amax_ub)
         for start in range(0, N, CHUNK):
             cols = start + offs
             mask = cols < N
@@ -191,14 +193,15 @@ def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, str
 
 
 def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
-                 chunk: int = WHOLE_ROW_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+                 chunk: int = WHOLE_ROW_MAX, amax_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [T, 2I] (gate columns first) → (q e4m3 [T, I], scales) of silu(gate) * up rounded to the model
-    dtype, quantised per token (group None), per `group` columns or with a static scale. A per-token row of at
-    most `chunk` columns is held whole in one program's registers (one pass, 16 warps): at decode batches a
-    program per row is all the parallelism there is, and two passes of small chunks made it latency-bound."""
+    dtype, quantised per token (group None, amax bounded by `amax_ub`), per `group` columns or with a static
+    scale. A per-token row of at most `chunk` columns is held whole in one program's registers (one pass, 16
+    warps): at decode batches a program per row is all the parallelism there is, and two passes of small chunks
+    made it latency-bound."""
     rows, width = gate_up.shape
     n = width // 2
-    check_quant_args(n, group, static_scale)
+    check_quant_args(n, group, static_scale, amax_ub)
     q = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=gate_up.device)
     scales = scale_buffer(rows, n, group, static_scale, gate_up.device)
     if rows == 0:
@@ -209,7 +212,7 @@ def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: 
     whole = group is None and static_scale is None and triton.next_power_of_2(n) <= chunk
     _silu_mul_fp8[(rows,)](
         gate_up, q, scales, static_scale if static_scale is not None else scales, gate_up.stride(0), q.stride(0),
-        scales.stride(0) if scales.dim() == 2 else 0, n,
+        scales.stride(0) if scales.dim() == 2 else 0, ub_arg(amax_ub), n,
         CHUNK=row_chunk(n, group, chunk, whole), GROUP=group or 0, STATIC=static_scale is not None,
         ROUND=gate_up.dtype in (torch.bfloat16, torch.float16), BF16=gate_up.dtype == torch.bfloat16, WHOLE=whole,
         num_warps=whole_row_warps(n) if whole else 4,

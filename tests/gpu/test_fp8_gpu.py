@@ -103,6 +103,9 @@ def test_fp8_kernels_in_bf16_match_the_torch_reference():
         q, s = quantize_fp8(x, group)
         rq, rs = fp8.quantize_per_token(x) if group is None else fp8.quantize_per_group(x, group)
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.reshape(rs.shape), rs)
+    q, s = quantize_fp8(x, amax_ub=1.5)  # FBGEMM's bound, below every row's amax here
+    rq, rs = fp8.quantize_per_token(x, 1.5)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.reshape(rs.shape), rs)
     norm = RMSNorm(K, 1e-5).to("cuda", torch.bfloat16)
     with torch.no_grad():
         norm.weight.copy_(1.0 + 0.1 * torch.randn(K, generator=g, device="cuda"))

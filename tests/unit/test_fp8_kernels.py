@@ -17,9 +17,11 @@ import sys
 import pytest
 import torch
 
-# (name, tokens, width, group) — widths with a short last group (200 = 3 x 64 + 8) and rows of several chunks
+# (name, tokens, width, group) — widths with a short last group (200 = 3 x 64 + 8) and rows of several chunks;
+# "bounded": per token with each token's amax bounded (FBGEMM's activation_scale_ub), below most rows' amax
 QUANT_CASES = [("token", 5, 200, None), ("group", 4, 200, 64), ("static", 3, 96, "static"),
-               ("token_wide", 2, 2500, None)]
+               ("token_wide", 2, 2500, None), ("bounded", 5, 200, "bounded"), ("bounded_wide", 2, 2500, "bounded")]
+AMAX_UB = 0.7
 # (name, M, N, K, mode, kernel) — mode: tensor (0-d scales), token_channel ([M, 1] x [N]), block (groups of 32
 # along K); kernel: the tiled FP8 GEMM or the small-M one (kernels/triton_fp8_skinny.py: K not a multiple of its
 # tile, N not a multiple of its column tile, 1 to 33 rows)
@@ -43,6 +45,9 @@ def _quant_results(name, tokens, width, group) -> dict:
     elif group is None:
         q, s = quantize_fp8(x, chunk=256)
         rq, rs = fp8.quantize_per_token(x)
+    elif group == "bounded":
+        q, s = quantize_fp8(x, chunk=256, amax_ub=AMAX_UB)
+        rq, rs = fp8.quantize_per_token(x, AMAX_UB)
     else:
         q, s = quantize_fp8(x, group=group)
         rq, rs = fp8.quantize_per_group(x, group)
@@ -63,10 +68,11 @@ def _fused_results() -> dict:
         norm.weight.copy_(1.0 + 0.1 * torch.randn(hidden, generator=g))
     x, residual = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, hidden, generator=g)
     expected = norm(residual + x)
-    for label, group in (("token", None), ("group", 64)):
+    for label, group, bound in (("token", None, None), ("group", 64, None), ("bounded", None, AMAX_UB)):
         got_residual = residual.clone()
-        q, s = add_rms_norm_fp8(x, got_residual, norm.weight, norm.eps, group=group)
-        rq, rs = fp8.quantize_per_token(expected) if group is None else fp8.quantize_per_group(expected, group)
+        q, s = add_rms_norm_fp8(x, got_residual, norm.weight, norm.eps, group=group, amax_ub=bound)
+        rq, rs = (fp8.quantize_per_token(expected, bound) if group is None
+                  else fp8.quantize_per_group(expected, group))
         # the kernel's rsqrt and sum order may move a value across a rounding boundary: count, don't demand 0
         out[f"norm_{label}_q_mismatch"] = (q.float() != rq.float()).float().mean().item()
         out[f"norm_{label}_scale_rel"] = ((s.reshape(rs.shape) - rs).abs() / rs).max().item()
@@ -79,13 +85,16 @@ def _fused_results() -> dict:
     gate, up = gate_up.split(inter, dim=-1)
     product = torch.nn.functional.silu(gate) * up
     # chunk 128: per-token rows in two streaming passes; the default: each row whole in one program's registers
-    for label, group, static, chunk in (("token", None, None, 128), ("token_whole", None, None, None),
-                                        ("group", 64, None, 128), ("static", None, torch.tensor(0.01), 128)):
-        q, s = silu_mul_fp8(gate_up, group=group, static_scale=static, **({"chunk": chunk} if chunk else {}))
+    for label, group, static, chunk, bound in (
+            ("token", None, None, 128, None), ("token_whole", None, None, None, None), ("group", 64, None, 128, None),
+            ("static", None, torch.tensor(0.01), 128, None), ("bounded", None, None, 128, AMAX_UB),
+            ("bounded_whole", None, None, None, AMAX_UB)):
+        q, s = silu_mul_fp8(gate_up, group=group, static_scale=static, amax_ub=bound,
+                            **({"chunk": chunk} if chunk else {}))
         if static is not None:
             rq, rs = fp8.quantize_per_tensor(product, static)
         elif group is None:
-            rq, rs = fp8.quantize_per_token(product)
+            rq, rs = fp8.quantize_per_token(product, bound)
         else:
             rq, rs = fp8.quantize_per_group(product, group)
         out[f"silu_{label}_q_mismatch"] = (q.float() != rq.float()).float().mean().item()
@@ -176,14 +185,14 @@ def test_quantize_kernel_is_bit_exact(results, case):
 
 def test_norm_and_silu_mul_quantise_their_output(results):
     got = results["fused"]
-    for label in ("token", "group"):
+    for label in ("token", "group", "bounded"):
         assert got[f"norm_{label}_residual_equal"]
         assert got[f"norm_{label}_q_mismatch"] < 0.01, got
         assert got[f"norm_{label}_scale_rel"] < 1e-5, got
     assert got["norm_static_q_mismatch"] < 0.01, got
-    for label in ("token", "token_whole", "group", "static"):
+    for label in ("token", "token_whole", "group", "static", "bounded", "bounded_whole"):
         assert got[f"silu_{label}_q_mismatch"] < 0.01, got
-    for label in ("token", "token_whole", "group"):
+    for label in ("token", "token_whole", "group", "bounded", "bounded_whole"):
         assert got[f"silu_{label}_scale_rel"] < 1e-5, got
 
 
@@ -209,6 +218,10 @@ def test_kernels_refuse_bad_arguments(monkeypatch):
         check_quant_args(128, 64, torch.tensor(1.0))
     with pytest.raises(ValueError, match="one float32"):
         check_quant_args(128, None, torch.ones(2))
+    with pytest.raises(ValueError, match="per-token FP8 scales only"):
+        check_quant_args(128, 64, None, amax_ub=1200.0)
+    with pytest.raises(ValueError, match="positive finite"):
+        check_quant_args(128, None, None, amax_ub=float("inf"))
 
 
 if __name__ == "__main__":

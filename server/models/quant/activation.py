@@ -17,9 +17,10 @@ from metronome.server.models.quant import fp8
 @dataclass(frozen=True)
 class ActivationQuant:
     """How a layer wants its input quantised: `group` None = per token; `static_scale` set = one calibrated
-    per-tensor scale (then group is None)."""
+    per-tensor scale (then group is None); `amax_ub` bounds a token's amax (per token only)."""
     group: int | None = None
     static_scale: torch.Tensor | None = None
+    amax_ub: float | None = None
 
 
 @dataclass
@@ -48,7 +49,7 @@ def quantize_reference(x: torch.Tensor, how: ActivationQuant) -> Fp8Activation:
     elif how.group is not None:
         q, scale = fp8.quantize_per_group(x, how.group)
     else:
-        q, scale = fp8.quantize_per_token(x)
+        q, scale = fp8.quantize_per_token(x, how.amax_ub)
     return Fp8Activation(q, scale, x.dtype, how.group)
 
 
@@ -58,5 +59,5 @@ def quantize_activation(x: torch.Tensor, how: ActivationQuant) -> Fp8Activation:
         return quantize_reference(x, how)
     from metronome.kernels.triton_fp8 import quantize_fp8
 
-    q, scale = quantize_fp8(x.contiguous(), how.group, how.static_scale)
+    q, scale = quantize_fp8(x.contiguous(), how.group, how.static_scale, amax_ub=how.amax_ub)
     return Fp8Activation(q, scale, x.dtype, how.group)

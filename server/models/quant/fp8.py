@@ -20,9 +20,11 @@ FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor: a zero group gets a tiny scale, and its values stay 0
 
 
-def dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
-    """float32 scale(s) that map amax onto FP8_MAX."""
+def dynamic_scale(amax: torch.Tensor, amax_ub: float | None = None) -> torch.Tensor:
+    """float32 scale(s) that map amax (bounded by `amax_ub`, when given) onto FP8_MAX."""
     amax = amax.float()
+    if amax_ub is not None:
+        amax = amax.clamp_max(amax_ub)
     # Divided by a tensor, not a Python number: on CUDA torch turns division by a scalar into a multiply by its
     # reciprocal, which can miss the correctly rounded quotient (what the kernels compute) by one bit.
     return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
@@ -47,9 +49,10 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return to_fp8(weight, scale[:, None]), scale
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] → (q, scale [T, 1])."""
-    scale = dynamic_scale(x.abs().amax(dim=-1, keepdim=True))
+def quantize_per_token(x: torch.Tensor, amax_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] → (q, scale [T, 1]); with `amax_ub` a token's amax is bounded first (FBGEMM's
+    activation_scale_ub), so the values of an outlier token past the bound saturate at ±448."""
+    scale = dynamic_scale(x.abs().amax(dim=-1, keepdim=True), amax_ub)
     return to_fp8(x, scale), scale
 
 

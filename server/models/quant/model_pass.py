@@ -106,7 +106,8 @@ class Fp8OutputRMSNorm(RMSNorm):
         from metronome.kernels.triton_fused import add_rms_norm_fp8
 
         how = self.output_quant
-        q, scale = add_rms_norm_fp8(delta, residual, self.weight, self.eps, how.group, how.static_scale)
+        q, scale = add_rms_norm_fp8(delta, residual, self.weight, self.eps, how.group, how.static_scale,
+                                    amax_ub=how.amax_ub)
         return Fp8Activation(q, scale, residual.dtype, how.group), residual
 
 
@@ -122,7 +123,7 @@ class Fp8OutputGatedMLP(GatedMLP):
 
         gate_up = self.gate_up_proj(x)
         how = self.output_quant
-        q, scale = silu_mul_fp8(gate_up, how.group, how.static_scale)
+        q, scale = silu_mul_fp8(gate_up, how.group, how.static_scale, amax_ub=how.amax_ub)
         return self.down_proj(Fp8Activation(q, scale, gate_up.dtype, how.group))
 
 
