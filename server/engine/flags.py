@@ -81,8 +81,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "stream) beside its prompt chunk (piecewise graphs), so that the decodes' KV reads overlap the chunk's "
          "matmuls; needs CUDA graphs", choices=MIXED_OVERLAP),
     Flag("--quantization", "quantization", "fp8: quantise the decoder's linear layers to FP8 e4m3 on load "
-         "(per-channel weight scales, dynamic per-token activations); an FP8 checkpoint (quant_method fp8 or "
-         "compressed-tensors) is served in FP8 without it", choices=QUANTIZATIONS,
+         "(per-channel weight scales, dynamic per-token activations); an FP8 checkpoint (quant_method fp8, "
+         "compressed-tensors, modelopt or fbgemm_fp8) is served in FP8 without it", choices=QUANTIZATIONS,
          unset="the checkpoint's own"),
     Flag("--kv-cache-dtype", "kv_cache_dtype", "KV cache element type: auto (the model dtype), bf16, or fp8 "
          "(e4m3 with per-tensor or per-head scales from the checkpoint, else computed: half the bytes, twice the "

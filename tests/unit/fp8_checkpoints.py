@@ -9,6 +9,7 @@ reproduce it to float32 rounding.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,8 +37,13 @@ LAYOUTS = {
                         "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
                                               "symmetric": True, "dynamic": True}}}},
                    "channel", "weight_scale", None, "token"),
+    # Meta's FP8 releases: per-channel weights, per-token activations whose amax is bounded (a bound this low
+    # clips most tokens of the tiny model, so the bound is exercised in every layer)
+    "fbgemm": ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1.0, "modules_to_not_convert": ["lm_head"]},
+               "channel", "weight_scale", None, "token-ub"),
 }
 BLOCK = (32, 32)
+FBGEMM_UB = 1.0
 
 
 def quantize_weight(weight: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,20 +102,22 @@ def fake_quant(x: torch.Tensor, activation: str) -> torch.Tensor:
         q, scale = fp8.quantize_per_group(flat, BLOCK[1])
         out = fp8.dequantize(q, fp8.expand_groups(scale, flat.shape[-1], BLOCK[1]))
     else:
-        q, scale = fp8.quantize_per_token(flat)
+        q, scale = fp8.quantize_per_token(flat, FBGEMM_UB if activation == "token-ub" else None)
         out = fp8.dequantize(q, scale)
     return out.to(x.dtype).reshape(x.shape)
 
 
-def reference_logits(hf_model, dequantised: dict[str, torch.Tensor], activation: str,
+def reference_logits(hf_model, dequantised: dict[str, torch.Tensor], activation: str | Callable,
                      ids: list[int]) -> torch.Tensor:
-    """transformers' forward with dequantised FP8 weights and fake-quantised linear inputs."""
+    """transformers' forward with dequantised FP8 weights and fake-quantised linear inputs (`activation`: a
+    layout's activation scheme, or the fake-quantising function itself)."""
+    quantize = activation if callable(activation) else lambda x: fake_quant(x, activation)
     hooks = []
     with torch.no_grad():
         for module_name, weight in dequantised.items():
             module = hf_model.get_submodule(module_name)
             module.weight.copy_(weight)
-            hooks.append(module.register_forward_pre_hook(lambda _m, args: (fake_quant(args[0], activation),)))
+            hooks.append(module.register_forward_pre_hook(lambda _m, args: (quantize(args[0]),)))
         try:
             return hf_model(torch.tensor([ids])).logits[0].float()
         finally:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from fp8_checkpoints import LAYOUTS, write_fp8_checkpoint
+from fp8_checkpoints import FBGEMM_UB, LAYOUTS, write_fp8_checkpoint
 from fp8_checkpoints import reference_logits as fp8_reference_logits
 from test_loaders import our_prefill_logits, save_hf_model
 
@@ -56,6 +56,40 @@ def test_layout_loads_into_fused_fp8_layers_and_matches_the_fp8_reference(tmp_pa
 
     expected = fp8_reference_logits(hf_model, dequantised, activation, PROMPT)
     torch.testing.assert_close(our_prefill_logits(loaded, PROMPT), expected, rtol=0, atol=2e-5)
+
+
+def fbgemm_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """FBGEMM's quantize_fp8_per_row as written there (bounded row max, multiply by 448 / max, scale stored as
+    its reciprocal), quantised then dequantised: independent of our fp8 module."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    row_max = flat.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12, max=FBGEMM_UB)
+    scale = 448.0 / row_max
+    q = (flat * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (q.float() * (1.0 / scale)).to(x.dtype).reshape(x.shape)
+
+
+def test_fbgemm_checkpoint_bounds_each_tokens_amax_as_fbgemm_does(tmp_path):
+    hf_model = _llama(tmp_path)
+    dequantised = write_fp8_checkpoint(tmp_path, hf_model, "fbgemm")
+    loaded = load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
+    assert (loaded.quantization.source, loaded.quantization.activation_ub) == ("fbgemm_fp8", FBGEMM_UB)
+    ours = our_prefill_logits(loaded, PROMPT)
+    fbgemm = fp8_reference_logits(hf_model, dequantised, fbgemm_fake_quant, PROMPT)
+    unbounded = fp8_reference_logits(hf_model, dequantised, "token", PROMPT)
+    # FBGEMM multiplies by 448 / max where we divide by max / 448: one float32 rounding apart (9e-8 here, on
+    # logits of magnitude 0.6), where leaving the bound out moves them by 0.22
+    torch.testing.assert_close(ours, fbgemm, rtol=0, atol=1e-4)
+    assert (ours - unbounded).abs().max().item() > 0.05
+
+    # An export that stores the bound beside the weights must agree with the config's.
+    _mutate_checkpoint(tmp_path, lambda t: t.update({"model.layers.0.mlp.down_proj.input_scale_ub":
+                                                     torch.tensor([FBGEMM_UB])}))
+    load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
+    _mutate_checkpoint(tmp_path, lambda t: t.update({"model.layers.0.mlp.down_proj.input_scale_ub":
+                                                     torch.tensor([1200.0])}))
+    with pytest.raises(ModelNotFoundError, match="down_proj.input_scale_ub.*differs from quantization_config"
+                                                 ".activation_scale_ub"):
+        load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
 
 
 def test_an_fp8_checkpoint_from_a_hub_loads_as_fp8(tmp_path, monkeypatch):

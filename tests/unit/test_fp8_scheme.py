@@ -159,3 +159,38 @@ def test_scheme_invariants():
         Fp8Scheme("fp8", "channel", "group")
     with pytest.raises(QuantizationConfigError, match="granularity"):
         Fp8Scheme("fp8", "row", "token")
+
+
+def test_fbgemm_fp8_reads_per_channel_weights_and_bounded_per_token_activations():
+    scheme = scheme_from_config({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                 "modules_to_not_convert": ["lm_head", "model.layers.0.mlp"]})
+    assert (scheme.source, scheme.weights, scheme.activations, scheme.activation_ub) == (
+        "fbgemm_fp8", "channel", "token", 1200.0)
+    assert scheme.ignores("model.layers.0.mlp.down_proj") and not scheme.ignores("model.layers.0.self_attn.q_proj")
+    assert "amax bounded by 1200" in scheme.describe()
+    assert scheme_from_config({"quant_method": "fbgemm_fp8"}).activation_ub == 1200.0  # transformers' default
+    for bad in (0, -1.0, "1200", True, float("inf")):
+        with pytest.raises(QuantizationConfigError, match="activation_scale_ub must be a positive number"):
+            scheme_from_config({"quant_method": "fbgemm_fp8", "activation_scale_ub": bad})
+    with pytest.raises(QuantizationConfigError, match="modules_to_not_convert must be a list"):
+        scheme_from_config({"quant_method": "fbgemm_fp8", "modules_to_not_convert": "lm_head"})
+    with pytest.raises(QuantizationConfigError, match="'layers.\\[' is not a valid pattern"):
+        scheme_from_config({"quant_method": "fbgemm_fp8", "modules_to_not_convert": ["layers.["]})
+    with pytest.raises(QuantizationConfigError, match="for per-token activations"):
+        Fp8Scheme("compressed-tensors", "channel", "static", activation_ub=1.0)
+
+
+MODULE_NAMES = ["lm_head", "model.layers.1.mlp.gate", "model.layers.1.mlp.gate_proj", "model.layers.11.mlp.up_proj",
+                "model.layers.1.self_attn.q_proj", "model.decoder.layers.23.fc1", "model.layers.0.mlp.down_proj",
+                "model.layers.2.self_attn.o_proj"]
+
+
+@pytest.mark.parametrize("keys", [["lm_head"], ["model.layers.1"], ["layers.*.mlp.gate"], ["fc1", "mlp.gate"],
+                                  ["model.layers.0.mlp.down_proj", "o_proj"], [r"model\.layers\.(0|2)\..*"]])
+def test_modules_to_not_convert_match_as_transformers_matches_them(keys):
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    for method in ("fbgemm_fp8", "fp8"):
+        scheme = scheme_from_config({"quant_method": method, "modules_to_not_convert": keys})
+        assert [scheme.ignores(name) for name in MODULE_NAMES] == [
+            not should_convert_module(name, keys) for name in MODULE_NAMES], (method, keys)

@@ -28,7 +28,7 @@ from metronome.server.models.quant import fp8
 from metronome.server.models.quant.activation import ActivationQuant, Fp8Activation, quantize_activation
 from metronome.server.models.quant.scheme import Fp8Scheme
 
-LOAD_KINDS = ("weight", "weight_scale", "input_scale")
+LOAD_KINDS = ("weight", "weight_scale", "input_scale", "input_scale_ub")
 
 
 class Fp8Linear(nn.Module):
@@ -45,6 +45,7 @@ class Fp8Linear(nn.Module):
         self.block = scheme.block
         self.static = scheme.activations == "static"
         self.activation_group = scheme.activation_group
+        self.amax_ub = scheme.activation_ub
         self.quantize_on_load = not scheme.prequantized  # bf16 weights in, per-channel FP8 kept
         self.out_dtype = dtype
         self.register_buffer("weight", torch.empty((out_features, in_features), dtype=fp8.FP8_DTYPE, device=device))
@@ -53,7 +54,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("input_scale", torch.empty(len(shard_sizes), dtype=torch.float32, device=device)
                              if self.static else None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        self.activation_quant = ActivationQuant(group=self.activation_group)  # final after finalize()
+        # final after finalize()
+        self.activation_quant = ActivationQuant(group=self.activation_group, amax_ub=self.amax_ub)
         self.gemm = "auto"  # CUDA GEMM choice (cuda_gemm.GEMMS), given to finalize
         self.unit_scale: torch.Tensor | None = None
         self.column_scale: torch.Tensor | None = None
@@ -81,7 +83,9 @@ class Fp8Linear(nn.Module):
 
     def load(self, kind: str, shard: int | None, tensor: torch.Tensor) -> None:
         """One checkpoint tensor of shard `shard` (None: the whole fused matrix): its FP8 `weight` (or a float
-        weight when quantising on load), its `weight_scale` or its `input_scale`. ValueError if it does not fit."""
+        weight when quantising on load), its `weight_scale`, its `input_scale`, or the activation bound an FBGEMM
+        export may store beside them (`input_scale_ub`, checked against the config's). ValueError if it does not
+        fit."""
         if kind not in LOAD_KINDS:
             raise ValueError(f"unknown FP8 tensor kind {kind!r}")
         start, stop = self._rows(shard)
@@ -91,6 +95,9 @@ class Fp8Linear(nn.Module):
                 self._load_weight(tensor, start, stop, shards)
             elif kind == "weight_scale":
                 self._load_weight_scale(tensor, start, stop, shards)
+            elif kind == "input_scale_ub":
+                self._check_amax_ub(tensor)
+                return
             elif self.static:
                 if tensor.numel() != 1:
                     raise ValueError(f"input_scale must be one value (per-tensor static), got shape "
@@ -98,6 +105,13 @@ class Fp8Linear(nn.Module):
                 self.input_scale[list(shards)] = tensor.float().reshape(()).to(self.input_scale.device)
             # a dynamic layer ignores a calibrated input_scale: its activations get their own scales
         self._loaded.update((kind, s) for s in shards)
+
+    def _check_amax_ub(self, tensor: torch.Tensor) -> None:
+        stored = tensor.float().flatten()
+        if self.amax_ub is None or stored.numel() != 1 or not torch.allclose(
+                stored, torch.tensor([self.amax_ub]), rtol=1e-6, atol=0):
+            raise ValueError(f"({stored.tolist()}) differs from quantization_config.activation_scale_ub "
+                             f"({self.amax_ub})")
 
     def _load_weight(self, tensor: torch.Tensor, start: int, stop: int, shards) -> None:
         expected = (stop - start, self.in_features)
@@ -156,7 +170,8 @@ class Fp8Linear(nn.Module):
             if self.static:
                 self.input_scale = self.input_scale.max().reshape(())
         self.activation_quant = ActivationQuant(group=self.activation_group,
-                                                static_scale=self.input_scale if self.static else None)
+                                                static_scale=self.input_scale if self.static else None,
+                                                amax_ub=self.amax_ub)
         self.gemm = gemm
         # what the CUDA GEMMs read besides the buffers: a unit scale and the weight scales as one [1, N] row
         self.unit_scale = torch.ones((), dtype=torch.float32, device=self.weight.device)

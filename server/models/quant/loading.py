@@ -6,7 +6,8 @@
 
 Routing: a checkpoint tensor `<module>.<suffix>` whose module is (a shard of) an Fp8Linear goes to it — `weight`,
 `weight_scale` / `weight_scale_inv` (the same thing under the block layout's name), `input_scale` /
-`activation_scale` (transformers' name for it). KV-cache scales (`self_attn.k_scale` / `v_scale`, the older
+`activation_scale` (transformers' name for it), `input_scale_ub` (an FBGEMM export's activation bound, checked
+against the config's). KV-cache scales (`self_attn.k_scale` / `v_scale`, the older
 `k_proj.output_scale` / `v_proj.output_scale`, or ModelOpt's `k_proj.k_scale` / `v_proj.v_scale`) are collected into
 `kv_scales`. Everything else (norms, embeddings, biases, the LM head) goes to the model's own loader; an FP8 tensor
 that reaches it would be read without its scale, so that is an error instead — except a mixture of experts'
@@ -36,7 +37,7 @@ from metronome.server.models.quant.scheme import Fp8Scheme
 log = logging.getLogger(__name__)
 
 TENSOR_KINDS = {"weight": "weight", "weight_scale": "weight_scale", "weight_scale_inv": "weight_scale",
-                "input_scale": "input_scale", "activation_scale": "input_scale"}
+                "input_scale": "input_scale", "activation_scale": "input_scale", "input_scale_ub": "input_scale_ub"}
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # the MoE block's own: FP8 weight and scale pairs
 KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_proj.output_scale",
                   "self_attn.v_proj.output_scale", "self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")

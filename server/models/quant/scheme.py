@@ -17,6 +17,13 @@ Checkpoint layouts read (the ones vLLM serves):
   `kv_cache_scheme` at the top; `hf_quant_config.json` (and config.json of older exports) nests `quant_algo`,
   `kv_cache_quant_algo` and `exclude_modules` (glob patterns) under `quantization`. KV scales are
   `self_attn.k_proj.k_scale` / `v_proj.v_scale`.
+- `quant_method: fbgemm_fp8` (Meta's FP8 releases, transformers' FbgemmFp8Config): per-channel `weight_scale`
+  [N, 1], activations dynamic per token with each token's amax bounded by `activation_scale_ub` (1200 by
+  default; an outlier token's values past it saturate), `modules_to_not_convert` left in bf16.
+
+`modules_to_not_convert` (transformers' field) is matched as transformers matches it: from the start of a module
+name up to a module boundary, as a regular expression with the same boundary, or as a suffix. vLLM's
+`ignored_layers` and compressed-tensors' `ignore` name modules exactly (or `re:` patterns).
 
 Dynamic activations are quantised per token (a row's own amax) wherever a layout allows any dynamic scheme:
 vLLM's `quant_method: fp8` uses one dynamic scale for the whole activation matrix, which needs a reduction
@@ -28,6 +35,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
+from math import inf
 from typing import Any
 
 from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
@@ -49,7 +57,7 @@ class KVCacheScheme:
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    source: str  # "fp8" | "compressed-tensors" | "modelopt" | "online" (--quantization fp8 on a bf16 model)
+    source: str  # "fp8" | "compressed-tensors" | "modelopt" | "fbgemm_fp8" | "online" (--quantization fp8)
     weights: str  # WEIGHT_GRANULARITIES
     activations: str  # ACTIVATION_SCHEMES
     block: tuple[int, int] | None = None  # (rows, columns) of a weight block; activation groups are block[1] wide
@@ -58,6 +66,7 @@ class Fp8Scheme:
     kv_cache: KVCacheScheme | None = None
     # which linear layers are quantised: "Linear" = every one; "re:<pattern>" = the checkpoint modules it matches
     targets: tuple[str, ...] = ("Linear",)
+    activation_ub: float | None = None  # per-token activations: each token's amax is bounded by this first
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_GRANULARITIES:
@@ -72,6 +81,9 @@ class Fp8Scheme:
             raise QuantizationConfigError(f"FP8 weight block size must be two positive integers, got {self.block}")
         if self.activations == "group" and self.block is None:
             raise QuantizationConfigError("per-group FP8 activations come with block weights only")
+        if self.activation_ub is not None and (self.activations != "token" or not 0 < self.activation_ub < inf):
+            raise QuantizationConfigError(f"an FP8 activation bound ({self.activation_ub!r}) must be a positive "
+                                          "number, for per-token activations")
 
     @property
     def activation_group(self) -> int | None:
@@ -86,6 +98,8 @@ class Fp8Scheme:
         weights = f"block {self.block[0]}x{self.block[1]}" if self.block else f"per-{self.weights}"
         activations = {"static": "static per-tensor", "token": "dynamic per-token",
                        "group": f"dynamic per-token groups of {self.activation_group}"}[self.activations]
+        if self.activation_ub is not None:
+            activations += f" (amax bounded by {self.activation_ub:g})"
         return f"fp8 e4m3 ({self.source}): weights {weights}, activations {activations}"
 
     def ignores(self, module_name: str) -> bool:
@@ -131,8 +145,10 @@ def scheme_from_config(raw: Any) -> Fp8Scheme:
         return _from_compressed_tensors(raw)
     if method == "modelopt":
         return _from_modelopt(raw)
+    if method == "fbgemm_fp8":
+        return _from_fbgemm(raw)
     raise QuantizationConfigError(f"unsupported quantization_config.quant_method {method!r}; supported: fp8, "
-                                  "compressed-tensors, modelopt (FP8 schemes)")
+                                  "compressed-tensors, modelopt, fbgemm_fp8 (FP8 schemes)")
 
 
 def _from_fp8(raw: dict[str, Any]) -> Fp8Scheme:
@@ -146,7 +162,7 @@ def _from_fp8(raw: dict[str, Any]) -> Fp8Scheme:
     if raw.get("scale_fmt", "float") != "float":
         raise QuantizationConfigError(f"quantization_config.scale_fmt {raw['scale_fmt']!r}: only float32 scales "
                                       "are supported")
-    ignore = tuple(raw.get("ignored_layers") or raw.get("modules_to_not_convert") or ("lm_head",))
+    ignore = tuple(raw.get("ignored_layers") or ()) or _not_converted(raw) or ("lm_head",)
     block = raw.get("weight_block_size")
     if block is not None:
         block = _block(block, "quantization_config.weight_block_size")
@@ -281,3 +297,29 @@ def _globs(patterns: list[str]) -> tuple[str, ...]:
     """ModelOpt's exclusions are glob patterns over module names ('model.layers.*.mlp.gate'); a module also
     stays unquantised when a pattern names its parent."""
     return tuple(f"re:{fnmatch.translate(p + suffix)}" for p in patterns for suffix in ("", ".*"))
+
+
+def _from_fbgemm(raw: dict[str, Any]) -> Fp8Scheme:
+    bound = raw.get("activation_scale_ub", 1200.0)
+    if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 < bound < inf:
+        raise QuantizationConfigError(f"quantization_config.activation_scale_ub must be a positive number, got "
+                                      f"{bound!r}")
+    return Fp8Scheme("fbgemm_fp8", "channel", "token", None, _not_converted(raw) or ("lm_head",),
+                     activation_ub=float(bound))
+
+
+def _not_converted(raw: dict[str, Any]) -> tuple[str, ...]:
+    """transformers' `modules_to_not_convert` as `re:` patterns with transformers' matching rule: a key matches
+    from the start of a module name up to a module boundary ('model.layers.1' matches 'model.layers.1.mlp', not
+    'model.layers.11'), as a regular expression with that boundary, or as a suffix ('lm_head')."""
+    keys = raw.get("modules_to_not_convert") or []
+    if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
+        raise QuantizationConfigError("quantization_config.modules_to_not_convert must be a list of module names")
+    patterns = tuple(rf"re:(?:{key})(?:(?<=\.)|(?=\.|$))|.*{re.escape(key)}$" for key in keys)
+    for key, pattern in zip(keys, patterns):
+        try:
+            re.compile(pattern[3:])
+        except re.error as error:
+            raise QuantizationConfigError(f"quantization_config.modules_to_not_convert entry {key!r} is not a "
+                                          f"valid pattern: {error}") from None
+    return patterns
