@@ -61,6 +61,20 @@ def test_a_second_sync_sends_nothing_and_says_nothing():
     assert kube.objects == snapshot and kube.events == [] and kube.requests == []
 
 
+def test_a_new_operator_whose_cache_lacks_the_configmap_continues_the_served_generation():
+    # A restart or a new leader: its watches have listed the service but not yet the ConfigMaps.
+    kube = MemoryKube()
+    owner = body()
+    sync(kube, owner)
+    owner["status"] = {"configGeneration": 1}
+    kube.cache.forget(*CM)
+    kube.events, kube.requests = [], []
+    outcome = sync(kube, owner, reconcile.ConfigMemory())
+    assert outcome.config.generation == 1 and served(kube)["generation"] == 1
+    assert kube.events == [] and ("get", "ConfigMap") in kube.requests and ("apply", "ConfigMap") not in kube.requests
+    assert kube.cache.get(*CM) is not None
+
+
 def test_a_deleted_or_edited_child_is_written_again_and_foreign_additions_are_left():
     kube = MemoryKube()
     owner = body()
