@@ -11,6 +11,7 @@ deletion removes only the object it names (its uid), not one created since under
 A written object stays unconfirmed until a watch delivers it (or a later version). One that stays unconfirmed was
 written while no watch of its kind ran yet — right after its CRD appeared, before kopf's watch of the new kind
 listed — and a deletion in that window is never reported: the reconcile then looks it up once (`unconfirmed`).
+What a new operator reads from the API before its watches have listed (startup_reads.py) is put in the same way.
 """
 from __future__ import annotations
 
@@ -53,22 +54,40 @@ class ObjectCache:
     def put(self, kind: str, obj: Mapping[str, Any], *, written: bool = False) -> bool:
         """Keep `obj` unless a later version is already here; True when kept. `written`: the answer to the
         operator's own write (else a watch delivered it)."""
+        with self._lock:
+            return self._keep(self._key(kind, obj), obj, written)
+
+    def put_read(self, kind: str, obj: Mapping[str, Any]) -> bool:
+        """Keep `obj`, read from the API in place of a watch's listing, as unconfirmed (as `put(written=True)`),
+        unless it is the very version a watch already delivered: no later event would confirm that one, and none
+        needs to."""
         key = self._key(kind, obj)
         with self._lock:
-            old = self._objects.get(key)
-            if old is not None and not _newer(obj, old):
+            if self._delivered(key, obj):
                 return False
-            if written:
-                self._unconfirmed[key] = self._clock()
-            else:
-                self._unconfirmed.pop(key, None)
-            self._unindex(key, old)
-            self._objects[key] = dict(obj)
-            self._index(key, obj)
-            return True
+            return self._keep(key, obj, written=True)
+
+    def _delivered(self, key: Key, obj: Mapping[str, Any]) -> bool:
+        old = self._objects.get(key)
+        revision = _revision(obj)
+        return (old is not None and key not in self._unconfirmed and revision is not None
+                and revision == _revision(old))
+
+    def _keep(self, key: Key, obj: Mapping[str, Any], written: bool) -> bool:
+        old = self._objects.get(key)
+        if old is not None and not _newer(obj, old):
+            return False
+        if written:
+            self._unconfirmed[key] = self._clock()
+        else:
+            self._unconfirmed.pop(key, None)
+        self._unindex(key, old)
+        self._objects[key] = dict(obj)
+        self._index(key, obj)
+        return True
 
     def unconfirmed(self, kind: str, namespace: str | None, name: str, for_s: float) -> bool:
-        """The operator wrote it at least `for_s` ago and no watch has delivered it since."""
+        """The operator wrote (or read) it at least `for_s` ago and no watch has delivered it since."""
         with self._lock:
             since = self._unconfirmed.get((kind, namespace or "", name))
         return since is not None and self._clock() - since >= for_s

@@ -116,9 +116,13 @@ class Kube:
                 return None
             raise
 
-    def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+    def list(self, api_version: str, kind: str, namespace: str, label_selector: str | None = None
+             ) -> list[dict[str, Any]]:
+        """The objects of `kind` in `namespace` (those `label_selector` selects, else all). The items of a list
+        carry no apiVersion or kind of their own."""
         path = resource_path(api_version, kind, namespace)
-        return self._call("GET", path, query=[("labelSelector", label_selector)])[1].get("items") or []
+        query = [("labelSelector", label_selector)] if label_selector else []
+        return self._call("GET", path, query=query)[1].get("items") or []
 
     def apply(self, obj: Mapping[str, Any], *, dry_run: bool = False) -> Applied:
         """Create or patch `obj` by server-side apply (`dry_run`: validated and admitted, not stored)."""

@@ -117,17 +117,21 @@ def _cached(cache: ObjectCache, obj: Mapping[str, Any]) -> dict[str, Any] | None
     return cache.get(obj["kind"], meta.get("namespace"), meta["name"])
 
 
-def _read_uncached_config(kube: Kube, cache: ObjectCache, service: InferenceService) -> None:
-    """Right after the operator starts (a restart, a new leader) the cache may hold a service before its
-    ConfigMap: the watches list kind by kind. Planned from that gap, the config the servers run would be written
-    again as a new generation (a reload of every server, a ConfigCreated Event). So a ConfigMap the cache lacks is
-    read from the API first; kept as unconfirmed, its watch event confirms it (or a later lookup drops it)."""
-    name = builders.child_names(service.name).config_map
-    if cache.get(kinds.CONFIG_MAP.kind, service.namespace, name) is not None:
-        return
-    live = kube.get(kinds.CONFIG_MAP.api_version, kinds.CONFIG_MAP.kind, service.namespace, name)
-    if live is not None:
-        cache.put(kinds.CONFIG_MAP.kind, live, written=True)
+def _read_uncached_children(kube: Kube, cache: ObjectCache, service: InferenceService) -> None:
+    """Right after the operator starts (a restart, a new leader) the cache may hold a service before its children:
+    the watches list kind by kind. Two children are planned from what the cluster holds, and planned from that gap
+    would undo it: the ConfigMap (the config the servers run would be written again as a new generation: a reload
+    of every server, a ConfigCreated Event) and the Deployment (while an HPA or a ScaledObject scales it, it keeps
+    the count the scaler set, read from the Deployment itself: missing, it would be written with spec.replicas).
+    So either one the cache lacks is read from the API first; kept as unconfirmed, its watch event confirms it (or
+    a later lookup drops it). A service's first reconcile, before it has any, costs a GET of each."""
+    names = builders.child_names(service.name)
+    for kind, name in ((kinds.CONFIG_MAP, names.config_map), (kinds.DEPLOYMENT, names.deployment)):
+        if cache.get(kind.kind, service.namespace, name) is not None:
+            continue
+        live = kube.get(kind.api_version, kind.kind, service.namespace, name)
+        if live is not None:
+            cache.put_read(kind.kind, live)
 
 
 def _verify_unconfirmed(kube: Kube, cache: ObjectCache, children: list[dict[str, Any]]) -> None:
@@ -293,7 +297,7 @@ def sync_children(ctx: Children, service: InferenceService, owner: Mapping[str, 
     longer asks for; or, when the API server refuses the change, write nothing and say why. `scalers`: the other
     autoscalers on the service (one on the Deployment keeps its count)."""
     kube, cache = ctx.kube, ctx.cache
-    _read_uncached_config(kube, cache, service)
+    _read_uncached_children(kube, cache, service)
     plan = plan_config(cache, service, owner, memory)
     children, retired = desired_children(ctx, service, scalers)
     _verify_unconfirmed(kube, cache, children)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metronome.contract.rfc3339 import format_time
-from metronome.operator import external_scalers, kinds, reconcile
+from metronome.operator import external_scalers, kinds, reconcile, startup_reads
 from metronome.operator import status as status_mod
 from metronome.operator.cache import LABEL_SERVICE, ObjectCache
 from metronome.operator.changes import WARNING, describe_transitions
@@ -93,6 +93,7 @@ class Runtime:
         self.cache = cache or ObjectCache()
         self.queue = WorkQueue()
         self.services = Services()
+        self.startup_reads = startup_reads.StartupReads()  # per process: a new leader is a new process
         self._workers = workers
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -240,13 +241,17 @@ class Runtime:
             self._report_invalid(owner, state, str(exc))
             return
         state.invalid_generation = None
+        awaiting_watches = startup_reads.read_before_reconcile(self.kube, self.cache, self.startup_reads, service,
+                                                               self.crd_served, reconcile.CONFIRM_S)
         children = reconcile.Children(kube=self.kube, cache=self.cache, monitor=self.options.monitor,
                                       rules=self.options.slo_rules, crd_served=self.crd_served)
         scalers = external_scalers.cached_scalers(self.cache, service,
                                                   keda_served=self.crd_served(kinds.SCALED_OBJECT.crd))
         outcome = reconcile.sync_children(children, service, owner, state.configs, state.refused, time.time(),
                                           scalers)
-        if outcome.wrote:  # once more when what was written should have come back through the watches
+        # Once more when what was written, or read in place of a watch's listing, should have come back through
+        # the watches.
+        if outcome.wrote or awaiting_watches:
             self.queue.add_after((namespace, name), reconcile.CONFIRM_S + 1.0)
         observed = reconcile.observe(self.cache, service, state.configs, outcome.refusal, scalers)
         result = tick(self.kube, service, owner, observed, state.tuner, self.options.prometheus, state.configs,

@@ -1,5 +1,5 @@
 """An in-memory API for the operator's unit tests, with k8s.Kube's interface: server-side apply that stores the
-object as given (201 when new; the same object twice keeps its resourceVersion), merge patches, deletes, Events,
+object as given (201 when new; the same object twice keeps its resourceVersion), merge patches, lists, deletes, Events,
 and refusals on demand (`refuse[kind] = (status, message, causes)`, dry runs included). Every write's answer goes
 into `cache`, as k8s.Kube does; `requests` counts what would have reached the API server. The real API server is
 exercised by tests/integration."""
@@ -80,6 +80,17 @@ class MemoryKube:
         self.requests.append(("get", kind))
         obj = self.objects.get((kind, namespace or "", name))
         return copy.deepcopy(obj) if obj is not None else None
+
+    def list(self, api_version, kind, namespace, label_selector=None):
+        """As the API server lists: the items carry no apiVersion or kind."""
+        self.requests.append(("list", kind))
+        wanted = dict(term.split("=", 1) for term in label_selector.split(",")) if label_selector else {}
+        items = []
+        for (k, ns, _), obj in sorted(self.objects.items()):
+            labels = (obj.get("metadata") or {}).get("labels") or {}
+            if k == kind and ns == (namespace or "") and all(labels.get(key) == v for key, v in wanted.items()):
+                items.append({key: copy.deepcopy(v) for key, v in obj.items() if key not in ("apiVersion", "kind")})
+        return items
 
     def patch(self, api_version, kind, namespace, name, body, subresource=None):
         self.requests.append(("patch", kind))
