@@ -109,11 +109,17 @@ def copy_bandwidth(device) -> float:
 
 def sweep_grid(decode: bool, group_pad: int, kv_fp8: bool = False):
     """Tile configs worth trying; each is one compile, so the grid stays small."""
-    from metronome.kernels.triton_attention import TileConfig
+    from metronome.kernels.triton_attention import V_AS_LOADED, V_ASM, V_TRANSPOSED, V_TRANSPOSED_ASM, TileConfig
+    if kv_fp8:  # each way of bringing the 8-bit V tile to its dot, over the tiles that stream FP8 best
+        reads = (V_AS_LOADED, V_TRANSPOSED, V_TRANSPOSED_ASM, V_ASM)
+        if decode:
+            return [TileConfig(64, 64, w, st, decode_block_n=n, v_read=r) for r in reads for n in (64, 128, 256)
+                    for w, st in ((2, 3), (4, 2), (4, 3), (4, 4))]
+        return [TileConfig(max(m, group_pad), 64, w, st, decode_block_n=128, v_read=r) for r in reads
+                for m, w, st in ((64, 4, 3), (128, 8, 2), (128, 4, 2))]
     if decode:
         shapes = [(4, 2), (4, 3), (4, 4), (2, 3), (8, 3)]
-        keys = (64, 128, 256) if kv_fp8 else (32, 64, 128)  # an FP8 key is half the bytes: twice the keys a step
-        return [TileConfig(64, 64, w, st, decode_block_n=n) for n in keys for w, st in shapes]
+        return [TileConfig(64, 64, w, st, decode_block_n=n) for n in (32, 64, 128) for w, st in shapes]
     shapes = [(4, 2), (4, 3), (8, 2)]
     return [TileConfig(max(m, group_pad), 64, w, st, decode_block_n=dn)
             for m in (64, 128) for w, st in shapes for dn in (64, 128)]
@@ -178,6 +184,7 @@ def run(args) -> list[dict]:
                   f"{best['gb_per_s']:7.0f} GB/s  {best['tflop_per_s']:6.1f} TFLOP/s")
         if meta.max_seqlen_q == 1 and args.sdpa_peer:
             rows.append(_sdpa_peer(name, q, meta, n_kv, head_dim, dtype, moved, scale))
+        write_rows(args, rows)  # after every case: a sweep cut short by its time limit keeps what it measured
     for num_tokens in (64, 512, 4096):
         q, k_cache, v_cache, meta = build_batch([num_tokens], [0], args.block_size, n_kv, group, head_dim, dtype,
                                                 device)
@@ -223,11 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA device", file=sys.stderr)
         return 2
-    rows = run(args)
+    write_rows(args, run(args))
+    return 0
+
+
+def write_rows(args, rows: list[dict]) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

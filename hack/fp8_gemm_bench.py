@@ -116,7 +116,7 @@ def graph_time_us(calls: list, reps: int) -> float:
 def sweep_tiles():
     from metronome.kernels.triton_fp8_skinny import SkinnyTiles
 
-    return [SkinnyTiles(bn, bk, warps, stages) for bn in (16, 32, 64) for bk in (256, 512)
+    return [SkinnyTiles(bn, bk, warps, stages) for bn in (16, 32, 64, 128) for bk in (256, 512)
             for warps, stages in ((4, 3), (4, 4), (4, 6), (8, 4))]
 
 

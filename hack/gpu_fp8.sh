@@ -25,7 +25,7 @@
 #   then   fp8-summary.json (the issue's targets from the above), gpu_fp8.log
 # Knobs (environment): PARTS, BUDGET, MODEL (the fp8 and bf16 parts' model: e.g. random:qwen3-30b-a3b, whose experts
 # `--quantization fp8` quantises per row), TESTS_K (pytest -k of the tests part), KV (fp8|auto), RATES, DURATION,
-# CHUNKS, SAT_MAX, GEMM_ROWS, GEMM_ARGS, FP8_SECTIONS, METRONOME_FP8_GEMM, and
+# CHUNKS, SAT_MAX, GEMM_ROWS, GEMM_ARGS, FP8_SECTIONS, ATTN_CASES, ATTN_LIMIT, METRONOME_FP8_GEMM, and
 # SMOKE=1 (the bench parts on the CPU with a tiny model: checks this script's plumbing, not the GPU).
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -43,6 +43,8 @@ SAT_MAX=${SAT_MAX:-512}
 GEMM_ROWS=${GEMM_ROWS:-1,16,64,256,512,2048,8192}
 GEMM_ARGS=${GEMM_ARGS:-}
 FP8_SECTIONS=${FP8_SECTIONS:-device,decode,prefill,saturation,longshort}
+ATTN_CASES=${ATTN_CASES:-decode}  # bench_kernels --cases: e.g. decode,lead64dec for mixed batches too
+ATTN_LIMIT=${ATTN_LIMIT:-150}
 START=$SECONDS
 LOG=$OUT/gpu_fp8.log
 stamp() { echo "[gpu_fp8 +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
@@ -107,11 +109,11 @@ if has gemm && [ "$(left)" -gt 15 ]; then
 fi
 
 if has attn && [ "$(left)" -gt 15 ]; then
-  stamp "FP8-cache decode attention sweep, then the bf16 cache's defaults (limit $(limit 150)s)"
-  timeout -k 5 "$(limit 150)" python3 -m hack.bench_kernels --kv-fp8 --sweep --cases decode \
+  stamp "FP8-cache attention sweep ($ATTN_CASES), then the bf16 cache's defaults (limit $(limit "$ATTN_LIMIT")s)"
+  timeout -k 5 "$(limit "$ATTN_LIMIT")" python3 -m hack.bench_kernels --kv-fp8 --sweep --cases "$ATTN_CASES" \
     --json "$OUT/fp8-attention.json" > "$WORK/attn.log" 2>&1
   stamp "attention rc=$?"; grep -E "decode|best" "$WORK/attn.log" | tee -a "$LOG"
-  timeout -k 5 "$(limit 40)" python3 -m hack.bench_kernels --cases decode > "$WORK/attn-bf16.log" 2>&1
+  timeout -k 5 "$(limit 40)" python3 -m hack.bench_kernels --cases "$ATTN_CASES" > "$WORK/attn-bf16.log" 2>&1
   grep -E "^decode" "$WORK/attn-bf16.log" | sed 's/^/bf16 cache: /' | tee -a "$LOG"
 fi
 

@@ -36,6 +36,23 @@ import triton.language as tl
 
 from .metadata import AttentionMetadata
 
+# How an FP8 V tile reaches the P.V dot (V_READ): as loaded, [keys, head_dim], converted where Triton puts the
+# conversion; loaded transposed like K and turned to 16 bits before it is transposed back (Triton otherwise keeps
+# the 8-bit tile in shared memory and reads it byte by byte in the dot's key-major order); the same with the
+# conversion in PTX; or as loaded with the conversion in PTX. GPU-only modes use inline PTX.
+V_AS_LOADED, V_TRANSPOSED, V_TRANSPOSED_ASM, V_ASM = 0, 1, 2, 3
+_V_T = tl.constexpr(V_TRANSPOSED)  # the kernels compare constexprs
+_V_T_ASM = tl.constexpr(V_TRANSPOSED_ASM)
+_V_ASM = tl.constexpr(V_ASM)
+
+
+@triton.jit
+def _e4m3_to_f16(x):
+    """e4m3 → fp16, four values a step: two packed conversions (exact)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
+
 
 @triton.jit
 def _attend_kv_tile(
@@ -44,7 +61,7 @@ def _attend_kv_tile(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, V_READ: tl.constexpr = 0,
 ):
     """One online-softmax step over keys [kv_tile * BLOCK_N, +BLOCK_N). MASKED: the tile crosses the causal
     diagonal, a window's edge or the end of the context; otherwise every row sees every key and loads need no
@@ -58,19 +75,34 @@ def _attend_kv_tile(
         block = tl.load(table + offs_n // PAGE).to(tl.int64)
     in_page = offs_n % PAGE
     k_ptrs = k_cache_ptr + (block * stride_kb + in_page * stride_kt + kv_head * stride_kh)[None, :] + offs_d[:, None]
-    v_ptrs = v_cache_ptr + (block * stride_vb + in_page * stride_vt + kv_head * stride_vh)[:, None] + offs_d[None, :]
+    v_rows = block * stride_vb + in_page * stride_vt + kv_head * stride_vh
+    if V_READ == _V_T or V_READ == _V_T_ASM:  # [D_PAD, BLOCK_N] like K; transposed once in 16 bits
+        v_ptrs = v_cache_ptr + v_rows[None, :] + offs_d[:, None]
+        v_mask = n_valid[None, :] & (offs_d[:, None] < HEAD_DIM)
+        v_d_mask = offs_d[:, None] < HEAD_DIM
+    else:  # [BLOCK_N, D_PAD]
+        v_ptrs = v_cache_ptr + v_rows[:, None] + offs_d[None, :]
+        v_mask = n_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+        v_d_mask = offs_d[None, :] < HEAD_DIM
     if MASKED:
         k = tl.load(k_ptrs, mask=n_valid[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)  # [D_PAD, BLOCK_N]
-        v = tl.load(v_ptrs, mask=n_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # [BLOCK_N, D_PAD]
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     elif HEAD_DIM == D_PAD:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     else:
         k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=v_d_mask, other=0.0)
     if KV_FP8:  # e4m3 → q's dtype is exact; the per-head scales are folded into scale_log2 and the output
         k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        if V_READ == _V_T:
+            v = tl.trans(v.to(q.dtype))
+        elif V_READ == _V_T_ASM:
+            v = tl.trans(_e4m3_to_f16(v))
+        elif V_READ == _V_ASM:
+            v = _e4m3_to_f16(v)
+        else:
+            v = v.to(q.dtype)
     if UPCAST_DOT:
         k = k.to(tl.float32)
     if SOFTCAP:  # cap * tanh(score / cap), tanh(x) = 1 - 2 / (exp(2x) + 1); then to log2 units
@@ -105,7 +137,7 @@ def _attention_tile(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr, V_READ: tl.constexpr = 0,
 ):
     """New tokens first_q .. first_q + BLOCK_Q - 1 of sequence `seq`, all GROUP query heads of `kv_head`."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -160,17 +192,17 @@ def _attention_tile(
             acc, m_i, l_i = _attend_kv_tile(
                 q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end,
                 scale_log2, softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, KV_FP8)
+                True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, KV_FP8, V_READ)
     for kv_tile in range(edge_end, full_end):
         acc, m_i, l_i = _attend_kv_tile(
             q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end,
             scale_log2, softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            False, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, KV_FP8)
+            False, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, KV_FP8, V_READ)
     for kv_tile in range(full_end, tile_hi):
         acc, m_i, l_i = _attend_kv_tile(
             q, acc, m_i, l_i, kv_tile, table, k_cache_ptr, v_cache_ptr, kv_head, q_pos, kv_start, kv_end,
             scale_log2, softcap, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, KV_FP8)
+            True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, KV_FP8, V_READ)
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -203,7 +235,7 @@ def _paged_attention(
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE_BLOCK_M: tl.constexpr, DECODE_BLOCK_N: tl.constexpr, HAS_CHUNKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr, V_READ: tl.constexpr = 0,
 ):
     """The first num_chunk_tiles programs cover the sequences after the leading decodes in tiles of BLOCK_Q tokens,
     heaviest (latest) tiles first so that they do not start last; the remaining programs are the batch's leading
@@ -220,7 +252,7 @@ def _paged_attention(
             stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_ot, stride_oh, stride_bt,
             GROUP, GROUP_PAD, HEAD_DIM, D_PAD, PAGE, 1, DECODE_BLOCK_M, DECODE_BLOCK_N, NUM_SPLITS,
-            DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, HAS_SINKS, KV_FP8)
+            DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, HAS_SINKS, KV_FP8, V_READ)
     elif HAS_CHUNKS:
         # Sequence b (>= num_lead_decodes) owns tiles from (cu_q[b] - D) // BLOCK_Q + (b - D) on (D leading
         # decodes, which hold tokens 0 .. D-1): an upper bound on the tiles before it. Find the last b whose first
@@ -246,7 +278,7 @@ def _paged_attention(
                 num_tokens, n_heads, scale_log2, softcap, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                 stride_vb, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
                 GROUP, GROUP_PAD, HEAD_DIM, D_PAD, PAGE, BLOCK_Q, BLOCK_M, BLOCK_N, NUM_SPLITS,
-                DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, HAS_SINKS, KV_FP8)
+                DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, HAS_SINKS, KV_FP8, V_READ)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -307,6 +339,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     decode_block_n: int = 128  # keys per inner step of a decode tile (rows: max(16, padded group))
+    v_read: int = 0  # how an FP8 V tile reaches its dot (V_AS_LOADED ... V_ASM, above); ignored for a 16-bit cache
 
 
 LONG_CHUNK_TOKENS = 2048  # a mixed batch with this many chunk tokens takes a pure chunk batch's tiles
@@ -415,6 +448,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                   d_pad, on_cuda, kv_fp8, num_tokens - lead_decodes)
     if cfg.block_m % group_pad or min(cfg.block_m, cfg.block_n, cfg.decode_block_n) < 16:
         raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and every side >= 16")
+    if kv_fp8 and cfg.v_read not in (V_AS_LOADED, V_TRANSPOSED) and not on_cuda:
+        raise ValueError(f"v_read {cfg.v_read} converts with inline PTX: CUDA only")
     block_q = cfg.block_m // group_pad
     chunk_tiles = 0
     if has_chunks:  # an upper bound: each chunk sequence may waste one partial tile
@@ -455,7 +490,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton's interpreter (3.9) computes bf16 x bf16 dots wrongly; it upcasts the operands instead.
         UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16, WINDOW=window or 0, SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None, KV_FP8=fp8_read_mode(kv_fp8, q.dtype, on_cuda), num_warps=cfg.num_warps,
+        HAS_SINKS=sinks is not None, KV_FP8=fp8_read_mode(kv_fp8, q.dtype, on_cuda),
+        V_READ=cfg.v_read if kv_fp8 else 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if num_splits > 1:

@@ -174,6 +174,7 @@ def test_fp8_moe_graph_replay_equals_eager():
 def test_fp8_kv_attention_matches_the_reference_and_the_bf16_cache():
     import zlib
 
+    from metronome.kernels import triton_attention as ta
     from metronome.kernels.torch_ref import TorchBackend, to_cache
     from metronome.kernels.triton_backend import TritonBackend
     from metronome_testing.random_batch import make_paged_batch
@@ -195,6 +196,12 @@ def test_fp8_kv_attention_matches_the_reference_and_the_bf16_cache():
         got = triton.attention(batch.q, k8, v8, batch.meta, 128 ** -0.5, k_scale=k_scale, v_scale=v_scale)
         expected = torch_ref.attention(batch.q, k8, v8, batch.meta, 128 ** -0.5, k_scale=k_scale, v_scale=v_scale)
         assert _rel(got, expected) < 1e-2
+        for v_read in (ta.V_AS_LOADED, ta.V_TRANSPOSED, ta.V_TRANSPOSED_ASM, ta.V_ASM):  # each way V meets its dot
+            for cfg in (ta.TileConfig(64, 64, 2, 3, decode_block_n=64, v_read=v_read),
+                        ta.TileConfig(128, 64, 8, 2, decode_block_n=128, v_read=v_read)):
+                read = ta.paged_attention(batch.q, k8, v8, batch.meta, 128 ** -0.5, config=cfg, k_scale=k_scale,
+                                       v_scale=v_scale)
+                assert _rel(read, expected) < 1e-2, (cfg, _rel(read, expected))
         torch_ref.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
         bf16 = torch_ref.attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 128 ** -0.5)
         print(f"\nFP8 KV attention {len(q_lens)} seqs: vs reference {_rel(got, expected):.2e}, vs bf16 cache "

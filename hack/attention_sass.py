@@ -1,0 +1,111 @@
+"""The decode attention kernel's machine code for Hopper, compiled here without a GPU: its instruction mix per tile
+config and FP8 V read mode, to see what a variant costs before spending device time on timing it.
+
+    python3 -m hack.attention_sass                          # the FP8 cache's read modes at the busy decode tiles
+    python3 -m hack.attention_sass --kv bf16 --v-read 0     # one variant
+    python3 -m hack.attention_sass --dump /tmp/sass         # also write each variant's TTGIR, PTX and SASS
+
+Triton compiles for sm_90 on any machine (its bundled ptxas and cuobjdump); nothing runs. The decode kernel is
+compiled as `paged_attention` launches it for a Llama-3-8B layer (32 query heads over 8 kv heads, head_dim 128,
+page 16, no splits). What to read: LDS/STS (shared-memory loads and stores: an 8-bit tile read byte by byte shows
+as many LDS), LDSM (ldmatrix), HMMA (tensor-core steps), F2FP/PRMT (conversions and byte shuffles), LDL/STL
+(register spills). Counts are static (instructions in the binary, each loop body once per copy the compiler made),
+not executed counts: compare variants with each other, not with a time.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+KEEP = ("LDS", "STS", "LDSM", "LDG", "LDGSTS", "HMMA", "F2FP", "PRMT", "LDL", "STL", "IMAD", "BAR")
+
+
+def compile_decode(kv: str, decode_block_n: int, num_warps: int, num_stages: int, v_read: int):
+    """The decode-only variant of `_paged_attention` for sm_90, as Triton's CompiledKernel."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from metronome.kernels import triton_attention as ta
+
+    cache_type = "*fp8e4nv" if kv == "fp8" else "*bf16"
+    pointers = {"q_ptr": "*bf16", "k_cache_ptr": cache_type, "v_cache_ptr": cache_type, "out_ptr": "*bf16",
+                "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "cu_seqlens_q_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "sinks_ptr": "*bf16",
+                "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    constants = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64,
+                     DECODE_BLOCK_M=16, DECODE_BLOCK_N=decode_block_n, HAS_CHUNKS=False, NUM_SPLITS=1,
+                     DOT_PRECISION="tf32", UPCAST_DOT=False, WINDOW=0, SOFTCAP=False, HAS_SINKS=False,
+                     KV_FP8=ta.FP8_IN_FP16 if kv == "fp8" else 0, V_READ=v_read if kv == "fp8" else 0)
+    fn = ta._paged_attention
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = constants[name]
+        elif name in pointers:
+            signature[name] = pointers[name]
+        else:
+            signature[name] = "fp32" if name in ("scale_log2", "softcap") else "i32"
+        # what a launch specialises: pointers and the cache's strides divisible by 16
+        if name in pointers or (name.startswith("stride_") and name != "stride_bt"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def sass_of(kernel) -> str:
+    import triton
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([str(tools / "cuobjdump"), "-sass", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def instruction_mix(sass: str) -> collections.Counter:
+    """Opcode (without modifiers) -> count, over the instructions of a cuobjdump listing."""
+    opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    return collections.Counter(op.split(".")[0] for op in opcodes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv", choices=["fp8", "bf16"], default="fp8")
+    parser.add_argument("--v-read", type=int, action="append", help="V read mode(s) (default: every mode)")
+    parser.add_argument("--decode-block-n", type=int, default=64)
+    parser.add_argument("--warps", type=int, default=2)
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--dump", help="a folder for each variant's ttgir, ptx and sass")
+    args = parser.parse_args(argv)
+    from metronome.kernels import triton_attention as ta
+    modes = args.v_read or ([ta.V_AS_LOADED, ta.V_TRANSPOSED, ta.V_TRANSPOSED_ASM, ta.V_ASM] if args.kv == "fp8"
+                            else [ta.V_AS_LOADED])
+    print(f"decode tiles: {args.decode_block_n} keys, {args.warps} warps, {args.stages} stages, {args.kv} cache")
+    print(f"{'v_read':>6} {'smem':>7} {'total':>6} " + " ".join(f"{op:>6}" for op in KEEP))
+    for mode in modes:
+        kernel = compile_decode(args.kv, args.decode_block_n, args.warps, args.stages, mode)
+        sass = sass_of(kernel)
+        mix = instruction_mix(sass)
+        print(f"{mode:>6} {kernel.metadata.shared:>7} {sum(mix.values()):>6} "
+              + " ".join(f"{mix.get(op, 0):>6}" for op in KEEP))
+        if args.dump:
+            out = Path(args.dump)
+            out.mkdir(parents=True, exist_ok=True)
+            stem = f"decode_{args.kv}_{args.decode_block_n}_{args.warps}w{args.stages}s_v{mode}"
+            for ext in ("ttgir", "ptx"):
+                (out / f"{stem}.{ext}").write_text(kernel.asm[ext])
+            (out / f"{stem}.sass").write_text(sass)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
