@@ -109,9 +109,9 @@ def copy_bandwidth(device) -> float:
 
 def sweep_grid(decode: bool, group_pad: int, kv_fp8: bool = False):
     """Tile configs worth trying; each is one compile, so the grid stays small."""
-    from metronome.kernels.triton_attention import V_AS_LOADED, V_ASM, V_TRANSPOSED, V_TRANSPOSED_ASM, TileConfig
+    from metronome.kernels.triton_attention import V_AS_LOADED, V_ASM, V_CONVERTED_FIRST, V_TRANSPOSED, TileConfig
     if kv_fp8:  # each way of bringing the 8-bit V tile to its dot, over the tiles that stream FP8 best
-        reads = (V_AS_LOADED, V_TRANSPOSED, V_TRANSPOSED_ASM, V_ASM)
+        reads = (V_AS_LOADED, V_TRANSPOSED, V_ASM, V_CONVERTED_FIRST)
         if decode:
             return [TileConfig(64, 64, w, st, decode_block_n=n, v_read=r) for r in reads for n in (64, 128, 256)
                     for w, st in ((2, 3), (4, 2), (4, 3), (4, 4))]

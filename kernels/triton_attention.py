@@ -36,22 +36,26 @@ import triton.language as tl
 
 from .metadata import AttentionMetadata
 
-# How an FP8 V tile reaches the P.V dot (V_READ): as loaded, [keys, head_dim], converted where Triton puts the
-# conversion; loaded transposed like K and turned to 16 bits before it is transposed back (Triton otherwise keeps
-# the 8-bit tile in shared memory and reads it byte by byte in the dot's key-major order); the same with the
-# conversion in PTX; or as loaded with the conversion in PTX. GPU-only modes use inline PTX.
-V_AS_LOADED, V_TRANSPOSED, V_TRANSPOSED_ASM, V_ASM = 0, 1, 2, 3
+# How an FP8 V tile reaches the P.V dot (V_READ). The dot wants V key-major, the cache holds it head_dim-major, and
+# Triton moves a conversion that feeds a dot behind the shared-memory load of the dot's operand: the 8-bit tile is
+# then read from shared memory byte by byte in key-major order (hack/attention_sass.py: 375 shared loads and 26
+# spill loads per kernel against bf16's 21 and none). The modes: as loaded, converted where Triton puts it
+# (V_AS_LOADED); loaded transposed like K and turned to 16 bits in registers before it is transposed back
+# (V_TRANSPOSED); as loaded with the conversion in PTX (V_ASM); the same conversion marked impure, so Triton keeps
+# it before the shared-memory store and the tile meets the dot through 16-bit ldmatrix.trans (V_CONVERTED_FIRST:
+# 103 shared loads, no spills). The PTX modes are GPU-only.
+V_AS_LOADED, V_TRANSPOSED, V_ASM, V_CONVERTED_FIRST = 0, 1, 2, 3
 _V_T = tl.constexpr(V_TRANSPOSED)  # the kernels compare constexprs
-_V_T_ASM = tl.constexpr(V_TRANSPOSED_ASM)
 _V_ASM = tl.constexpr(V_ASM)
+_V_FIRST = tl.constexpr(V_CONVERTED_FIRST)
 
 
 @triton.jit
-def _e4m3_to_f16(x):
-    """e4m3 → fp16, four values a step: two packed conversions (exact)."""
+def _e4m3_to_f16(x, PURE: tl.constexpr):
+    """e4m3 → fp16, four values a step: two packed conversions (exact). PURE=False pins it where it stands."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=PURE, pack=4)
 
 
 @triton.jit
@@ -76,7 +80,7 @@ def _attend_kv_tile(
     in_page = offs_n % PAGE
     k_ptrs = k_cache_ptr + (block * stride_kb + in_page * stride_kt + kv_head * stride_kh)[None, :] + offs_d[:, None]
     v_rows = block * stride_vb + in_page * stride_vt + kv_head * stride_vh
-    if V_READ == _V_T or V_READ == _V_T_ASM:  # [D_PAD, BLOCK_N] like K; transposed once in 16 bits
+    if V_READ == _V_T:  # [D_PAD, BLOCK_N] like K; transposed once in 16 bits
         v_ptrs = v_cache_ptr + v_rows[None, :] + offs_d[:, None]
         v_mask = n_valid[None, :] & (offs_d[:, None] < HEAD_DIM)
         v_d_mask = offs_d[:, None] < HEAD_DIM
@@ -97,10 +101,10 @@ def _attend_kv_tile(
         k = k.to(q.dtype)
         if V_READ == _V_T:
             v = tl.trans(v.to(q.dtype))
-        elif V_READ == _V_T_ASM:
-            v = tl.trans(_e4m3_to_f16(v))
         elif V_READ == _V_ASM:
-            v = _e4m3_to_f16(v)
+            v = _e4m3_to_f16(v, True)
+        elif V_READ == _V_FIRST:
+            v = _e4m3_to_f16(v, False)
         else:
             v = v.to(q.dtype)
     if UPCAST_DOT:
@@ -339,7 +343,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     decode_block_n: int = 128  # keys per inner step of a decode tile (rows: max(16, padded group))
-    v_read: int = 0  # how an FP8 V tile reaches its dot (V_AS_LOADED ... V_ASM, above); ignored for a 16-bit cache
+    v_read: int = 0  # how an FP8 V tile reaches its dot (V_AS_LOADED ... V_CONVERTED_FIRST, above); 16-bit: unused
 
 
 LONG_CHUNK_TOKENS = 2048  # a mixed batch with this many chunk tokens takes a pure chunk batch's tiles
@@ -448,8 +452,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                   d_pad, on_cuda, kv_fp8, num_tokens - lead_decodes)
     if cfg.block_m % group_pad or min(cfg.block_m, cfg.block_n, cfg.decode_block_n) < 16:
         raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and every side >= 16")
-    if kv_fp8 and cfg.v_read not in (V_AS_LOADED, V_TRANSPOSED) and not on_cuda:
-        raise ValueError(f"v_read {cfg.v_read} converts with inline PTX: CUDA only")
+    if kv_fp8 and cfg.v_read in (V_ASM, V_CONVERTED_FIRST) and fp8_read_mode(kv_fp8, q.dtype, on_cuda) != FP8_IN_FP16:
+        raise ValueError(f"v_read {cfg.v_read} converts to fp16 with inline PTX: CUDA with bf16 or fp16 queries only")
     block_q = cfg.block_m // group_pad
     chunk_tiles = 0
     if has_chunks:  # an upper bound: each chunk sequence may waste one partial tile
