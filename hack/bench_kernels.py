@@ -16,7 +16,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -126,7 +126,14 @@ def sweep_grid(decode: bool, group_pad: int, kv_fp8: bool = False):
 
 
 def run(args) -> list[dict]:
-    from metronome.kernels.triton_attention import TileConfig, paged_attention
+    from metronome.kernels.triton_attention import (
+        V_AS_LOADED,
+        V_ASM,
+        V_CONVERTED_FIRST,
+        V_TRANSPOSED,
+        TileConfig,
+        paged_attention,
+    )
     from metronome.kernels.triton_kv_write import write_kv_triton
 
     device = torch.device("cuda")
@@ -158,6 +165,10 @@ def run(args) -> list[dict]:
             configs += [(c, None) for c in sweep_grid(meta.max_seqlen_q == 1, group_pad, args.kv_fp8)]
             if meta.num_tokens <= 256:
                 configs += [(None, s) for s in (1, 2, 4, 8, 16)]
+        if args.v_read_ab:  # the tiles paged_attention picks, once per V read mode, in interleaved rounds
+            chosen = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
+            configs += [(replace(chosen, v_read=mode), None) for _ in range(args.v_read_ab)
+                        for mode in (V_AS_LOADED, V_TRANSPOSED, V_ASM, V_CONVERTED_FIRST)]
         best = None
         for cfg, splits in configs:
             def call(cfg=cfg, splits=splits, q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, scale=scale,
@@ -223,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--sweep", action="store_true", help="also try a grid of tile configs and split counts")
     parser.add_argument("--kv-fp8", action="store_true", help="an e4m3 KV cache (per-head scales of 1)")
+    parser.add_argument("--v-read-ab", type=int, default=0, metavar="ROUNDS",
+                        help="with --kv-fp8: the chosen tiles with each V read mode, ROUNDS interleaved rounds")
     parser.add_argument("--sdpa-peer", action="store_true", help="time torch SDPA on a dense cache for decodes")
     parser.add_argument("--cases", help="comma-separated substrings: run only the cases whose names contain one")
     parser.add_argument("--json", help="write all rows to this file")

@@ -18,7 +18,7 @@ call finds its weight in L2 — the way a decode step meets its layers: no launc
                unless a fused norm or SiLU·mul produced it)
 `auto_pick` names what cuda_gemm's `auto` runs for per-token layouts, so a shape where it is not the best dynamic
 path shows in the table. `--skinny-sweep` also times a grid of the skinny kernel's tiles per (shape, M) and
-reports the best, the table `triton_fp8_skinny.DEFAULT_TILES` is chosen from. Bytes per call are reported, so each
+reports the best, what `triton_fp8_skinny.choose_tiles` is chosen from. Bytes per call are reported, so each
 time reads against the copy bandwidth measured in the same run.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _variants(wt: dict, x, skinny_tiles=None) -> dict:
     import torch
 
     from metronome.kernels.triton_fp8 import fp8_matmul, quantize_fp8
-    from metronome.kernels.triton_fp8_skinny import DEFAULT_TILES, MAX_ROWS, fp8_skinny_matmul
+    from metronome.kernels.triton_fp8_skinny import MAX_ROWS, fp8_skinny_matmul
     from metronome.server.models.quant import fp8
 
     bf16 = torch.bfloat16
@@ -81,7 +81,7 @@ def _variants(wt: dict, x, skinny_tiles=None) -> dict:
     }
     if x.shape[0] <= MAX_ROWS:
         variants["skinny"] = lambda: fp8_skinny_matmul(xq, xs, wt["q_channel"], wt["s_channel"], bf16,
-                                                       tiles=skinny_tiles or DEFAULT_TILES)
+                                                       tiles=skinny_tiles)
     return variants
 
 

@@ -25,6 +25,7 @@ On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set before tr
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -44,7 +45,12 @@ from .metadata import AttentionMetadata
 # (V_TRANSPOSED); as loaded with the conversion in PTX (V_ASM); the same conversion marked impure, so Triton keeps
 # it before the shared-memory store and the tile meets the dot through 16-bit ldmatrix.trans (V_CONVERTED_FIRST:
 # 103 shared loads, no spills). The PTX modes are GPU-only.
+# On the H200 the byte-wise reads cost less than their count suggests (hack/bench_kernels.py --v-read-ab, 3
+# interleaved rounds, docs/perf/fp8-h200.md): against V_AS_LOADED, V_ASM takes 3.3 % off a 64-decode batch's
+# attention and 3.4 % off 256 decodes, V_CONVERTED_FIRST 3.5 % and 2.1 %, V_TRANSPOSED adds 5 %; in a mixed batch
+# (64 decodes + a 512 chunk) V_ASM is within 0.6 % and V_CONVERTED_FIRST 3.7 % slower. Decode tiles take V_ASM.
 V_AS_LOADED, V_TRANSPOSED, V_ASM, V_CONVERTED_FIRST = 0, 1, 2, 3
+FP8_DECODE_V_READ = V_ASM  # what choose_config gives an FP8 cache's decode-only batches on the GPU
 _V_T = tl.constexpr(V_TRANSPOSED)  # the kernels compare constexprs
 _V_ASM = tl.constexpr(V_ASM)
 _V_FIRST = tl.constexpr(V_CONVERTED_FIRST)
@@ -356,7 +362,8 @@ def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: i
     From an H200 sweep (bench_kernels --sweep, Llama-3-8B layer, bf16): decode-only batches that fill the GPU
     (`busy`) stream best with 64-key steps and 2 stages, small ones with 128-key steps; pure prefill chunks like
     128-row tiles on 8 warps; mixed batches like 64-row tiles on 4 warps, 3 stages. Over an FP8 cache (the same
-    sweep with --kv-fp8) busy decodes like 2 warps and 3 stages of 64 keys, small ones 2 stages of 128 keys.
+    sweep with --kv-fp8) busy decodes like 2 warps and 3 stages of 64 keys, small ones 2 stages of 128 keys,
+    their V converted in PTX (FP8_DECODE_V_READ, above).
     A mixed batch whose chunks carry LONG_CHUNK_TOKENS or more is mostly chunk work, and takes the chunk tiles: in
     an H200 profile (hack/profile_mixed.py) 64 decodes beside a 2,048-token chunk spent 30.9 ms a step in
     attention on the mixed tiles and 13.6 ms with the chunk on its own tiles (each 16-token tile re-reads every
@@ -372,7 +379,7 @@ def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: i
         block_m = max(64, group_pad)  # unused by decode tiles, but must stay a multiple of the group
         if kv_fp8:
             return TileConfig(block_m, num_warps=2 if busy else 4, num_stages=3 if busy else 2,
-                              decode_block_n=64 if busy else 128)
+                              decode_block_n=64 if busy else 128, v_read=FP8_DECODE_V_READ)
         return TileConfig(block_m, decode_block_n=64 if busy else 128, num_stages=2 if busy else 3)
     if (chunks_only or chunk_tokens >= LONG_CHUNK_TOKENS) and d_pad <= 128:
         return TileConfig(max(128, group_pad), 64, num_warps=8, num_stages=2)
@@ -450,6 +457,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     cfg = config or choose_config(not has_chunks, not any_decode, num_seqs * n_kv_heads >= sm_count, group_pad,
                                   d_pad, on_cuda, kv_fp8, num_tokens - lead_decodes)
+    if config is None and kv_fp8 and fp8_read_mode(kv_fp8, q.dtype, on_cuda) != FP8_IN_FP16:
+        cfg = dataclasses.replace(cfg, v_read=V_AS_LOADED)  # float32 queries: no fp16 conversion to pin
     if cfg.block_m % group_pad or min(cfg.block_m, cfg.block_n, cfg.decode_block_n) < 16:
         raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and every side >= 16")
     if kv_fp8 and cfg.v_read in (V_ASM, V_CONVERTED_FIRST) and fp8_read_mode(kv_fp8, q.dtype, on_cuda) != FP8_IN_FP16:

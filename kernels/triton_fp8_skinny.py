@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import require_runnable
+from .triton_attention import require_runnable, sm_count
 
 MAX_ROWS = 64  # beyond this the activation tile stops being "skinny": the general FP8 GEMMs take over
 
@@ -34,10 +34,24 @@ class SkinnyTiles:
     num_stages: int
 
 
-# 64 weight rows x 256 columns = 16 KB of FP8 per stage, 6 stages in flight: the fastest of 24 tile shapes summed
-# over Llama-3-8B's four linear shapes at 1, 16 and 64 rows on the H200 (hack/fp8_gemm_bench.py --skinny-sweep,
-# docs/perf/fp8-h200.md): 70.0, 71.5 and 82.4 us a layer, against 123, 119 and 112 for `_scaled_mm` rowwise.
+# From an H200 sweep of 32 tile shapes per Llama-3-8B linear shape at 1, 16 and 64 rows (hack/fp8_gemm_bench.py
+# --skinny-sweep, docs/perf/fp8-h200.md). A narrow weight (o_proj, qkv_proj, down_proj: 64-96 programs of 64 rows,
+# under one wave on 132 SMs) streams best with 64 rows x 256 columns = 16 KB of FP8 a stage and 6 stages in flight
+# per program. A wide one (gate_up_proj: 448 programs, several waves) likes 3 stages, which leave shared memory for
+# more programs at once: 128 rows a program at up to 16 activation rows, 64 rows beyond (32.0 and 36.1 us a call
+# against 35.1 and 41.1 on the narrow tiles).
 DEFAULT_TILES = SkinnyTiles(block_n=64, block_k=256, num_warps=4, num_stages=6)
+WIDE_TILES_FEW_ROWS = SkinnyTiles(block_n=128, block_k=256, num_warps=4, num_stages=3)
+WIDE_TILES = SkinnyTiles(block_n=64, block_k=256, num_warps=4, num_stages=3)
+WIDE_WAVES = 2  # programs of DEFAULT_TILES per SM from which a weight counts as wide
+
+
+def choose_tiles(n: int, m: int, sm_count: int) -> SkinnyTiles:
+    """The tiles for an [m, K] x [n, K]^T product on a GPU of `sm_count` SMs (fixed per weight shape and row
+    class: a handful of compiled variants, all met in warm-up)."""
+    if -(-n // DEFAULT_TILES.block_n) < WIDE_WAVES * sm_count:
+        return DEFAULT_TILES
+    return WIDE_TILES_FEW_ROWS if m <= 16 else WIDE_TILES
 
 
 def row_tile(m: int) -> int:
@@ -85,9 +99,9 @@ def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, M, N, K, stride
 
 def fp8_skinny_matmul(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                       out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                      tiles: SkinnyTiles = DEFAULT_TILES) -> torch.Tensor:
+                      tiles: SkinnyTiles | None = None) -> torch.Tensor:
     """x [M, K] e4m3 (M <= MAX_ROWS) @ w [N, K]^T e4m3 → [M, N] in out_dtype; x_scale 0-d or per row ([M] or
-    [M, 1]), w_scale 0-d or per output row ([N])."""
+    [M, 1]), w_scale 0-d or per output row ([N]); tiles: choose_tiles' unless given."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or x.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
@@ -103,6 +117,8 @@ def fp8_skinny_matmul(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w
     if m == 0:
         return out
     require_runnable(x.device)
+    if tiles is None:
+        tiles = choose_tiles(n, m, sm_count(x.device)) if x.device.type == "cuda" else DEFAULT_TILES
     x_scalar, w_scalar = x_scale.numel() == 1, w_scale.numel() == 1  # one value: the same for every row
     _fp8_skinny[(triton.cdiv(n, tiles.block_n),)](
         w, x, out, w_scale, x_scale, bias if bias is not None else out, m, n, k, w.stride(0), x.stride(0),

@@ -235,3 +235,14 @@ def test_the_gemm_choice_by_rows():
     assert [per_token_path("auto", m) for m in (1, SKINNY_ROWS, SKINNY_ROWS + 1)] == ["skinny", "skinny", "rowwise"]
     assert per_token_path("skinny", 4096) == "rowwise"  # the small-M kernel only where its rows fit
     assert [per_token_path(c, 1) for c in ("rowwise", "tensorwise", "triton")] == ["rowwise", "tensorwise", "triton"]
+
+
+def test_the_skinny_tiles_by_weight_width():
+    from metronome.kernels.triton_fp8_skinny import DEFAULT_TILES, WIDE_TILES, WIDE_TILES_FEW_ROWS, choose_tiles
+
+    # Llama-3-8B on an H200 (132 SMs): qkv, o and down stay under one wave of programs, gate_up spans several
+    for n in (6144, 4096):
+        assert {choose_tiles(n, m, 132) for m in (1, 16, 64)} == {DEFAULT_TILES}
+    assert [choose_tiles(28672, m, 132) for m in (1, 16, 17, 64)] == [WIDE_TILES_FEW_ROWS] * 2 + [WIDE_TILES] * 2
+    assert choose_tiles(28672, 1, 264) == DEFAULT_TILES  # twice the SMs: the same weight is narrow again
+    assert WIDE_TILES.num_stages < DEFAULT_TILES.num_stages
