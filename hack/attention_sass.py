@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dump", help="a folder for each variant's ttgir, ptx and sass")
     args = parser.parse_args(argv)
     from metronome.kernels import triton_attention as ta
-    modes = args.v_read or ([ta.V_AS_LOADED, ta.V_TRANSPOSED, ta.V_ASM, ta.V_CONVERTED_FIRST] if args.kv == "fp8"
+    modes = args.v_read or ([ta.V_AS_LOADED, ta.V_ASM, ta.V_CONVERTED_FIRST] if args.kv == "fp8"
                             else [ta.V_AS_LOADED])
     print(f"decode tiles: {args.decode_block_n} keys, {args.warps} warps, {args.stages} stages, {args.kv} cache")
     print(f"{'v_read':>6} {'smem':>7} {'total':>6} " + " ".join(f"{op:>6}" for op in KEEP))

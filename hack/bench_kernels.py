@@ -109,9 +109,9 @@ def copy_bandwidth(device) -> float:
 
 def sweep_grid(decode: bool, group_pad: int, kv_fp8: bool = False):
     """Tile configs worth trying; each is one compile, so the grid stays small."""
-    from metronome.kernels.triton_attention import V_AS_LOADED, V_ASM, V_CONVERTED_FIRST, V_TRANSPOSED, TileConfig
+    from metronome.kernels.triton_attention import V_AS_LOADED, V_ASM, V_CONVERTED_FIRST, TileConfig
     if kv_fp8:  # each way of bringing the 8-bit V tile to its dot, over the tiles that stream FP8 best
-        reads = (V_AS_LOADED, V_TRANSPOSED, V_ASM, V_CONVERTED_FIRST)
+        reads = (V_AS_LOADED, V_ASM, V_CONVERTED_FIRST)
         if decode:
             return [TileConfig(64, 64, w, st, decode_block_n=n, v_read=r) for r in reads for n in (64, 128, 256)
                     for w, st in ((2, 3), (4, 2), (4, 3), (4, 4))]
@@ -130,7 +130,6 @@ def run(args) -> list[dict]:
         V_AS_LOADED,
         V_ASM,
         V_CONVERTED_FIRST,
-        V_TRANSPOSED,
         TileConfig,
         paged_attention,
     )
@@ -168,7 +167,7 @@ def run(args) -> list[dict]:
         if args.v_read_ab:  # the tiles paged_attention picks, once per V read mode, in interleaved rounds
             chosen = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
             configs += [(replace(chosen, v_read=mode), None) for _ in range(args.v_read_ab)
-                        for mode in (V_AS_LOADED, V_TRANSPOSED, V_ASM, V_CONVERTED_FIRST)]
+                        for mode in (V_AS_LOADED, V_ASM, V_CONVERTED_FIRST)]
         best = None
         for cfg, splits in configs:
             def call(cfg=cfg, splits=splits, q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, scale=scale,

@@ -41,17 +41,16 @@ from .metadata import AttentionMetadata
 # Triton moves a conversion that feeds a dot behind the shared-memory load of the dot's operand: the 8-bit tile is
 # then read from shared memory byte by byte in key-major order (hack/attention_sass.py: 375 shared loads and 26
 # spill loads per kernel against bf16's 21 and none). The modes: as loaded, converted where Triton puts it
-# (V_AS_LOADED); loaded transposed like K and turned to 16 bits in registers before it is transposed back
-# (V_TRANSPOSED); as loaded with the conversion in PTX (V_ASM); the same conversion marked impure, so Triton keeps
+# (V_AS_LOADED); with the conversion in PTX (V_ASM: no spills); the same conversion marked impure, so Triton keeps
 # it before the shared-memory store and the tile meets the dot through 16-bit ldmatrix.trans (V_CONVERTED_FIRST:
-# 103 shared loads, no spills). The PTX modes are GPU-only.
+# 103 shared loads). The PTX modes are GPU-only.
 # On the H200 the byte-wise reads cost less than their count suggests (hack/bench_kernels.py --v-read-ab, 3
 # interleaved rounds, docs/perf/fp8-h200.md): against V_AS_LOADED, V_ASM takes 3.3 % off a 64-decode batch's
-# attention and 3.4 % off 256 decodes, V_CONVERTED_FIRST 3.5 % and 2.1 %, V_TRANSPOSED adds 5 %; in a mixed batch
-# (64 decodes + a 512 chunk) V_ASM is within 0.6 % and V_CONVERTED_FIRST 3.7 % slower. Decode tiles take V_ASM.
-V_AS_LOADED, V_TRANSPOSED, V_ASM, V_CONVERTED_FIRST = 0, 1, 2, 3
+# attention and 3.4 % off 256 decodes, V_CONVERTED_FIRST 3.5 % and 2.1 %; in a mixed batch (64 decodes + a 512
+# chunk) V_ASM is within 0.6 % and V_CONVERTED_FIRST 3.7 % slower (V loaded transposed like K, also measured, was
+# slower everywhere). Decode tiles take V_ASM.
+V_AS_LOADED, V_ASM, V_CONVERTED_FIRST = 0, 2, 3  # 1, V transposed, appears in the recorded sweeps' JSON
 FP8_DECODE_V_READ = V_ASM  # what choose_config gives an FP8 cache's decode-only batches on the GPU
-_V_T = tl.constexpr(V_TRANSPOSED)  # the kernels compare constexprs
 _V_ASM = tl.constexpr(V_ASM)
 _V_FIRST = tl.constexpr(V_CONVERTED_FIRST)
 
@@ -85,29 +84,19 @@ def _attend_kv_tile(
         block = tl.load(table + offs_n // PAGE).to(tl.int64)
     in_page = offs_n % PAGE
     k_ptrs = k_cache_ptr + (block * stride_kb + in_page * stride_kt + kv_head * stride_kh)[None, :] + offs_d[:, None]
-    v_rows = block * stride_vb + in_page * stride_vt + kv_head * stride_vh
-    if V_READ == _V_T:  # [D_PAD, BLOCK_N] like K; transposed once in 16 bits
-        v_ptrs = v_cache_ptr + v_rows[None, :] + offs_d[:, None]
-        v_mask = n_valid[None, :] & (offs_d[:, None] < HEAD_DIM)
-        v_d_mask = offs_d[:, None] < HEAD_DIM
-    else:  # [BLOCK_N, D_PAD]
-        v_ptrs = v_cache_ptr + v_rows[:, None] + offs_d[None, :]
-        v_mask = n_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-        v_d_mask = offs_d[None, :] < HEAD_DIM
+    v_ptrs = v_cache_ptr + (block * stride_vb + in_page * stride_vt + kv_head * stride_vh)[:, None] + offs_d[None, :]
     if MASKED:
         k = tl.load(k_ptrs, mask=n_valid[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)  # [D_PAD, BLOCK_N]
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=n_valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # [BLOCK_N, D_PAD]
     elif HEAD_DIM == D_PAD:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     else:
         k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
-        v = tl.load(v_ptrs, mask=v_d_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     if KV_FP8:  # e4m3 → q's dtype is exact; the per-head scales are folded into scale_log2 and the output
         k = k.to(q.dtype)
-        if V_READ == _V_T:
-            v = tl.trans(v.to(q.dtype))
-        elif V_READ == _V_ASM:
+        if V_READ == _V_ASM:
             v = _e4m3_to_f16(v, True)
         elif V_READ == _V_FIRST:
             v = _e4m3_to_f16(v, False)
@@ -364,10 +353,10 @@ def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: i
     128-row tiles on 8 warps; mixed batches like 64-row tiles on 4 warps, 3 stages. Over an FP8 cache (the same
     sweep with --kv-fp8) busy decodes like 2 warps and 3 stages of 64 keys, small ones 2 stages of 128 keys,
     their V converted in PTX (FP8_DECODE_V_READ, above).
-    A mixed batch whose chunks carry LONG_CHUNK_TOKENS or more is mostly chunk work, and takes the chunk tiles: in
-    an H200 profile (hack/profile_mixed.py) 64 decodes beside a 2,048-token chunk spent 30.9 ms a step in
-    attention on the mixed tiles and 13.6 ms with the chunk on its own tiles (each 16-token tile re-reads every
-    key before it, twice as often as a 32-token one).
+    A mixed batch whose chunks carry LONG_CHUNK_TOKENS or more is mostly chunk work, and takes the chunk tiles
+    (each 16-token tile re-reads every key before it, twice as often as a 32-token one). Measured since
+    (docs/perf/mixed-step-h200.md): the whole 2,048 step's attention went from 30.9 to 28.9 ms, still twice the
+    13.6 ms of its chunk launched alone, so the tiles are not what a mixed launch costs that chunk.
     """
     if not on_cuda:  # interpreter: big tiles mean few Python-level steps
         return TileConfig(max(64, group_pad), 128, num_stages=1, decode_block_n=128)
@@ -457,11 +446,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     cfg = config or choose_config(not has_chunks, not any_decode, num_seqs * n_kv_heads >= sm_count, group_pad,
                                   d_pad, on_cuda, kv_fp8, num_tokens - lead_decodes)
-    if config is None and kv_fp8 and fp8_read_mode(kv_fp8, q.dtype, on_cuda) != FP8_IN_FP16:
-        cfg = dataclasses.replace(cfg, v_read=V_AS_LOADED)  # float32 queries: no fp16 conversion to pin
+    read_mode = fp8_read_mode(kv_fp8, q.dtype, on_cuda)
+    if config is None and kv_fp8 and read_mode != FP8_IN_FP16:
+        cfg = dataclasses.replace(cfg, v_read=V_AS_LOADED)  # float32 queries: no fp16 conversion in PTX
     if cfg.block_m % group_pad or min(cfg.block_m, cfg.block_n, cfg.decode_block_n) < 16:
         raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and every side >= 16")
-    if kv_fp8 and cfg.v_read in (V_ASM, V_CONVERTED_FIRST) and fp8_read_mode(kv_fp8, q.dtype, on_cuda) != FP8_IN_FP16:
+    if kv_fp8 and cfg.v_read != V_AS_LOADED and read_mode != FP8_IN_FP16:
         raise ValueError(f"v_read {cfg.v_read} converts to fp16 with inline PTX: CUDA with bf16 or fp16 queries only")
     block_q = cfg.block_m // group_pad
     chunk_tiles = 0
@@ -503,7 +493,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton's interpreter (3.9) computes bf16 x bf16 dots wrongly; it upcasts the operands instead.
         UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16, WINDOW=window or 0, SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None, KV_FP8=fp8_read_mode(kv_fp8, q.dtype, on_cuda),
+        HAS_SINKS=sinks is not None, KV_FP8=read_mode,
         V_READ=cfg.v_read if kv_fp8 else 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
