@@ -272,3 +272,86 @@ def test_prefill_headroom_is_a_spec_field_with_its_bounds():
     assert parse_autotune({"mode": "apply"}, {}, slo, SchedulerConfig()).prefill_headroom == 1.2
     with pytest.raises(ValueError, match="prefillHeadroom"):
         parse_autotune({"mode": "apply", "prefillHeadroom": 0.8}, {}, slo, SchedulerConfig())
+
+
+# --- without a fit the guard grows toward the aim, not all or nothing --------------------------------------------
+
+def after_a_scale_up(tbt_s: float, ttft_s: float = 10.8, waiting: float = 1.5) -> Observation:
+    # The e2e replica loop after its scale-up: two pods at chunk 32, where the proportional fallback had cut it on a
+    # draining replica's TBT, first tokens 10.8 s against a 5 s limit with requests waiting, step points too
+    # scattered for a fit.
+    points = tuple(StepSample(t, s, 20, f"pod-{i % 2}")
+                   for i, (t, s) in enumerate(zip((40, 60, 80, 100, 120, 140), (0.50, 0.30, 0.60, 0.35, 0.55, 0.40))))
+    return Observation(window_seconds=20, sample_count=400, tbt_p99_s=tbt_s, ttft_p99_s=ttft_s,
+                       output_tokens_per_s=40.0, pod_generations={"a": 4, "b": 4}, waiting_requests=waiting,
+                       waiting_growth=0.0, step_samples=points)
+
+
+def e2e_spec(**fields) -> AutotuneSpec:
+    return spec(**{"tbt_p99_target_s": 1.0, "ttft_p99_target_s": 5.0, "min_chunk": 32, "max_chunk": 1024,
+                   "chunk_granularity": 32, "deadband_low": 0.3, "multiplicative_up": 2.0, "scale_replicas": True,
+                   "max_replicas": 2, **fields})
+
+
+AFTER_SCALE_UP = CurrentConfig(32, "fcfs", 2, generation=4)
+
+
+def aim_of(autotune: AutotuneSpec) -> float:
+    return autotune.margin if autotune.policy is TuningPolicy.MODEL else 1.0
+
+
+@pytest.mark.parametrize("policy", [TuningPolicy.MODEL, TuningPolicy.MULTIPLICATIVE])
+def test_without_a_fit_a_starved_prefill_grows_toward_the_aim_where_the_full_step_would_pass_it(policy):
+    # p99 at 59 % of the target: ×2 would predict 118 %, past the aim, and the guard held chunk 32 with first
+    # tokens twice their limit. As far as the aim instead (p99 taken as proportional to the chunk).
+    autotune = e2e_spec(policy=policy)
+    aim = aim_of(autotune)
+    points = after_a_scale_up(0.59).step_samples
+    fit = fit_step_time([p.tokens_per_step for p in points], [p.step_seconds for p in points])
+    assert fit.r_squared < autotune.min_fit_r2  # no usable fit
+    grown = decide(after_a_scale_up(0.59), AFTER_SCALE_UP, autotune, 10_000.0)
+    assert grown.actions == (ActionKind.CHUNK_UP,) and grown.policy_used == "prefill-guard", grown.reason
+    assert grown.chunk_size == int(32 * aim / 0.59) == (48 if policy is TuningPolicy.MODEL else 54)
+    assert f"(×{aim / 0.59:.2f}, toward the aim of {aim:.0%} of the target) → {grown.chunk_size}" in grown.reason
+    # Still within the per-interval cap.
+    capped = decide(after_a_scale_up(0.59), AFTER_SCALE_UP, e2e_spec(policy=policy, max_step_up=1.25), 10_000.0)
+    assert capped.chunk_size == 40 and "(at most ×1.25 / ÷4 per interval)" in capped.reason
+    # At the p99 the step predicts, no rule takes the grown chunk back: still starved, there is no more room
+    # (replicas at their maximum: unreachable, held); caught up, p99 is inside the deadband.
+    predicted = 0.59 * grown.chunk_size / 32
+    assert predicted <= aim
+    there = replace(AFTER_SCALE_UP, chunk_size=grown.chunk_size)
+    for observation in (after_a_scale_up(predicted), after_a_scale_up(predicted, ttft_s=2.0, waiting=0.0)):
+        held = decide(observation, there, autotune, 10_000.0)
+        assert (held.chunk_size, held.changed) == (grown.chunk_size, False), held.reason
+
+
+def test_without_a_fit_the_guard_holds_when_not_one_token_fits_within_the_aim():
+    # p99 at 88 % of a 90 % aim: chunk 32 × 0.90 / 0.88 is 32.7, no whole token of room.
+    held = decide(after_a_scale_up(0.88), AFTER_SCALE_UP, e2e_spec(), 10_000.0)
+    assert (held.chunk_size, held.changed) == (32, False)
+    assert held.slo_unreachable and "no room left under the TBT target (88% of it)" in held.reason
+    # The report's rule at 90 % of the target with a 4-token chunk: ×1.1 fits, but one token (the least step)
+    # would give 112.5 % and ×0.9 would take it back next window. 4 / 0.9 is 4.4: it holds instead.
+    small = e2e_spec(policy=TuningPolicy.MULTIPLICATIVE, min_chunk=1, chunk_granularity=1, multiplicative_up=1.1)
+    at_four = replace(AFTER_SCALE_UP, chunk_size=4)
+    held = decide(after_a_scale_up(0.90), at_four, small, 10_000.0)
+    assert (held.chunk_size, held.changed) == (4, False), held.reason
+    assert "no room left under the TBT target (90% of it)" in held.reason
+    shrunk = decide(after_a_scale_up(0.90 * 5 / 4, ttft_s=2.0, waiting=0.0), replace(at_four, chunk_size=5), small,
+                    10_000.0)
+    assert (shrunk.chunk_size, shrunk.actions) == (4, (ActionKind.CHUNK_DOWN,))
+
+
+def test_without_a_fit_the_guard_takes_the_full_step_while_it_fits_and_shrinks_it_smoothly_to_the_aim():
+    autotune = e2e_spec()
+    chunks = []
+    for tbt in (0.20, 0.35, 0.44, 0.47, 0.59, 0.75, 0.85, 0.87, 0.88, 0.93):
+        decision = decide(after_a_scale_up(tbt), AFTER_SCALE_UP, autotune, 10_000.0)
+        if tbt * autotune.multiplicative_up <= autotune.margin:  # the full step, as before
+            assert decision.chunk_size == 64 and decision.reason.endswith("(×2) → 64"), decision.reason
+        else:
+            assert decision.chunk_size == max(32, int(32 * autotune.margin / tbt)), (tbt, decision.reason)
+        chunks.append(decision.chunk_size)
+    assert chunks == sorted(chunks, reverse=True) and chunks[0] == 64 and chunks[-1] == 32
+    assert len(set(chunks)) > 3  # no jump from the full step straight to nothing
