@@ -12,12 +12,17 @@
 #   longshort  bench engine long-short at 45 and 60 req/s x chunk 512 and 1024, overlap off and on back to back,
 #              DURATION (10) s of arrivals each                                                -> longshort.json
 #   fa4ab      hack/bench_attention.py: FA4 vs Triton per batch class, as the `auto` table   -> attention_table.json
+#   saturation bench engine saturation (SAT_MAX requests of 1,000 + 1,000 tokens at once, FP8 weights and KV by
+#              default: SAT_ARGS) once per SAT_MODES mode (off pipeline), each its own engine -> saturation-<mode>.json
 #   always     gpu_mixed.log (this script's stamps and each part's summary), bench.log (the parts' output)
 #
-# Wheels: FA4 and its needs from .fa4wheels/call2 (carried) joined with the libs-cu13 wheel's first part, which a
+# Wheels: .gpuwheels/ (carried: pydantic and the rest of what the image lacks); FA4 and its needs from
+# .fa4wheels/call2 (carried) joined with the libs-cu13 wheel's first part, which a
 # previous call on the same warm machine left in /tmp/fa4 (hack/fa4_wheels.sh says how); without them the FA4
 # parts report FA4 absent and the rest runs. Knobs: PARTS ("tests mixed longshort fa4ab"), BUDGET, TEST_LIMIT,
-# DURATION, RATES, CHUNKS, SMOKE=1 (the CPU with a tiny model: this script's plumbing, not the GPU).
+# TESTS_K (a pytest -k), DURATION, RATES, CHUNKS, MODE (the long-short's overlap mode: on), VARIANTS,
+# MIXED_CHUNKS and MIXED_LIMIT (the profile's), SAT_MODES, SAT_MAX, SAT_ARGS, SMOKE=1 (the CPU with a tiny model:
+# this script's plumbing, not the GPU).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -29,6 +34,13 @@ DURATION=${DURATION:-10}
 RATES=${RATES:-45,60}
 CHUNKS=${CHUNKS:-512,1024}
 TEST_LIMIT=${TEST_LIMIT:-100}  # the tests' cap; the engines of tiny models compile and capture for most of it
+MODE=${MODE:-on}
+VARIANTS=${VARIANTS:-whole,overlap,split}
+MIXED_CHUNKS=${MIXED_CHUNKS:-128,512,2048}
+MIXED_LIMIT=${MIXED_LIMIT:-120}
+SAT_MODES=${SAT_MODES:-off pipeline}
+SAT_MAX=${SAT_MAX:-1000}
+SAT_ARGS=${SAT_ARGS:---quantization fp8 --kv-cache-dtype fp8}
 START=$SECONDS
 LOG=$OUT/gpu_mixed.log
 BENCH_LOG=$OUT/bench.log
@@ -49,7 +61,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   RUN_DIR=/tmp; PROFILE=("$PY" "$ROOT/hack/profile_mixed.py"); CLI=("$PY" -m metronome.cli); TESTS=()
   MODEL=(--model random:tiny --device cpu --dtype float32 --num-kv-blocks 512)
   SMOKE_ARGS=(--long-prompt-len 60 --short-prompt-len 8 --output-len 4)
-  MIXED_ARGS=(--smoke); CHUNKS=16,32; DURATION=1
+  MIXED_ARGS=(--smoke); CHUNKS=16,32; DURATION=1; MIXED_CHUNKS=16,32; SAT_MAX=8; SAT_ARGS=
 fi
 
 # --- wheels: join the libs-cu13 wheel, check it, install everything the image lacks
@@ -72,6 +84,10 @@ if [ -d "$CALL2" ] && [ "${SMOKE:-0}" != 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WH" \
     "${WHEELS[@]}" >> "$LOG" 2>&1 || stamp "pip install failed (see above)"
 fi
+if ls .gpuwheels/*.whl >/dev/null 2>&1 && [ "${SMOKE:-0}" != 1 ]; then  # pydantic and the rest the image lacks
+  python3 -m pip install --no-deps --no-index -q --no-compile --target "$WH" .gpuwheels/*.whl >> "$LOG" 2>&1 \
+    || stamp "pip install of .gpuwheels failed (see above)"
+fi
 # nvidia-cutlass-dsl puts its packages on sys.path with a .pth file, which a --target folder does not run.
 export PYTHONPATH=$WH:$WH/nvidia_cutlass_dsl/dsl_packages:$ROOT/tests/support
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-jit
@@ -92,17 +108,18 @@ EOF
 if has tests && [ ${#TESTS[@]} -gt 0 ]; then
   stamp "GPU tests (limit $(limit "$TEST_LIMIT" 340)s)"
   timeout -k 5 "$(limit "$TEST_LIMIT" 340)" python3 -m pytest "${TESTS[@]}" -q -s -p no:cacheprovider -o addopts="" \
-    --durations=8 > "$OUT/gpu-tests.log" 2>&1
+    --durations=8 ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu-tests.log" 2>&1
   stamp "GPU tests rc=$?: $(tail -n 1 "$OUT/gpu-tests.log")"
 fi
 
 # --- 2. the mixed step: whole vs overlapped vs split, chunks 128/512/2048, against its floor, with the overlap
 if has mixed; then
-  stamp "mixed-step profile (limit $(limit 120 220)s)"
-  (cd "$RUN_DIR" && timeout -k 10 "$(limit 120 220)" "${PROFILE[@]}" "${MIXED_ARGS[@]}" --reps 2 \
-    --out "$OUT/mixed.json") >> "$BENCH_LOG" 2>&1
+  MIXED_RESERVE=0; has longshort && MIXED_RESERVE=220  # what the long-short and the A/B after it need
+  stamp "mixed-step profile (limit $(limit "$MIXED_LIMIT" $MIXED_RESERVE)s)"
+  (cd "$RUN_DIR" && timeout -k 10 "$(limit "$MIXED_LIMIT" $MIXED_RESERVE)" "${PROFILE[@]}" "${MIXED_ARGS[@]}" --reps 2 \
+    --variants "$VARIANTS" --chunks "$MIXED_CHUNKS" --out "$OUT/mixed.json") >> "$BENCH_LOG" 2>&1
   stamp "mixed-step profile rc=$?"
-  grep -E "^ *[0-9]+ (whole|overlap|split)|^profile|compiles" "$BENCH_LOG" | tail -n 20 | tee -a "$LOG"
+  grep -E "^ *[0-9]+ (whole|overlap|split|pipeline)|^profile|compiles" "$BENCH_LOG" | tail -n 24 | tee -a "$LOG"
 fi
 
 # --- 3. long-short, overlap off and on back to back per (chunk, rate)
@@ -110,7 +127,7 @@ if has longshort; then
   stamp "long-short (rates $RATES, chunks $CHUNKS, ${DURATION}s each, limit $(limit 175 50)s)"
   (cd "$RUN_DIR" && timeout -k 10 "$(limit 175 50)" "${CLI[@]}" bench engine "${MODEL[@]}" --no-progress \
     --sections longshort --rates "$RATES" --chunk-sizes "$CHUNKS" --duration "$DURATION" --warmup-requests 8 \
-    --drain-timeout 10 --no-records --no-prefix-caching --mixed-overlap-variants off,on "${SMOKE_ARGS[@]}" \
+    --drain-timeout 10 --no-records --no-prefix-caching --mixed-overlap-variants "off,$MODE" "${SMOKE_ARGS[@]}" \
     --out "$OUT/longshort.json") >> "$BENCH_LOG" 2>&1
   stamp "long-short rc=$?"
   (cd "$RUN_DIR" && "$PY" - "$OUT/longshort.json") <<'EOF' 2>&1 | tee -a "$LOG"
@@ -133,6 +150,25 @@ if has fa4ab && [ "${SMOKE:-0}" != 1 ]; then
   timeout -k 5 "$(limit 60 0)" "${AB[@]}" --out "$OUT/attention_table.json" >> "$BENCH_LOG" 2>&1
   stamp "FA4 A/B rc=$?"
   grep -E "^(decode|chunk|mixed)_|^choice" "$BENCH_LOG" | tail -n 8 | tee -a "$LOG"
+fi
+# --- 5. saturation, one engine per overlap mode
+if has saturation; then
+  for mode in $SAT_MODES; do
+    stamp "saturation, overlap $mode (limit $(limit 280 0)s)"
+    # shellcheck disable=SC2086  # SAT_ARGS is a list of flags
+    (cd "$RUN_DIR" && timeout -k 10 "$(limit 280 0)" "${CLI[@]}" bench engine "${MODEL[@]}" --no-progress \
+      --sections saturation --saturation-max-requests "$SAT_MAX" --mixed-overlap "$mode" $SAT_ARGS \
+      --out "$OUT/saturation-$mode.json") >> "$BENCH_LOG" 2>&1
+    stamp "saturation $mode rc=$?"
+    (cd "$RUN_DIR" && "$PY" - "$OUT/saturation-$mode.json") <<'EOF' 2>&1 | tee -a "$LOG"
+import json, sys
+try:
+    sat = json.load(open(sys.argv[1]))["saturation"]
+except Exception as exc:  # noqa: BLE001
+    sys.exit(f"no saturation JSON ({exc})")
+print({k: v for k, v in sat.items() if not isinstance(v, (list, dict))})
+EOF
+  done
 fi
 grep -h -i "warning\|error\|Traceback" "$BENCH_LOG" "$OUT/gpu-tests.log" 2>/dev/null | sort | uniq -c | sort -rn \
   | head -15 | tee -a "$LOG"

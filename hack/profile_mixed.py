@@ -7,8 +7,10 @@ against its floor.
     python hack/profile_mixed.py --smoke --out /tmp/mixed.json       # the plumbing, on the CPU
 
 Variants: `whole` (the step as one batch: piecewise CUDA graphs, attention between the pieces), `overlap` (the
-step's decodes replay their decode graph on a second stream beside the chunk's piecewise graphs) and `split`
-(the same two parts one after the other on one stream: what the split costs without the overlap). Each chunk
+step's decodes replay their decode graph on a second stream beside the chunk's piecewise graphs), `split` (the
+same two parts one after the other on one stream: what the split costs without the overlap), `pipeline` (the
+step's tokens cut in two halves, one's attention beside the other's pieces, layer by layer: --mixed-overlap
+pipeline) and `pipeline-serial` (the same halves on one stream). Each chunk
 request has a prompt of 4 chunks (contexts 0, 1, 2, 3 chunks) and one output token, so every timed step carries
 exactly one chunk. A step's time is the engine's own: from the read of the step before to its read (under async
 scheduling, the period between steps; host work hidden behind the GPU is not in it). Floor = max(FLOPs /
@@ -27,14 +29,16 @@ import statistics
 import sys
 import time
 
-VARIANTS = ("whole", "overlap", "split")
+VARIANTS = ("whole", "overlap", "split", "pipeline", "pipeline-serial")
 CHUNKS_PER_REQUEST = 4
 
 
 def set_variant(core, variant: str) -> None:
-    overlap = core.runner.overlap
-    overlap.enabled = variant != "whole"
+    overlap, pipeline = core.runner.overlap, core.runner.pipeline
+    overlap.enabled = variant in ("overlap", "split")
     overlap.concurrent = variant == "overlap"
+    pipeline.enabled = variant.startswith("pipeline")
+    pipeline.concurrent = variant == "pipeline"
 
 
 def mixed_floor(config, decodes: int, context: int, chunk: int, chunk_start: int, peaks: dict, dtype_bytes: int):
@@ -178,7 +182,9 @@ def main() -> int:
     from metronome.contract.config import SchedulerConfig
     from metronome.server.bench.engine.device_peaks import device_section
     from metronome.server.engine.config import EngineConfig
+    from metronome.server.engine.cuda_graphs import capture_cuda, capture_recorded
     from metronome.server.engine.engine import EngineCore
+    from metronome.server.engine.nano_batches import NanoPipeline
     from metronome.server.engine.sampling import SamplingParams
 
     device = "cpu" if args.smoke else "cuda"
@@ -194,7 +200,7 @@ def main() -> int:
                                                           queue_policy="fcfs"))
     startup_s = time.perf_counter() - start
     if args.smoke:  # no CUDA graphs on the CPU: the recorded stand-ins, to exercise the same paths
-        from metronome.server.engine.cuda_graphs import GraphRunner, capture_recorded, capture_sizes, single_class
+        from metronome.server.engine.cuda_graphs import GraphRunner, capture_sizes, single_class
 
         runner = core.runner
         graphs = GraphRunner(runner.graph_forward, capture_sizes(args.decodes + 1), runner.mirror.cols,
@@ -205,6 +211,10 @@ def main() -> int:
         pieces = runner.piecewise_runner([16, 32, 64], capture_recorded)
         pieces.capture_all()
         runner.attach_pieces(pieces)
+    # Both mechanisms on one engine (the flag sets one), so that the variants interleave request by request.
+    core.runner.pipeline = NanoPipeline(core.runner.device)
+    if not core.runner.capture_pipeline_lane(capture_recorded if args.smoke else capture_cuda):
+        raise SystemExit("the pipelined steps' graphs could not be captured")
     result: dict = {"model": args.model, "decodes": args.decodes, "context": args.context, "chunks": chunks,
                     "variants": variants, "execution_mode": core.execution_mode, "startup_s": startup_s,
                     "graph_capture_s": core.runner.graph_capture_s, "async_scheduling": core.async_scheduling,

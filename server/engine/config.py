@@ -9,7 +9,7 @@ from metronome.contract.precision import KV_CACHE_DTYPES, QUANTIZATIONS
 from metronome.server.models.moe_config import MOE_BACKENDS
 
 ASYNC_SCHEDULING = ("auto", "on", "off")
-MIXED_OVERLAP = ("off", "on")
+MIXED_OVERLAP = ("off", "on", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA + triton only; False = --enforce-eager)
     async_scheduling: str = "auto"  # ASYNC_SCHEDULING: launch step n+1 before reading step n (auto: on for CUDA)
     moe_backend: str = "auto"  # MOE_BACKENDS: how a mixture of experts runs its experts (auto: triton on CUDA)
-    mixed_overlap: str = "off"  # MIXED_OVERLAP: a mixed step's decodes beside its chunk on two streams (CUDA graphs)
+    # MIXED_OVERLAP: "on", a mixed step's decodes beside its chunk; "pipeline", a step's two halves pipelined layer by
+    # layer (nano_batches.py); both on two streams, with CUDA graphs
+    mixed_overlap: str = "off"
     quantization: str | None = None  # QUANTIZATIONS; None = as the checkpoint is (FP8 checkpoints load as FP8)
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 

@@ -35,6 +35,7 @@ from metronome.server.engine.kv_cache import bytes_per_block, kv_cache_dtype, pl
 from metronome.server.engine.kv_layout import kv_layout
 from metronome.server.engine.mixed_overlap import MixedOverlap
 from metronome.server.engine.model_runner import InFlightTokens, ModelRunner
+from metronome.server.engine.nano_batches import NanoPipeline
 from metronome.server.engine.output_text import OutputText
 from metronome.server.engine.outputs import EngineStats, GenerationResult, StepStats, TokenEvent
 from metronome.server.engine.request_limits import RequestLimits, check_grammar, check_waiting
@@ -136,6 +137,8 @@ class EngineCore:
         elif config.cuda_graphs:
             if config.mixed_overlap == "on":
                 self.runner.overlap = MixedOverlap(device)
+            elif config.mixed_overlap == "pipeline":
+                self.runner.pipeline = NanoPipeline(device)
             self.execution_mode = self.runner.setup_cuda_graphs(scheduler_config.max_num_seqs, self.max_model_len)
         self._warm_up(device, workers is None)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids or ())
@@ -183,6 +186,14 @@ class EngineCore:
         log.info("engine set up in %.1fs: %s", time.perf_counter() - loaded_at, core.startup_summary())
         return core
 
+    @property
+    def overlap_mode(self) -> str:
+        """Which of MIXED_OVERLAP the engine was set up with ("off" where none can run, e.g. without graphs)."""
+        runner = self.runner
+        if getattr(runner, "overlap", None) is not None:
+            return "on"
+        return "pipeline" if getattr(runner, "pipeline", None) is not None else "off"
+
     def startup_summary(self) -> str:
         """KV cache size, the concurrency it allows at full context, and how steps run (graphs or eager)."""
         bm = self.block_manager
@@ -196,7 +207,7 @@ class EngineCore:
                 f"{scales}); max concurrency {tokens / self.max_model_len:.2f} requests of {self.max_model_len} tokens "
                 "(max_model_len); "
                 f"execution {self.execution_mode}; async scheduling {'on' if self.async_scheduling else 'off'}; "
-                f"mixed-step overlap {'on' if self.runner.overlap is not None else 'off'}; "
+                f"mixed-step overlap {self.overlap_mode}; "
                 f"attention {self.attention_description}"
                 + (f"; {self.loaded.quantization.describe()}" if self.loaded.quantization is not None else "")
                 + (f"; warm-up burst of {self.warm_batch[0]} sequences in {self.warm_batch[1]} steps, "

@@ -26,6 +26,7 @@ import torch
 
 from metronome.kernels.metadata import AttentionMetadata, scratch_metadata
 from metronome.server.engine.cuda_graphs import (
+    Capture,
     GraphRunner,
     GraphStep,
     backend_split_classes,
@@ -36,6 +37,14 @@ from metronome.server.engine.cuda_graphs import (
 from metronome.server.engine.kv_cache import allocate_kv_cache
 from metronome.server.engine.kv_layout import KVLayout, kv_layout
 from metronome.server.engine.mixed_overlap import DECODE_LANE, MixedOverlap, OverlapStep, split_point
+from metronome.server.engine.nano_batches import (
+    NANO_MIN_TOKENS,
+    NanoPipeline,
+    PipelinedStep,
+    lane_b_buckets,
+    nano_cut,
+    split_batch,
+)
 from metronome.server.engine.piecewise_graphs import PieceStep, PiecewiseRunner, token_buckets
 from metronome.server.engine.sampler import Sampler
 from metronome.server.engine.scheduler import ScheduledBatch
@@ -54,13 +63,16 @@ class PreparedInputs:
     graph_step: GraphStep | None = None  # set when this step replays a captured CUDA graph (inputs are padded)
     piece_step: PieceStep | None = None  # set when this step replays piecewise graphs (mixed steps)
     overlap_step: OverlapStep | None = None  # set when a mixed step runs as two micro-batches (mixed_overlap.py)
+    pipelined_step: PipelinedStep | None = None  # set when a step runs as two pipelined halves (nano_batches.py)
 
     @property
     def kind(self) -> str:
         """How the forward runs: "graph" (decode graph), "piecewise", "overlap" (decode graph beside the chunk's
-        piecewise graphs) or "eager"."""
+        piecewise graphs), "pipeline" (two halves' piecewise graphs, layer by layer) or "eager"."""
         if self.overlap_step:
             return "overlap"
+        if self.pipelined_step:
+            return "pipeline"
         return "graph" if self.graph_step else "piecewise" if self.piece_step else "eager"
 
 
@@ -164,6 +176,8 @@ class ModelRunner:
         self.graph_capture_s: float | None = None
         # Mixed steps as two overlapped micro-batches (set before setup_cuda_graphs; None: never split).
         self.overlap: MixedOverlap | None = None
+        # Steps as two halves pipelined layer by layer (set before setup_cuda_graphs; None: never cut).
+        self.pipeline: NanoPipeline | None = None
 
     def release(self, seq: Sequence) -> None:
         """seq left the engine (finished or aborted)."""
@@ -239,6 +253,11 @@ class ModelRunner:
                     self._fill_pending(static.input_ids, pending, in_flight)
                 return PreparedInputs(static.input_ids, static.positions, step.graph.meta, sample_dev, sampling_seqs,
                                       step)
+        if self.pipeline is not None and self.pipeline.enabled and self.pieces is not None:
+            cut = nano_cut(num_tokens)
+            if cut and self.pipeline.fits(cut, num_tokens - cut, self.pieces):
+                return self._prepare_pipelined(cut, token_array, positions, slots, cu, q_lens, seq_lens, tables,
+                                               sample_rows, sampling_seqs, pending, in_flight)
         if self.overlap is not None and self.overlap.enabled and self.graphs is not None and self.pieces is not None:
             d = split_point(q_lens)
             if d:
@@ -265,13 +284,14 @@ class ModelRunner:
                               piece_step=piece[0] if piece is not None else None)
 
     def _metadata(self, cu: np.ndarray, q_lens: np.ndarray, seq_lens: np.ndarray, tables: list[np.ndarray],
-                  slots_dev: list[torch.Tensor]):
-        """The attention metadata of a batch (one object, or one per layer), its int32 arrays uploaded in one copy."""
+                  slots_dev: list[torch.Tensor], staging: str = "ints"):
+        """The attention metadata of a batch (one object, or one per layer), its int32 arrays uploaded in one copy
+        (through the staging buffer named `staging`: a second batch of the same step needs its own)."""
         b = len(q_lens)
         max_cols = tables[0].shape[1]
         ints, offsets = _aligned([cu.astype(np.int32), seq_lens.astype(np.int32),
                                   *(table.reshape(-1) for table in tables)], np.int32)
-        ints_dev = self._to_device("ints", ints)
+        ints_dev = self._to_device(staging, ints)
         o_cu, o_lens = offsets[:2]
         cu_dev, lens_dev = ints_dev[o_cu:o_cu + b + 1], ints_dev[o_lens:o_lens + b]
         q_host, lens_host = q_lens.tolist(), seq_lens.tolist()  # shared by the groups' metadata
@@ -318,6 +338,33 @@ class ModelRunner:
                               slots_dev)
         step = OverlapStep(decode_step, chunk_step, decode_rows, chunk_rows)
         return PreparedInputs(input_ids, positions_dev, meta, chunk_rows, sampling_seqs, overlap_step=step)
+
+    def _prepare_pipelined(self, cut: int, token_ids: np.ndarray, positions: np.ndarray, slots: list[np.ndarray],
+                           cu: np.ndarray, q_lens: np.ndarray, seq_lens: np.ndarray, tables: list[np.ndarray],
+                           sample_rows: np.ndarray, sampling_seqs: list[Sequence],
+                           pending: list[tuple[int, Sequence]], in_flight: InFlightTokens | None) -> PreparedInputs:
+        """A step as its first `cut` tokens (A, on the runner's piecewise graphs) and the rest (B, on the pipeline's
+        own); the caller checked that both fit a bucket. Rows cut.. of the batch are rows 0.. of B; a sequence cut
+        in two samples from B (its last token is there), so the sampling order (A's rows first) is kept."""
+        half_a, half_b = split_batch(cu, q_lens, seq_lens, cut)
+        in_b = sample_rows >= cut
+        lanes = (self.pieces, self.pipeline.lane_b)
+        parts = []
+        for lane, half, rows, lo, hi, staging in ((lanes[0], half_a, sample_rows[~in_b], 0, cut, "ints"),
+                                                  (lanes[1], half_b, sample_rows[in_b] - cut, cut, None, "ints_b")):
+            step, rows_dev = lane.prepare(token_ids[lo:hi], positions[lo:hi], [s[lo:hi] for s in slots], rows)
+            input_ids, _, slots_dev = lane.inputs(step)
+            mine = [(row - lo, seq) for row, seq in pending if lo <= row and (hi is None or row < hi)]
+            if mine:
+                self._fill_pending(input_ids, mine, in_flight)
+            cols = int(-(-half.seq_lens.max() // self.block_size))
+            meta = self._metadata(half.cu_seqlens, half.q_lens, half.seq_lens,
+                                  [table[half.first:half.end, :cols] for table in tables], slots_dev, staging)
+            parts.append((step, rows_dev, meta))
+        (a, a_rows, meta_a), (b, b_rows, meta_b) = parts
+        step = PipelinedStep(a, b, meta_a, meta_b, a_rows, b_rows)
+        input_ids, positions_dev, _ = lanes[0].inputs(a)
+        return PreparedInputs(input_ids, positions_dev, meta_a, a_rows, sampling_seqs, pipelined_step=step)
 
     def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, Sequence]],
                       in_flight: InFlightTokens | None) -> None:
@@ -442,9 +489,36 @@ class ModelRunner:
         self.graph_capture_s = (self.graph_capture_s or 0.0) + piece_report.seconds
         log.info("captured %d piecewise graphs for mixed steps of up to %d tokens (%d buckets) in %.1f s",
                  piece_report.graphs, buckets[-1], len(buckets), piece_report.seconds)
+        if self.pipeline is not None:
+            with torch.cuda.device(self.device):
+                self.capture_pipeline_lane()
         if self.graphs is None:
             return f"cuda_graphs: mixed steps only (attention backend {name!r} runs decode steps eagerly)"
         return "cuda_graphs"
+
+    def capture_pipeline_lane(self, capture: Capture = capture_cuda, min_tokens: int = NANO_MIN_TOKENS) -> bool:
+        """The second half's piecewise graphs for pipelined steps (nano_batches.py: `lane_b_buckets`), in a memory
+        pool of their own (its attentions run beside the first half's pieces). Needs `pipeline` set and the
+        pieces captured; False (steps then run whole) where the capture fails."""
+        half = lane_b_buckets(self.pieces.buckets, min_tokens)
+        if not half:
+            log.info("no step of up to %d tokens is long enough to cut: steps run whole", self.pieces.max_tokens)
+            return False
+        pool = cuda_graph_pool() if self._on_cuda else None
+        try:
+            lane_b = self.piecewise_runner(half, capture, pool)
+            report = lane_b.capture_all()
+            if self._on_cuda:
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - the pipeline is an optimisation: steps run whole without it
+            log.warning("pipelined-step graph capture failed; steps run whole: %s: %s", type(exc).__name__, exc,
+                        exc_info=True)
+            return False
+        self.pipeline.attach(lane_b)
+        self.graph_capture_s = (self.graph_capture_s or 0.0) + report.seconds
+        log.info("captured %d piecewise graphs for the second half of pipelined steps (up to %d tokens) in %.1f s",
+                 report.graphs, half[-1], report.seconds)
+        return True
 
     def _capture_failed(self, what: str, exc: Exception, keep_graphs: bool = False) -> str:
         log.warning("%s capture failed; running without it: %s: %s", what, type(exc).__name__, exc, exc_info=True)
@@ -490,6 +564,9 @@ class ModelRunner:
     def forward_logits(self, inputs: PreparedInputs) -> torch.Tensor | None:
         if inputs.overlap_step is not None:  # decodes always sample: there are rows
             return self.model.compute_logits(self.overlap.run(inputs.overlap_step, inputs.meta, self.pieces))
+        if inputs.pipelined_step is not None:
+            hidden = self.pipeline.run(inputs.pipelined_step, self.pieces)
+            return self.model.compute_logits(hidden) if inputs.sampling_seqs else None
         if inputs.graph_step is not None:
             hidden = GraphRunner.run(inputs.graph_step)  # padded rows; sample_rows pick real ones
         elif inputs.piece_step is not None:

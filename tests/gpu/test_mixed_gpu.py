@@ -1,7 +1,8 @@
 """The mixed-step overlap on the GPU: a mixed step's decodes (their decode graph, on a second stream) beside its
 chunk (piecewise graphs) give the same logits, bit for bit, as the same two parts run one after the other on one
 stream (no race between the streams: separate pools, workspaces and buffers), the whole step's greedy tokens,
-and logits within rounding of eager execution; async scheduling included.
+and logits within rounding of eager execution; async scheduling included. The same for pipelined steps (a step's
+two halves, one's attention beside the other's pieces: nano_batches.py).
 
 Run on the GPU machine only: `pytest -q -s tests/gpu/test_mixed_gpu.py` (never part of CI).
 """
@@ -21,11 +22,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _engine(overlap: str, cuda_graphs: bool = True, dtype: str = "float32", async_mode: str = "on",
-            model: str = "random:tiny") -> EngineCore:
+            model: str = "random:tiny", chunk: int = 256) -> EngineCore:
     config = EngineConfig(model=model, device="cuda", dtype=dtype, attention_backend="triton", block_size=16,
                           num_kv_blocks=4096, seed=11, cuda_graphs=cuda_graphs, mixed_overlap=overlap,
                           enable_prefix_caching=False, async_scheduling=async_mode)
-    return EngineCore.from_config(config, SchedulerConfig(chunk_size=256, max_num_seqs=32, queue_policy="fcfs"))
+    return EngineCore.from_config(config, SchedulerConfig(chunk_size=chunk, max_num_seqs=32, queue_policy="fcfs"))
 
 
 def _record_logits(core: EngineCore) -> list[tuple[str, torch.Tensor]]:
@@ -113,3 +114,47 @@ def test_overlap_with_synchronous_steps_and_bf16():
     # bf16 matmuls over 64 rows and over the whole step may round differently; a random model's near-ties can
     # then flip a token, rarely (the fp32 test above asserts equality).
     assert agree >= len(expected) - 1, (got, expected)
+
+
+# Steps of 384 tokens or more are cut (NANO_MIN_TOKENS per half): chunks of 512 beside up to 32 decodes.
+PIPELINE_CHUNK = 512
+
+
+@pytest.fixture(scope="module")
+def pipelined() -> EngineCore:
+    core = _engine("pipeline", chunk=PIPELINE_CHUNK)
+    assert core.execution_mode == "cuda_graphs" and core.runner.pipeline.lane_b is not None, core.execution_mode
+    return core
+
+
+def test_pipelined_two_streams_equal_one_stream_bit_for_bit(pipelined):
+    prompts, params = _workload(4)
+    logits = _record_logits(pipelined)
+    pipelined.runner.pipeline.concurrent = False
+    sequential, _ = _run(pipelined, prompts, params)
+    one_stream = list(logits)
+    logits.clear()
+    pipelined.runner.pipeline.concurrent = True
+    concurrent, kinds = _run(pipelined, prompts, params)
+    assert kinds.count("pipeline") >= 5
+    assert concurrent == sequential
+    assert [k for k, _ in logits] == [k for k, _ in one_stream]
+    for (_, a), (_, b) in zip(logits, one_stream):
+        assert torch.equal(a, b)
+    del pipelined.runner.forward_logits
+
+
+def test_pipelined_steps_give_the_whole_steps_greedy_tokens_and_eager_logits(pipelined):
+    prompts, params = _workload(5)
+    got, kinds = _run(pipelined, prompts, params)
+    assert "pipeline" in kinds
+    expected, whole_kinds = _run(_engine("off", chunk=PIPELINE_CHUNK), prompts, params)
+    assert "pipeline" not in whole_kinds and got == expected
+    eager = _engine("off", cuda_graphs=False, chunk=PIPELINE_CHUNK)
+    eager_logits, graph_logits = _record_logits(eager), _record_logits(pipelined)
+    assert _run(eager, prompts, params)[0] == expected
+    _run(pipelined, prompts, params)
+    assert len(eager_logits) == len(graph_logits)
+    for (_, a), (kind, b) in zip(eager_logits, graph_logits):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3, msg=lambda m, kind=kind: f"{kind} step: {m}")
+    del pipelined.runner.forward_logits

@@ -100,6 +100,9 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise EngineBenchArgsError(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
     if args.plot and "longshort" not in chosen:
         raise EngineBenchArgsError("--plot draws the longshort section's runs: add longshort to --sections")
+    modes = {v for v in args.mixed_overlap_variants or () if v != "off"}
+    if len(modes) > 1:
+        raise EngineBenchArgsError(f"--mixed-overlap-variants: one mode besides off per engine, got {sorted(modes)}")
     if args.saturation_max_requests is None:
         from metronome.server.engine.cuda_graphs import CAPTURE_SIZES
 
@@ -120,7 +123,8 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         # the first finds them cached and measures the cache (the H200 batch at chunk 512 after 2048: TTFT 42 ms).
         args.enable_prefix_caching = False
     if args.mixed_overlap_variants and "longshort" in chosen:
-        args.mixed_overlap = "on"  # its graphs are captured at start; each run switches it on or off
+        # its graphs are captured at start; each run switches it on or off (_check_args: one mode besides off)
+        args.mixed_overlap = next((v for v in args.mixed_overlap_variants if v != "off"), "off")
     core = EngineCore.from_config(engine_config_from_args(args), scheduler_from_args(args, max_num_seqs=startup_seqs))
     config = core.loaded.config
     dtype = core.loaded.dtype
@@ -143,7 +147,7 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         # decode batches above the largest size replay no decode graph (piecewise graphs or eager instead)
         "max_num_seqs_at_start": startup_seqs,
         "decode_graph_sizes": getattr(getattr(core.runner, "graphs", None), "sizes", None),
-        "mixed_overlap": "on" if getattr(core.runner, "overlap", None) is not None else "off",
+        "mixed_overlap": core.overlap_mode,
         "attention": core.attention_description if hasattr(core, "attention_description") else None,
     }
     device_info = doc.get("device") or {}

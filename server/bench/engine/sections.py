@@ -255,7 +255,7 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
             for rate in sorted(rates):
                 for variant in overlap_variants or [None]:
                     if variant is not None:
-                        set_mixed_overlap(core, variant == "on")
+                        set_mixed_overlap(core, variant)
                     collector.reset()
                     label = f"chunk {chunk_label(chunk)} @ {rate:g} req/s"
                     if variant is not None:
@@ -288,17 +288,20 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
     return runs, batch_entries
 
 
-def set_mixed_overlap(core: Any, on: bool) -> None:
-    """Switch the engine's mixed-step overlap between runs (its graphs were captured at start)."""
-    overlap = getattr(core.runner, "overlap", None)
-    if overlap is None:
-        raise EngineBenchError("overlap variants need an engine started with --mixed-overlap on")
-    overlap.enabled = on
+def set_mixed_overlap(core: Any, variant: str) -> None:
+    """Switch the engine's mixed-step overlap ("on" or "pipeline") on or off between runs (its graphs were
+    captured at start)."""
+    switches = {"on": getattr(core.runner, "overlap", None), "pipeline": getattr(core.runner, "pipeline", None)}
+    if variant != "off" and switches[variant] is None:
+        raise EngineBenchError(f"the {variant} variant needs an engine started with --mixed-overlap {variant}")
+    for mode, switch in switches.items():
+        if switch is not None:
+            switch.enabled = mode == variant
 
 
 def overlap_comparison(runs: list[RunEntry]) -> list[dict[str, Any]]:
-    """Per (chunk, rate) run with the overlap off and on: TBT p99 and output tokens/s of each, the p99's drop
-    (a share of off's) and the throughput's change. Pure."""
+    """Per (chunk, rate) run with the overlap off and on (`mode`: "on" or "pipeline"; the `_on` fields are its):
+    TBT p99 and output tokens/s of each, the p99's drop (a share of off's) and the throughput's change. Pure."""
     pairs: dict[tuple[int, float], dict[str, RunEntry]] = {}
     for run in runs:
         variant = run.params.get("mixed_overlap")
@@ -306,12 +309,13 @@ def overlap_comparison(runs: list[RunEntry]) -> list[dict[str, Any]]:
             pairs.setdefault((run.params["chunk_size"], run.params["rate"]), {})[variant] = run
     rows = []
     for (chunk, rate), pair in sorted(pairs.items()):
-        if set(pair) != {"off", "on"}:
+        modes = sorted(set(pair) - {"off"})
+        if "off" not in pair or len(modes) != 1:
             continue
-        off, on = pair["off"].summary, pair["on"].summary
+        off, on = pair["off"].summary, pair[modes[0]].summary
         p99_off, p99_on = off.tbt.p99_ms, on.tbt.p99_ms
         rows.append({
-            "chunk_size": chunk, "rate": rate, "tbt_p99_ms_off": p99_off, "tbt_p99_ms_on": p99_on,
+            "chunk_size": chunk, "rate": rate, "mode": modes[0], "tbt_p99_ms_off": p99_off, "tbt_p99_ms_on": p99_on,
             "tbt_p99_reduction": 1 - p99_on / p99_off if p99_off and p99_on is not None else None,
             "output_tokens_per_s_off": off.output_tokens_per_s, "output_tokens_per_s_on": on.output_tokens_per_s,
             "throughput_change": (on.output_tokens_per_s / off.output_tokens_per_s - 1
