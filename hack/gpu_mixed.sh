@@ -20,7 +20,7 @@
 # .fa4wheels/call2 (carried) joined with the libs-cu13 wheel's first part, which a
 # previous call on the same warm machine left in /tmp/fa4 (hack/fa4_wheels.sh says how); without them the FA4
 # parts report FA4 absent and the rest runs. Knobs: PARTS ("tests mixed longshort fa4ab"), BUDGET, TEST_LIMIT,
-# TESTS_K (a pytest -k), DURATION, RATES, CHUNKS, MODE (the long-short's overlap mode: on), VARIANTS,
+# TESTS_K (a pytest -k), DURATION, RATES, CHUNKS, MODE and LONGSHORT_LIMIT (the long-short's), VARIANTS,
 # MIXED_CHUNKS and MIXED_LIMIT (the profile's), SAT_MODES, SAT_MAX, SAT_ARGS, SMOKE=1 (the CPU with a tiny model:
 # this script's plumbing, not the GPU).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -38,6 +38,7 @@ MODE=${MODE:-on}
 VARIANTS=${VARIANTS:-whole,overlap,split}
 MIXED_CHUNKS=${MIXED_CHUNKS:-128,512,2048}
 MIXED_LIMIT=${MIXED_LIMIT:-120}
+LONGSHORT_LIMIT=${LONGSHORT_LIMIT:-175}
 SAT_MODES=${SAT_MODES:-off pipeline}
 SAT_MAX=${SAT_MAX:-1000}
 SAT_ARGS=${SAT_ARGS:---quantization fp8 --kv-cache-dtype fp8}
@@ -124,8 +125,8 @@ fi
 
 # --- 3. long-short, overlap off and on back to back per (chunk, rate)
 if has longshort; then
-  stamp "long-short (rates $RATES, chunks $CHUNKS, ${DURATION}s each, limit $(limit 175 50)s)"
-  (cd "$RUN_DIR" && timeout -k 10 "$(limit 175 50)" "${CLI[@]}" bench engine "${MODEL[@]}" --no-progress \
+  stamp "long-short (rates $RATES, chunks $CHUNKS, ${DURATION}s each, limit $(limit "$LONGSHORT_LIMIT" 50)s)"
+  (cd "$RUN_DIR" && timeout -k 10 "$(limit "$LONGSHORT_LIMIT" 50)" "${CLI[@]}" bench engine "${MODEL[@]}" --no-progress \
     --sections longshort --rates "$RATES" --chunk-sizes "$CHUNKS" --duration "$DURATION" --warmup-requests 8 \
     --drain-timeout 10 --no-records --no-prefix-caching --mixed-overlap-variants "off,$MODE" "${SMOKE_ARGS[@]}" \
     --out "$OUT/longshort.json") >> "$BENCH_LOG" 2>&1

@@ -79,8 +79,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "(a loop over the experts: exact, no CUDA graphs)", choices=MOE_BACKENDS),
     Flag("--mixed-overlap", "mixed_overlap", "on: run a mixed step's decodes (their decode CUDA graph, on a second "
          "stream) beside its prompt chunk (piecewise graphs), so that the decodes' KV reads overlap the chunk's "
-         "matmuls; pipeline: cut every step of 384 tokens or more that runs on piecewise graphs in two halves and "
-         "run one half's attention beside the other's matmuls, layer by layer; both need CUDA graphs",
+         "matmuls; pipeline: cut every mixed step of 384 tokens or more in two halves and run one half's attention "
+         "beside the other's matmuls, layer by layer; both need CUDA graphs",
          choices=MIXED_OVERLAP),
     Flag("--quantization", "quantization", "fp8: quantise the decoder's linear layers to FP8 e4m3 on load "
          "(per-channel weight scales, dynamic per-token activations); an FP8 checkpoint (quant_method fp8, "

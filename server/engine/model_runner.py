@@ -254,7 +254,7 @@ class ModelRunner:
                 return PreparedInputs(static.input_ids, static.positions, step.graph.meta, sample_dev, sampling_seqs,
                                       step)
         if self.pipeline is not None and self.pipeline.enabled and self.pieces is not None:
-            cut = nano_cut(num_tokens)
+            cut = nano_cut(num_tokens, num_seqs)
             if cut and self.pipeline.fits(cut, num_tokens - cut, self.pieces):
                 return self._prepare_pipelined(cut, token_array, positions, slots, cu, q_lens, seq_lens, tables,
                                                sample_rows, sampling_seqs, pending, in_flight)

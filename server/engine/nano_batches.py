@@ -45,9 +45,13 @@ NANO_MIN_TOKENS = 192
 CUT_ALIGN = 64
 
 
-def nano_cut(num_tokens: int, min_tokens: int = NANO_MIN_TOKENS) -> int:
-    """Where a step of num_tokens is cut (A = the tokens before it), or 0: the step runs whole."""
-    if num_tokens < 2 * min_tokens:
+def nano_cut(num_tokens: int, num_seqs: int, min_tokens: int = NANO_MIN_TOKENS) -> int:
+    """Where a step of num_tokens over num_seqs sequences is cut (A = the tokens before it), or 0: the step runs
+    whole. Decode-only steps run whole: cut, both halves are decodes whose attention streams KV while their
+    matmuls need bandwidth too, and on the H200 the halves' overlap did not pay for the second read of the weights
+    (saturation's decode steps at batch 714: 43.0 ms a step pipelined against 41.0 whole); a mixed step's A holds
+    the decodes and B only prompt tokens, one memory-bound and one compute-bound (its steps there: 7 % faster)."""
+    if num_tokens == num_seqs or num_tokens < 2 * min_tokens:
         return 0
     cut = -(-(num_tokens // 2) // CUT_ALIGN) * CUT_ALIGN
     return cut if min_tokens <= num_tokens - cut else num_tokens // 2

@@ -22,14 +22,15 @@ from metronome.server.engine.sampling import SamplingParams
 MIN = 8  # the tests' floor on a half's tokens (NANO_MIN_TOKENS is sized for an H200's matmuls)
 
 
-def test_a_step_is_cut_near_its_middle_when_both_halves_are_big_enough():
-    assert nano_cut(383, 192) == 0  # a half would be under the floor: whole
-    assert nano_cut(384, 192) == 192
-    assert nano_cut(400, 192) == 200  # 200 would round up to 256 and leave B 144: the exact middle instead
-    assert nano_cut(576, 192) == 320  # 64 decodes + a 512 chunk: A fills its 320-token bucket exactly
-    assert nano_cut(714, 192) == 384
+def test_a_mixed_step_is_cut_near_its_middle_when_both_halves_are_big_enough():
+    assert nano_cut(383, 100, 192) == 0  # a half would be under the floor: whole
+    assert nano_cut(384, 100, 192) == 192
+    assert nano_cut(400, 100, 192) == 200  # 200 would round up to 256 and leave B 144: the exact middle instead
+    assert nano_cut(576, 65, 192) == 320  # 64 decodes + a 512 chunk: A fills its 320-token bucket exactly
+    assert nano_cut(2969, 922, 192) == 1536  # saturation: 921 decodes + a 2,048 chunk
+    assert nano_cut(714, 714, 192) == 0  # decode-only: whole
     for n in range(16, 3000, 7):
-        cut = nano_cut(n, MIN)
+        cut = nano_cut(n, 3, MIN)
         if cut:
             assert MIN <= cut and MIN <= n - cut and (cut % CUT_ALIGN == 0 or cut == n // 2)
 
@@ -86,7 +87,7 @@ def _small_halves(monkeypatch):
     """Cut the tiny model's steps from 2 x MIN tokens (the runner reads the floor through nano_cut's default)."""
     import metronome.server.engine.model_runner as model_runner
 
-    monkeypatch.setattr(model_runner, "nano_cut", lambda n: nano_cut(n, MIN))
+    monkeypatch.setattr(model_runner, "nano_cut", lambda n, seqs: nano_cut(n, seqs, MIN))
 
 
 def _record_logits(core: EngineCore) -> list[torch.Tensor]:
