@@ -20,7 +20,7 @@
 # .fa4wheels/call2 (carried) joined with the libs-cu13 wheel's first part, which a
 # previous call on the same warm machine left in /tmp/fa4 (hack/fa4_wheels.sh says how); without them the FA4
 # parts report FA4 absent and the rest runs. Knobs: PARTS ("tests mixed longshort fa4ab"), BUDGET, TEST_LIMIT,
-# TESTS_K (a pytest -k), DURATION, RATES, CHUNKS, MODE and LONGSHORT_LIMIT (the long-short's), VARIANTS,
+# TEST_FILES and TESTS_K (a pytest -k), DURATION, RATES, CHUNKS, MODE and LONGSHORT_LIMIT (the long-short's), VARIANTS,
 # MIXED_CHUNKS and MIXED_LIMIT (the profile's), SAT_MODES, SAT_MAX, SAT_ARGS, SMOKE=1 (the CPU with a tiny model:
 # this script's plumbing, not the GPU).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,7 +51,8 @@ left() { echo $((BUDGET - (SECONDS - START))); }
 # limit CAP RESERVE: at most CAP seconds, and never into the RESERVE seconds the later parts need
 limit() { local l=$(( $(left) - $2 )); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 10 ] && l=10; echo "$l"; }
 
-SMOKE_ARGS=(); MIXED_ARGS=(--profile); TESTS=(tests/gpu/test_mixed_gpu.py tests/gpu/test_flash_attn4_gpu.py)
+SMOKE_ARGS=(); MIXED_ARGS=(--profile)
+read -r -a TESTS <<< "${TEST_FILES:-tests/gpu/test_mixed_gpu.py tests/gpu/test_flash_attn4_gpu.py}"
 MODEL=(--model random:llama-3-8b --device cuda)
 # The GPU machine runs the hack scripts as modules from the root; a smoke run here runs them as files from /tmp
 # (where a developer's tools run, the root's operator/ must not shadow the standard library's).

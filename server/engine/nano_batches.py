@@ -122,7 +122,8 @@ class NanoPipeline:
         self.enabled = enabled
         self.concurrent = concurrent
         self.lane_b: PiecewiseRunner | None = None
-        self._streams: tuple[Any, Any] | None = None
+        self.attention_first = False
+        self._streams: tuple[Any, Any, bool] | None = None
         self._events: list[Any] = []
 
     def attach(self, lane_b: PiecewiseRunner | None) -> None:
@@ -133,13 +134,15 @@ class NanoPipeline:
                 and self.lane_b.bucket_for(b_tokens) is not None)
 
     def _gpu(self) -> tuple[Any, Any, list[Any]]:
-        if self._streams is None:
-            pieces = torch.cuda.Stream(self.device, priority=-1)
-            attention = torch.cuda.Stream(self.device, priority=0)
-            self._streams = (pieces, attention)
+        """(pieces' stream, attentions' stream, the four events); `attention_first` swaps the streams' priorities
+        (for comparisons: whose blocks take the SMs that free up first)."""
+        if self._streams is None or self._streams[2] != self.attention_first:
+            first, second = (0, -1) if self.attention_first else (-1, 0)
+            self._streams = (torch.cuda.Stream(self.device, priority=first),
+                             torch.cuda.Stream(self.device, priority=second), self.attention_first)
             # re-recorded every layer: a wait is issued right after the record it waits for
             self._events = [torch.cuda.Event() for _ in range(4)]
-        return (*self._streams, self._events)
+        return (*self._streams[:2], self._events)
 
     def run(self, step: PipelinedStep, lane_a: PiecewiseRunner) -> torch.Tensor:
         """Both halves; the sampled rows' hidden states, A's first."""
