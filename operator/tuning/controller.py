@@ -2,10 +2,11 @@
 
 Order of the rules, first match wins:
 1. autotune off → hold (status still gets SLO fields); no observation or too few TBT samples → hold, no data.
-2. settling → hold: within `cooldown_seconds` of the last change, while pods still report an older config
-   generation (for at most `settle_timeout_seconds`), or while the observation window still holds samples from
-   before the last pod *applied* the change (each pod's config_applied time; the write time when unknown): a
-   real kubelet projects a ConfigMap 30-90 s after it is written.
+2. settling → hold: within `cooldown_seconds` of the last change, while more or fewer pods report than the
+   replicas wanted or pods still report an older config generation (either for at most `settle_timeout_seconds`
+   after the last change), or while the observation window still holds samples from before the last pod
+   *applied* the change (each pod's config_applied time, a new pod's start; the write time when unknown): a real
+   kubelet projects a ConfigMap 30-90 s after it is written.
 3. queue policy switching (if enabled): to `split` when long prompts are a large share (≥ long_share_on, from the
    server's per-lane prompt counts) and short requests' TBT p99 (the TBT histogram's short lane; the overall p99
    when the server does not split it out) is over target; back to the resource's own policy when the share falls
@@ -138,10 +139,6 @@ def decide(observation: Observation | None, current: CurrentConfig, spec: Autotu
     # Far over target the chunk is the coarse knob: a policy switch first would cost a whole settling window.
     chunk_first = ratio > FAR_OVER_TARGET and chunk.chunk_size != current.chunk_size
     proposal = switch if switch is not None and not chunk_first else chunk
-    pending = _replicas_pending(observation, current, spec, now)
-    if pending is not None and proposal.replicas > current.replicas:
-        proposal = _hold_proposal(current, f"{proposal.reason}; but {pending}: waiting for them before adding more",
-                                  proposal.policy_used)
     recommended = _recommendation(observation, current, spec, proposal, healthy=observed["slo_met"])
     # On the way down replicas go first: the chunk is retuned for the load each remaining replica then carries.
     down = _scale_down(observation, current, spec, proposal, recommended, recent, now)
@@ -159,6 +156,12 @@ def _settling_reason(obs: Observation, current: CurrentConfig, spec: AutotuneSpe
     if since < obs.window_seconds:
         return (f"settling: the {obs.window_seconds:.0f} s window still holds samples from before the last "
                 f"change ({since:.0f} s ago)")
+    pending = _replicas_pending(obs, current, spec, now)
+    if pending is not None:
+        # The pods that report are not the ones that will share the load: a new replica still starting leaves
+        # the window with the old ones' queue (a chunk cut from there is wrong once it serves), one leaving
+        # still holds the requests it drains.
+        return f"settling: {pending}"
     lagging = sorted(pod for pod, generation in obs.pod_generations.items() if generation < current.generation)
     if lagging and since < spec.settle_timeout_seconds:
         return (f"settling: {len(lagging)}/{len(obs.pod_generations)} pods not yet on config generation "

@@ -239,8 +239,8 @@ def test_the_last_change_time_comes_back_from_status_after_a_restart():
                  None, NOW + 30, remembered_change_time=None)
     assert not later.decision.changed and "cooldown" in later.decision.reason
     # After the cooldown and the window, it acts again.
-    much_later = step(service(), served(chunk=921, generation=4), status, observation(tbt_ms=60, generations={"a": 4}),
-                      None, NOW + 90)
+    much_later = step(service(), served(chunk=921, generation=4), status,
+                      observation(tbt_ms=60, generations={"a": 4, "b": 4}), None, NOW + 90)
     assert much_later.scheduler is not None and much_later.scheduler.chunk_size < 921
 
 

@@ -73,18 +73,33 @@ def test_off_mode_reports_the_slo_but_decides_nothing():
     (30, {}, "cooldown"),
     (70, {"window_seconds": 120}, "window still holds samples"),
     (70, {"pod_generations": {"a": 4, "b": 3}}, "1/2 pods not yet on config generation 4"),
+    (70, {"pod_generations": {"a": 4}}, "1 pod(s) report where 2 replica(s) are wanted"),
+    (70, {"pod_generations": {"a": 4, "b": 4, "c": 4}}, "3 pod(s) report where 2 replica(s) are wanted"),
 ])
 def test_settling_holds(since, obs_fields, text):
-    current = config(generation=4, last_change=NOW - since)
+    current = config(replicas=2, generation=4, last_change=NOW - since)
     decision = decide(observation(90, **obs_fields), current, spec(), NOW)
     assert not decision.changed and decision.actions == (ActionKind.HOLD,)
     assert text in decision.reason and decision.slo_met is False
 
 
 def test_lagging_pods_stop_blocking_after_the_settle_timeout():
-    current = config(generation=4, last_change=NOW - 400)
+    current = config(replicas=2, generation=4, last_change=NOW - 400)
     decision = decide(observation(90, pod_generations={"a": 4, "b": 3}), current, spec(), NOW)
     assert decision.changed
+
+
+def test_a_replica_still_starting_holds_the_chunk_until_it_reports():
+    """Right after a scale-up the window is the old replica's queue: a chunk cut from there (TBT p99 2.4x the
+    target in an end-to-end run, cut 96 -> 32) is wrong once the new replica shares the load."""
+    current = config(chunk=96, replicas=2, generation=4, last_change=NOW - 70)
+    starting = decide(observation(2400, pod_generations={"a": 4}), current, spec(), NOW)
+    assert not starting.changed and "1 pod(s) report where 2 replica(s) are wanted" in starting.reason
+    both = decide(observation(2400, pod_generations={"a": 4, "b": 4}), current, spec(), NOW)
+    assert both.changed and both.chunk_size < 96
+    never = decide(observation(2400, pod_generations={"a": 4}), config(chunk=96, replicas=2, generation=4,
+                                                                        last_change=NOW - 400), spec(), NOW)
+    assert never.changed  # a replica that never comes stops blocking after the settle timeout
 
 
 # --- model policy --------------------------------------------------------------------------------------------
