@@ -21,8 +21,9 @@ before B.p_l on the pieces' stream and so before B.a_l.
 - Buffers: each half has its own piecewise runner (static inputs, q and attention-output buffers, graph memory
   pool), since A.p_{l+1} runs while B.a_l still reads B's q and writes B's attention output.
 - Streams: the pieces run on a stream of higher priority than the attentions' (the matmuls are short and every
-  later launch waits on them; attention blocks fill the SMs they leave). Both wait for the step's uploads on the
-  current stream first, and the current stream waits for both before the sampled rows are gathered.
+  later launch waits on them; attention blocks fill the SMs they leave; the other way round, `attention_first`,
+  measured the same on the H200). Both wait for the step's uploads on the current stream first, and the current
+  stream waits for both before the sampled rows are gathered.
 - On the CPU (recorded graphs, tests) the launches run one after the other in the same order.
 
 Pure decisions here (whether and where a step is cut, each half's share of the batch); the runner uploads each
