@@ -430,7 +430,9 @@ def test_autotune_at_the_chunk_floor_scales_replicas_then_reports_the_slo_unreac
     assert any(e["reason"] == "AutotuneScaled" and "replicas 2 -> 3" in e["message"]
                for e in events_for(cluster, ns, SCALED))
 
-    # At the maximum, nothing is left to do: SLOMet says so, once, as a Warning.
+    # The loop judges nothing until the new replica reports: then, at the maximum, nothing is left to do, and
+    # SLOMet says so, once, as a Warning.
+    fake.state.update(generations={"p0": 1, "p1": 1, "p2": 1})
     def unreachable():
         cond = condition(get_json(cluster, "inferenceservices.metronome.dev", SCALED, "-n", ns) or {}, "SLOMet")
         return cond if cond and cond["reason"] == "ChunkAtFloor" else None
