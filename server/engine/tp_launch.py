@@ -100,7 +100,10 @@ class WorkerPool:
         os.environ.update(_loopback_env())
         store = dist.TCPStore(HOST, 0, self.world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
                               wait_for_workers=False)
-        env = {**os.environ, "MASTER_PORT": str(store.port)}
+        # PYTHONSAFEPATH: `-m` would put the working directory first on the worker's path, and run from a checkout
+        # its top-level folders (kernels/, operator/) hide the installed packages of those names (transformers
+        # imports Hugging Face's `kernels`).
+        env = {**os.environ, "MASTER_PORT": str(store.port), "PYTHONSAFEPATH": "1"}
         config_json = json.dumps(dataclasses.asdict(config))
         atexit.register(self.shutdown)
         try:

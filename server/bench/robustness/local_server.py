@@ -31,7 +31,8 @@ def local_server_process(serve_args: list[str],
     command = [sys.executable, "-m", "metronome.cli", "serve", *serve_args, "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "warning"]
     log = tempfile.NamedTemporaryFile("w+", prefix="metronome-serve-", suffix=".log", delete=False)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    # PYTHONSAFEPATH: from a checkout, `-m` would let its top-level folders hide installed packages (tp_launch.py)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONSAFEPATH": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout_s
