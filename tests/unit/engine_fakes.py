@@ -132,3 +132,34 @@ class RecordingObserver:
 
     def on_rejected(self, reason):
         self.rejected.append(reason)
+
+
+def record_logits(core) -> list[torch.Tensor]:
+    """Every step's logits, in step order (the runner's output before sampling)."""
+    seen: list[torch.Tensor] = []
+    forward = core.runner.forward_logits
+
+    def recording(inputs):
+        logits = forward(inputs)
+        if logits is not None:
+            seen.append(logits.clone())
+        return logits
+
+    core.runner.forward_logits = recording
+    return seen
+
+
+def run_to_completion(core, prompts, params):
+    """Each request's generated tokens and each step's forward kind, until every request finished."""
+    ids = [core.add_request(p, sp) for p, sp in zip(prompts, params)]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    kinds: list[str] = []
+    while core.has_unfinished():
+        events, stats = core.step()
+        if stats.num_tokens:
+            kinds.append(stats.forward)
+        for e in events:
+            if e.token_id >= 0:
+                tokens[e.request_id].append(e.token_id)
+    core.check_no_leaks()
+    return [tokens[rid] for rid in ids], kinds

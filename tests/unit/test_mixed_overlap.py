@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from engine_fakes import attach_recorded_graphs
+from engine_fakes import attach_recorded_graphs, record_logits, run_to_completion
 
 from metronome.contract.config import SchedulerConfig
 from metronome.contract.errors import InvalidRequestError
@@ -43,36 +43,6 @@ def _engine(overlap: bool, async_mode: str = "off", preset: str = "random:tiny")
     return core
 
 
-def _record_logits(core: EngineCore) -> list[torch.Tensor]:
-    """Every step's logits, in step order (the runner's output before sampling)."""
-    seen: list[torch.Tensor] = []
-    forward = core.runner.forward_logits
-
-    def recording(inputs):
-        logits = forward(inputs)
-        if logits is not None:
-            seen.append(logits.clone())
-        return logits
-
-    core.runner.forward_logits = recording
-    return seen
-
-
-def _run(core: EngineCore, prompts, params):
-    ids = [core.add_request(p, sp) for p, sp in zip(prompts, params)]
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    kinds: list[str] = []
-    while core.has_unfinished():
-        events, stats = core.step()
-        if stats.num_tokens:
-            kinds.append(stats.forward)
-        for e in events:
-            if e.token_id >= 0:
-                tokens[e.request_id].append(e.token_id)
-    core.check_no_leaks()
-    return [tokens[rid] for rid in ids], kinds
-
-
 def _workload(seed: int):
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(9)]
@@ -83,9 +53,9 @@ def _workload(seed: int):
 def test_overlapped_steps_give_the_whole_steps_logits_and_greedy_tokens():
     prompts, params = _workload(7)
     whole, split = _engine(False), _engine(True)
-    whole_logits, split_logits = _record_logits(whole), _record_logits(split)
-    expected, whole_kinds = _run(whole, prompts, params)
-    got, kinds = _run(split, prompts, params)
+    whole_logits, split_logits = record_logits(whole), record_logits(split)
+    expected, whole_kinds = run_to_completion(whole, prompts, params)
+    got, kinds = run_to_completion(split, prompts, params)
     assert got == expected
     assert "overlap" in kinds and "overlap" not in whole_kinds
     assert kinds.count("overlap") == whole_kinds.count("piecewise") - kinds.count("piecewise")
@@ -97,8 +67,8 @@ def test_overlapped_steps_give_the_whole_steps_logits_and_greedy_tokens():
 @pytest.mark.parametrize("preset", ["random:tiny-gemma3"])
 def test_overlap_with_a_block_table_per_kv_group(preset):
     prompts, params = _workload(3)
-    expected, _ = _run(_engine(False, preset=preset), prompts, params)
-    got, kinds = _run(_engine(True, preset=preset), prompts, params)
+    expected, _ = run_to_completion(_engine(False, preset=preset), prompts, params)
+    got, kinds = run_to_completion(_engine(True, preset=preset), prompts, params)
     assert got == expected and "overlap" in kinds
 
 
@@ -106,9 +76,9 @@ def test_tokens_in_flight_reach_both_parts_under_async_scheduling():
     """Async: a decode's input is the previous step's sample, still on the device; in an overlapped step it must
     land in the decode graph's static inputs (and a recompute ending in it, in the chunk part's)."""
     prompts, params = _workload(11)
-    expected, _ = _run(_engine(False, "off"), prompts, params)
+    expected, _ = run_to_completion(_engine(False, "off"), prompts, params)
     core = _engine(True, "on")
-    got, kinds = _run(core, prompts, params)
+    got, kinds = run_to_completion(core, prompts, params)
     assert got == expected and "overlap" in kinds
 
 
@@ -116,9 +86,9 @@ def test_switching_off_between_steps_runs_steps_whole():
     prompts, params = _workload(5)
     core = _engine(True)
     core.runner.overlap.enabled = False
-    got, kinds = _run(core, prompts, params)
+    got, kinds = run_to_completion(core, prompts, params)
     assert "overlap" not in kinds and "piecewise" in kinds
-    assert got == _run(_engine(False), prompts, params)[0]
+    assert got == run_to_completion(_engine(False), prompts, params)[0]
 
 
 def test_the_flag_is_checked_and_reported():

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from engine_fakes import attach_recorded_graphs
+from engine_fakes import attach_recorded_graphs, record_logits, run_to_completion
 
 from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.config import EngineConfig
@@ -90,35 +90,6 @@ def _small_halves(monkeypatch):
     monkeypatch.setattr(model_runner, "nano_cut", lambda n, seqs: nano_cut(n, seqs, MIN))
 
 
-def _record_logits(core: EngineCore) -> list[torch.Tensor]:
-    seen: list[torch.Tensor] = []
-    forward = core.runner.forward_logits
-
-    def recording(inputs):
-        logits = forward(inputs)
-        if logits is not None:
-            seen.append(logits.clone())
-        return logits
-
-    core.runner.forward_logits = recording
-    return seen
-
-
-def _run(core: EngineCore, prompts, params):
-    ids = [core.add_request(p, sp) for p, sp in zip(prompts, params)]
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    kinds: list[str] = []
-    while core.has_unfinished():
-        events, stats = core.step()
-        if stats.num_tokens:
-            kinds.append(stats.forward)
-        for e in events:
-            if e.token_id >= 0:
-                tokens[e.request_id].append(e.token_id)
-    core.check_no_leaks()
-    return [tokens[rid] for rid in ids], kinds
-
-
 def _workload(seed: int, n: int = 9):
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(n)]
@@ -129,9 +100,9 @@ def _workload(seed: int, n: int = 9):
 def test_pipelined_steps_give_the_whole_steps_logits_and_greedy_tokens():
     prompts, params = _workload(7)
     whole, cut = _engine(False), _engine(True)
-    whole_logits, cut_logits = _record_logits(whole), _record_logits(cut)
-    expected, whole_kinds = _run(whole, prompts, params)
-    got, kinds = _run(cut, prompts, params)
+    whole_logits, cut_logits = record_logits(whole), record_logits(cut)
+    expected, whole_kinds = run_to_completion(whole, prompts, params)
+    got, kinds = run_to_completion(cut, prompts, params)
     assert got == expected
     assert "pipeline" in kinds and "pipeline" not in whole_kinds
     assert kinds.count("pipeline") == whole_kinds.count("piecewise") - kinds.count("piecewise")
@@ -145,15 +116,15 @@ def test_a_prompt_alone_is_cut_inside_its_chunk():
     rng = random.Random(2)
     prompt = [[rng.randrange(3, 512) for _ in range(40)]]
     params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)]
-    expected, _ = _run(_engine(False, chunk=48), prompt, params)
-    got, kinds = _run(_engine(True, chunk=48), prompt, params)
+    expected, _ = run_to_completion(_engine(False, chunk=48), prompt, params)
+    got, kinds = run_to_completion(_engine(True, chunk=48), prompt, params)
     assert got == expected and kinds[0] == "pipeline"
 
 
 def test_pipelining_with_a_block_table_per_kv_group():
     prompts, params = _workload(3)
-    expected, _ = _run(_engine(False, preset="random:tiny-gemma3"), prompts, params)
-    got, kinds = _run(_engine(True, preset="random:tiny-gemma3"), prompts, params)
+    expected, _ = run_to_completion(_engine(False, preset="random:tiny-gemma3"), prompts, params)
+    got, kinds = run_to_completion(_engine(True, preset="random:tiny-gemma3"), prompts, params)
     assert got == expected and "pipeline" in kinds
 
 
@@ -192,8 +163,8 @@ def test_decodes_past_the_cut_get_their_tokens(async_mode):
 
 def test_tokens_in_flight_reach_both_halves_under_async_scheduling():
     prompts, params = _workload(11, n=14)
-    expected, _ = _run(_engine(False, "off"), prompts, params)
-    got, kinds = _run(_engine(True, "on"), prompts, params)
+    expected, _ = run_to_completion(_engine(False, "off"), prompts, params)
+    got, kinds = run_to_completion(_engine(True, "on"), prompts, params)
     assert got == expected and "pipeline" in kinds
 
 
@@ -201,9 +172,9 @@ def test_switching_off_between_steps_runs_steps_whole():
     prompts, params = _workload(5)
     core = _engine(True)
     core.runner.pipeline.enabled = False
-    got, kinds = _run(core, prompts, params)
+    got, kinds = run_to_completion(core, prompts, params)
     assert "pipeline" not in kinds and "piecewise" in kinds
-    assert got == _run(_engine(False), prompts, params)[0]
+    assert got == run_to_completion(_engine(False), prompts, params)[0]
 
 
 def test_a_half_no_bucket_holds_runs_the_step_whole():
@@ -211,8 +182,8 @@ def test_a_half_no_bucket_holds_runs_the_step_whole():
     rng = random.Random(4)
     prompt = [[rng.randrange(3, 512) for _ in range(100)]]
     params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)]
-    got, kinds = _run(_engine(True, chunk=128), prompt, params)
-    assert got == _run(_engine(False, chunk=128), prompt, params)[0]
+    got, kinds = run_to_completion(_engine(True, chunk=128), prompt, params)
+    assert got == run_to_completion(_engine(False, chunk=128), prompt, params)[0]
     assert kinds[0] == "eager" and "pipeline" not in kinds
 
 
