@@ -4,7 +4,12 @@ from __future__ import annotations
 import pytest
 
 from metronome_testing.closedloop.load import require_loopback
-from metronome_testing.closedloop.slo import CalibrationError, choose_load_step, choose_tbt_target
+from metronome_testing.closedloop.slo import (
+    CalibrationError,
+    choose_load_step,
+    choose_shared_tbt_target,
+    choose_tbt_target,
+)
 
 
 def test_an_idle_machine_gets_a_tight_bucket_bound():
@@ -57,6 +62,18 @@ def test_a_load_step_beyond_the_buckets_is_refused():
         choose_load_step(30.0, 4)  # two servers would need a bound above 40 s, and 80 s is where quantiles clamp
     with pytest.raises(CalibrationError):
         choose_load_step(0.0, 4)
+
+
+def test_two_servers_get_a_tbt_target_with_room_for_sharing_the_machine():
+    # One server alone measured 678 ms p99 at the chosen chunk: two sharing a 2-core machine need about 3 x that.
+    assert choose_shared_tbt_target(0.678, 1.0) == 2.5
+    # A fast machine keeps the one-server target when 3 x its p99 is below it, and never gets a smaller one.
+    assert choose_shared_tbt_target(0.05, 0.5) == 0.5
+    assert choose_shared_tbt_target(0.2, 0.5) == 1.0
+    with pytest.raises(CalibrationError, match="no TBT bucket bound"):
+        choose_shared_tbt_target(2.0, 1.0)  # 6 s: above 5 s, the largest bound before quantiles clamp
+    with pytest.raises(CalibrationError):
+        choose_shared_tbt_target(0.0, 1.0)
 
 
 def test_load_goes_only_to_loopback():
