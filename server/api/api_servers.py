@@ -108,7 +108,7 @@ def build_server(args, engine, state, names, index: int, device_type: str):
     from metronome.server.api.app import create_app
     from metronome.server.api.client_share import ShareFlags
     from metronome.server.api.lifecycle import make_draining_server
-    from metronome.server.api.serve_cli import GIL_SWITCH_INTERVAL_S
+    from metronome.server.engine.serving_process import shorten_gil_switch
 
     app = create_app(engine, state, max_body_bytes=args.max_request_body_bytes,
                      tokenizer_workers=args.tokenizer_workers, strict_openai=args.strict_openai,
@@ -118,8 +118,7 @@ def build_server(args, engine, state, names, index: int, device_type: str):
     app.add_middleware(ServerHeader, index=index)  # added last: outermost, so every response carries it
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                             timeout_graceful_shutdown=max(args.drain_seconds, 1.0))
-    if device_type == "cuda":  # as serve_cli._serve: the reader thread hands tokens to a busy event loop
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    shorten_gil_switch(device_type)  # the reader thread hands tokens to a busy event loop
     return make_draining_server(config, state.lifecycle, args.drain_seconds, engine.abort)
 
 
@@ -186,8 +185,9 @@ def serve_many(args: argparse.Namespace, engine_config, base, initial, metrics_d
 
 def _serve_main(args, engine_config, base, initial) -> int:
     from metronome.server.api.metrics import ServerMetrics
-    from metronome.server.api.serve_cli import _build_engine, _http_stack, _stall_loggers, freeze_startup_heap
+    from metronome.server.api.serve_cli import _build_engine, _http_stack, _stall_loggers
     from metronome.server.api.state import build_state
+    from metronome.server.engine.serving_process import freeze_startup_heap
 
     count = args.api_servers
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails fast
@@ -254,9 +254,9 @@ def worker_main(spec: WorkerSpec, index: int, commands, replies) -> None:
                      daemon=True).start()
     from metronome.server.api.config_watch import ConfigStatus
     from metronome.server.api.metrics import ServerMetrics
-    from metronome.server.api.serve_cli import freeze_startup_heap
     from metronome.server.api.state import ServerState
     from metronome.server.engine.engine_process import ProcessEngine
+    from metronome.server.engine.serving_process import freeze_startup_heap
 
     engine = ProcessEngine.attach(spec.info, commands, replies)
     metrics = ServerMetrics(spec.names[0], multiprocess=True, primary=False)

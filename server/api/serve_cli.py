@@ -84,8 +84,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_scheduler_flags(parser.add_argument_group("scheduler (initial values; the --config file overrides them)"))
 
 
-GIL_SWITCH_INTERVAL_S = 0.0005
-
 
 def _http_stack() -> tuple[str, str]:
     """What uvicorn's "auto" picks: httptools and uvloop when installed (the server extra), else h11 and asyncio."""
@@ -138,18 +136,6 @@ def cpu_engine_threads(cpus: int) -> int:
     the others spin at the next barrier: on 2 vCPUs a burst of 64 small requests stretched 4-token decode steps
     from ~2 ms to 120-200 ms (the engine's TBT p99 150 ms; under 10 ms with one thread, docs/perf/isolation.md)."""
     return max(1, cpus - 1)
-
-
-def freeze_startup_heap() -> int:
-    """Collect once, then move every object alive now (modules, the model, graphs, the app) into the collector's
-    permanent generation and return how many. A full collection walks all tracked objects, about 220k after
-    start-up: 100-125 ms on the development VM, during which no stream gets a token. Frozen, collections walk
-    only what serving allocates (vLLM and SGLang freeze after start-up for the same reason)."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 def _load_engine(build, engine_config, initial):
@@ -224,6 +210,7 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
     from metronome.server.api.lifecycle import make_draining_server
     from metronome.server.api.metrics import ServerMetrics
     from metronome.server.api.state import build_state
+    from metronome.server.engine.serving_process import freeze_startup_heap, shorten_gil_switch
 
     disable_created_metrics()  # `_created` series only add noise to every scrape
     engine, device_type = _build_engine(args.engine_process, engine_config, initial)
@@ -246,13 +233,9 @@ def _serve(args: argparse.Namespace, engine_config, base, initial) -> int:
                             timeout_graceful_shutdown=max(args.drain_seconds, 1.0))
     server = make_draining_server(config, state.lifecycle, args.drain_seconds, engine.abort)
     log.info("HTTP: %s on %s", *_http_stack())
-    if device_type == "cuda":
-        # The engine thread shares the GIL with this event loop, and every torch call releases and retakes it: at
-        # Python's default 5 ms switch interval a busy event loop holds the engine up to 5 ms per call, so a step
-        # of a few dozen calls stretches while many streams are served. On a CPU both threads compute and the
-        # extra switching costs more than it saves (docs/perf/serving.md). With the engine in its own process the
-        # thread that waits here is ProcessEngine's reader, which hands each step's tokens to the event loop.
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    # With the engine in its own process the thread that waits here is ProcessEngine's reader, which hands each
+    # step's tokens to the event loop: the same holds for it.
+    shorten_gil_switch(device_type)
     log.info("start-up heap frozen: %d objects the garbage collector no longer walks", freeze_startup_heap())
     server.run()
     return 0

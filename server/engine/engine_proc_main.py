@@ -24,7 +24,6 @@ exits once every client has sent STOP or closed its pipe, or when its parent cha
 """
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import pickle
@@ -37,6 +36,7 @@ from metronome.contract.config import SchedulerConfig
 from metronome.contract.errors import MetronomeError
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.outputs import EngineStats, TokenEvent
+from metronome.server.engine.serving_process import freeze_startup_heap
 
 ADD, ABORT, RECONFIGURE, STOP = "add", "abort", "reconfigure", "stop"
 READY, FAILED = "ready", "failed"
@@ -99,10 +99,7 @@ def child_main(channels: list[tuple[Connection, Connection]], engine_config: Eng
             os.getpid(), core.model_name, core.vocab_size, core.max_model_len, core.config.max_waiting,
             core.block_manager.max_admissible_tokens(), tuple(sorted(core.eos_token_ids)), core.stats(),
             core.startup_summary(), core.runner.device.type, core.config.tensor_parallel_size, core.tokenizer)))
-        # As `serve` does in-process (serve_cli.freeze_startup_heap): full collections walk only what serving
-        # allocates, not the ~200k start-up objects (a 100 ms pause each time otherwise).
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()  # as `serve` does in-process
         _Loop(core, channels, parent).run()
     except (BrokenPipeError, EOFError, ConnectionError):
         pass  # the API process is gone: nobody to serve

@@ -5,7 +5,8 @@ import weakref
 
 import pytest
 
-from metronome.server.api.serve_cli import cpu_engine_threads, freeze_startup_heap
+from metronome.server.api.serve_cli import cpu_engine_threads
+from metronome.server.engine.serving_process import freeze_startup_heap
 
 
 @pytest.fixture

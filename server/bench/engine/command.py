@@ -113,6 +113,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str, Any]) -> None:
     """Everything that needs our engine; the engine is released when this returns (before transformers runs)."""
     from metronome.server.engine.engine import EngineCore
+    from metronome.server.engine.serving_process import freeze_startup_heap, shorten_gil_switch
 
     max_num_seqs = max([scheduler_from_args(args).max_num_seqs, *args.batch_sizes])  # room for every batch
     # Decode CUDA graphs are captured at start-up for batches up to the starting max_num_seqs: saturation's batch
@@ -126,6 +127,12 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         # its graphs are captured at start; each run switches it on or off (_check_args: one mode besides off)
         args.mixed_overlap = next((v for v in args.mixed_overlap_variants if v != "off"), "off")
     core = EngineCore.from_config(engine_config_from_args(args), scheduler_from_args(args, max_num_seqs=startup_seqs))
+    # As `serve` runs it: a frozen start-up heap and, on a GPU, a short GIL switch interval (the long-short load
+    # runs on an event loop beside the engine thread); without them the runs' TBT tails had collections and
+    # 5 ms GIL waits that a server never sees.
+    switch_interval = sys.getswitchinterval()
+    gil = shorten_gil_switch(core.runner.device.type)
+    frozen = freeze_startup_heap()
     config = core.loaded.config
     dtype = core.loaded.dtype
     dtype_bytes = byte_widths(core)
@@ -148,6 +155,8 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
         "max_num_seqs_at_start": startup_seqs,
         "decode_graph_sizes": getattr(getattr(core.runner, "graphs", None), "sizes", None),
         "mixed_overlap": core.overlap_mode,
+        "serving_process": {"frozen_objects": frozen, "gil_switch_interval_s": sys.getswitchinterval(),
+                            "gil_switch_shortened": gil},
         "attention": core.attention_description if hasattr(core, "attention_description") else None,
     }
     device_info = doc.get("device") or {}
@@ -197,6 +206,9 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
     doc["model"]["kernel_compiles_after_ready"] = core.stats().kernel_compiles_after_ready  # 0: no stall
     core.close()  # tensor-parallel workers, if any
     del core
+    # The engine's memory must be collectable again before transformers loads its copy of the model.
+    gc.unfreeze()
+    sys.setswitchinterval(switch_interval)
 
 
 def byte_widths(core: Any) -> sections.model_math.ByteWidths:

@@ -244,6 +244,7 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
     (chunk, rate) runs once per variant, one right after the other, the engine's mixed-step overlap switched
     between runs (the engine must have been built with it)."""
     from metronome.server.engine.async_engine import AsyncEngine
+    from metronome.server.engine.serving_process import freeze_startup_heap
 
     collector = StepCollector()
     engine = AsyncEngine(core, observers=[collector])
@@ -267,6 +268,7 @@ async def longshort_section(core: Any, spec: WorkloadSpec, sampler: TokenSampler
                 for variant in overlap_variants or [None]:
                     if variant is not None:
                         set_mixed_overlap(core, variant)
+                    freeze_startup_heap()  # earlier runs' records are not walked by this run's collections
                     collector.reset()
                     label = f"chunk {chunk_label(chunk)} @ {rate:g} req/s"
                     if variant is not None:

@@ -24,6 +24,7 @@ from metronome.server.bench.load.clients import BenchClientError, HttpClient
 from metronome.server.bench.load.records import RequestRecord
 from metronome.server.bench.loop.phases import Scheduled
 from metronome.server.bench.loop.routes import Routes
+from metronome.server.engine.serving_process import GIL_SWITCH_INTERVAL_S
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ async def _send(client: HttpClient, request, record: RequestRecord, t0: float, t
 def run_client_loop(work):
     """Run a client's coroutine as the clients should be run: on uvloop where installed, and with a short GIL
     switch interval so another thread (the scrapes' parser) cannot hold a token's timestamp back by 5 ms."""
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         import uvloop
     except ImportError:
