@@ -20,7 +20,9 @@
 # .fa4wheels/call2 (carried) joined with the libs-cu13 wheel's first part, which a
 # previous call on the same warm machine left in /tmp/fa4 (hack/fa4_wheels.sh says how); without them the FA4
 # parts report FA4 absent and the rest runs. Knobs: PARTS ("tests mixed longshort fa4ab"), BUDGET, TEST_LIMIT,
-# TEST_FILES and TESTS_K (a pytest -k), DURATION, RATES, CHUNKS, MODE and LONGSHORT_LIMIT (the long-short's), VARIANTS,
+# TEST_FILES and TESTS_K (a pytest -k), DURATION, RATES, CHUNKS, MODE, LONGSHORT_ORDER ("off,MODE" by default;
+# "MODE,off" runs the overlap first, to tell a run's order from its mode) and LONGSHORT_LIMIT (the long-short's),
+# VARIANTS,
 # MIXED_CHUNKS and MIXED_LIMIT (the profile's), SAT_MODES, SAT_MAX, SAT_ARGS, SMOKE=1 (the CPU with a tiny model:
 # this script's plumbing, not the GPU).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -35,6 +37,7 @@ RATES=${RATES:-45,60}
 CHUNKS=${CHUNKS:-512,1024}
 TEST_LIMIT=${TEST_LIMIT:-100}  # the tests' cap; the engines of tiny models compile and capture for most of it
 MODE=${MODE:-on}
+LONGSHORT_ORDER=${LONGSHORT_ORDER:-off,$MODE}
 VARIANTS=${VARIANTS:-whole,overlap,split}
 MIXED_CHUNKS=${MIXED_CHUNKS:-128,512,2048}
 MIXED_LIMIT=${MIXED_LIMIT:-120}
@@ -129,7 +132,7 @@ if has longshort; then
   stamp "long-short (rates $RATES, chunks $CHUNKS, ${DURATION}s each, limit $(limit "$LONGSHORT_LIMIT" 50)s)"
   (cd "$RUN_DIR" && timeout -k 10 "$(limit "$LONGSHORT_LIMIT" 50)" "${CLI[@]}" bench engine "${MODEL[@]}" --no-progress \
     --sections longshort --rates "$RATES" --chunk-sizes "$CHUNKS" --duration "$DURATION" --warmup-requests 8 \
-    --drain-timeout 10 --no-records --no-prefix-caching --mixed-overlap-variants "off,$MODE" "${SMOKE_ARGS[@]}" \
+    --drain-timeout 10 --no-records --no-prefix-caching --mixed-overlap-variants "$LONGSHORT_ORDER" "${SMOKE_ARGS[@]}" \
     --out "$OUT/longshort.json") >> "$BENCH_LOG" 2>&1
   stamp "long-short rc=$?"
   (cd "$RUN_DIR" && "$PY" - "$OUT/longshort.json") <<'EOF' 2>&1 | tee -a "$LOG"
@@ -138,6 +141,12 @@ try:
     doc = json.load(open(sys.argv[1]))
 except Exception as exc:  # noqa: BLE001
     sys.exit(f"no long-short JSON ({exc})")
+for run in doc["longshort"]["runs"]:  # whether TBT p99 is the per-gap step p99 (no token waits two steps)
+    steps, tbt = run["params"]["steps"], run["summary"]["tbt"]
+    gen2 = steps.get("gc_pauses", {}).get("gen2", {})
+    print(f"{run['label']}: TBT p99 {tbt['p99_ms']:.1f} ms; steps p99 {steps.get('step_ms_p99') or 0:.1f}, per gap "
+          f"{steps.get('step_ms_p99_per_gap') or 0:.1f}, max {steps.get('step_ms_max') or 0:.1f} ms; full "
+          f"collections {gen2.get('collections', 0)} (longest {gen2.get('max_ms', 0):.1f} ms)")
 for r in doc["longshort"].get("overlap_comparison", []):
     drop = r["tbt_p99_reduction"]
     print(f"chunk {r['chunk_size']} @ {r['rate']:g} req/s: TBT p99 off {r['tbt_p99_ms_off']:.1f} on "
