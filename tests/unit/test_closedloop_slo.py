@@ -49,12 +49,16 @@ def test_the_load_step_puts_a_ttft_bucket_bound_between_one_server_and_two():
 
 
 def test_the_load_steps_further_when_no_bound_fits_at_twice_the_clients():
-    # 4.1 s: at 8 clients the band is [5.74, 6.83] and holds no bound (5, 7.5); 9 clients: [6.46, 7.69] holds 7.5.
+    # 4.1 s: at 8 clients the band [1.4 x 4.1, 8.2 / 1.3] = [5.74, 6.31] holds no bound (5, 7.5), nor at 9
+    # clients [6.46, 7.10]; 10 clients: [7.18, 7.88] holds 7.5.
     step = choose_load_step(4.1, 4)
-    assert (step.clients, step.limit_s) == (9, 7.5)
+    assert (step.clients, step.limit_s) == (10, 7.5)
+    # 5.44 s (a CI run): 9 clients put one server only 1.22x over a 10 s limit; 10 clients, 1.36x.
+    step = choose_load_step(5.444, 4)
+    assert (step.clients, step.limit_s) == (10, 10.0)
     for base in (0.05, 0.3, 1.2, 2.5, 3.3, 9.0, 14.0):
         step = choose_load_step(base, 4)
-        assert step.two_servers_s * 1.4 <= step.limit_s <= step.one_server_s / 1.2
+        assert step.two_servers_s * 1.4 <= step.limit_s <= step.one_server_s / 1.3
 
 
 def test_a_load_step_beyond_the_buckets_is_refused():

@@ -83,9 +83,10 @@ class LoadStep:
 
 
 def choose_load_step(base_ttft_s: float, clients: int, buckets: Sequence[float] = TTFT_BUCKETS,
-                     over_margin: float = 1.2, under_margin: float = 1.4, max_factor: int = 6) -> LoadStep:
+                     over_margin: float = 1.3, under_margin: float = 1.4, max_factor: int = 6) -> LoadStep:
     """The smallest load, from twice `clients` up to `max_factor` times, with a TTFT bucket bound that one server
-    exceeds by `over_margin` and two servers meet by `under_margin` (the bound nearest the middle of that band)."""
+    exceeds by `over_margin` and two servers meet by `under_margin` (the bound nearest the middle of that band).
+    At 1.2 a CI run's one server, predicted 1.22x over its limit, stayed under it for 7 minutes."""
     if not (base_ttft_s > 0 and clients > 0):
         raise CalibrationError(f"need a positive TTFT p99 ({base_ttft_s}) and client count ({clients})")
     bounds = usable_bounds(buckets)
