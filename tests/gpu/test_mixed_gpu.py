@@ -17,6 +17,7 @@ from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.sampling import SamplingParams
+from metronome_testing.engine_runs import run_to_completion
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -50,21 +51,6 @@ def _workload(seed: int, count: int = 24):
     return prompts, params
 
 
-def _run(core: EngineCore, prompts, params):
-    ids = [core.add_request(p, sp) for p, sp in zip(prompts, params)]
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    kinds: list[str] = []
-    while core.has_unfinished():
-        events, stats = core.step()
-        if stats.num_tokens:
-            kinds.append(stats.forward)
-        for e in events:
-            if e.token_id >= 0:
-                tokens[e.request_id].append(e.token_id)
-    core.check_no_leaks()
-    return [tokens[rid] for rid in ids], kinds
-
-
 @pytest.fixture(scope="module")
 def overlapped() -> EngineCore:
     core = _engine("on")
@@ -76,11 +62,11 @@ def test_two_streams_equal_one_stream_bit_for_bit(overlapped):
     prompts, params = _workload(1)
     logits = _record_logits(overlapped)
     overlapped.runner.overlap.concurrent = False
-    sequential, _ = _run(overlapped, prompts, params)
+    sequential, _ = run_to_completion(overlapped, prompts, params)
     one_stream = list(logits)
     logits.clear()
     overlapped.runner.overlap.concurrent = True
-    concurrent, kinds = _run(overlapped, prompts, params)
+    concurrent, kinds = run_to_completion(overlapped, prompts, params)
     assert kinds.count("overlap") >= 5
     assert concurrent == sequential
     assert [k for k, _ in logits] == [k for k, _ in one_stream]
@@ -91,15 +77,15 @@ def test_two_streams_equal_one_stream_bit_for_bit(overlapped):
 
 def test_overlapped_steps_give_the_whole_steps_greedy_tokens_and_eager_logits(overlapped):
     prompts, params = _workload(2)
-    got, kinds = _run(overlapped, prompts, params)
+    got, kinds = run_to_completion(overlapped, prompts, params)
     assert "overlap" in kinds
     whole = _engine("off")
-    expected, whole_kinds = _run(whole, prompts, params)
+    expected, whole_kinds = run_to_completion(whole, prompts, params)
     assert "overlap" not in whole_kinds and got == expected
     eager = _engine("off", cuda_graphs=False)
     eager_logits, graph_logits = _record_logits(eager), _record_logits(overlapped)
-    assert _run(eager, prompts, params)[0] == expected
-    _run(overlapped, prompts, params)
+    assert run_to_completion(eager, prompts, params)[0] == expected
+    run_to_completion(overlapped, prompts, params)
     assert len(eager_logits) == len(graph_logits)
     for (_, a), (kind, b) in zip(eager_logits, graph_logits):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3, msg=lambda m, kind=kind: f"{kind} step: {m}")
@@ -107,8 +93,8 @@ def test_overlapped_steps_give_the_whole_steps_greedy_tokens_and_eager_logits(ov
 
 def test_overlap_with_synchronous_steps_and_bf16():
     prompts, params = _workload(3, count=12)
-    expected, _ = _run(_engine("off", dtype="bfloat16", async_mode="off"), prompts, params)
-    got, kinds = _run(_engine("on", dtype="bfloat16", async_mode="off"), prompts, params)
+    expected, _ = run_to_completion(_engine("off", dtype="bfloat16", async_mode="off"), prompts, params)
+    got, kinds = run_to_completion(_engine("on", dtype="bfloat16", async_mode="off"), prompts, params)
     assert "overlap" in kinds
     agree = sum(a == b for a, b in zip(got, expected))
     # bf16 matmuls over 64 rows and over the whole step may round differently; a random model's near-ties can
@@ -131,11 +117,11 @@ def test_pipelined_two_streams_equal_one_stream_bit_for_bit(pipelined):
     prompts, params = _workload(4)
     logits = _record_logits(pipelined)
     pipelined.runner.pipeline.concurrent = False
-    sequential, _ = _run(pipelined, prompts, params)
+    sequential, _ = run_to_completion(pipelined, prompts, params)
     one_stream = list(logits)
     logits.clear()
     pipelined.runner.pipeline.concurrent = True
-    concurrent, kinds = _run(pipelined, prompts, params)
+    concurrent, kinds = run_to_completion(pipelined, prompts, params)
     assert kinds.count("pipeline") >= 5
     assert concurrent == sequential
     assert [k for k, _ in logits] == [k for k, _ in one_stream]
@@ -146,14 +132,14 @@ def test_pipelined_two_streams_equal_one_stream_bit_for_bit(pipelined):
 
 def test_pipelined_steps_give_the_whole_steps_greedy_tokens_and_eager_logits(pipelined):
     prompts, params = _workload(5)
-    got, kinds = _run(pipelined, prompts, params)
+    got, kinds = run_to_completion(pipelined, prompts, params)
     assert "pipeline" in kinds
-    expected, whole_kinds = _run(_engine("off", chunk=PIPELINE_CHUNK), prompts, params)
+    expected, whole_kinds = run_to_completion(_engine("off", chunk=PIPELINE_CHUNK), prompts, params)
     assert "pipeline" not in whole_kinds and got == expected
     eager = _engine("off", cuda_graphs=False, chunk=PIPELINE_CHUNK)
     eager_logits, graph_logits = _record_logits(eager), _record_logits(pipelined)
-    assert _run(eager, prompts, params)[0] == expected
-    _run(pipelined, prompts, params)
+    assert run_to_completion(eager, prompts, params)[0] == expected
+    run_to_completion(pipelined, prompts, params)
     assert len(eager_logits) == len(graph_logits)
     for (_, a), (kind, b) in zip(eager_logits, graph_logits):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3, msg=lambda m, kind=kind: f"{kind} step: {m}")

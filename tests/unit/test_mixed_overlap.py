@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from engine_fakes import attach_recorded_graphs, record_logits, run_to_completion
+from engine_fakes import attach_recorded_graphs, record_logits
 
 from metronome.contract.config import SchedulerConfig
 from metronome.contract.errors import InvalidRequestError
@@ -19,6 +19,7 @@ from metronome.server.engine.cuda_graphs import capture_recorded
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.mixed_overlap import MixedOverlap, leading_decodes, split_point
 from metronome.server.engine.sampling import SamplingParams
+from metronome_testing.engine_runs import run_to_completion
 
 
 def test_a_step_splits_after_its_leading_decodes_when_something_follows():

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from engine_fakes import attach_recorded_graphs, record_logits, run_to_completion
+from engine_fakes import attach_recorded_graphs, record_logits
 
 from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.config import EngineConfig
@@ -18,6 +18,7 @@ from metronome.server.engine.cuda_graphs import capture_recorded
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.nano_batches import CUT_ALIGN, NanoPipeline, lane_b_buckets, nano_cut, split_batch
 from metronome.server.engine.sampling import SamplingParams
+from metronome_testing.engine_runs import run_to_completion
 
 MIN = 8  # the tests' floor on a half's tokens (NANO_MIN_TOKENS is sized for an H200's matmuls)
 
