@@ -1,6 +1,6 @@
 """What serving one streamed token costs a `metronome serve` process: CPU seconds per token (read from /proc: the whole
 process, and its main thread, which runs the HTTP event loop) and
-the token gaps its clients see, with N streams at once. A diagnostic for the HTTP side (docs/perf/serving.md): on a
+the token gaps its clients see, with N streams at once. A diagnostic for the HTTP side (docs/perf/serving-cpu.md): on a
 GPU the engine thread's host work is small, and what the event loop spends per token shares the GIL with it.
 
     python -m hack.serving_cost --url http://127.0.0.1:8000 --pid $(pgrep -f 'metronome serve') --streams 128

@@ -25,7 +25,7 @@ def shorten_gil_switch(device_type: str) -> bool:
     """On a GPU: the engine thread shares the GIL with an event loop, and every torch call releases and retakes
     it; at Python's default 5 ms switch interval a busy event loop holds the engine up to 5 ms per call, so a step
     of a few dozen calls stretches while many streams are served. On a CPU both threads compute and the extra
-    switching costs more than it saves (docs/perf/serving.md), so it stays. Returns whether it changed."""
+    switching costs more than it saves (docs/perf/serving-cpu.md), so it stays. Returns whether it changed."""
     if device_type != "cuda":
         return False
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
