@@ -12,7 +12,6 @@ writes every row. It reads the kernels' private tiling helpers on purpose: it is
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
@@ -61,12 +60,6 @@ def build_batch(q_lens, ctx_lens, block_size, n_kv_heads, group, head_dim, dtype
     meta = AttentionMetadata(cu, torch.tensor(seq_lens, dtype=torch.int32, device=device), tables, slots,
                              max(q_lens), max(seq_lens), list(q_lens), seq_lens)
     return q, k_cache, v_cache, meta
-
-
-def head_major_copy(cache: torch.Tensor) -> torch.Tensor:
-    """The same [blocks, page, kv heads, head_dim] values with each page stored kv-head-major: one kv head's page
-    is one contiguous run of page * head_dim elements instead of page runs of head_dim."""
-    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
 
 
 def kv_bytes(meta: AttentionMetadata, n_kv_heads: int, head_dim: int, elem: int) -> int:
@@ -175,38 +168,23 @@ def run(args) -> list[dict]:
             chosen = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
             configs += [(replace(chosen, v_read=mode), None) for _ in range(args.v_read_ab)
                         for mode in (V_AS_LOADED, V_ASM, V_CONVERTED_FIRST)]
-        if args.fp8_decode_ab and meta.max_seqlen_q == 1:  # the transposed FP8 decode kernel against the tiles
-            rows += fp8_decode_ab(name, q, k_cache, v_cache, meta, scale, kv_scales, moved, bw, args.fp8_decode_ab)
-            write_rows(args, rows)
-            continue
-        caches = {"token_major": (k_cache, v_cache)}
-        if args.page_layout_ab:  # the same values with each page stored head-major, in interleaved rounds
-            caches["head_major"] = (head_major_copy(k_cache), head_major_copy(v_cache))
-            configs = [(None, None)] + [(None, None)] * (2 * args.page_layout_ab)
         best = None
-        for index, (cfg, splits) in enumerate(configs):
-            pages = "head_major" if args.page_layout_ab and index % 2 == 1 else "token_major"
-            k_pages, v_pages = caches[pages]
-
-            def call(cfg=cfg, splits=splits, q=q, k_cache=k_pages, v_cache=v_pages, meta=meta, scale=scale,
+        for cfg, splits in configs:
+            def call(cfg=cfg, splits=splits, q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, scale=scale,
                      kv_scales=kv_scales):
                 return paged_attention(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits, **kv_scales)
             try:
-                timing = time_call(call, full=cfg is None and splits is None and not (args.page_layout_ab and index))
+                timing = time_call(call, full=cfg is None and splits is None)
             except Exception as exc:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
                 print(f"  {name}: {cfg} splits={splits}: {type(exc).__name__}: {str(exc)[:100]}")
                 continue
             ms = timing["gpu_ms"]
-            row = dict(case=name, config=asdict(cfg) if cfg else "default", num_splits=splits or "auto", pages=pages,
-                       **timing,
+            row = dict(case=name, config=asdict(cfg) if cfg else "default", num_splits=splits or "auto", **timing,
                        gb_per_s=moved / ms / 1e6, tflop_per_s=flops / ms / 1e9, bw_fraction=moved / ms / 1e6 / bw)
             rows.append(row)
             if best is None or ms < best["gpu_ms"]:
                 best = row
-            if args.page_layout_ab and index > 0:
-                print(f"{name:30s} {pages:12s} gpu {ms * 1e3:7.1f} us  {row['gb_per_s']:6.0f} GB/s "
-                      f"({row['bw_fraction']:.0%} of copy)")
-            elif cfg is None and splits is None:
+            if cfg is None and splits is None:
                 used = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
                 print(f"{name:30s} {used}: gpu {ms * 1e3:7.1f} us  {row['gb_per_s']:6.0f} GB/s "
                       f"({row['bw_fraction']:.0%} of copy) {row['tflop_per_s']:6.1f} TFLOP/s | eager "
@@ -217,55 +195,18 @@ def run(args) -> list[dict]:
         if meta.max_seqlen_q == 1 and args.sdpa_peer:
             rows.append(_sdpa_peer(name, q, meta, n_kv, head_dim, dtype, moved, scale))
         write_rows(args, rows)  # after every case: a sweep cut short by its time limit keeps what it measured
-    for num_tokens, pages in itertools.product((64, 512, 4096), ("token_major", "head_major")):
-        if pages == "head_major" and not args.page_layout_ab:
-            continue
+    for num_tokens in (64, 512, 4096):
         q, k_cache, v_cache, meta = build_batch([num_tokens], [0], args.block_size, n_kv, group, head_dim, dtype,
                                                 device)
-        if pages == "head_major":
-            k_cache, v_cache = head_major_copy(k_cache), head_major_copy(v_cache)
         key = torch.randn(num_tokens, n_kv, head_dim, dtype=dtype, device=device)
         value = torch.randn_like(key)
         timing = time_call(lambda key=key, value=value, k_cache=k_cache, v_cache=v_cache, meta=meta:
                            write_kv_triton(key, value, k_cache, v_cache, meta.slot_mapping))
         moved = 4 * key.numel() * elem
         ms = timing["gpu_ms"]
-        rows.append(dict(case=f"write_kv_{num_tokens}", pages=pages, **timing, gb_per_s=moved / ms / 1e6))
-        print(f"write_kv {num_tokens:5d} tokens {pages}: gpu {ms * 1e3:7.1f} us  {moved / ms / 1e6:6.0f} GB/s | eager "
+        rows.append(dict(case=f"write_kv_{num_tokens}", **timing, gb_per_s=moved / ms / 1e6))
+        print(f"write_kv {num_tokens:5d} tokens: gpu {ms * 1e3:7.1f} us  {moved / ms / 1e6:6.0f} GB/s | eager "
               f"{timing['eager_ms'] * 1e3:7.1f} us, host {timing['host_ms'] * 1e3:6.1f} us/call")
-    return rows
-
-
-FP8_DECODE_VARIANTS = ((64, 4, 3, 16), (64, 4, 3, 8), (64, 4, 4, 16), (64, 4, 2, 16), (128, 8, 2, 16),
-                       (128, 4, 2, 16))
-
-
-def fp8_decode_ab(name, q, k_cache, v_cache, meta, scale, kv_scales, moved, bw, rounds) -> list[dict]:
-    """The general kernel with the tiles it picks against triton_fp8_decode with each of FP8_DECODE_VARIANTS
-    (block_n, warps, stages, query columns), ROUNDS interleaved rounds of CUDA-graph replays."""
-    from metronome.kernels.triton_attention import choose_num_splits, paged_attention, sm_count
-    from metronome.kernels.triton_fp8_decode import DecodeTiles, fp8_decode_attention
-    splits = choose_num_splits(meta.num_seqs * k_cache.shape[2], meta.num_tokens, meta.max_seqlen_k,
-                               sm_count(q.device))
-    out = torch.empty_like(q)
-    calls = {"general": lambda: paged_attention(q, k_cache, v_cache, meta, scale, out=out, **kv_scales)}
-    for n, w, st, cols in FP8_DECODE_VARIANTS:
-        tiles = DecodeTiles(n, w, st, cols)
-        calls[f"transposed_{n}k_{w}w_{st}s_{cols}q"] = (
-            lambda tiles=tiles: fp8_decode_attention(q, k_cache, v_cache, meta, scale, kv_scales["k_scale"],
-                                                     kv_scales["v_scale"], out, splits, tiles))
-    rows = []
-    for round_ in range(rounds):
-        for label, fn in calls.items():
-            try:
-                ms = time_call(fn, full=False)["gpu_ms"]
-            except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit is reported and skipped
-                print(f"{name:30s} {label}: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            rows.append(dict(case=name, kernel=label, round=round_, gpu_ms=ms, num_splits=splits,
-                             gb_per_s=moved / ms / 1e6, bw_fraction=moved / ms / 1e6 / bw))
-            print(f"{name:30s} {label:28s} gpu {ms * 1e3:7.1f} us  {moved / ms / 1e6:6.0f} GB/s "
-                  f"({moved / ms / 1e6 / bw:.0%} of copy)")
     return rows
 
 
@@ -294,12 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-fp8", action="store_true", help="an e4m3 KV cache (per-head scales of 1)")
     parser.add_argument("--v-read-ab", type=int, default=0, metavar="ROUNDS",
                         help="with --kv-fp8: the chosen tiles with each V read mode, ROUNDS interleaved rounds")
-    parser.add_argument("--page-layout-ab", type=int, default=0, metavar="ROUNDS",
-                        help="the chosen tiles over the cache with token-major and with head-major pages, ROUNDS "
-                             "interleaved rounds (and the KV write into each)")
-    parser.add_argument("--fp8-decode-ab", type=int, default=0, metavar="ROUNDS",
-                        help="with --kv-fp8, decode cases: the general kernel against triton_fp8_decode's tile "
-                             "variants, ROUNDS interleaved rounds")
     parser.add_argument("--sdpa-peer", action="store_true", help="time torch SDPA on a dense cache for decodes")
     parser.add_argument("--cases", help="comma-separated substrings: run only the cases whose names contain one")
     parser.add_argument("--json", help="write all rows to this file")

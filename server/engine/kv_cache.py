@@ -62,17 +62,12 @@ def plan_num_blocks(config: EngineConfig, per_block: int, device: torch.device) 
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device,
-                      head_major_pages: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Zeroed, not empty: kernels may load padding slots under a mask, and NaN garbage * 0 is still NaN.
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     zeros = _lazy_zeros if device.type == "cpu" else torch.zeros
-    if not head_major_pages:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return [(zeros(shape, dtype=dtype, device=device), zeros(shape, dtype=dtype, device=device))
-                for _ in range(num_layers)]
-    shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    return [(zeros(shape, dtype=dtype, device=device).transpose(1, 2),
-             zeros(shape, dtype=dtype, device=device).transpose(1, 2)) for _ in range(num_layers)]
+    return [(zeros(shape, dtype=dtype, device=device), zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

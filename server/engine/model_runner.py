@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,8 +161,7 @@ class ModelRunner:
         # graph point at (never written: their slot is -1).
         self.scratch_block = num_blocks
         pairs = allocate_kv_cache(self.layout.group_size, num_blocks + 1, block_size, num_kv_heads, head_dim,
-                                  kv_dtype or dtype, device,
-                                  head_major_pages=os.environ.get("METRONOME_KV_PAGES") == "head_major")
+                                  kv_dtype or dtype, device)
         self.kv_caches = [pairs[slot] for slot in self.layout.layer_slot]
         self.sampler = Sampler(device, seed)
         cols = -(-max_model_len // block_size) + 1

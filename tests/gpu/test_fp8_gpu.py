@@ -283,39 +283,3 @@ def _agreement(engine: EngineCore, prompts, got, expected, bf16_logprobs, new_to
         "mean_abs_logprob_delta_on_bf16_tokens": delta.mean().item(),
         "p99_abs_logprob_delta": delta.quantile(0.99).item(),
     }
-
-
-def test_transposed_fp8_decode_matches_the_reference_on_quantised_queries():
-    """The transposed decode kernel equals the torch reference fed the queries it quantises (e4m3 per head), for
-    busy and split batches; what quantising the queries costs against the unquantised reference is printed."""
-    import zlib
-
-    from metronome.kernels.torch_ref import TorchBackend, to_cache
-    from metronome.kernels.triton_attention import paged_attention
-    from metronome.kernels.triton_fp8_decode import DecodeTiles, fp8_decode_attention, quantised_queries
-    from metronome_testing.random_batch import make_paged_batch
-
-    for ctx_lens, splits in (((2047,) * 48, 1), ((4000, 15, 0, 700), 4), ((130, 64, 1), 1)):
-        q_lens = [1] * len(ctx_lens)
-        batch = make_paged_batch(q_lens, list(ctx_lens), 16, 8, 4, 128, dtype=torch.bfloat16, device="cuda",
-                                 seed=zlib.crc32(str(ctx_lens).encode()))
-        k_scale = torch.full((8,), 5.0 / 448 * 2, device="cuda")
-        v_scale = k_scale * 0.5
-        flat = (-1, 8, 128)
-        k8 = to_cache(batch.k_cache.view(flat), torch.float8_e4m3fn, k_scale).view(batch.k_cache.shape)
-        v8 = to_cache(batch.v_cache.view(flat), torch.float8_e4m3fn, v_scale).view(batch.v_cache.shape)
-        torch_ref = TorchBackend()
-        torch_ref.write_kv(batch.key, batch.value, k8, v8, batch.meta.slot_mapping, k_scale, v_scale)
-        scale = 128 ** -0.5
-        expected = torch_ref.attention(quantised_queries(batch.q), k8, v8, batch.meta, scale, k_scale=k_scale,
-                                       v_scale=v_scale)
-        unquantised = torch_ref.attention(batch.q.float(), k8, v8, batch.meta, scale, k_scale=k_scale,
-                                          v_scale=v_scale)
-        general = paged_attention(batch.q, k8, v8, batch.meta, scale, k_scale=k_scale, v_scale=v_scale)
-        for tiles in (DecodeTiles(), DecodeTiles(128, 8, 2), DecodeTiles(64, 4, 3, 8)):
-            got = fp8_decode_attention(batch.q, k8, v8, batch.meta, scale, k_scale, v_scale,
-                                       torch.empty_like(batch.q), splits, tiles)
-            assert _rel(got, expected) < 1e-2, (ctx_lens, tiles, _rel(got, expected))
-        print(f"\ntransposed FP8 decode {len(q_lens)} seqs, {splits} splits: vs quantised-query reference "
-              f"{_rel(got, expected):.2e}, vs unquantised {_rel(got, unquantised):.2e} (general kernel "
-              f"{_rel(general, unquantised):.2e})")
