@@ -126,13 +126,7 @@ def sweep_grid(decode: bool, group_pad: int, kv_fp8: bool = False):
 
 
 def run(args) -> list[dict]:
-    from metronome.kernels.triton_attention import (
-        V_AS_LOADED,
-        V_ASM,
-        V_CONVERTED_FIRST,
-        TileConfig,
-        paged_attention,
-    )
+    from metronome.kernels.triton_attention import TileConfig, paged_attention
     from metronome.kernels.triton_kv_write import write_kv_triton
 
     device = torch.device("cuda")
@@ -167,7 +161,7 @@ def run(args) -> list[dict]:
         if args.v_read_ab:  # the tiles paged_attention picks, once per V read mode, in interleaved rounds
             chosen = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
             configs += [(replace(chosen, v_read=mode), None) for _ in range(args.v_read_ab)
-                        for mode in (V_AS_LOADED, V_ASM, V_CONVERTED_FIRST)]
+                        for mode in args.v_read_modes]
         best = None
         for cfg, splits in configs:
             def call(cfg=cfg, splits=splits, q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, scale=scale,
@@ -235,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-fp8", action="store_true", help="an e4m3 KV cache (per-head scales of 1)")
     parser.add_argument("--v-read-ab", type=int, default=0, metavar="ROUNDS",
                         help="with --kv-fp8: the chosen tiles with each V read mode, ROUNDS interleaved rounds")
+    parser.add_argument("--v-read-modes", type=lambda text: [int(m) for m in text.split(",")],
+                        default=[0, 2, 3], metavar="M,M",
+                        help="the V read modes --v-read-ab compares (triton_attention's V_AS_LOADED = 0, V_ASM = 2, "
+                             "V_CONVERTED_FIRST = 3, KV_SHIFTED = 4, V_SHIFTED = 5)")
     parser.add_argument("--sdpa-peer", action="store_true", help="time torch SDPA on a dense cache for decodes")
     parser.add_argument("--cases", help="comma-separated substrings: run only the cases whose names contain one")
     parser.add_argument("--json", help="write all rows to this file")
