@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--v-read-modes", type=lambda text: [int(m) for m in text.split(",")],
                         default=[0, 2, 3], metavar="M,M",
                         help="the V read modes --v-read-ab compares (triton_attention's V_AS_LOADED = 0, V_ASM = 2, "
-                             "V_CONVERTED_FIRST = 3, KV_SHIFTED = 4, V_SHIFTED = 5)")
+                             "V_CONVERTED_FIRST = 3)")
     parser.add_argument("--sdpa-peer", action="store_true", help="time torch SDPA on a dense cache for decodes")
     parser.add_argument("--cases", help="comma-separated substrings: run only the cases whose names contain one")
     parser.add_argument("--json", help="write all rows to this file")

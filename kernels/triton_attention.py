@@ -49,15 +49,10 @@ from .metadata import AttentionMetadata
 # attention and 3.4 % off 256 decodes, V_CONVERTED_FIRST 3.5 % and 2.1 %; in a mixed batch (64 decodes + a 512
 # chunk) V_ASM is within 0.6 % and V_CONVERTED_FIRST 3.7 % slower (V loaded transposed like K, also measured, was
 # slower everywhere). Decode tiles take V_ASM.
-# KV_SHIFTED widens both K and V without the conversion unit: e4m3's seven magnitude bits are placed under fp16's
-# exponent, which reads every value (subnormals included) exactly as value x 2^-8; the 2^8 is folded into the scales.
-# V_SHIFTED does so for V only, K keeps the packed conversion (the two halves then load different pipes).
-V_AS_LOADED, V_ASM, V_CONVERTED_FIRST, KV_SHIFTED, V_SHIFTED = 0, 2, 3, 4, 5  # 1, V transposed: recorded sweeps
+V_AS_LOADED, V_ASM, V_CONVERTED_FIRST = 0, 2, 3  # 1, V transposed, appears in the recorded sweeps' JSON
 FP8_DECODE_V_READ = V_ASM  # what choose_config gives an FP8 cache's decode-only batches on the GPU
 _V_ASM = tl.constexpr(V_ASM)
 _V_FIRST = tl.constexpr(V_CONVERTED_FIRST)
-_KV_SHIFTED = tl.constexpr(KV_SHIFTED)
-_V_SHIFTED = tl.constexpr(V_SHIFTED)
 
 
 @triton.jit
@@ -66,17 +61,6 @@ def _e4m3_to_f16(x, PURE: tl.constexpr):
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
         "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=PURE, pack=4)
-
-
-@triton.jit
-def _e4m3_shifted_f16(x):
-    """e4m3 → fp16 times 2^-8, four values a step in integer instructions: each byte moved to the top of a 16-bit
-    lane, the sign kept, the magnitude shifted one bit down under fp16's exponent."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 a, b, s, m; prmt.b32 a, $2, 0, 0x1404; prmt.b32 b, $2, 0, 0x3424;"
-        " shr.b32 m, a, 1; and.b32 m, m, 0x3F803F80; and.b32 s, a, 0x80008000; or.b32 $0, s, m;"
-        " shr.b32 m, b, 1; and.b32 m, m, 0x3F803F80; and.b32 s, b, 0x80008000; or.b32 $1, s, m; }",
-        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -111,13 +95,8 @@ def _attend_kv_tile(
         k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
         v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     if KV_FP8:  # e4m3 → q's dtype is exact; the per-head scales are folded into scale_log2 and the output
-        if V_READ == _KV_SHIFTED:
-            k = _e4m3_shifted_f16(k)
-        else:
-            k = k.to(q.dtype)
-        if V_READ == _KV_SHIFTED or V_READ == _V_SHIFTED:
-            v = _e4m3_shifted_f16(v)
-        elif V_READ == _V_ASM:
+        k = k.to(q.dtype)
+        if V_READ == _V_ASM:
             v = _e4m3_to_f16(v, True)
         elif V_READ == _V_FIRST:
             v = _e4m3_to_f16(v, False)
@@ -175,14 +154,8 @@ def _attention_tile(
     if KV_FP8 == FP8_AS_FP16:
         q = q.to(tl.float16)
 
-    k_unit = 1.0  # what one widened cache value is worth
-    v_unit = 1.0
-    if V_READ == _KV_SHIFTED:
-        k_unit = 256.0
-    if V_READ == _KV_SHIFTED or V_READ == _V_SHIFTED:
-        v_unit = 256.0
     if KV_FP8:  # K's scale multiplies every score of this kv head, V's the output
-        scale_log2 = scale_log2 * (tl.load(k_scale_ptr + kv_head) * k_unit)
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     q_pos = seq_len - q_len + q_idx  # absolute position of each row's token
@@ -231,7 +204,7 @@ def _attention_tile(
             True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, UPCAST_DOT, WINDOW, SOFTCAP, KV_FP8, V_READ)
 
     if KV_FP8:
-        acc = acc * (tl.load(v_scale_ptr + kv_head) * v_unit)
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     if NUM_SPLITS == 1:
         if HAS_SINKS:  # the head's sink joins the denominator (log2 units, like m_i)
             sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634

@@ -26,7 +26,6 @@ capture re-runs each piece on the static buffers, which tests the padding and bo
 from __future__ import annotations
 
 import bisect
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -199,19 +198,6 @@ class PiecewiseRunner:
 
     def capture_all(self) -> PiecewiseReport:
         """Capture every bucket (largest first), each checked against an eager run of the same inputs."""
-        carveout = int(os.environ.get("METRONOME_SM_CARVEOUT", "0"))  # experiment: SMs cuBLAS leaves free
-        if carveout and torch.cuda.is_available():  # only cuBLASLt honours the SM count target
-            before = torch.backends.cuda.preferred_blas_library()
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            torch._C._set_sm_carveout_experimental(carveout)
-            try:
-                return self._capture_all()
-            finally:
-                torch._C._set_sm_carveout_experimental(None)
-                torch.backends.cuda.preferred_blas_library(before)
-        return self._capture_all()
-
-    def _capture_all(self) -> PiecewiseReport:
         start = time.perf_counter()
         rng = np.random.default_rng(0)
         for bucket in reversed(self.buckets):
