@@ -50,7 +50,7 @@ def _weights(n: int, k: int, generator, device) -> dict:
             "one": torch.ones((), device=device)}
 
 
-def _variants(wt: dict, x, skinny_tiles=None) -> dict:
+def _variants(wt: dict, x, skinny_tiles=None, matmul_tiles=None) -> dict:
     """The GEMM of each variant on input x [M, K] (bf16), as zero-argument callables; inputs quantised here."""
     import torch
 
@@ -75,7 +75,7 @@ def _variants(wt: dict, x, skinny_tiles=None) -> dict:
         "rowwise": lambda: torch._scaled_mm(xq, wt["q_channel"].t(), scale_a=xs, scale_b=wt["column"],
                                             out_dtype=bf16),
         "tensorwise": tensorwise,
-        "triton": lambda: fp8_matmul(xq, xs, wt["q_channel"], wt["s_channel"], bf16),
+        "triton": lambda: fp8_matmul(xq, xs, wt["q_channel"], wt["s_channel"], bf16, tiles=matmul_tiles),
         "block": lambda: fp8_matmul(xq_g, xs_g, wt["q_block"], wt["s_block_rows"], bf16, group_k=128),
         "quantize": lambda: quantize_fp8(x),
     }
@@ -120,7 +120,22 @@ def sweep_tiles():
             for warps, stages in ((4, 3), (4, 4), (4, 6), (8, 4))]
 
 
-def measure(shapes: dict, rows: tuple[int, ...], reps: int, device, weight_mb: float, sweep: bool) -> dict:
+def matmul_sweep_tiles():
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the Triton FP8 GEMM worth trying above the skinny rows."""
+    return [(bm, bn, warps, stages) for bm, bn in ((64, 128), (128, 128), (128, 256), (64, 256))
+            for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4), (8, 5))]
+
+
+def best_of(tried: dict) -> tuple[str | None, float | None]:
+    timed = {key: v for key, v in tried.items() if isinstance(v, float)}
+    if not timed:
+        return None, None
+    key = min(timed, key=timed.get)
+    return key, timed[key]
+
+
+def measure(shapes: dict, rows: tuple[int, ...], reps: int, device, weight_mb: float, sweep: bool,
+            matmul_sweep: bool = False, only: list[str] | None = None) -> dict:
     import torch
 
     from metronome.server.models.quant.cuda_gemm import per_token_path
@@ -136,6 +151,8 @@ def measure(shapes: dict, rows: tuple[int, ...], reps: int, device, weight_mb: f
             per_copy = [_variants(wt, x) for wt in weights]
             row: dict = {"fp8_weight_bytes": n * k, "bf16_weight_bytes": 2 * n * k}
             for label in per_copy[0]:
+                if only and label not in only:
+                    continue
                 try:
                     row[label] = graph_time_us([v[label] for v in per_copy], reps)
                 except Exception as exc:  # noqa: BLE001 - a variant the GPU or torch refuses is reported, not fatal
@@ -147,13 +164,20 @@ def measure(shapes: dict, rows: tuple[int, ...], reps: int, device, weight_mb: f
                         tried[str(tiles)] = graph_time_us([_variants(wt, x, tiles)["skinny"] for wt in weights], reps)
                     except Exception as exc:  # noqa: BLE001 - a tile shape that does not fit is skipped
                         tried[str(tiles)] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
-                timed_tiles = {key: v for key, v in tried.items() if isinstance(v, float)}
                 row["skinny_sweep"] = tried
-                if timed_tiles:
-                    row["skinny_best_tiles"] = min(timed_tiles, key=timed_tiles.get)
-                    row["skinny_best"] = timed_tiles[row["skinny_best_tiles"]]
+                row["skinny_best_tiles"], row["skinny_best"] = best_of(tried)
+            if matmul_sweep and m > 64:
+                tried = {}
+                for tiles in matmul_sweep_tiles():
+                    try:
+                        tried[str(tiles)] = graph_time_us([_variants(wt, x, matmul_tiles=tiles)["triton"]
+                                                           for wt in weights], reps)
+                    except Exception as exc:  # noqa: BLE001 - a tile shape that does not fit is skipped
+                        tried[str(tiles)] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
+                row["triton_sweep"] = tried
+                row["triton_best_tiles"], row["triton_best"] = best_of(tried)
             timed = {key: v for key, v in row.items() if isinstance(v, float) and key not in ("quantize",
-                                                                                          "skinny_best")}
+                                                                                          "skinny_best", "triton_best")}
             dynamic = {key: timed[key] for key in ("rowwise", "tensorwise", "triton", "skinny") if key in timed}
             row["best"] = min(timed, key=timed.get) if timed else None
             row["best_dynamic"] = min(dynamic, key=dynamic.get) if dynamic else None
@@ -163,7 +187,9 @@ def measure(shapes: dict, rows: tuple[int, ...], reps: int, device, weight_mb: f
             per_shape[str(m)] = row
             print(f"{name} M={m}: " + ", ".join(f"{key} {v:.1f}us" for key, v in row.items()
                                                  if isinstance(v, float) and not key.endswith("bytes"))
-                  + (f" | best tiles {row.get('skinny_best_tiles')}" if sweep else ""), flush=True)
+                  + (f" | best tiles {row.get('skinny_best_tiles')}" if sweep else "")
+                  + (f" | triton best {row.get('triton_best_tiles')}" if row.get("triton_best_tiles") else ""),
+                  flush=True)
         del weights
         torch.cuda.empty_cache()
         results[name] = {"n": n, "k": k, "weight_copies": copies, "by_rows": per_shape}
@@ -178,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-mb", type=float, default=400.0,
                         help="FP8 weight megabytes per timed graph (copies of the weight; L2 is 60 MB)")
     parser.add_argument("--skinny-sweep", action="store_true", help="time a grid of the skinny kernel's tiles")
+    parser.add_argument("--matmul-sweep", action="store_true",
+                        help="time a grid of the Triton FP8 GEMM's tiles at every M above the skinny rows")
+    parser.add_argument("--variants", help="comma-separated variants to time (default: all)")
     args = parser.parse_args(argv)
     import torch
 
@@ -193,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
            "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "reps": args.reps,
            "bandwidth_gb_per_s": peaks["bandwidth_gb_per_s"], "command": " ".join(sys.argv),
            "unit": "microseconds per GEMM (median of graph replays, weights from HBM)",
-           "shapes": measure(SHAPES, rows, args.reps, device, args.weight_mb, args.skinny_sweep)}
+           "shapes": measure(SHAPES, rows, args.reps, device, args.weight_mb, args.skinny_sweep, args.matmul_sweep,
+                             args.variants.split(",") if args.variants else None)}
     with open(args.out, "w") as handle:
         json.dump(doc, handle, indent=1)
     return 0

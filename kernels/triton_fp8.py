@@ -181,7 +181,7 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.
     return q, scales
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one variant for every row count: eager steps of any size compile nothing
 def _fp8_matmul(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
                 stride_am, stride_bn, stride_cm, stride_as, stride_bs,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -230,6 +230,9 @@ def _fp8_matmul(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+LARGE_ROWS = 768  # above: 128 x 256 tiles, 7-10 % faster than 128 x 128 at Llama-3-8B shapes (docs/perf/fp8-h200.md)
+
+
 def matmul_tiles(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M rows: small tiles for decode batches."""
     if m <= 16:
@@ -238,13 +241,16 @@ def matmul_tiles(m: int) -> tuple[int, int, int, int]:
         return 32, 128, 4, 4
     if m <= 64:
         return 64, 128, 4, 3
-    return 128, 128, 8, 3
+    if m <= LARGE_ROWS:
+        return 128, 128, 8, 3
+    return 128, 256, 8, 3
 
 
 def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                out_dtype: torch.dtype, bias: torch.Tensor | None = None, group_k: int | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """a [M, K] e4m3 @ b[N, K]^T e4m3 → [M, N] out_dtype (see the module doc for the scale shapes)."""
+               out: torch.Tensor | None = None, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """a [M, K] e4m3 @ b[N, K]^T e4m3 → [M, N] out_dtype (see the module doc for the scale shapes); `tiles`
+    overrides matmul_tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning."""
     m, k = a.shape
     n = b.shape[0]
     if b.shape[1] != k or a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
@@ -267,7 +273,7 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
     if m == 0:
         return out
     require_runnable(a.device)
-    block_m, block_n, warps, stages = matmul_tiles(m)
+    block_m, block_n, warps, stages = tiles or matmul_tiles(m)
     block_k = group_k if group_k is not None else 128
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     a_scalar = group_k is None and a_scale.numel() == 1

@@ -230,10 +230,16 @@ if __name__ == "__main__":
 
 
 def test_the_gemm_choice_by_rows():
-    from metronome.server.models.quant.cuda_gemm import SKINNY_ROWS, per_token_path
+    from metronome.kernels.triton_fp8 import LARGE_ROWS, matmul_tiles
+    from metronome.server.models.quant.cuda_gemm import SKINNY_ROWS, TRITON_ROWS, per_token_path
 
-    assert [per_token_path("auto", m) for m in (1, SKINNY_ROWS, SKINNY_ROWS + 1)] == ["skinny", "skinny", "rowwise"]
+    rows = (1, SKINNY_ROWS, SKINNY_ROWS + 1, TRITON_ROWS, TRITON_ROWS + 1, 8192)
+    assert [per_token_path("auto", m) for m in rows] == ["skinny", "skinny", "rowwise", "rowwise", "triton", "triton"]
+    # one scale per operand: the per-tensor _scaled_mm at every size above the skinny rows
+    assert per_token_path("auto", 8192, scalar_scales=True) == "rowwise"
     assert per_token_path("skinny", 4096) == "rowwise"  # the small-M kernel only where its rows fit
+    # the Triton kernel's wide tiles serve exactly the rows `auto` sends it
+    assert TRITON_ROWS == LARGE_ROWS and matmul_tiles(TRITON_ROWS + 1)[:2] == (128, 256)
     assert [per_token_path(c, 1) for c in ("rowwise", "tensorwise", "triton")] == ["rowwise", "tensorwise", "triton"]
 
 
