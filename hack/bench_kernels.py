@@ -34,6 +34,11 @@ MIXED_CASES = [
     # the engine's order: running decodes lead, the prompt chunk comes last
     ("lead64dec_2k_chunk512", [1] * 64 + [512], [2047] * 64 + [0]),
     ("lead64dec_2k_chunk2048", [1] * 64 + [2048], [2047] * 64 + [0]),
+    ("lead64dec_2k_chunk512_ctx1536", [1] * 64 + [512], [2047] * 64 + [1536]),
+    ("lead256dec_2k_chunk512", [1] * 256 + [512], [2047] * 256 + [0]),
+    # the saturation run's prefill phase: an 8,192-token chunk of fresh 1,000-token prompts beside the decodes of
+    # the prompts before them
+    *[(f"sat_lead{d}dec_1k_chunk8192", [1] * d + [1000] * 8 + [192], [1000] * d + [0] * 9) for d in (110, 470, 850)],
 ]
 
 
@@ -153,32 +158,40 @@ def run(args) -> list[dict]:
         moved = kv_bytes(meta, n_kv, head_dim, kv_elem) + 2 * q.numel() * elem
         flops = attention_flops(meta, n_heads, head_dim)
         group_pad = 1 << (group - 1).bit_length()
-        configs: list[tuple[TileConfig | None, int | None]] = [(None, None)]
+        # (tiles, key splits, two launches): None is paged_attention's own choice
+        configs: list[tuple[TileConfig | None, int | None, bool | None]] = [(None, None, None)]
         if args.sweep:
-            configs += [(c, None) for c in sweep_grid(meta.max_seqlen_q == 1, group_pad, args.kv_fp8)]
+            configs += [(c, None, None) for c in sweep_grid(meta.max_seqlen_q == 1, group_pad, args.kv_fp8)]
             if meta.num_tokens <= 256:
-                configs += [(None, s) for s in (1, 2, 4, 8, 16)]
+                configs += [(None, s, None) for s in (1, 2, 4, 8, 16)]
         if args.v_read_ab:  # the tiles paged_attention picks, once per V read mode, in interleaved rounds
             chosen = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
-            configs += [(replace(chosen, v_read=mode), None) for _ in range(args.v_read_ab)
+            configs += [(replace(chosen, v_read=mode), None, None) for _ in range(args.v_read_ab)
                         for mode in args.v_read_modes]
+        if args.apart_ab and meta.max_seqlen_q > 1 and meta.q_lens_host[0] == 1:  # leading decodes and a chunk
+            configs += [(None, None, apart) for _ in range(args.apart_ab) for apart in (False, True)]
         best = None
-        for cfg, splits in configs:
-            def call(cfg=cfg, splits=splits, q=q, k_cache=k_cache, v_cache=v_cache, meta=meta, scale=scale,
-                     kv_scales=kv_scales):
-                return paged_attention(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits, **kv_scales)
+        for cfg, splits, apart in configs:
+            def call(cfg=cfg, splits=splits, apart=apart, q=q, k_cache=k_cache, v_cache=v_cache, meta=meta,
+                     scale=scale, kv_scales=kv_scales):
+                return paged_attention(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits, apart=apart,
+                                       **kv_scales)
             try:
-                timing = time_call(call, full=cfg is None and splits is None)
+                timing = time_call(call, full=cfg is None and splits is None and apart is None)
             except Exception as exc:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
                 print(f"  {name}: {cfg} splits={splits}: {type(exc).__name__}: {str(exc)[:100]}")
                 continue
             ms = timing["gpu_ms"]
-            row = dict(case=name, config=asdict(cfg) if cfg else "default", num_splits=splits or "auto", **timing,
+            row = dict(case=name, config=asdict(cfg) if cfg else "default", num_splits=splits or "auto",
+                       apart="auto" if apart is None else apart, **timing,
                        gb_per_s=moved / ms / 1e6, tflop_per_s=flops / ms / 1e9, bw_fraction=moved / ms / 1e6 / bw)
             rows.append(row)
             if best is None or ms < best["gpu_ms"]:
                 best = row
-            if cfg is None and splits is None:
+            if apart is not None:
+                print(f"{name:30s} {'two launches' if apart else 'one launch':12s}: gpu {ms * 1e3:8.1f} us  "
+                      f"{row['gb_per_s']:6.0f} GB/s {row['tflop_per_s']:6.1f} TFLOP/s")
+            if cfg is None and splits is None and apart is None:
                 used = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
                 print(f"{name:30s} {used}: gpu {ms * 1e3:7.1f} us  {row['gb_per_s']:6.0f} GB/s "
                       f"({row['bw_fraction']:.0%} of copy) {row['tflop_per_s']:6.1f} TFLOP/s | eager "
@@ -233,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=[0, 2, 3], metavar="M,M",
                         help="the V read modes --v-read-ab compares (triton_attention's V_AS_LOADED = 0, V_ASM = 2, "
                              "V_CONVERTED_FIRST = 3)")
+    parser.add_argument("--apart-ab", type=int, default=0, metavar="ROUNDS",
+                        help="batches of leading decodes and a chunk as one launch and as two (decodes, chunks), "
+                             "ROUNDS interleaved rounds")
     parser.add_argument("--sdpa-peer", action="store_true", help="time torch SDPA on a dense cache for decodes")
     parser.add_argument("--cases", help="comma-separated substrings: run only the cases whose names contain one")
     parser.add_argument("--json", help="write all rows to this file")

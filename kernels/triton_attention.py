@@ -419,18 +419,35 @@ def split_keys(max_seqlen_k: int, window: int | None) -> int:
     return window if window is not None else max_seqlen_k
 
 
+FP8_APART_MIN_CHUNK_TOKENS = 512  # over an FP8 cache; a 16-bit cache's threshold is LONG_CHUNK_TOKENS
+
+
+def launch_apart(lead_decodes: int, chunk_tokens: int, n_kv_heads: int, sm_count: int, kv_fp8: bool) -> bool:
+    """Whether a mixed batch runs as two launches, its leading decodes on decode tiles and its chunks on chunk
+    tiles, rather than one launch whose decode tiles take the mixed (or long-chunk) warps and stages. Only where
+    the decodes fill the GPU alone (so neither launch splits keys) and the chunk is long enough.
+    On the H200 (hack/bench_kernels.py --apart-ab, one Llama-3-8B layer, docs/perf/mixed-step-h200.md) two
+    launches took 3-34 % off every mixed batch over an FP8 cache from a 512-token chunk (an FP8 cache's decode
+    tiles want 2 warps, a chunk's 4 or 8), and 6-22 % off a 16-bit cache's from a 2,048-token chunk, where below
+    it one launch was up to 8 % faster."""
+    min_chunk = FP8_APART_MIN_CHUNK_TOKENS if kv_fp8 else LONG_CHUNK_TOKENS
+    return lead_decodes * n_kv_heads >= sm_count and chunk_tokens >= min_chunk
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, config: TileConfig | None = None, num_splits: int | None = None,
                     out: torch.Tensor | None = None, window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    apart: bool | None = None) -> torch.Tensor:
     """Attention of the batch's new tokens over the paged cache (their K/V already written). Returns [T, H, D]
     (`out` when given: [T, H, D] with contiguous heads, e.g. rows of a static buffer). window: a query at
     position p sees keys p - window + 1 .. p; softcap: scores -> softcap * tanh(scores / softcap); sinks [H]: a
     logit per head in every row's softmax denominator. An FP8 cache needs k_scale and v_scale, float32
-    [n_kv_heads]."""
+    [n_kv_heads]. apart: run a mixed batch's leading decodes and its chunks as two launches, each on its own
+    tiles (None: as `launch_apart` decides; a given config or split count means one launch)."""
     num_tokens, n_heads, head_dim = q.shape
-    page, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    n_kv_heads = k_cache.shape[2]
     group = n_heads // n_kv_heads
     group_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -444,53 +461,81 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     has_chunks = lead_decodes < num_seqs
     sm_count = _sm_count(q.device.index or 0) if on_cuda else 1
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    cfg = config or choose_config(not has_chunks, not any_decode, num_seqs * n_kv_heads >= sm_count, group_pad,
-                                  d_pad, on_cuda, kv_fp8, num_tokens - lead_decodes)
     read_mode = fp8_read_mode(kv_fp8, q.dtype, on_cuda)
-    if config is None and kv_fp8 and read_mode != FP8_IN_FP16:
-        cfg = dataclasses.replace(cfg, v_read=V_AS_LOADED)  # float32 queries: no fp16 conversion in PTX
-    if cfg.block_m % group_pad or min(cfg.block_m, cfg.block_n, cfg.decode_block_n) < 16:
-        raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and every side >= 16")
-    if kv_fp8 and cfg.v_read != V_AS_LOADED and read_mode != FP8_IN_FP16:
-        raise ValueError(f"v_read {cfg.v_read} converts to fp16 with inline PTX: CUDA with bf16 or fp16 queries only")
-    block_q = cfg.block_m // group_pad
-    chunk_tiles = 0
-    if has_chunks:  # an upper bound: each chunk sequence may waste one partial tile
-        chunk_tiles = (num_tokens - lead_decodes) // block_q + (num_seqs - lead_decodes)
-    grid_tiles = chunk_tiles + lead_decodes
-    if num_splits is None:
-        num_splits = 1
-        if on_cuda:
-            num_splits = choose_num_splits(grid_tiles * n_kv_heads, num_tokens, split_keys(meta.max_seqlen_k, window),
-                                           sm_count)
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
-
+    if kv_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale")
     if out is None:
         out = torch.empty((num_tokens, n_heads, head_dim), dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.stride(1) != head_dim:
         raise ValueError(f"out must be [T, H, D] like q with contiguous heads, got {tuple(out.shape)} {out.dtype}")
+    require_runnable(q.device)
+
+    def tiles(decode_only: bool, chunks_only: bool, busy: bool) -> TileConfig:
+        cfg = config or choose_config(decode_only, chunks_only, busy, group_pad, d_pad, on_cuda, kv_fp8,
+                                      num_tokens - lead_decodes)
+        if config is None and kv_fp8 and read_mode != FP8_IN_FP16:
+            cfg = dataclasses.replace(cfg, v_read=V_AS_LOADED)  # float32 queries: no fp16 conversion in PTX
+        if cfg.block_m % group_pad or min(cfg.block_m, cfg.block_n, cfg.decode_block_n) < 16:
+            raise ValueError(f"tile {cfg} must have block_m a multiple of {group_pad} and every side >= 16")
+        if kv_fp8 and cfg.v_read != V_AS_LOADED and read_mode != FP8_IN_FP16:
+            raise ValueError(f"v_read {cfg.v_read} converts to fp16 with inline PTX: CUDA with bf16 or fp16 queries "
+                             "only")
+        return cfg
+
+    def chunk_tiles_for(cfg: TileConfig) -> int:  # an upper bound: each chunk sequence may waste one partial tile
+        return (num_tokens - lead_decodes) // (cfg.block_m // group_pad) + (num_seqs - lead_decodes)
+
+    def launch(cfg: TileConfig, decodes: int, chunk_tiles: int, splits: int) -> None:
+        _launch(q, k_cache, v_cache, out, meta, scale, window, softcap, sinks, k_scale, v_scale, kv_fp8, read_mode,
+                cfg, decodes, chunk_tiles, splits, lead_decodes, group, group_pad, d_pad, on_cuda)
+
+    if apart is None:
+        apart = (config is None and num_splits is None and on_cuda
+                 and launch_apart(lead_decodes, num_tokens - lead_decodes, n_kv_heads, sm_count, kv_fp8))
+    if apart and has_chunks and lead_decodes:
+        launch(tiles(True, False, lead_decodes * n_kv_heads >= sm_count), lead_decodes, 0, 1)
+        chunk_cfg = tiles(False, True, False)
+        launch(chunk_cfg, 0, chunk_tiles_for(chunk_cfg), 1)
+        return out
+
+    cfg = tiles(not has_chunks, not any_decode, num_seqs * n_kv_heads >= sm_count)
+    chunk_tiles = chunk_tiles_for(cfg) if has_chunks else 0
+    if num_splits is None:
+        num_splits = 1
+        if on_cuda:
+            num_splits = choose_num_splits((chunk_tiles + lead_decodes) * n_kv_heads, num_tokens,
+                                           split_keys(meta.max_seqlen_k, window), sm_count)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    launch(cfg, lead_decodes, chunk_tiles, num_splits)
+    return out
+
+
+def _launch(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float, window, softcap, sinks, k_scale, v_scale,
+            kv_fp8: bool, read_mode: int, cfg: TileConfig, decodes: int, chunk_tiles: int, num_splits: int,
+            lead_decodes: int, group: int, group_pad: int, d_pad: int, on_cuda: bool) -> None:
+    """One launch over `chunk_tiles` chunk programs and the first `decodes` leading decodes (the whole batch, or
+    one of its two parts), then the merge of its key splits."""
+    num_tokens, n_heads, head_dim = q.shape
     if num_splits > 1:
         part_acc = torch.empty((num_splits, num_tokens, n_heads, d_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((num_splits, num_tokens, n_heads), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # never touched
-    if kv_fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("an FP8 KV cache needs k_scale and v_scale")
-    require_runnable(q.device)
-    _paged_attention[(grid_tiles, n_kv_heads, num_splits)](
+    _paged_attention[(chunk_tiles + decodes, k_cache.shape[2], num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, sinks if sinks is not None else out,
         k_scale if kv_fp8 else meta.seq_lens, v_scale if kv_fp8 else meta.seq_lens,
-        num_seqs, num_tokens, lead_decodes, chunk_tiles, n_heads, scale * math.log2(math.e), float(softcap or 1.0),
+        meta.num_seqs, num_tokens, lead_decodes, chunk_tiles, n_heads, scale * math.log2(math.e),
+        float(softcap or 1.0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page,
-        BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DECODE_BLOCK_M=max(16, group_pad),
-        DECODE_BLOCK_N=cfg.decode_block_n, HAS_CHUNKS=has_chunks, NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=k_cache.shape[1],
+        BLOCK_Q=cfg.block_m // group_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        DECODE_BLOCK_M=max(16, group_pad), DECODE_BLOCK_N=cfg.decode_block_n, HAS_CHUNKS=chunk_tiles > 0,
+        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton's interpreter (3.9) computes bf16 x bf16 dots wrongly; it upcasts the operands instead.
         UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16, WINDOW=window or 0, SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, KV_FP8=read_mode,
@@ -503,4 +548,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None,
             num_warps=4,
         )
-    return out

@@ -179,7 +179,9 @@ def test_fp8_kv_attention_matches_the_reference_and_the_bf16_cache():
     from metronome.kernels.triton_backend import TritonBackend
     from metronome_testing.random_batch import make_paged_batch
 
-    for q_lens, ctx_lens in (((1,) * 48, (2048,) * 48), ((1, 1, 300, 7), (4000, 15, 900, 0))):
+    # a decode batch, a mixed one in one launch, and decodes filling the GPU beside a long chunk (two launches)
+    for q_lens, ctx_lens in (((1,) * 48, (2048,) * 48), ((1, 1, 300, 7), (4000, 15, 900, 0)),
+                             ((1,) * 24 + (600,), (500,) * 24 + (100,))):
         batch = make_paged_batch(list(q_lens), list(ctx_lens), 16, 8, 4, 128, dtype=torch.bfloat16, device="cuda",
                                  seed=zlib.crc32(str(q_lens).encode()))
         k_scale = torch.full((8,), 5.0 / 448 * 2, device="cuda")  # N(0, 1) values: amax ~5, headroom 2

@@ -28,6 +28,9 @@ SHAPES = [
     ("qwen_g7_d128_mixed", [33, 1], [500, 700], 16, 2, 7, 128),
     ("d96_mixed", [45, 1], [130, 64], 16, 2, 8, 96),
     ("prefill_2k_fresh", [2048], [0], 256, 8, 4, 128),
+    # decodes that fill the GPU alone beside a long chunk: two launches (launch_apart)
+    ("llama3_lead_decodes_chunk2100_apart", [1] * 24 + [2100, 1], [300 + 37 * i for i in range(24)] + [900, 40], 16,
+     8, 4, 128),
 ]
 
 

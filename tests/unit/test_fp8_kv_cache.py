@@ -21,14 +21,15 @@ from metronome.kernels.torch_ref import TorchBackend, from_cache, to_cache
 from metronome_testing.random_batch import make_paged_batch
 
 FP8 = torch.float8_e4m3fn
-# (name, q_lens, ctx_lens, block_size, n_kv_heads, group, head_dim, num_splits, window)
-CASES = [("mixed", (1, 37, 1, 5), (300, 20, 0, 63), 16, 2, 4, 64, None, None),
-         ("decodes_split", (1, 1), (700, 90), 32, 1, 8, 128, 2, None),
-         ("window", (1, 30, 1), (200, 50, 9), 16, 2, 2, 64, None, 40)]
+# (name, q_lens, ctx_lens, block_size, n_kv_heads, group, head_dim, num_splits, window, apart)
+CASES = [("mixed", (1, 37, 1, 5), (300, 20, 0, 63), 16, 2, 4, 64, None, None, None),
+         ("mixed_apart", (1, 1, 1, 37, 1, 5), (300, 90, 4, 20, 0, 63), 16, 2, 4, 64, None, None, True),
+         ("decodes_split", (1, 1), (700, 90), 32, 1, 8, 128, 2, None, None),
+         ("window", (1, 30, 1), (200, 50, 9), 16, 2, 2, 64, None, 40, None)]
 
 
 def _fp8_batch(case):
-    name, q_lens, ctx_lens, block_size, n_kv_heads, group, head_dim, _, _ = case
+    name, q_lens, ctx_lens, block_size, n_kv_heads, group, head_dim, _, _, _ = case
     batch = make_paged_batch(list(q_lens), list(ctx_lens), block_size, n_kv_heads, group, head_dim,
                              seed=zlib.crc32(name.encode()))
     g = torch.Generator().manual_seed(len(name))
@@ -57,7 +58,7 @@ def _triton_case(case) -> dict:
     _, tk8, tv8, _, _ = _fp8_batch(case)
     write_kv_triton(batch.key, batch.value, tk8, tv8, batch.meta.slot_mapping, k_scale, v_scale)
     got = paged_attention(batch.q, tk8, tv8, batch.meta, case[6] ** -0.5, num_splits=case[7], window=case[8],
-                          k_scale=k_scale, v_scale=v_scale)
+                          k_scale=k_scale, v_scale=v_scale, apart=case[9])
     return {"cache_equal": torch.equal(tk8.view(torch.uint8), k8.view(torch.uint8))
             and torch.equal(tv8.view(torch.uint8), v8.view(torch.uint8)),
             "rel": ((got.double() - expected.double()).norm() / expected.double().norm()).item(),

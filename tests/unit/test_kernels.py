@@ -35,6 +35,7 @@ class Case:
     window: int | None = None  # sliding window: a query at p sees keys p - window + 1 .. p
     softcap: float | None = None
     sinks: bool = False  # a learned logit per head in every softmax denominator (gpt-oss)
+    apart: bool | None = None  # leading decodes and chunks as two launches (None: the kernel's own choice)
 
 
 # Each axis of the grid is covered at least once: q_len 1..300, contexts up to 2,000, block sizes
@@ -65,6 +66,13 @@ CASES = [
     Case("sinks_mixed_g8", (1, 1, 45, 1, 7), (700, 3, 90, 40, 0), 16, 1, 8, 64, sinks=True),
     Case("sinks_window_split_k", (1, 1, 1), (1500, 300, 20), 64, 1, 8, 64, num_splits=4, window=128, sinks=True),
     Case("sinks_bf16_window", (1, 70, 1), (900, 30, 0), 16, 1, 8, 64, dtype="bfloat16", window=40, sinks=True),
+    # A mixed batch as two launches: leading decodes on decode tiles, then the chunks (a decode among them rides in
+    # a chunk tile); with a window and sinks in bf16; and a batch with no leading decode, which stays one launch.
+    Case("apart_decodes_then_chunks", (1, 1, 1, 1, 1, 60, 1, 23), (300, 17, 0, 64, 1000, 40, 90, 0), 16, 2, 4, 64,
+         apart=True),
+    Case("apart_window_sinks_bf16", (1, 1, 1, 45, 7), (700, 3, 200, 90, 33), 16, 1, 8, 64, dtype="bfloat16",
+         window=40, sinks=True, apart=True),
+    Case("apart_without_leading_decodes", (30, 1, 1), (10, 50, 60), 16, 1, 4, 64, apart=True),
 ]
 CASES_BY_NAME = {c.name: c for c in CASES}
 TOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}  # vs the fp32-accumulating reference, inputs of that dtype
@@ -107,12 +115,12 @@ def run_backend(backend_name: str, case: Case) -> tuple[torch.Tensor, torch.Tens
     backend.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
     if case.window is not None:
         poison_behind_window(batch, case.window)
-    if backend_name == "triton" and (case.tile or case.num_splits):
+    if backend_name == "triton" and (case.tile or case.num_splits or case.apart is not None):
         from metronome.kernels.triton_attention import TileConfig, paged_attention
         tile = TileConfig(*case.tile) if case.tile else None
         out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale_of(case), config=tile,
                               num_splits=case.num_splits, window=case.window, softcap=case.softcap,
-                              sinks=sinks_of(case))
+                              sinks=sinks_of(case), apart=case.apart)
     else:
         out = backend.attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale_of(case),
                                 window=case.window, softcap=case.softcap, sinks=sinks_of(case))
@@ -294,7 +302,14 @@ def test_split_and_tile_choices_stay_within_the_compiled_variants():
                 assert splits == 1  # a full GPU or a short context gains nothing from splitting
             assert max_k // splits >= 256 or splits == 1
     assert choose_num_splits(8, num_tokens=300, max_seqlen_k=8192, sm_count=132) == 1  # big batches never split
-    from metronome.kernels.triton_attention import LONG_CHUNK_TOKENS
+    from metronome.kernels.triton_attention import FP8_APART_MIN_CHUNK_TOKENS, LONG_CHUNK_TOKENS, launch_apart
+    # two launches only where the decodes fill the GPU alone (no key splits) and the chunk is long: from a shorter
+    # chunk over an FP8 cache (whose decode tiles differ most from a chunk's) than over a 16-bit one
+    assert launch_apart(64, FP8_APART_MIN_CHUNK_TOKENS, 8, 132, kv_fp8=True)
+    assert not launch_apart(64, FP8_APART_MIN_CHUNK_TOKENS, 8, 132, kv_fp8=False)
+    assert launch_apart(64, LONG_CHUNK_TOKENS, 8, 132, kv_fp8=False)
+    assert not launch_apart(16, 8192, 8, 132, kv_fp8=True)  # 128 decode programs leave SMs idle: one launch
+    assert not launch_apart(64, FP8_APART_MIN_CHUNK_TOKENS - 1, 8, 132, kv_fp8=True)
     # a long chunk beside decodes takes the chunk tiles; a short one keeps the mixed batch's
     pure_chunks = choose_config(False, True, False, 4, 128, on_cuda=True)
     assert choose_config(False, False, True, 4, 128, on_cuda=True, chunk_tokens=LONG_CHUNK_TOKENS) == pure_chunks
