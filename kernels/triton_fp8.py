@@ -13,11 +13,13 @@
   Tiles are chosen by M; M itself is a run-time argument, so a new batch size never compiles a new variant.
 
 Scales follow metronome.server.models.quant.fp8 (amax / 448, floored at 1 / (448 * 512), round to nearest even
-after clamping to ±448). `_e4m3_grid` rounds to the e4m3 grid in integer arithmetic before the cast, so the cast
-itself is exact: the GPU's cvt rounds the same way, and Triton's interpreter (whose fp32 → fp8 conversion drops
-the carry into the exponent: 124.3 became 64) then agrees bit for bit with torch.
+after clamping to ±448). On the GPU the cast (cvt, round to nearest even) does that by itself; under Triton's
+interpreter, whose fp32 → fp8 conversion drops the carry into the exponent (124.3 became 64), `_e4m3_grid` first
+rounds to the e4m3 grid in integer arithmetic so that the cast is exact, and both agree bit for bit with torch.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -27,6 +29,12 @@ from .triton_attention import require_runnable
 
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+# Compiled for the GPU, fp32 → e4m3 is one cvt that rounds to nearest even, subnormals included, so the integer
+# rounding below (some 15 instructions an element, in kernels bound by instruction issue) is needed only under the
+# interpreter; the interpreter is chosen before triton is imported, so this is fixed for the process.
+_CAST_ROUNDS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
@@ -47,7 +55,10 @@ def _e4m3_grid(x):
 @triton.jit
 def _fp8_of(x, scale):
     """e4m3(x / scale) for fp32 x; IEEE division as torch's."""
-    return _e4m3_grid(tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)).to(tl.float8e4nv)
+    y = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+    if _CAST_ROUNDS:
+        return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return _e4m3_grid(y).to(tl.float8e4nv)
 
 
 @triton.jit
