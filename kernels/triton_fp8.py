@@ -10,7 +10,7 @@
   features) → [M, N] in the output dtype. Scales either multiply once after the K loop (a: 0-d or per row [M],
   b: 0-d or per column [N]) or, with `group_k`, per K group inside the loop (a [M, ceil(K / g)], b [N, ceil(K / g)]
   — the block-scaled layout of DeepSeek-style checkpoints with each weight row carrying its block's scales).
-  Tiles are chosen by M; M itself is a run-time argument, so a new batch size never compiles a new variant.
+  Tiles are chosen by M (fp8_tiles.py); M itself is a run-time argument, so a new batch size never compiles a new variant.
 
 Scales follow metronome.server.models.quant.fp8 (amax / 448, floored at 1 / (448 * 512), round to nearest even
 after clamping to ±448). On the GPU the cast (cvt, round to nearest even) does that by itself; under Triton's
@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_tiles import matmul_tiles
 from .triton_attention import require_runnable
 
 FP8_MAX = 448.0
@@ -239,22 +240,6 @@ def _fp8_matmul(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-LARGE_ROWS = 768  # above: 128 x 256 tiles, 7-10 % faster than 128 x 128 at Llama-3-8B shapes (docs/perf/fp8-h200.md)
-
-
-def matmul_tiles(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M rows: small tiles for decode batches."""
-    if m <= 16:
-        return 16, 128, 4, 4
-    if m <= 32:
-        return 32, 128, 4, 4
-    if m <= 64:
-        return 64, 128, 4, 3
-    if m <= LARGE_ROWS:
-        return 128, 128, 8, 3
-    return 128, 256, 8, 3
 
 
 def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,

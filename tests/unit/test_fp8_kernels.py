@@ -230,7 +230,7 @@ if __name__ == "__main__":
 
 
 def test_the_gemm_choice_by_rows():
-    from metronome.kernels.triton_fp8 import LARGE_ROWS, matmul_tiles
+    from metronome.kernels.fp8_tiles import matmul_tiles
     from metronome.server.models.quant.cuda_gemm import SKINNY_ROWS, TRITON_ROWS, per_token_path
 
     rows = (1, SKINNY_ROWS, SKINNY_ROWS + 1, TRITON_ROWS, TRITON_ROWS + 1, 8192)
@@ -239,7 +239,7 @@ def test_the_gemm_choice_by_rows():
     assert per_token_path("auto", 8192, scalar_scales=True) == "rowwise"
     assert per_token_path("skinny", 4096) == "rowwise"  # the small-M kernel only where its rows fit
     # the Triton kernel's wide tiles serve exactly the rows `auto` sends it
-    assert TRITON_ROWS == LARGE_ROWS and matmul_tiles(TRITON_ROWS + 1)[:2] == (128, 256)
+    assert matmul_tiles(TRITON_ROWS)[:2] == (128, 128) and matmul_tiles(TRITON_ROWS + 1)[:2] == (128, 256)
     assert [per_token_path(c, 1) for c in ("rowwise", "tensorwise", "triton")] == ["rowwise", "tensorwise", "triton"]
 
 

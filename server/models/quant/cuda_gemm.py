@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from metronome.kernels.fp8_tiles import LARGE_ROWS
 from metronome.server.models.quant.activation import Fp8Activation
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 GEMMS = ("auto", "skinny", "rowwise", "tensorwise", "triton")
 SKINNY_ROWS = 64  # `auto` takes the small-M kernel up to here
-TRITON_ROWS = 768  # ... and the Triton kernel above here
+TRITON_ROWS = LARGE_ROWS  # ... and the Triton kernel above here, where its 128 x 256 tiles start
 GEMM_ENV = "METRONOME_FP8_GEMM"
 
 
