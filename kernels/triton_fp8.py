@@ -10,7 +10,8 @@
   features) → [M, N] in the output dtype. Scales either multiply once after the K loop (a: 0-d or per row [M],
   b: 0-d or per column [N]) or, with `group_k`, per K group inside the loop (a [M, ceil(K / g)], b [N, ceil(K / g)]
   — the block-scaled layout of DeepSeek-style checkpoints with each weight row carrying its block's scales).
-  Tiles are chosen by M (fp8_tiles.py); M itself is a run-time argument, so a new batch size never compiles a new variant.
+  Tiles are chosen by M (fp8_tiles.py); M itself is a run-time argument, so a new batch size never compiles a new
+  variant.
 
 Scales follow metronome.server.models.quant.fp8 (amax / 448, floored at 1 / (448 * 512), round to nearest even
 after clamping to ±448). On the GPU the cast (cvt, round to nearest even) does that by itself; under Triton's
