@@ -464,6 +464,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     read_mode = fp8_read_mode(kv_fp8, q.dtype, on_cuda)
     if kv_fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
+    if apart and num_splits not in (None, 1):
+        raise ValueError("two launches do not split keys: pass apart=False with num_splits")
     if out is None:
         out = torch.empty((num_tokens, n_heads, head_dim), dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.stride(1) != head_dim:

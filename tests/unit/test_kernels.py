@@ -310,6 +310,10 @@ def test_split_and_tile_choices_stay_within_the_compiled_variants():
     assert launch_apart(64, LONG_CHUNK_TOKENS, 8, 132, kv_fp8=False)
     assert not launch_apart(16, 8192, 8, 132, kv_fp8=True)  # 128 decode programs leave SMs idle: one launch
     assert not launch_apart(64, FP8_APART_MIN_CHUNK_TOKENS - 1, 8, 132, kv_fp8=True)
+    from metronome.kernels.triton_attention import paged_attention
+    batch = make_paged_batch([1, 40], [30, 0], block_size=16, n_kv_heads=1, group=2, head_dim=64, seed=2)
+    with pytest.raises(ValueError, match="do not split keys"):
+        paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, num_splits=2, apart=True)
     # a long chunk beside decodes takes the chunk tiles; a short one keeps the mixed batch's
     pure_chunks = choose_config(False, True, False, 4, 128, on_cuda=True)
     assert choose_config(False, False, True, 4, 128, on_cuda=True, chunk_tokens=LONG_CHUNK_TOKENS) == pure_chunks
