@@ -1,6 +1,7 @@
 """Triton attention for a flat mixed batch (prefill chunks and decodes together) over the paged KV cache.
 
-One launch covers the whole batch. The grid is (query tile, kv head, kv split):
+One launch covers the whole batch, or two where its leading decodes fill the GPU beside a long chunk (decodes
+and chunks each on their own tiles: `launch_apart`). The grid is (query tile, kv head, kv split):
 - a query tile is some new tokens of one sequence times all GROUP query heads that share the kv head, so each
   K/V tile is loaded once for the whole GQA group (rows = tokens * GROUP_PAD);
 - the batch's leading decodes (the engine puts decodes first) get one small tile each (16 rows); the other
