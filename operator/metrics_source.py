@@ -58,9 +58,10 @@ PROMPTS_BY_LANE = "prompts_by_lane"
 APPLIED_BY_POD = "applied_by_pod"
 WAITING = "waiting"
 WAITING_GROWTH = "waiting_growth"
+PREFILLING = "prefilling"
 QUERY_KEYS = (TBT_P99, TBT_COUNT, TTFT_P99, OUTPUT_TOKENS_RATE, PROMPT_TOKENS_RATE, REQUESTS_RATE,
               RUNNING_PER_POD, STEP_TOKENS_RATE, STEP_SECONDS_RATE, STEP_COUNT_RATE, GENERATION_BY_POD,
-              TBT_P99_BY_LANE, PROMPTS_BY_LANE, APPLIED_BY_POD, WAITING, WAITING_GROWTH)
+              TBT_P99_BY_LANE, PROMPTS_BY_LANE, APPLIED_BY_POD, WAITING, WAITING_GROWTH, PREFILLING)
 
 
 # The scrape-side half of the label contract, as relabeling rules from Kubernetes service discovery (role: pod)
@@ -179,6 +180,7 @@ def build_queries(selector: ServiceSelector, window: QueryWindow) -> dict[str, s
         APPLIED_BY_POD: f"max by ({per_pod}) ({names.CONFIG_APPLIED_TIME}{m})",
         WAITING: f"sum(avg_over_time({names.REQUESTS_WAITING}{m}[{w}]))",
         WAITING_GROWTH: f"sum(delta({names.REQUESTS_WAITING}{m}[{w}]))",
+        PREFILLING: f"sum(avg_over_time({names.REQUESTS_PREFILLING}{m}[{w}]))",
     }
 
 
@@ -226,6 +228,7 @@ def observation_from_results(results: Mapping[str, Any], window: QueryWindow,
         config_applied_at=applied,
         waiting_requests=_scalar(results, WAITING),
         waiting_growth=_scalar(results, WAITING_GROWTH),
+        prefilling_requests=_scalar(results, PREFILLING),
     )
 
 

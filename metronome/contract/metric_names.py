@@ -38,6 +38,9 @@ PROMPTS = PREFIX + "prompts_total"  # label: lane; requests whose first token wa
 GENERATION_TOKENS = PREFIX + "generation_tokens_total"
 REQUESTS_RUNNING = PREFIX + "requests_running"
 REQUESTS_WAITING = PREFIX + "requests_waiting"  # label: queue
+# Admitted requests whose prompt is not fully prefilled yet: beyond one a pod (one a lane under split) they wait
+# their turn for the prefill budget inside the batch, a queue that requests_waiting does not show.
+REQUESTS_PREFILLING = PREFIX + "requests_prefilling"
 KV_CACHE_USAGE = PREFIX + "kv_cache_usage_ratio"
 KV_BLOCKS_LEAKED = PREFIX + "kv_blocks_leaked"
 # Value 1; labels block_size (tokens per KV block) and num_blocks (blocks the cache holds): the cache's shape.
@@ -66,6 +69,7 @@ ALL_NAMES = (
     REQUESTS_WAITING, KV_CACHE_USAGE, KV_BLOCKS_LEAKED, PREEMPTIONS, REQUESTS_REJECTED, STEP_DURATION, STEP_TOKENS,
     SCHEDULER_OVERHEAD, CHUNK_SIZE, QUEUE_POLICY_INFO, CONFIG_GENERATION, CONFIG_RELOAD_ERRORS,
     KERNEL_COMPILES_AFTER_READY, PROMPTS, CONFIG_APPLIED_TIME, LANE_CHUNK_SIZE, KV_CACHE_CONFIG_INFO,
+    REQUESTS_PREFILLING,
 )
 
 

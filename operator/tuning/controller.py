@@ -13,7 +13,8 @@ Order of the rules, first match wins:
    to ≤ long_share_off. The gap between the two is the hysteresis. No switch to split while the budget is under
    the short-prompt threshold (split would raise it), nor while p99 TBT is over FAR_OVER_TARGET × the target and
    a chunk rule would change the chunk: the chunk goes first (a switch would cost a settling window).
-3b. prefill guard: when prefill is the bottleneck — TTFT p99 over its limit while requests wait for prefill, or
+3b. prefill guard: when prefill is the bottleneck — TTFT p99 over its limit while requests wait for prefill
+   (queued for admission, or admitted beyond the one prompt a pod (a lane) prefills at a time), or
    the waiting queue grew by `queue_growth_limit` or more over the window while TTFT p99 is unknown (no limit, no
    data) or above QUEUE_TTFT_SHARE of its limit — the budget is never shrunk: it grows
    (the model's largest chunk within the TBT budget; without a fit ×multiplicative_up while p99 × multiplicative_up
@@ -203,14 +204,25 @@ def _policy_switch(obs: Observation, current: CurrentConfig, spec: AutotuneSpec)
 
 # --- rule 3b: never starve prefill -------------------------------------------------------------------------------
 
-def _prefill_bottleneck(obs: Observation, spec: AutotuneSpec) -> str | None:
+def waiting_for_prefill(obs: Observation, queue_policy: str) -> float:
+    """Mean requests in line for the prefill budget over the window, all pods: those waiting for admission, and
+    admitted ones beyond the prompt each pod prefills at a time (one a lane: split prefills a short and a long
+    prompt side by side). Under a large max_num_seqs a load step is admitted at once, and its prompts queue for the
+    budget inside the batch, where requests_waiting does not see them."""
+    pods = max(len(obs.pod_generations), 1)
+    lanes = 2 if queue_policy == "split" else 1
+    beyond = max((obs.prefilling_requests or 0.0) - pods * lanes, 0.0)
+    return (obs.waiting_requests or 0.0) + beyond
+
+
+def _prefill_bottleneck(obs: Observation, current: CurrentConfig, spec: AutotuneSpec) -> str | None:
     """Why prefill cannot keep up (TTFT over its limit, a growing queue), or None."""
     why = []
-    limit, waiting = spec.ttft_p99_target_s, obs.waiting_requests or 0.0
+    limit, waiting = spec.ttft_p99_target_s, waiting_for_prefill(obs, current.queue_policy)
     # Slow first tokens with nobody waiting come from long steps (which a smaller chunk helps), not from prefill.
     if limit is not None and obs.ttft_p99_s is not None and obs.ttft_p99_s > limit and waiting > 0:
         why.append(f"TTFT p99 {obs.ttft_p99_s * 1e3:.0f} ms > limit {limit * 1e3:.0f} ms with {waiting:.1f} "
-                   "requests waiting on average")
+                   "requests waiting for prefill on average")
     growth = obs.waiting_growth
     share = _ttft_share(obs, spec)
     late = share is None or share > QUEUE_TTFT_SHARE
@@ -220,7 +232,7 @@ def _prefill_bottleneck(obs: Observation, spec: AutotuneSpec) -> str | None:
 
 
 def _prefill_guard(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, ratio: float) -> _Proposal | None:
-    why = _prefill_bottleneck(obs, spec)
+    why = _prefill_bottleneck(obs, current, spec)
     if why is None or not spec.min_chunk <= current.chunk_size <= spec.max_chunk:
         return None
     tbt = obs.tbt_p99_s
@@ -599,7 +611,7 @@ def _recommendation(obs: Observation, current: CurrentConfig, spec: AutotuneSpec
     estimate = _estimate(obs, current, spec, spec.scale_down_headroom)
     if estimate is None:
         return ReplicaEstimate(min(top, max(lowest, current.replicas)), True, "nothing to size replicas by")
-    if not healthy or _prefill_bottleneck(obs, spec) is not None:
+    if not healthy or _prefill_bottleneck(obs, current, spec) is not None:
         return replace(estimate, replicas=max(estimate.replicas, min(top, current.replicas)))
     return estimate
 

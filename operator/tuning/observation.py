@@ -45,6 +45,7 @@ class Observation:
     config_applied_at: Mapping[str, float] = field(default_factory=dict)  # pod → Unix time it applied its config
     waiting_requests: float | None = None  # mean requests waiting over the window, all pods
     waiting_growth: float | None = None  # waiting requests at the window's end minus at its start (> 0: growing)
+    prefilling_requests: float | None = None  # mean admitted requests still prefilling over the window, all pods
 
 
 class MetricsUnavailable(MetronomeError):

@@ -103,6 +103,7 @@ class ServerMetrics:
         self._compiles_counted = 0
 
         self.running = gauge(names.REQUESTS_RUNNING, "Requests running.")
+        self.prefilling = gauge(names.REQUESTS_PREFILLING, "Running requests whose prompt is not fully prefilled.")
         self.waiting = gauge(names.REQUESTS_WAITING, "Requests waiting, by queue.", model + ["queue"])
         self.kv_usage = gauge(names.KV_CACHE_USAGE, "Fraction of KV blocks in use.")
         self.kv_leaked = gauge(names.KV_BLOCKS_LEAKED, "KV blocks held by no live sequence.")
@@ -119,8 +120,8 @@ class ServerMetrics:
 
         # Create every labelled child up front so that each name is exported before its first event.
         for metric in (self.ttft, self.e2e, self.prompt_tokens, self.generation_tokens, self.preemptions,
-                       self.reload_errors, self.compiles_after_ready, self.running, self.kv_usage, self.kv_leaked,
-                       self.chunk_size, self.generation, self.config_applied):
+                       self.reload_errors, self.compiles_after_ready, self.running, self.prefilling, self.kv_usage,
+                       self.kv_leaked, self.chunk_size, self.generation, self.config_applied):
             metric.labels(model_name)
         for metric in (self.step_duration, self.step_tokens, self.scheduler_overhead):
             for kind in names.STEP_KINDS:
@@ -175,6 +176,7 @@ class ServerMetrics:
         """Set the engine-state gauges from a snapshot."""
         m = self.model_name
         self.running.labels(m).set(stats.num_running)
+        self.prefilling.labels(m).set(stats.num_prefilling)
         for queue in set(KNOWN_QUEUES) | set(stats.num_waiting):
             self.waiting.labels(m, queue).set(stats.num_waiting.get(queue, 0))
         self.kv_usage.labels(m).set(stats.kv_usage_ratio)

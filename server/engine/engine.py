@@ -522,6 +522,7 @@ class EngineCore:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.waiting_counts(),
+            num_prefilling=sum(1 for seq in self.scheduler.running if seq.is_prefilling),
             kv_usage_ratio=bm.usage_ratio,
             kv_blocks_total=bm.num_blocks,
             kv_blocks_free=bm.num_free_blocks,

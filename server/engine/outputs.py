@@ -67,6 +67,7 @@ class EngineStats:
 
     num_running: int
     num_waiting: dict[str, int]  # per queue name: "fcfs" | "short" | "long" | "sjf"
+    num_prefilling: int  # running sequences whose prompt is not fully prefilled
     kv_usage_ratio: float
     kv_blocks_total: int
     kv_blocks_free: int

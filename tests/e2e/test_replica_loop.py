@@ -161,7 +161,8 @@ def run(cluster, standin, ns, load: ServiceLoad) -> None:
     load.set_load(step.clients)
     stepped = load.now()
 
-    # The loop adds the replica because prefill cannot keep up (TTFT over the limit while requests wait).
+    # The loop adds the replica because prefill cannot keep up (TTFT over the limit while prompts wait for the
+    # budget: admitted under maxNumSeqs 16, they queue inside the batch).
     wait_for(lambda: replicas_are(cluster, ns, 2), "the loop to add a replica", timeout=420, interval=2.0)
     decision = status(cluster, ns)["lastDecision"]
     print(f"scale-up after {load.now() - stepped:.0f} s: {decision['reason'][:300]}")

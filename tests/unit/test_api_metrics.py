@@ -133,7 +133,8 @@ def test_observer_maps_step_stats_exactly():
                      token_gaps_s=[0.003, 0.0055, 0.011], first_token_latencies_s=[0.05], finished_e2e_s=[0.2],
                      token_gap_lanes=["short", "short", "long"], first_token_lanes=["long"],
                      num_preemptions=2)
-    stats = EngineStats(num_running=3, num_waiting={"short": 2, "long": 1}, kv_usage_ratio=0.25,
+    stats = EngineStats(num_running=3, num_waiting={"short": 2, "long": 1}, num_prefilling=2,
+                        kv_usage_ratio=0.25,
                         kv_blocks_total=100, kv_blocks_free=75, kv_blocks_leaked=0, preemptions_total=2,
                         scheduler=SchedulerConfig())
     metrics.on_step(step, stats)
@@ -157,7 +158,7 @@ def test_observer_maps_step_stats_exactly():
     assert value(names.STEP_DURATION + "_count", kind="decode") == 0
     assert value(names.PROMPT_TOKENS) == 37 and value(names.GENERATION_TOKENS) == 4
     assert value(names.PREEMPTIONS) == 2
-    assert value(names.REQUESTS_RUNNING) == 3
+    assert value(names.REQUESTS_RUNNING) == 3 and value(names.REQUESTS_PREFILLING) == 2
     assert value(names.REQUESTS_WAITING, queue="short") == 2 and value(names.REQUESTS_WAITING, queue="fcfs") == 0
     assert value(names.KV_CACHE_USAGE) == 0.25
     assert value(names.REQUESTS_REJECTED, reason="overloaded") == 1

@@ -18,8 +18,8 @@ from metronome.server.bench.loop.report import good_requests, loop_targets, orac
 from metronome.server.bench.loop.scrape import observe, parse_scrape, query_results
 from metronome.server.engine.outputs import EngineStats, StepStats
 
-ENGINE = EngineStats(num_running=2, num_waiting={}, kv_usage_ratio=0.1, kv_blocks_total=10, kv_blocks_free=9,
-                     kv_blocks_leaked=0, preemptions_total=0, scheduler=SchedulerConfig())
+ENGINE = EngineStats(num_running=2, num_waiting={}, num_prefilling=1, kv_usage_ratio=0.1, kv_blocks_total=10,
+                     kv_blocks_free=9, kv_blocks_leaked=0, preemptions_total=0, scheduler=SchedulerConfig())
 
 
 def step(gaps, lanes, tokens, seconds, prefill=0, first_lanes=(), generated=0):
@@ -74,6 +74,8 @@ def test_the_operator_queries_are_answered_from_scrapes_like_prometheus():
     assert observation.short_tbt_p99_s == pytest.approx(observation.tbt_p99_s)
     assert observation.long_prompt_share == 1.0
     assert (observation.waiting_requests, observation.waiting_growth) == (0, 0)
+    # 0 prefilling at the first scrape, 1 at the four after it: 0.8 a pod, summed over the two
+    assert observation.prefilling_requests == pytest.approx(1.6)
     assert set(observation.config_applied_at) == {"a", "b"} and min(observation.config_applied_at.values()) > 0
 
 

@@ -45,8 +45,8 @@ def test_the_metric_counts_only_new_compiles():
     metrics = ServerMetrics("m")
 
     def stats(compiles: int) -> EngineStats:
-        return EngineStats(num_running=0, num_waiting={}, kv_usage_ratio=0.0, kv_blocks_total=1, kv_blocks_free=1,
-                           kv_blocks_leaked=0, preemptions_total=0, scheduler=SchedulerConfig(),
+        return EngineStats(num_running=0, num_waiting={}, num_prefilling=0, kv_usage_ratio=0.0, kv_blocks_total=1,
+                           kv_blocks_free=1, kv_blocks_leaked=0, preemptions_total=0, scheduler=SchedulerConfig(),
                            kernel_compiles_after_ready=compiles)
 
     value = lambda: metrics.registry.get_sample_value(names.KERNEL_COMPILES_AFTER_READY, {"model": "m"})  # noqa: E731

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 from serving_fleet import Fleet, Hardware, Workload
 
-from metronome.operator.tuning.controller import decide
+from metronome.operator.tuning.controller import decide, waiting_for_prefill
 from metronome.operator.tuning.decision import ActionKind, CurrentConfig
 from metronome.operator.tuning.observation import Observation, StepSample
 from metronome.operator.tuning.settings import AutotuneMode, AutotuneSpec, TuningPolicy
@@ -133,7 +133,7 @@ def test_prefill_guard_with_no_tbt_room_holds_or_scales():
     held = decide(observation, current, spec(), 10_000.0)
     assert (held.chunk_size, held.replicas, held.changed) == (512, 1, False)
     assert held.slo_unreachable and "TBT is over target too, not shrinking" in held.reason
-    assert "40.0 requests waiting on average" in held.reason
+    assert "40.0 requests waiting for prefill on average" in held.reason
     scaled = decide(observation, current, spec(scale_replicas=True, max_replicas=3), 10_000.0)
     assert (scaled.chunk_size, scaled.replicas, scaled.actions) == (512, 2, (ActionKind.SCALE_UP,))
 
@@ -146,6 +146,33 @@ def test_slow_first_tokens_with_nobody_waiting_do_not_block_a_shrink():
     decision = decide(observation, CurrentConfig(4096, "fcfs", 1, generation=3),
                       spec(policy=TuningPolicy.MULTIPLICATIVE), 10_000.0)
     assert decision.changed and decision.chunk_size < 4096 and "prefill" not in decision.reason
+
+
+def test_prompts_queued_inside_the_batch_are_a_prefill_bottleneck():
+    # A load step under a large max_num_seqs: every request is admitted at once, nobody waits for admission, and
+    # the prompts wait their turn for the prefill budget inside the batch (a CPU e2e run saw TTFT p99 over its
+    # limit with 0.0-0.1 requests waiting, and the guard fired or not by chance).
+    late = dict(window_seconds=60, sample_count=5000, tbt_p99_s=0.080, ttft_p99_s=5.0, output_tokens_per_s=900.0,
+                pod_generations={"a": 3}, waiting_requests=0.0, waiting_growth=0.0)
+    current = CurrentConfig(512, "fcfs", 1, generation=3)
+    scaling = spec(scale_replicas=True, max_replicas=2)
+    queued = decide(Observation(**late, prefilling_requests=4.6), current, scaling, 10_000.0)
+    assert (queued.replicas, queued.actions) == (2, (ActionKind.SCALE_UP,))
+    assert "3.6 requests waiting for prefill on average" in queued.reason
+    # One prompt prefilling at a time is prefill being served, not a queue: the chunk goes first.
+    served = decide(Observation(**late, prefilling_requests=0.9), current, scaling, 10_000.0)
+    assert served.replicas == 1 and "prefill is the bottleneck" not in served.reason
+
+
+def test_waiting_for_prefill_counts_prompts_beyond_one_a_pod_and_lane():
+    two_pods = dict(window_seconds=60, sample_count=100, tbt_p99_s=0.05, pod_generations={"a": 3, "b": 3})
+    assert waiting_for_prefill(Observation(**two_pods, waiting_requests=1.5, prefilling_requests=5.0), "fcfs") == 4.5
+    assert waiting_for_prefill(Observation(**two_pods, waiting_requests=0.0, prefilling_requests=1.9), "fcfs") == 0.0
+    # split prefills a short and a long prompt side by side on each pod
+    assert waiting_for_prefill(Observation(**two_pods, prefilling_requests=3.5), "split") == 0.0
+    assert waiting_for_prefill(Observation(**two_pods, prefilling_requests=5.0), "split") == 1.0
+    # servers that do not export the gauge: the admission queue alone, as before
+    assert waiting_for_prefill(Observation(**two_pods, waiting_requests=2.0), "fcfs") == 2.0
 
 
 def test_a_queue_behind_a_huge_chunk_does_not_block_shrinking_to_what_prefill_needs():

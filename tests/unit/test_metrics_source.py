@@ -62,6 +62,7 @@ def canned_results() -> dict:
                             _instant(1.7e9 + 40, pod="tiny-b", instance="10.0.0.2:8000")],
         ms.WAITING: [_instant(3.0)],
         ms.WAITING_GROWTH: [_instant(-1.0)],
+        ms.PREFILLING: [_instant(2.5)],
     }
 
 
@@ -93,7 +94,7 @@ def test_queries_use_the_shared_metric_names_and_select_one_service():
     assert used == {names.TIME_BETWEEN_TOKENS, names.TIME_TO_FIRST_TOKEN, names.GENERATION_TOKENS, names.PROMPT_TOKENS,
                     names.REQUEST_E2E, names.REQUESTS_RUNNING, names.STEP_TOKENS, names.STEP_DURATION,
                     names.CONFIG_GENERATION, names.PROMPTS, names.CONFIG_APPLIED_TIME,
-                    names.REQUESTS_WAITING}  # each feeds the Observation
+                    names.REQUESTS_WAITING, names.REQUESTS_PREFILLING}  # each feeds the Observation
 
 
 def test_selector_label_names_are_parameters_and_values_are_escaped():
@@ -145,6 +146,7 @@ def test_canned_results_become_an_observation():
     assert obs.mean_prompt_tokens == pytest.approx(1000.0)
     assert obs.long_prompt_share == pytest.approx(60 / 240)  # the long lane's share of prompts
     assert obs.decode_batch_size == 24.0
+    assert (obs.waiting_requests, obs.waiting_growth, obs.prefilling_requests) == (3.0, -1.0, 2.5)
     assert obs.pod_generations == {"tiny-a": 3, "tiny-b": 2}
     # Three sub-windows had steps (tiny-b's last one is NaN: no steps, dropped): mean tokens and seconds per step.
     points = sorted((s.pod, round(s.tokens_per_step, 3), round(s.step_seconds, 5), s.steps) for s in obs.step_samples)

@@ -7,8 +7,9 @@ from metronome.contract.config import SchedulerConfig
 from metronome.server.engine.outputs import EngineStats, StepStats
 from metronome.server.engine.slow_steps import SlowStepLog, describe
 
-STATS = EngineStats(num_running=68, num_waiting={"short": 3, "long": 1}, kv_usage_ratio=0.1, kv_blocks_total=100,
-                    kv_blocks_free=90, kv_blocks_leaked=0, preemptions_total=0, scheduler=SchedulerConfig())
+STATS = EngineStats(num_running=68, num_waiting={"short": 3, "long": 1}, num_prefilling=2, kv_usage_ratio=0.1,
+                    kv_blocks_total=100, kv_blocks_free=90, kv_blocks_leaked=0, preemptions_total=0,
+                    scheduler=SchedulerConfig())
 
 
 def step(ms: float, host_ms: float = 3.0) -> StepStats:

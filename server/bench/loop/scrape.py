@@ -230,6 +230,7 @@ EVALUATORS: dict[str, Callable[[Pods], list[dict[str, Any]]]] = {
     ms.APPLIED_BY_POD: lambda p: _latest_by_pod(p, names.CONFIG_APPLIED_TIME),
     ms.WAITING: lambda p: _gauge_average(p, names.REQUESTS_WAITING, per_pod_sum=True),
     ms.WAITING_GROWTH: lambda p: _gauge_delta(p, names.REQUESTS_WAITING),
+    ms.PREFILLING: lambda p: _gauge_average(p, names.REQUESTS_PREFILLING, per_pod_sum=True),
 }
 
 
