@@ -23,7 +23,10 @@ import torch
 from metronome.kernels.metadata import AttentionMetadata
 
 # (name, q_lens, ctx_lens): ctx = cached tokens before the step
-DECODE_CASES = [(f"decode_b{b}_2k", [1] * b, [2047] * b) for b in (1, 16, 64, 256)]
+DECODE_CASES = [(f"decode_b{b}_2k", [1] * b, [2047] * b) for b in (1, 16, 64, 256)] + [
+    # the saturation run's full decode batch at its mean context
+    ("sat_decode_b921_1328", [1] * 921, [1327] * 921),
+]
 MIXED_CASES = [
     ("decode_b1_16k", [1], [16383]),
     ("mixed_chunk512_plus63dec_2k", [512] + [1] * 63, [1536] + [2047] * 63),
@@ -79,12 +82,12 @@ def attention_flops(meta: AttentionMetadata, n_heads: int, head_dim: int) -> int
 
 def chosen_config(meta: AttentionMetadata, n_kv_heads: int, group_pad: int, head_dim: int, kv_fp8: bool):
     """The tile config paged_attention picks by itself for this batch (for the printout)."""
-    from metronome.kernels.triton_attention import _batch_shape, _sm_count, choose_config
+    from metronome.kernels.triton_attention import _batch_shape, _sm_count, batch_fill, choose_config
     lead, any_decode = _batch_shape(meta)
-    busy = meta.num_seqs * n_kv_heads >= _sm_count(torch.cuda.current_device())
+    busy, queued = batch_fill(meta.num_seqs, n_kv_heads, _sm_count(torch.cuda.current_device()))
     return choose_config(lead == meta.num_seqs, not any_decode, busy, group_pad,
                          max(16, 1 << (head_dim - 1).bit_length()), True, kv_fp8,
-                         chunk_tokens=meta.num_tokens - lead)
+                         chunk_tokens=meta.num_tokens - lead, queued=queued)
 
 
 def time_call(fn, full: bool = True) -> dict:
@@ -168,6 +171,10 @@ def run(args) -> list[dict]:
             chosen = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
             configs += [(replace(chosen, v_read=mode), None, None) for _ in range(args.v_read_ab)
                         for mode in args.v_read_modes]
+        if args.registers_ab:  # the tiles paged_attention picks, under each register cap (0: none)
+            chosen = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
+            configs += [(replace(chosen, max_registers=cap, num_stages=stages or chosen.num_stages), None, None)
+                        for _ in range(args.registers_ab) for cap in args.register_caps for stages in args.stages]
         if args.apart_ab and meta.max_seqlen_q > 1 and meta.q_lens_host[0] == 1:  # leading decodes and a chunk
             configs += [(None, None, apart) for _ in range(args.apart_ab) for apart in (False, True)]
         best = None
@@ -191,6 +198,9 @@ def run(args) -> list[dict]:
             if apart is not None:
                 print(f"{name:30s} {'two launches' if apart else 'one launch':12s}: gpu {ms * 1e3:8.1f} us  "
                       f"{row['gb_per_s']:6.0f} GB/s {row['tflop_per_s']:6.1f} TFLOP/s")
+            if cfg is not None and args.registers_ab:
+                print(f"{name:30s} registers {cfg.max_registers or 'auto':>4}, {cfg.num_stages} stages: gpu "
+                      f"{ms * 1e3:8.1f} us  {row['gb_per_s']:6.0f} GB/s ({row['bw_fraction']:.0%} of copy)")
             if cfg is None and splits is None and apart is None:
                 used = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
                 print(f"{name:30s} {used}: gpu {ms * 1e3:7.1f} us  {row['gb_per_s']:6.0f} GB/s "
@@ -249,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--apart-ab", type=int, default=0, metavar="ROUNDS",
                         help="batches of leading decodes and a chunk as one launch and as two (decodes, chunks), "
                              "ROUNDS interleaved rounds")
+    parser.add_argument("--registers-ab", type=int, default=0, metavar="ROUNDS",
+                        help="the chosen tiles under each --register-caps cap and --stages count, ROUNDS interleaved "
+                             "rounds: fewer registers a thread, more programs an SM")
+    parser.add_argument("--register-caps", type=lambda text: [int(c) for c in text.split(",")], default=[0, 168, 128],
+                        metavar="N,N", help="registers per thread for --registers-ab (0: the compiler's choice)")
+    parser.add_argument("--stages", type=lambda text: [int(c) for c in text.split(",")], default=[0], metavar="N,N",
+                        help="pipeline stages for --registers-ab (0: the chosen tiles' own)")
     parser.add_argument("--sdpa-peer", action="store_true", help="time torch SDPA on a dense cache for decodes")
     parser.add_argument("--cases", help="comma-separated substrings: run only the cases whose names contain one")
     parser.add_argument("--json", help="write all rows to this file")

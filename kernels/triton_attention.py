@@ -340,20 +340,36 @@ class TileConfig:
     num_stages: int = 3
     decode_block_n: int = 128  # keys per inner step of a decode tile (rows: max(16, padded group))
     v_read: int = 0  # how an FP8 V tile reaches its dot (V_AS_LOADED ... V_CONVERTED_FIRST, above); 16-bit: unused
+    max_registers: int = 0  # a cap on registers per thread (ptxas .maxnreg), for occupancy; 0: the compiler's choice
 
 
 LONG_CHUNK_TOKENS = 2048  # a mixed batch with this many chunk tokens takes a pure chunk batch's tiles
+# Over an FP8 cache the busy decode tile compiles to 184 registers a thread: 5 programs of 2 warps fit an SM, 10
+# warps to hide the latency of a tile that does twice the work per byte of a bf16 one. Capped at 168 (ptxas moves a
+# few values to L1) 6 programs fit, and a batch with more decode programs than the GPU holds at once streams faster.
+# On the H200 (bench_kernels --kv-fp8 --registers-ab, one Llama-3-8B layer, docs/perf/fp8-h200.md): 921 decodes at
+# 1,328 keys -12 %, 256 at 2k -7 %; 64 at 2k (512 programs, all resident either way) +3 %, hence the threshold.
+FP8_QUEUED_DECODE_REGISTERS = 168
+QUEUED_PROGRAMS_PER_SM = 6
+
+
+def batch_fill(seqs: int, n_kv_heads: int, sm_count: int) -> tuple[bool, bool]:
+    """(busy, queued) for a launch of `seqs` decode programs per kv head: busy when they fill every SM, queued
+    when there are more than an SM holds at once (QUEUED_PROGRAMS_PER_SM)."""
+    programs = seqs * n_kv_heads
+    return programs >= sm_count, programs >= QUEUED_PROGRAMS_PER_SM * sm_count
 
 
 def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: int, d_pad: int,
-                  on_cuda: bool, kv_fp8: bool = False, chunk_tokens: int = 0) -> TileConfig:
+                  on_cuda: bool, kv_fp8: bool = False, chunk_tokens: int = 0, queued: bool = False) -> TileConfig:
     """Fixed tiles by batch class, so a server compiles a handful of variants, never one per batch.
 
     From an H200 sweep (bench_kernels --sweep, Llama-3-8B layer, bf16): decode-only batches that fill the GPU
     (`busy`) stream best with 64-key steps and 2 stages, small ones with 128-key steps; pure prefill chunks like
     128-row tiles on 8 warps; mixed batches like 64-row tiles on 4 warps, 3 stages. Over an FP8 cache (the same
     sweep with --kv-fp8) busy decodes like 2 warps and 3 stages of 64 keys, small ones 2 stages of 128 keys,
-    their V converted in PTX (FP8_DECODE_V_READ, above).
+    their V converted in PTX (FP8_DECODE_V_READ, above), and when `queued` (more programs than the GPU holds at
+    once) a register cap that fits one more program an SM (FP8_QUEUED_DECODE_REGISTERS, above).
     A mixed batch whose chunks carry LONG_CHUNK_TOKENS or more is mostly chunk work, and takes the chunk tiles
     (each 16-token tile re-reads every key before it, twice as often as a 32-token one). Measured since
     (docs/perf/mixed-step-h200.md): the whole 2,048 step's attention went from 30.9 to 28.9 ms, still twice the
@@ -369,7 +385,8 @@ def choose_config(decode_only: bool, chunks_only: bool, busy: bool, group_pad: i
         block_m = max(64, group_pad)  # unused by decode tiles, but must stay a multiple of the group
         if kv_fp8:
             return TileConfig(block_m, num_warps=2 if busy else 4, num_stages=3 if busy else 2,
-                              decode_block_n=64 if busy else 128, v_read=FP8_DECODE_V_READ)
+                              decode_block_n=64 if busy else 128, v_read=FP8_DECODE_V_READ,
+                              max_registers=FP8_QUEUED_DECODE_REGISTERS if busy and queued else 0)
         return TileConfig(block_m, decode_block_n=64 if busy else 128, num_stages=2 if busy else 3)
     if (chunks_only or chunk_tokens >= LONG_CHUNK_TOKENS) and d_pad <= 128:
         return TileConfig(max(128, group_pad), 64, num_warps=8, num_stages=2)
@@ -473,9 +490,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"out must be [T, H, D] like q with contiguous heads, got {tuple(out.shape)} {out.dtype}")
     require_runnable(q.device)
 
-    def tiles(decode_only: bool, chunks_only: bool, busy: bool) -> TileConfig:
+    def tiles(decode_only: bool, chunks_only: bool, seqs: int) -> TileConfig:
+        busy, queued = batch_fill(seqs, n_kv_heads, sm_count)
         cfg = config or choose_config(decode_only, chunks_only, busy, group_pad, d_pad, on_cuda, kv_fp8,
-                                      num_tokens - lead_decodes)
+                                      num_tokens - lead_decodes, queued)
         if config is None and kv_fp8 and read_mode != FP8_IN_FP16:
             cfg = dataclasses.replace(cfg, v_read=V_AS_LOADED)  # float32 queries: no fp16 conversion in PTX
         if cfg.block_m % group_pad or min(cfg.block_m, cfg.block_n, cfg.decode_block_n) < 16:
@@ -496,12 +514,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         apart = (config is None and num_splits is None and on_cuda
                  and launch_apart(lead_decodes, num_tokens - lead_decodes, n_kv_heads, sm_count, kv_fp8))
     if apart and has_chunks and lead_decodes:
-        launch(tiles(True, False, lead_decodes * n_kv_heads >= sm_count), lead_decodes, 0, 1)
-        chunk_cfg = tiles(False, True, False)
+        launch(tiles(True, False, lead_decodes), lead_decodes, 0, 1)
+        chunk_cfg = tiles(False, True, 0)
         launch(chunk_cfg, 0, chunk_tiles_for(chunk_cfg), 1)
         return out
 
-    cfg = tiles(not has_chunks, not any_decode, num_seqs * n_kv_heads >= sm_count)
+    cfg = tiles(not has_chunks, not any_decode, num_seqs)
     chunk_tiles = chunk_tiles_for(cfg) if has_chunks else 0
     if num_splits is None:
         num_splits = 1
@@ -543,7 +561,7 @@ def _launch(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float, win
         UPCAST_DOT=not on_cuda and q.dtype == torch.bfloat16, WINDOW=window or 0, SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, KV_FP8=read_mode,
         V_READ=cfg.v_read if kv_fp8 else 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
     if num_splits > 1:
         _merge_splits[(num_tokens, n_heads)](

@@ -8,6 +8,7 @@ from .metadata import AttentionMetadata, scratch_metadata
 from .triton_attention import (
     MAX_SPLITS,
     MIN_SPLIT_KEYS,
+    QUEUED_PROGRAMS_PER_SM,
     TileConfig,
     choose_config,
     choose_num_splits,
@@ -59,6 +60,7 @@ class TritonBackend:
         n_kv = k_cache.shape[2]
         sms = sm_count(device) if device.type == "cuda" else 1
         busy_decodes = -(-sms // n_kv)  # a decode batch that fills the GPU: its own tiles, never split
+        queued_decodes = -(-QUEUED_PROGRAMS_PER_SM * sms // n_kv)  # more than it holds at once: an FP8 cache's own
         scratch = k_cache.shape[0] - 1
         write = torch.full((1,), -1, dtype=torch.int64, device=device)
         kv = torch.zeros((1, n_kv, head_dim), dtype=dtype, device=device)
@@ -74,8 +76,9 @@ class TritonBackend:
             longest = keys if keys >= 1024 else 0  # choose_num_splits never splits below 1024 keys
             max_splits = max(1, min(MAX_SPLITS, longest // MIN_SPLIT_KEYS))
             splits = [1 << i for i in range(max_splits.bit_length())]
-            # (q_lens, split counts): idle decodes, busy decodes, a chunk alone, a chunk with a decode.
-            batches = [([1], splits), ([1] * busy_decodes, [1]), ([2], splits), ([1, 2], splits)]
+            # (q_lens, split counts): idle, busy and queued decodes, a chunk alone, a chunk with a decode.
+            batches = [([1], splits), ([1] * busy_decodes, [1]), ([1] * queued_decodes, [1]), ([2], splits),
+                       ([1, 2], splits)]
             for q_lens, split_counts in batches:
                 meta = scratch_metadata(q_lens, scratch, device)
                 q = torch.zeros((sum(q_lens), n_heads, head_dim), dtype=dtype, device=device)

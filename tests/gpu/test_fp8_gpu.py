@@ -179,9 +179,10 @@ def test_fp8_kv_attention_matches_the_reference_and_the_bf16_cache():
     from metronome.kernels.triton_backend import TritonBackend
     from metronome_testing.random_batch import make_paged_batch
 
-    # a decode batch, a mixed one in one launch, and decodes filling the GPU beside a long chunk (two launches)
-    for q_lens, ctx_lens in (((1,) * 48, (2048,) * 48), ((1, 1, 300, 7), (4000, 15, 900, 0)),
-                             ((1,) * 24 + (600,), (500,) * 24 + (100,))):
+    # a decode batch, more decodes than the GPU holds at once (register-capped tiles), a mixed one in one launch,
+    # and decodes filling the GPU beside a long chunk (two launches)
+    for q_lens, ctx_lens in (((1,) * 48, (2048,) * 48), ((1,) * 200, (700,) * 200),
+                             ((1, 1, 300, 7), (4000, 15, 900, 0)), ((1,) * 24 + (600,), (500,) * 24 + (100,))):
         batch = make_paged_batch(list(q_lens), list(ctx_lens), 16, 8, 4, 128, dtype=torch.bfloat16, device="cuda",
                                  seed=zlib.crc32(str(q_lens).encode()))
         k_scale = torch.full((8,), 5.0 / 448 * 2, device="cuda")  # N(0, 1) values: amax ~5, headroom 2
@@ -200,6 +201,8 @@ def test_fp8_kv_attention_matches_the_reference_and_the_bf16_cache():
         assert _rel(got, expected) < 1e-2
         for v_read in (ta.V_AS_LOADED, ta.V_ASM, ta.V_CONVERTED_FIRST):  # each way V meets its dot
             for cfg in (ta.TileConfig(64, 64, 2, 3, decode_block_n=64, v_read=v_read),
+                        ta.TileConfig(64, 64, 2, 3, decode_block_n=64, v_read=v_read,
+                                      max_registers=ta.FP8_QUEUED_DECODE_REGISTERS),
                         ta.TileConfig(128, 64, 8, 2, decode_block_n=128, v_read=v_read)):
                 read = ta.paged_attention(batch.q, k8, v8, batch.meta, 128 ** -0.5, config=cfg, k_scale=k_scale,
                                        v_scale=v_scale)

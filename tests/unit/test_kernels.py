@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -318,6 +318,15 @@ def test_split_and_tile_choices_stay_within_the_compiled_variants():
     pure_chunks = choose_config(False, True, False, 4, 128, on_cuda=True)
     assert choose_config(False, False, True, 4, 128, on_cuda=True, chunk_tokens=LONG_CHUNK_TOKENS) == pure_chunks
     assert choose_config(False, False, True, 4, 128, on_cuda=True, chunk_tokens=512) != pure_chunks
+    # more decode programs than an SM holds at once: an FP8 cache's busy decode tiles fit one more by a register cap
+    from metronome.kernels.triton_attention import FP8_QUEUED_DECODE_REGISTERS, QUEUED_PROGRAMS_PER_SM, batch_fill
+    assert batch_fill(16, 8, 132) == (False, False) and batch_fill(64, 8, 132) == (True, False)
+    assert batch_fill(QUEUED_PROGRAMS_PER_SM * 132 // 8, 8, 132) == (True, True)
+    queued = choose_config(True, False, True, 4, 128, on_cuda=True, kv_fp8=True, queued=True)
+    assert queued.max_registers == FP8_QUEUED_DECODE_REGISTERS
+    assert queued == replace(choose_config(True, False, True, 4, 128, on_cuda=True, kv_fp8=True),
+                             max_registers=FP8_QUEUED_DECODE_REGISTERS)
+    assert choose_config(True, False, True, 4, 128, on_cuda=True, queued=True).max_registers == 0  # bf16 streams
     for decode_only, chunks_only, busy in [(True, False, True), (True, False, False), (False, True, False),
                                            (False, False, True)]:
         for group_pad in (1, 4, 8, 16):
