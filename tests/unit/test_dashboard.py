@@ -52,6 +52,7 @@ def test_panels_cover_what_the_dashboard_promises(dashboard):
     assert names.TIME_TO_FIRST_TOKEN in exprs["TTFT p99 vs SLO"]
     assert 'le="$tbt_slo_le"' in exprs["Goodput and throughput"]
     assert names.REQUESTS_WAITING in exprs["Queue per pod"] and "by (pod)" in exprs["Queue per pod"]
+    assert names.REQUESTS_PREFILLING in exprs["Queue per pod"]
     assert names.KV_CACHE_USAGE in exprs["KV cache usage per pod"]
     assert names.CHUNK_SIZE in exprs["Chunk size per pod"]
     assert names.QUEUE_POLICY_INFO in exprs["Queue policy per pod"]
