@@ -171,10 +171,12 @@ def run(args) -> list[dict]:
             chosen = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
             configs += [(replace(chosen, v_read=mode), None, None) for _ in range(args.v_read_ab)
                         for mode in args.v_read_modes]
-        if args.registers_ab:  # the tiles paged_attention picks, under each register cap (0: none)
+        if args.registers_ab:  # the tiles paged_attention picks (or --tiles), under each register cap (0: none)
             chosen = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
-            configs += [(replace(chosen, max_registers=cap, num_stages=stages or chosen.num_stages), None, None)
-                        for _ in range(args.registers_ab) for cap in args.register_caps for stages in args.stages]
+            tiles = [replace(chosen, decode_block_n=n, num_warps=w, num_stages=st) for n, w, st in args.tiles] or [
+                replace(chosen, num_stages=stages or chosen.num_stages) for stages in args.stages]
+            configs += [(replace(tile, max_registers=cap), None, None)
+                        for _ in range(args.registers_ab) for tile in tiles for cap in args.register_caps]
         if args.apart_ab and meta.max_seqlen_q > 1 and meta.q_lens_host[0] == 1:  # leading decodes and a chunk
             configs += [(None, None, apart) for _ in range(args.apart_ab) for apart in (False, True)]
         best = None
@@ -199,7 +201,8 @@ def run(args) -> list[dict]:
                 print(f"{name:30s} {'two launches' if apart else 'one launch':12s}: gpu {ms * 1e3:8.1f} us  "
                       f"{row['gb_per_s']:6.0f} GB/s {row['tflop_per_s']:6.1f} TFLOP/s")
             if cfg is not None and args.registers_ab:
-                print(f"{name:30s} registers {cfg.max_registers or 'auto':>4}, {cfg.num_stages} stages: gpu "
+                print(f"{name:30s} {cfg.decode_block_n} keys, {cfg.num_warps} warps, {cfg.num_stages} stages, "
+                      f"registers {cfg.max_registers or 'auto':>4}: gpu "
                       f"{ms * 1e3:8.1f} us  {row['gb_per_s']:6.0f} GB/s ({row['bw_fraction']:.0%} of copy)")
             if cfg is None and splits is None and apart is None:
                 used = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
@@ -266,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="N,N", help="registers per thread for --registers-ab (0: the compiler's choice)")
     parser.add_argument("--stages", type=lambda text: [int(c) for c in text.split(",")], default=[0], metavar="N,N",
                         help="pipeline stages for --registers-ab (0: the chosen tiles' own)")
+    parser.add_argument("--tiles", type=lambda text: [tuple(int(v) for v in t.split(":")) for t in text.split(",")],
+                        default=[], metavar="KEYS:WARPS:STAGES,...",
+                        help="decode tiles for --registers-ab instead of the chosen one (and --stages)")
     parser.add_argument("--sdpa-peer", action="store_true", help="time torch SDPA on a dense cache for decodes")
     parser.add_argument("--cases", help="comma-separated substrings: run only the cases whose names contain one")
     parser.add_argument("--json", help="write all rows to this file")
