@@ -175,8 +175,9 @@ def run(args) -> list[dict]:
             chosen = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
             tiles = [replace(chosen, decode_block_n=n, num_warps=w, num_stages=st) for n, w, st in args.tiles] or [
                 replace(chosen, num_stages=stages or chosen.num_stages) for stages in args.stages]
-            configs += [(replace(tile, max_registers=cap), None, None)
-                        for _ in range(args.registers_ab) for tile in tiles for cap in args.register_caps]
+            configs += [(replace(tile, max_registers=cap), splits, None)
+                        for _ in range(args.registers_ab) for tile in tiles for cap in args.register_caps
+                        for splits in args.register_splits]
         if args.apart_ab and meta.max_seqlen_q > 1 and meta.q_lens_host[0] == 1:  # leading decodes and a chunk
             configs += [(None, None, apart) for _ in range(args.apart_ab) for apart in (False, True)]
         best = None
@@ -202,7 +203,7 @@ def run(args) -> list[dict]:
                       f"{row['gb_per_s']:6.0f} GB/s {row['tflop_per_s']:6.1f} TFLOP/s")
             if cfg is not None and args.registers_ab:
                 print(f"{name:30s} {cfg.decode_block_n} keys, {cfg.num_warps} warps, {cfg.num_stages} stages, "
-                      f"registers {cfg.max_registers or 'auto':>4}: gpu "
+                      f"registers {cfg.max_registers or 'auto':>4}, splits {splits or 'auto'}: gpu "
                       f"{ms * 1e3:8.1f} us  {row['gb_per_s']:6.0f} GB/s ({row['bw_fraction']:.0%} of copy)")
             if cfg is None and splits is None and apart is None:
                 used = chosen_config(meta, n_kv, group_pad, head_dim, args.kv_fp8)
@@ -272,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiles", type=lambda text: [tuple(int(v) for v in t.split(":")) for t in text.split(",")],
                         default=[], metavar="KEYS:WARPS:STAGES,...",
                         help="decode tiles for --registers-ab instead of the chosen one (and --stages)")
+    parser.add_argument("--register-splits", type=lambda text: [int(c) or None for c in text.split(",")],
+                        default=[None], metavar="N,N",
+                        help="key splits for --registers-ab (0: paged_attention's own count)")
     parser.add_argument("--sdpa-peer", action="store_true", help="time torch SDPA on a dense cache for decodes")
     parser.add_argument("--cases", help="comma-separated substrings: run only the cases whose names contain one")
     parser.add_argument("--json", help="write all rows to this file")
