@@ -1,7 +1,6 @@
 """The FP8 activation-quantising kernels on CUDA against their bytes: SiLU·mul-quantise (the whole-row kernel the
-engine runs below STAGED_MIN_ROWS, with other warp counts, the two-pass streaming form and the staged kernel's
-tiles beside it), add-RMSNorm-quantise and the row quantiser, at Llama-3-8B widths, per row count; the plain bf16
-SiLU·mul as the unquantised reference.
+engine runs, with other warp counts and the two-pass streaming form beside it), add-RMSNorm-quantise and the row
+quantiser, at Llama-3-8B widths, per row count; the plain bf16 SiLU·mul as the unquantised reference.
 
     python3 -m hack.bench_quant --json quant.json        # on the GPU machine, from the repo root
 
@@ -18,8 +17,6 @@ import sys
 import torch
 
 HIDDEN, INTERMEDIATE = 4096, 14336
-# the staged SiLU-mul-quantise kernel's (chunk, warps, programs an SM) tried beside the engine's choice
-STAGED_VARIANTS = ((2048, 4, 8), (1024, 4, 8), (1024, 2, 16), (2048, 8, 4), (4096, 8, 4))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,11 +31,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from hack.bench_kernels import copy_bandwidth
     from metronome.kernels import triton_fused
-    from metronome.kernels.triton_attention import sm_count
     from metronome.kernels.triton_fp8 import quantize_fp8, scale_buffer, ub_arg, whole_row_warps
 
     bandwidth = copy_bandwidth(torch.device("cuda"))
-    sms = sm_count(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth:.0f} GB/s")
     rows_out: list[dict] = []
 
@@ -70,15 +65,6 @@ def main(argv: list[str] | None = None) -> int:
             call()
             same = torch.equal(q.view(torch.uint8), engine_q.view(torch.uint8)) and torch.equal(s, engine_s)
             record("silu_mul_fp8", name, rows, quant_bytes, call, same)
-        for chunk, warps, per_sm in STAGED_VARIANTS:  # rows taken in turn by persistent programs
-            q = torch.empty(rows, INTERMEDIATE, dtype=torch.float8_e4m3fn, device="cuda")
-            s = scale_buffer(rows, INTERMEDIATE, None, None, gate_up.device)
-
-            def staged(g=gate_up, q=q, s=s, chunk=chunk, warps=warps, per_sm=per_sm):
-                triton_fused.silu_mul_fp8_staged(g, q, s, None, sms * per_sm, chunk=chunk, warps=warps)
-            staged()
-            same = torch.equal(q.view(torch.uint8), engine_q.view(torch.uint8)) and torch.equal(s, engine_s)
-            record("silu_mul_fp8", f"staged {chunk}, {warps} warps, {per_sm}/SM", rows, quant_bytes, staged, same)
         residual = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
         x = torch.randn_like(residual)
         weight = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import require_runnable, sm_count
+from .triton_attention import require_runnable
 from .triton_fp8 import (
     WHOLE_ROW_MAX,
     _fp8_of,
@@ -192,56 +192,6 @@ def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, str
         tl.store(s_row, scale)
 
 
-@triton.jit
-def _silu_mul_fp8_staged(gate_up_ptr, q_ptr, s_ptr, scratch_ptr, stride_g, stride_q, stride_s, amax_ub, N, M,
-                         CHUNK: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr):
-    """Per-token scales, rows taken in turn by a fixed set of programs: each computes a row's values once, keeps
-    them in its own scratch row (the model dtype holds them exactly; it stays in L2) while it takes the amax,
-    then quantises from there. Small chunks keep several programs on an SM, so one row's reads overlap another's
-    writes, where a whole row in registers holds an SM alone."""
-    program = tl.program_id(0)
-    scratch = scratch_ptr + program.to(tl.int64) * N
-    offs = tl.arange(0, CHUNK)
-    programs = tl.num_programs(0)
-    for turn in range(0, tl.cdiv(M - program, programs)):
-        row = (program + turn * programs).to(tl.int64)
-        gate_up_row = gate_up_ptr + row * stride_g
-        amax = tl.zeros((CHUNK,), dtype=tl.float32)
-        for start in range(0, N, CHUNK):
-            cols = start + offs
-            mask = cols < N
-            y = _silu_mul_value(gate_up_row, cols, mask, N, ROUND, BF16)
-            amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
-            tl.store(scratch + cols, y.to(scratch_ptr.dtype.element_ty), mask=mask)
-        scale = _scale_of(tl.max(amax, 0), amax_ub)
-        tl.debug_barrier()  # the scratch row is read back by the same program
-        q_row = q_ptr + row * stride_q
-        for start in range(0, N, CHUNK):
-            cols = start + offs
-            mask = cols < N
-            y = tl.load(scratch + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + cols, _fp8_of(y, scale), mask=mask)
-        tl.store(s_ptr + row * stride_s, scale)
-        tl.debug_barrier()  # before the next row overwrites the scratch
-
-
-STAGED_MIN_ROWS = 512  # per-token rows from here on take the staged kernel (below: a whole row a program)
-STAGED_CHUNK, STAGED_WARPS, STAGED_PROGRAMS_PER_SM = 2048, 4, 8
-
-
-def silu_mul_fp8_staged(gate_up: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, amax_ub: float | None,
-                        programs: int, chunk: int = STAGED_CHUNK, warps: int = STAGED_WARPS) -> None:
-    """Per-token SiLU-mul-quantise of gate_up into q [T, I] and scales [T, 1] by `programs` persistent programs."""
-    rows, n = q.shape
-    programs = max(1, min(programs, rows))
-    scratch = torch.empty((programs, n), dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_fp8_staged[(programs,)](
-        gate_up, q, scales, scratch, gate_up.stride(0), q.stride(0), scales.stride(0), ub_arg(amax_ub), n, rows,
-        CHUNK=min(chunk, triton.next_power_of_2(n)), ROUND=gate_up.dtype in (torch.bfloat16, torch.float16),
-        BF16=gate_up.dtype == torch.bfloat16, num_warps=warps,
-    )
-
-
 def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
                  chunk: int = WHOLE_ROW_MAX, amax_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [T, 2I] (gate columns first) → (q e4m3 [T, I], scales) of silu(gate) * up rounded to the model
@@ -259,11 +209,7 @@ def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: 
     if gate_up.stride(-1) != 1:
         raise ValueError("silu_mul_fp8 needs rows with a contiguous last axis")
     require_runnable(gate_up.device)
-    per_token = group is None and static_scale is None
-    if per_token and rows >= STAGED_MIN_ROWS and gate_up.device.type == "cuda":
-        silu_mul_fp8_staged(gate_up, q, scales, amax_ub, sm_count(gate_up.device) * STAGED_PROGRAMS_PER_SM)
-        return q, scales
-    whole = per_token and triton.next_power_of_2(n) <= chunk
+    whole = group is None and static_scale is None and triton.next_power_of_2(n) <= chunk
     _silu_mul_fp8[(rows,)](
         gate_up, q, scales, static_scale if static_scale is not None else scales, gate_up.stride(0), q.stride(0),
         scales.stride(0) if scales.dim() == 2 else 0, ub_arg(amax_ub), n,

@@ -99,15 +99,6 @@ def _fused_results() -> dict:
             rq, rs = fp8.quantize_per_group(product, group)
         out[f"silu_{label}_q_mismatch"] = (q.float() != rq.float()).float().mean().item()
         out[f"silu_{label}_scale_rel"] = ((s.reshape(rs.shape) - rs).abs() / rs).max().item()
-    # the staged kernel (many rows: 4 programs take the 6 rows in turn, 3 chunks of 128 a row) gives the whole-row
-    # kernel's codes and scales bit for bit
-    from metronome.kernels.triton_fused import silu_mul_fp8_staged
-    for label, bound in (("staged", None), ("staged_bounded", AMAX_UB)):
-        whole_q, whole_s = silu_mul_fp8(gate_up, amax_ub=bound)
-        q, s = torch.empty_like(whole_q), torch.empty_like(whole_s)
-        silu_mul_fp8_staged(gate_up, q, s, bound, programs=4, chunk=128)
-        out[f"silu_{label}_equal"] = (torch.equal(q.view(torch.uint8), whole_q.view(torch.uint8))
-                                      and torch.equal(s, whole_s))
     return out
 
 
@@ -203,7 +194,6 @@ def test_norm_and_silu_mul_quantise_their_output(results):
         assert got[f"silu_{label}_q_mismatch"] < 0.01, got
     for label in ("token", "token_whole", "group", "bounded", "bounded_whole"):
         assert got[f"silu_{label}_scale_rel"] < 1e-5, got
-    assert got["silu_staged_equal"] and got["silu_staged_bounded_equal"], got
 
 
 @pytest.mark.parametrize("case", GEMM_CASES, ids=[c[0] for c in GEMM_CASES])
