@@ -33,10 +33,11 @@ FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
-# Compiled for the GPU, fp32 → e4m3 is one cvt that rounds to nearest even, subnormals included, so the integer
-# rounding below (some 15 instructions an element, in kernels bound by instruction issue) is needed only under the
-# interpreter; the interpreter is chosen before triton is imported, so this is fixed for the process.
-_CAST_ROUNDS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+# Compiled for the GPU (not Triton's interpreter, which is chosen before triton is imported, so this is fixed for
+# the process), fp32 → e4m3 is one cvt that rounds to nearest even, subnormals included, so the integer rounding
+# below (some 15 instructions an element, in kernels bound by instruction issue) is needed only under the
+# interpreter; likewise the kernels' fma-based division and PTX roundings.
+_COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
@@ -55,10 +56,24 @@ def _e4m3_grid(x):
 
 
 @triton.jit
+def _quotient(x, scale):
+    """x / scale rounded as IEEE division (torch's). On the GPU from the scale's correctly rounded reciprocal: q =
+    x * r is within an ulp of the quotient, the residual x - q * scale is exact in one fma, and q + residual * r
+    rounds to the quotient itself (Markstein's theorem) in three instructions, where a division takes some ten
+    and a branch to its slow path. Quotients in fp32's subnormal range, where the residual may not be exact, are
+    e4m3 zeros either way. The interpreter, whose fma rounds twice, divides."""
+    if _COMPILED:
+        r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        q = x * r
+        return tl.fma(tl.fma(-q, scale, x), r, q)
+    return tl.math.div_rn(x, scale)
+
+
+@triton.jit
 def _fp8_of(x, scale):
-    """e4m3(x / scale) for fp32 x; IEEE division as torch's."""
-    y = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
-    if _CAST_ROUNDS:
+    """e4m3(x / scale) for fp32 x, the quotient as IEEE division gives it (torch's)."""
+    y = tl.clamp(_quotient(x, scale), -448.0, 448.0)
+    if _COMPILED:
         return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return _e4m3_grid(y).to(tl.float8e4nv)
 

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .triton_attention import require_runnable
 from .triton_fp8 import (
+    _COMPILED,
     WHOLE_ROW_MAX,
     _fp8_of,
     _quantize_registers,
@@ -222,10 +223,15 @@ def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: 
 
 @triton.jit
 def _rounded(x, BF16: tl.constexpr):
-    """fp32 x rounded to the model dtype (nearest even) and widened back. For bf16 in integer arithmetic: a plain
-    `.to(bf16).to(fp32)` pair may be folded away by the compiler, which then contracts the products and the sum
-    into FMAs (seen on the H200: 19 % of rotated elements off by one bf16 step), where torch rounds each."""
+    """fp32 x rounded to the model dtype (nearest even) and widened back. A plain `.to(bf16).to(fp32)` pair may be
+    folded away by the compiler, which then contracts the products and the sum into FMAs (seen on the H200: 19 %
+    of rotated elements off by one bf16 step), where torch rounds each. For bf16 on the GPU one cvt in PTX, which
+    the compiler cannot fold; under the interpreter the same rounding in integer arithmetic."""
     if BF16:
+        if _COMPILED:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b16 lo, 0; cvt.rn.bf16.f32 hi, $1; mov.b32 $0, {lo, hi}; }",
+                "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         return bits.to(tl.float32, bitcast=True)

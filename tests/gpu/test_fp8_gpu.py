@@ -122,6 +122,31 @@ def test_fp8_kernels_in_bf16_match_the_torch_reference():
     assert _rel(s, rs) < 1e-3
 
 
+def test_fp8_quantisers_divide_exactly_as_torch():
+    """The kernels divide by a scale through its reciprocal and one fma correction: the same e4m3 codes as torch's
+    division, for scales across their range (the floor, significands of all ones, random) and values at e4m3
+    rounding midpoints times the scale, where a quotient one ulp off would round the other way."""
+    from metronome.kernels.triton_fp8 import MIN_SCALE, quantize_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    grid = torch.arange(256, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    scales = [MIN_SCALE, 1.0 - 2.0 ** -24, 2.0 - 2.0 ** -23, 0.0123, 3.0,
+              *torch.exp(torch.randn(59, generator=g, device="cuda") * 3).tolist()]
+    for scale in scales:
+        s = torch.tensor(scale, dtype=torch.float32, device="cuda")
+        x = torch.cat([midpoints * s, torch.randn(4096 - len(midpoints), generator=g, device="cuda") * 100 * s])
+        x = torch.cat([x, torch.nextafter(x, torch.full_like(x, float("inf"))),
+                       torch.nextafter(x, torch.full_like(x, float("-inf")))]).view(3, -1)
+        q, _ = quantize_fp8(x, static_scale=s)
+        rq, _ = fp8.quantize_per_tensor(x, s)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), scale
+        q, qs = quantize_fp8(x)  # per token: each row's own scale
+        rq, rs = fp8.quantize_per_token(x)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(qs, rs), scale
+
+
 def _engine(quantization: str | None, cuda_graphs: bool, model: str | None = "random:smollm2-135m",
             max_num_seqs: int = 64, kv_cache_dtype: str = "auto") -> EngineCore:
     config = EngineConfig(model=model, device=DEVICE, dtype=DTYPE, attention_backend=BACKEND, block_size=16,
