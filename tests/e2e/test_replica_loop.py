@@ -92,7 +92,9 @@ def replicas_are(cluster, ns, wanted: int) -> bool:
 
 def pin_chunk(cluster, ns) -> int:
     """Bound the loop's chunk to the one it serves now (minChunkSize = maxChunkSize) and wait until every pod
-    serves it; a chunk the loop changed in between is pinned instead."""
+    serves it; a chunk the loop changed in between is pinned instead. The loop holds (mode off) until the next
+    targets are set: with the chunk at its pinned floor, a TBT p99 over the first target would add a replica for
+    that reason while the step's load is still being measured (a CI run saw it)."""
     pinned: list[int] = []
 
     def served() -> bool:
@@ -100,7 +102,7 @@ def pin_chunk(cluster, ns) -> int:
         chunk = current["chunkSize"]
         if not pinned or pinned[-1] != chunk:
             pinned.append(chunk)
-            patch(cluster, ns, {"autotune": {"minChunkSize": chunk, "maxChunkSize": chunk}})
+            patch(cluster, ns, {"autotune": {"minChunkSize": chunk, "maxChunkSize": chunk, "mode": "off"}})
             return False
         return current.get("podsOnGeneration") == 1
 
@@ -156,7 +158,7 @@ def run(cluster, standin, ns, load: ServiceLoad) -> None:
     target_ms = round(choose_shared_tbt_target(base_tbt, target_ms / 1000) * 1000)
     print(f"chunk {chunk}: client TTFT p99 {base_ttft * 1e3:.0f} ms, TBT p99 {base_tbt * 1e3:.0f} ms with "
           f"{CLIENTS} clients; {step.describe()}; TBT target for two servers {target_ms} ms")
-    patch(cluster, ns, {"slo": {"tbtP99Ms": target_ms, "ttftP99Ms": limit_ms}})
+    patch(cluster, ns, {"slo": {"tbtP99Ms": target_ms, "ttftP99Ms": limit_ms}, "autotune": {"mode": "apply"}})
     first = set(load.servers_used(0.0))
     load.set_load(step.clients)
     stepped = load.now()
