@@ -26,7 +26,8 @@ from pathlib import Path
 KEEP = ("LDS", "STS", "LDSM", "LDG", "LDGSTS", "HMMA", "F2FP", "PRMT", "LDL", "STL", "IMAD", "BAR")
 
 
-def compile_decode(kv: str, decode_block_n: int, num_warps: int, num_stages: int, v_read: int):
+def compile_decode(kv: str, decode_block_n: int, num_warps: int, num_stages: int, v_read: int,
+                   max_registers: int = 0):
     """The decode-only variant of `_paged_attention` for sm_90, as Triton's CompiledKernel."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
@@ -58,7 +59,8 @@ def compile_decode(kv: str, decode_block_n: int, num_warps: int, num_stages: int
         if name in pointers or (name.startswith("stride_") and name != "stride_bt"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **({"maxnreg": max_registers} if max_registers else {})))
 
 
 def sass_of(kernel) -> str:
@@ -69,6 +71,30 @@ def sass_of(kernel) -> str:
         cubin.flush()
         return subprocess.run([str(tools / "cuobjdump"), "-sass", cubin.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def resources(kernel) -> tuple[int, int]:
+    """(registers a thread, bytes of stack a thread: spilled registers) from the cubin."""
+    import triton
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
+def first_loop(sass: str) -> collections.Counter:
+    """The instruction mix of the first loop body (up to the first backward branch): the decode kernel's key
+    loop over tiles wholly before the query, the one a long context spends its time in."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    for address, opcode, operands in lines:
+        target = re.search(r"0x([0-9a-f]+)", operands)
+        if opcode.startswith("BRA") and target and int(target.group(1), 16) < int(address, 16):
+            start, end = int(target.group(1), 16), int(address, 16)
+            return collections.Counter(op.split(".")[0] for a, op, _ in lines if start <= int(a, 16) <= end)
+    return collections.Counter()
 
 
 def instruction_mix(sass: str) -> collections.Counter:
@@ -84,26 +110,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-block-n", type=int, default=64)
     parser.add_argument("--warps", type=int, default=2)
     parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--max-registers", type=lambda text: [int(c) for c in text.split(",")], default=[0],
+                        metavar="N,N", help="register caps a thread (ptxas .maxnreg; 0: the compiler's choice)")
     parser.add_argument("--dump", help="a folder for each variant's ttgir, ptx and sass")
     args = parser.parse_args(argv)
     from metronome.kernels import triton_attention as ta
     modes = args.v_read or ([ta.V_AS_LOADED, ta.V_ASM, ta.V_CONVERTED_FIRST] if args.kv == "fp8"
                             else [ta.V_AS_LOADED])
     print(f"decode tiles: {args.decode_block_n} keys, {args.warps} warps, {args.stages} stages, {args.kv} cache")
-    print(f"{'v_read':>6} {'smem':>7} {'total':>6} " + " ".join(f"{op:>6}" for op in KEEP))
+    print("regs: registers a thread (cap), stack: spill bytes a thread; loop: instructions of the first key loop")
+    print(f"{'v_read':>6} {'regs':>9} {'stack':>5} {'smem':>7} {'total':>6} {'loop':>5} {'lp LDL':>6} "
+          + " ".join(f"{op:>6}" for op in KEEP))
     for mode in modes:
-        kernel = compile_decode(args.kv, args.decode_block_n, args.warps, args.stages, mode)
-        sass = sass_of(kernel)
-        mix = instruction_mix(sass)
-        print(f"{mode:>6} {kernel.metadata.shared:>7} {sum(mix.values()):>6} "
-              + " ".join(f"{mix.get(op, 0):>6}" for op in KEEP))
-        if args.dump:
-            out = Path(args.dump)
-            out.mkdir(parents=True, exist_ok=True)
-            stem = f"decode_{args.kv}_{args.decode_block_n}_{args.warps}w{args.stages}s_v{mode}"
-            for ext in ("ttgir", "ptx"):
-                (out / f"{stem}.{ext}").write_text(kernel.asm[ext])
-            (out / f"{stem}.sass").write_text(sass)
+        for cap in args.max_registers:
+            kernel = compile_decode(args.kv, args.decode_block_n, args.warps, args.stages, mode, cap)
+            sass = sass_of(kernel)
+            mix, loop = instruction_mix(sass), first_loop(sass)
+            registers, stack = resources(kernel)
+            print(f"{mode:>6} {registers:>4} ({cap or '-':>3}) {stack:>5} {kernel.metadata.shared:>7} "
+                  f"{sum(mix.values()):>6} {sum(loop.values()):>5} {loop.get('LDL', 0):>6} "
+                  + " ".join(f"{mix.get(op, 0):>6}" for op in KEEP))
+            if args.dump:
+                out = Path(args.dump)
+                out.mkdir(parents=True, exist_ok=True)
+                stem = f"decode_{args.kv}_{args.decode_block_n}_{args.warps}w{args.stages}s_v{mode}_r{cap}"
+                for ext in ("ttgir", "ptx"):
+                    (out / f"{stem}.{ext}").write_text(kernel.asm[ext])
+                (out / f"{stem}.sass").write_text(sass)
     return 0
 
 

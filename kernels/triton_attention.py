@@ -448,8 +448,8 @@ def launch_apart(lead_decodes: int, chunk_tokens: int, n_kv_heads: int, sm_count
     launches took 3-34 % off every mixed batch over an FP8 cache from a 512-token chunk (an FP8 cache's decode
     tiles want 2 warps, a chunk's 4 or 8), and 6-22 % off a 16-bit cache's from a 2,048-token chunk, where below
     it one launch was up to 8 % faster."""
-    min_chunk = FP8_APART_MIN_CHUNK_TOKENS if kv_fp8 else LONG_CHUNK_TOKENS
-    return lead_decodes * n_kv_heads >= sm_count and chunk_tokens >= min_chunk
+    busy, _ = batch_fill(lead_decodes, n_kv_heads, sm_count)
+    return busy and chunk_tokens >= (FP8_APART_MIN_CHUNK_TOKENS if kv_fp8 else LONG_CHUNK_TOKENS)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
