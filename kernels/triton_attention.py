@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .dependent_launch import dependency_wait, launch_args
 from .metadata import AttentionMetadata
 
 # How an FP8 V tile reaches the P.V dot (V_READ). The dot wants V key-major, the cache holds it head_dim-major, and
@@ -237,12 +236,10 @@ def _paged_attention(
     DECODE_BLOCK_M: tl.constexpr, DECODE_BLOCK_N: tl.constexpr, HAS_CHUNKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr, V_READ: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
 ):
     """The first num_chunk_tiles programs cover the sequences after the leading decodes in tiles of BLOCK_Q tokens,
     heaviest (latest) tiles first so that they do not start last; the remaining programs are the batch's leading
     decodes (q_len 1, so decode b is token b), one small tile each, filling in around them."""
-    dependency_wait(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -288,9 +285,7 @@ def _paged_attention(
 def _merge_splits(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, sinks_ptr, num_tokens, n_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    dependency_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -567,11 +562,10 @@ def _launch(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float, win
         HAS_SINKS=sinks is not None, KV_FP8=read_mode,
         V_READ=cfg.v_read if kv_fp8 else 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
-        **launch_args(q.device),
     )
     if num_splits > 1:
         _merge_splits[(num_tokens, n_heads)](
             part_acc, part_m, part_l, out, sinks if sinks is not None else out, num_tokens, n_heads, out.stride(0),
             out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None,
-            num_warps=4, **launch_args(q.device),
+            num_warps=4,
         )

@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .dependent_launch import dependency_wait, launch_args
 from .fp8_tiles import matmul_tiles
 from .triton_attention import require_runnable
 
@@ -108,9 +107,7 @@ def _quantize_registers(y, cols, mask, q_row, s_row, static_ptr, amax_ub, N, BLO
 
 @triton.jit
 def _quantize_rows(x_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_q, stride_s, amax_ub, N,
-                   CHUNK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr, WHOLE: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    dependency_wait(PDL)
+                   CHUNK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr, WHOLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -207,7 +204,7 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.
         x, q, scales, static_scale if static_scale is not None else scales, x.stride(0), q.stride(0),
         scales.stride(0) if scales.dim() == 2 else 0, ub_arg(amax_ub), width,
         CHUNK=row_chunk(width, group, chunk, whole), GROUP=group or 0, STATIC=static_scale is not None,
-        WHOLE=whole, num_warps=whole_row_warps(width) if whole else 4, **launch_args(x.device),
+        WHOLE=whole, num_warps=whole_row_warps(width) if whole else 4,
     )
     return q, scales
 

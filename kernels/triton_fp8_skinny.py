@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .dependent_launch import gdc_launch_dependents, gdc_wait, launch_args
 from .triton_attention import require_runnable, sm_count
 
 MAX_ROWS = 64  # beyond this the activation tile stops being "skinny": the general FP8 GEMMs take over
@@ -55,32 +54,6 @@ def choose_tiles(n: int, m: int, sm_count: int) -> SkinnyTiles:
     return WIDE_TILES_FEW_ROWS if m <= 16 else WIDE_TILES
 
 
-# Launched as a programmatic dependent (dependent_launch.py), a program pulls the head of its weight rows into L2
-# before it waits for its activations, while the small kernels before it run. The bytes a weight may prefetch are
-# bounded so that two GEMMs' prefetches fit the H200's 50 MB L2 beside the data in use: per row
-# min(K, PREFETCH_BYTES // N), in PREFETCH_ALIGN-byte steps.
-PREFETCH_BYTES = 16 << 20
-PREFETCH_ALIGN = 256
-
-
-def prefetch_row_bytes(n: int, k: int, stride_wn: int, data_ptr: int) -> int:
-    """Bytes of each weight row to prefetch into L2 (0: none), within the budget and the bulk copy's rule: a
-    16-byte aligned start and a multiple of 16 bytes."""
-    if stride_wn % 16 or data_ptr % 16:
-        return 0
-    return min(k, PREFETCH_BYTES // max(n, 1)) // PREFETCH_ALIGN * PREFETCH_ALIGN
-
-
-@triton.jit
-def _prefetch_rows(w_addr, offs_n, N, stride_wn, row_bytes):
-    """One bulk L2 prefetch (sm90 cp.async.bulk.prefetch) of the first `row_bytes` of each of the program's rows."""
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    addresses = w_addr + rows * stride_wn
-    sizes = tl.full(addresses.shape, row_bytes, tl.int32)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                              [addresses, sizes], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def row_tile(m: int) -> int:
     """The activation rows one program holds (the dot's short side): 16, 32 or 64."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
@@ -89,15 +62,9 @@ def row_tile(m: int) -> int:
 @triton.jit
 def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, M, N, K, stride_wn, stride_xm, stride_om,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                W_SCALAR: tl.constexpr, X_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, w_addr, prefetch_bytes,
-                PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                W_SCALAR: tl.constexpr, X_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PDL:  # the weight depends on no earlier kernel: start it towards L2, then wait for the activations
-        gdc_launch_dependents()
-        if PREFETCH:
-            _prefetch_rows(w_addr, offs_n, N, stride_wn, prefetch_bytes)
-        gdc_wait()
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
@@ -153,13 +120,10 @@ def fp8_skinny_matmul(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w
     if tiles is None:
         tiles = choose_tiles(n, m, sm_count(x.device)) if x.device.type == "cuda" else DEFAULT_TILES
     x_scalar, w_scalar = x_scale.numel() == 1, w_scale.numel() == 1  # one value: the same for every row
-    pdl = launch_args(x.device)
-    prefetch = prefetch_row_bytes(n, k, w.stride(0), w.data_ptr()) if pdl["PDL"] else 0
     _fp8_skinny[(triton.cdiv(n, tiles.block_n),)](
         w, x, out, w_scale, x_scale, bias if bias is not None else out, m, n, k, w.stride(0), x.stride(0),
         out.stride(0), BLOCK_N=tiles.block_n, BLOCK_M=row_tile(m), BLOCK_K=tiles.block_k,
         EVEN_K=k % tiles.block_k == 0, W_SCALAR=w_scalar, X_SCALAR=x_scalar, HAS_BIAS=bias is not None,
-        w_addr=w.data_ptr(), prefetch_bytes=prefetch, PREFETCH=prefetch > 0,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

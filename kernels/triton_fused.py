@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .dependent_launch import dependency_wait, launch_args
 from .triton_attention import require_runnable
 from .triton_fp8 import (
     _COMPILED,
@@ -44,8 +43,7 @@ from .triton_fp8 import (
 @triton.jit
 def _add_rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, eps,
                   N: tl.constexpr, BLOCK: tl.constexpr, HAS_X: tl.constexpr, PLUS_ONE: tl.constexpr,
-                  FLOAT_SCALE: tl.constexpr, PDL: tl.constexpr = False):
-    dependency_wait(PDL)
+                  FLOAT_SCALE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -84,7 +82,7 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
         x if x is not None else residual, residual, weight, out,
         x.stride(0) if x is not None else 0, residual.stride(0), out.stride(0), eps,
         N=n, BLOCK=block, HAS_X=x is not None, PLUS_ONE=plus_one, FLOAT_SCALE=float_scale,
-        num_warps=min(16, max(4, block // 512)), **launch_args(residual.device),
+        num_warps=min(16, max(4, block // 512)),
     )
     return out
 
@@ -99,9 +97,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool =
 @triton.jit
 def _add_rms_norm_fp8(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, static_ptr, stride_x, stride_r, stride_q,
                       stride_s, eps, amax_ub, N: tl.constexpr, BLOCK: tl.constexpr, HAS_X: tl.constexpr,
-                      GROUP: tl.constexpr, STATIC: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    dependency_wait(PDL)
+                      GROUP: tl.constexpr, STATIC: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -146,7 +142,7 @@ def add_rms_norm_fp8(x: torch.Tensor | None, residual: torch.Tensor, weight: tor
         scales.stride(0) if scales.dim() == 2 else 0, eps, ub_arg(amax_ub),
         N=n, BLOCK=block, HAS_X=x is not None, GROUP=min(group or 0, block), STATIC=static_scale is not None,
         ROUND=residual.dtype in (torch.bfloat16, torch.float16), BF16=residual.dtype == torch.bfloat16,
-        num_warps=min(16, max(4, block // 512)), **launch_args(residual.device),
+        num_warps=min(16, max(4, block // 512)),
     )
     return q, scales
 
@@ -164,8 +160,7 @@ def _silu_mul_value(gate_up_row, cols, mask, N, ROUND: tl.constexpr, BF16: tl.co
 @triton.jit
 def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, stride_s, amax_ub, N,
                   CHUNK: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr, ROUND: tl.constexpr,
-                  BF16: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr = False):
-    dependency_wait(PDL)
+                  BF16: tl.constexpr, WHOLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     gate_up_row = gate_up_ptr + row * stride_g
     q_row = q_ptr + row * stride_q
@@ -221,7 +216,7 @@ def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: 
         scales.stride(0) if scales.dim() == 2 else 0, ub_arg(amax_ub), n,
         CHUNK=row_chunk(n, group, chunk, whole), GROUP=group or 0, STATIC=static_scale is not None,
         ROUND=gate_up.dtype in (torch.bfloat16, torch.float16), BF16=gate_up.dtype == torch.bfloat16, WHOLE=whole,
-        num_warps=whole_row_warps(n) if whole else 4, **launch_args(gate_up.device),
+        num_warps=whole_row_warps(n) if whole else 4,
     )
     return q, scales
 
@@ -297,8 +292,7 @@ def _rope_write_kv(qkv_ptr, positions_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr
                    N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT_HALF: tl.constexpr, PAGE: tl.constexpr,
                    ROUND: tl.constexpr, BF16: tl.constexpr, QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr,
-                   KV_FP8: tl.constexpr, PDL: tl.constexpr = False):
-    dependency_wait(PDL)
+                   KV_FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     row = qkv_ptr + token * stride_qkv
@@ -374,7 +368,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torc
         KV_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         ROT_HALF=rot_half, PAGE=k_cache.shape[1], ROUND=qkv.dtype in (torch.bfloat16, torch.float16),
         BF16=qkv.dtype == torch.bfloat16, QK_NORM=qk_norm is not None, PLUS_ONE=bool(plus_one), KV_FP8=kv_fp8,
-        num_warps=4, **launch_args(qkv.device),
+        num_warps=4,
     )
     return q_out
 

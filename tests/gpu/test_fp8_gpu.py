@@ -147,60 +147,6 @@ def test_fp8_quantisers_divide_exactly_as_torch():
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(qs, rs), scale
 
 
-def _mlp_chain(x, residual, norm_weight, w_gate_up, w_down, scales):
-    """A decode layer's MLP half as the engine launches it: add + RMSNorm + quantise, the gate-up GEMM, SiLU * up
-    + quantise, the down GEMM (skinny FP8 GEMMs at decode batches)."""
-    from metronome.kernels.triton_fp8_skinny import fp8_skinny_matmul
-    from metronome.kernels.triton_fused import add_rms_norm_fp8, silu_mul_fp8
-
-    q, s = add_rms_norm_fp8(x, residual, norm_weight, 1e-5)
-    h = fp8_skinny_matmul(q, s, w_gate_up, scales[0], torch.bfloat16)
-    q, s = silu_mul_fp8(h)
-    return fp8_skinny_matmul(q, s, w_down, scales[1], torch.bfloat16)
-
-
-@pytest.mark.parametrize("rows", [1, 64])
-def test_dependent_launches_in_a_graph_equal_plain_launches(rows, monkeypatch):
-    """Kernels launched as programmatic dependents (each waits for the one before, the skinny GEMM after pulling
-    its weights towards L2) give, replayed from a CUDA graph over fresh inputs, bit for bit what plain eager
-    launches give: no kernel reads its input or overwrites a buffer before its predecessor is done."""
-    from metronome.kernels import dependent_launch
-
-    if not dependent_launch.uses_dependent_launch(torch.device("cuda")):
-        pytest.skip("dependent launch needs compute capability 9.0 and a Triton with launch_pdl")
-    g = torch.Generator(device="cuda").manual_seed(11)
-    inter = 8192
-    w_gate_up = (torch.randn(2 * inter, K, generator=g, device="cuda") * 0.05).to(torch.float8_e4m3fn)
-    w_down = (torch.randn(K, inter, generator=g, device="cuda") * 0.05).to(torch.float8_e4m3fn)
-    scales = (torch.rand(2 * inter, generator=g, device="cuda") + 0.5, torch.rand(K, generator=g, device="cuda") + 0.5)
-    norm_weight = (1.0 + 0.1 * torch.randn(K, generator=g, device="cuda")).to(torch.bfloat16)
-    x = torch.empty(rows, K, dtype=torch.bfloat16, device="cuda")
-    residual = torch.empty_like(x)
-    inputs = [(torch.randn(rows, K, generator=g, device="cuda").to(torch.bfloat16),
-               torch.randn(rows, K, generator=g, device="cuda").to(torch.bfloat16)) for _ in range(8)]
-
-    x.copy_(inputs[0][0])
-    residual.copy_(inputs[0][1])
-    for _ in range(2):  # compile, and let the allocator settle, before capture
-        _mlp_chain(x, residual.clone(), norm_weight, w_gate_up, w_down, scales)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _mlp_chain(x, residual, norm_weight, w_gate_up, w_down, scales)
-    replayed = []
-    for a, b in inputs:
-        x.copy_(a)
-        residual.copy_(b)
-        graph.replay()
-        replayed.append((out.clone(), residual.clone()))
-
-    monkeypatch.setattr(dependent_launch, "_switched_on", lambda: False)
-    assert not dependent_launch.uses_dependent_launch(torch.device("cuda"))
-    for (a, b), (got, got_residual) in zip(inputs, replayed):
-        want_residual = b.clone()
-        want = _mlp_chain(a, want_residual, norm_weight, w_gate_up, w_down, scales)
-        assert torch.equal(got, want) and torch.equal(got_residual, want_residual)
-
-
 def _engine(quantization: str | None, cuda_graphs: bool, model: str | None = "random:smollm2-135m",
             max_num_seqs: int = 64, kv_cache_dtype: str = "auto") -> EngineCore:
     config = EngineConfig(model=model, device=DEVICE, dtype=DTYPE, attention_backend=BACKEND, block_size=16,
