@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from metronome.contract.errors import InvalidRequestError, MetronomeError
-from metronome.server.bench.engine import sections
+from metronome.server.bench.engine import gpu_state, sections
 from metronome.server.bench.load.inprocess import sampler_for_engine
 from metronome.server.bench.load.results import RunEntry, environment, write_json
 from metronome.server.bench.load.run_output import args_config, plot_entries
@@ -162,20 +162,28 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
     device_info = doc.get("device") or {}
     bandwidth = device_info.get("copy", {}).get("bandwidth_bytes_per_s")
     progress = not args.no_progress
+    gpu = gpu_state.gpu_target(core.loaded.device)
     if "decode" in chosen:
-        doc["decode"] = sections.decode_section(core, args.batch_sizes, args.context, args.decode_steps, sampler,
-                                                args.seed, args.prefill_chunk, bandwidth, dtype_bytes)
+        with gpu_state.watch(gpu) as state:
+            doc["decode"] = sections.decode_section(core, args.batch_sizes, args.context, args.decode_steps, sampler,
+                                                    args.seed, args.prefill_chunk, bandwidth, dtype_bytes)
+        _record_gpu_state(doc, "decode", state)
     if "prefill" in chosen:  # against the peak of the GEMMs this model runs: FP8 layers, FP8 tensor cores
         peak_key = "fp8_matmul_tflops" if core.loaded.quantization is not None else "matmul_tflops"
-        doc["prefill"] = sections.prefill_section(core, args.prefill_prompt_len, args.prefill_prompts,
-                                                  args.prefill_chunk, sampler, args.seed, device_info.get(peak_key))
+        with gpu_state.watch(gpu) as state:
+            doc["prefill"] = sections.prefill_section(core, args.prefill_prompt_len, args.prefill_prompts,
+                                                      args.prefill_chunk, sampler, args.seed,
+                                                      device_info.get(peak_key))
         doc["prefill"]["matmul_peak"] = peak_key
+        _record_gpu_state(doc, "prefill", state)
     if "saturation" in chosen:
         from metronome.server.bench.engine.saturation import saturation_section
 
-        doc["saturation"] = saturation_section(core, args.saturation_prompt_len, args.saturation_output_len,
-                                               args.saturation_max_requests, args.saturation_chunk_size, sampler,
-                                               args.seed, bandwidth, dtype_bytes)
+        with gpu_state.watch(gpu) as state:
+            doc["saturation"] = saturation_section(core, args.saturation_prompt_len, args.saturation_output_len,
+                                                   args.saturation_max_requests, args.saturation_chunk_size,
+                                                   sampler, args.seed, bandwidth, dtype_bytes)
+        _record_gpu_state(doc, "saturation", state)
     spec = WorkloadSpec(name="long-short", long_short=LongShortSpec(
         long_fraction=args.long_fraction, long_prompt_len=args.long_prompt_len,
         short_prompt_len=args.short_prompt_len, output_len=args.output_len))
@@ -209,6 +217,12 @@ def _engine_sections(args: argparse.Namespace, chosen: list[str], doc: dict[str,
     # The engine's memory must be collectable again before transformers loads its copy of the model.
     gc.unfreeze()
     sys.setswitchinterval(switch_interval)
+
+
+def _record_gpu_state(doc: dict[str, Any], section: str, state: dict[str, Any]) -> None:
+    """The GPU's clocks, power and temperature during a section (gpu_state.watch), where it was watched."""
+    if state:
+        doc.setdefault("gpu_state", {})[section] = state
 
 
 def byte_widths(core: Any) -> sections.model_math.ByteWidths:
@@ -331,6 +345,8 @@ def _print(doc: dict[str, Any]) -> None:
         out.print(table)
     if doc.get("saturation"):
         _print_saturation(out, doc["saturation"])
+    for section, state in (doc.get("gpu_state") or {}).items():
+        out.print(f"{section}: {gpu_state.describe(state)}")
     comparison = doc.get("batch_comparison")
     if comparison:
         ours = ", ".join(f"{e['summary']['output_tokens_per_s']:.0f} out tok/s at chunk "
