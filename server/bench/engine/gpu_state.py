@@ -163,7 +163,10 @@ def gpu_target(device: Any) -> str | None:
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    if uuid is None:  # a torch without it: the index, right unless CUDA_VISIBLE_DEVICES renumbers the GPUs
+        return str(index)
+    uuid = str(uuid)
     return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
