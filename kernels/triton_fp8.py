@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .fp8_tiles import matmul_tiles
-from .triton_attention import require_runnable
+from .triton_attention import require_runnable, sm_count
 
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
@@ -285,7 +285,7 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
     if m == 0:
         return out
     require_runnable(a.device)
-    block_m, block_n, warps, stages = tiles or matmul_tiles(m)
+    block_m, block_n, warps, stages = tiles or matmul_tiles(m, n, sm_count(a.device) if a.is_cuda else None)
     block_k = group_k if group_k is not None else 128
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     a_scalar = group_k is None and a_scale.numel() == 1

@@ -243,6 +243,22 @@ def test_the_gemm_choice_by_rows():
     assert [per_token_path(c, 1) for c in ("rowwise", "tensorwise", "triton")] == ["rowwise", "tensorwise", "triton"]
 
 
+def test_the_wide_tiles_give_way_where_their_last_wave_is_mostly_empty():
+    from metronome.kernels.fp8_tiles import NARROW, WIDE, matmul_tiles, wave_efficiency
+
+    assert wave_efficiency(192, 132) == 192 / 264 and wave_efficiency(132, 132) == 1.0
+    # Llama-3-8B on an H200's 132 SMs, as measured (docs/perf/fp8-h200.md): qkv_proj (6,144 wide) in the 960-row
+    # bucket of a saturated decode batch runs 128 x 128 tiles; larger batches, and every other weight, 128 x 256
+    assert matmul_tiles(960, 6144, 132) == NARROW and matmul_tiles(1024, 6144, 132) == NARROW
+    assert all(matmul_tiles(m, 6144, 132) == WIDE for m in (2048, 4096, 8192))
+    assert all(matmul_tiles(m, n, 132) == WIDE for m in (960, 1024, 8192) for n in (4096, 28672))
+    assert matmul_tiles(960, 6144) == WIDE  # the SM count unknown (not on CUDA): the wide tiles
+    # eager steps (above the piecewise graphs' buckets) stay on the wide tiles their captures compiled
+    assert matmul_tiles(4097 + 128 * 131, 128 * 2, 132) == WIDE
+    assert matmul_tiles(4096 - 128 * 4, 128 * 2, 132) == NARROW  # 56 narrow tiles busy twice the SMs of 28 wide
+    assert matmul_tiles(64, 6144, 132)[:2] == (64, 128)  # decode batches keep their small tiles
+
+
 def test_the_skinny_tiles_by_weight_width():
     from metronome.kernels.triton_fp8_skinny import DEFAULT_TILES, WIDE_TILES, WIDE_TILES_FEW_ROWS, choose_tiles
 
