@@ -6,8 +6,9 @@ from __future__ import annotations
 LARGE_ROWS = 768  # above: 128 x 256 tiles, 7-10 % faster than 128 x 128 at Llama-3-8B shapes (docs/perf/fp8-h200.md)
 WIDE = (128, 256, 8, 3)
 NARROW = (128, 128, 8, 3)
-# What a 128 x 256 tile gains over a 128 x 128 one when both fill their waves: 3-17 % at Llama-3-8B shapes from
-# 960 to 8,192 rows on the H200 (h200-fp8-gemm-large-rows.json), about 8 % typically.
+# What a 128 x 256 tile gains over a 128 x 128 one when both fill their waves: 3-17 % (median 10 %) at Llama-3-8B
+# shapes from 960 to 8,192 rows on the H200 (h200-fp8-gemm-large-rows.json). The choice credits it 8 %, so only a
+# grid whose last wave is clearly emptier switches to the narrow tiles.
 WIDE_TILE_GAIN = 1.08
 # Only up to here may a weight's grid switch tiles by its waves: steps of this many tokens or fewer replay piecewise
 # CUDA graphs (server/engine/piecewise_graphs.py: buckets up to 4,096), captured at start-up with every variant they

@@ -91,25 +91,32 @@ class _RecordingBackend:
         return getattr(self.inner, name)
 
 
-def calibrate(model, config, tokenizer, device: torch.device, dtype: torch.dtype, block_size: int = 16,
-              max_tokens: int = 512) -> KVScales:
-    """Scales from one prefill of CALIBRATION_TEXT (repeated up to max_tokens) through the model's torch path, K
-    and V written to a scratch cache in the model dtype."""
+def whole_prefill_scratch(config, n: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    """(a fresh KV cache per layer holding n tokens, the metadata of one sequence of n tokens prefilled whole into
+    it): a forward over one text outside the engine's cache (calibration here; scoring a text elsewhere)."""
     from metronome.kernels.metadata import AttentionMetadata
 
-    ids = tokenizer.encode(CALIBRATION_TEXT)
-    ids = (ids * (max_tokens // max(len(ids), 1) + 1))[:max_tokens]
-    n, layers = len(ids), config.num_hidden_layers
     blocks = -(-n // block_size)
     shape = (blocks, block_size, config.num_key_value_heads, config.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-              for _ in range(layers)]
+              for _ in range(config.num_hidden_layers)]
     meta = AttentionMetadata(
         cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
         seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
         block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
         slot_mapping=torch.arange(n, dtype=torch.int64, device=device), max_seqlen_q=n, max_seqlen_k=n,
         q_lens_host=[n], seq_lens_host=[n])
+    return caches, meta
+
+
+def calibrate(model, config, tokenizer, device: torch.device, dtype: torch.dtype, block_size: int = 16,
+              max_tokens: int = 512) -> KVScales:
+    """Scales from one prefill of CALIBRATION_TEXT (repeated up to max_tokens) through the model's torch path, K
+    and V written to a scratch cache in the model dtype."""
+    ids = tokenizer.encode(CALIBRATION_TEXT)
+    ids = (ids * (max_tokens // max(len(ids), 1) + 1))[:max_tokens]
+    n, layers = len(ids), config.num_hidden_layers
+    caches, meta = whole_prefill_scratch(config, n, block_size, dtype, device)
     backend, fused = model.attention_backend, model.fused
     recorder = _RecordingBackend(backend)
     model.set_attention_backend(recorder)

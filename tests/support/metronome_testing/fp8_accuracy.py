@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from metronome.kernels.metadata import AttentionMetadata
 from metronome.server.engine.engine import EngineCore
 from metronome.server.engine.sampling import SamplingParams
+from metronome.server.models.quant.kv_scales import whole_prefill_scratch
 
 NEW_TOKENS = 64
 SUBJECTS = ["the ocean", "a lighthouse", "prime numbers", "the French revolution", "photosynthesis", "a rainy city",
@@ -52,20 +52,9 @@ def sequence_logprobs(engine: EngineCore, ids: list[int]) -> torch.Tensor:
     """log p(ids[i + 1] | ids[:i + 1]) for every i: one prefill of the whole sequence over a fresh cache of the
     engine's KV dtype (an FP8 cache uses the engine's scales), every layer over every token (a window layer's
     kernel applies its window)."""
-    loaded, config = engine.loaded, engine.loaded.config
-    device = loaded.device
-    n, page = len(ids), 16
-    blocks = -(-n // page)
-    shape = (blocks, page, config.num_key_value_heads, config.head_dim)
-    kv_dtype = engine.runner.kv_caches[0][0].dtype
-    caches = [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
-              for _ in range(config.num_hidden_layers)]
-    meta = AttentionMetadata(
-        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        slot_mapping=torch.arange(n, dtype=torch.int64, device=device), max_seqlen_q=n, max_seqlen_k=n,
-        q_lens_host=[n], seq_lens_host=[n])
+    loaded = engine.loaded
+    device, n = loaded.device, len(ids)
+    caches, meta = whole_prefill_scratch(loaded.config, n, 16, engine.runner.kv_caches[0][0].dtype, device)
     tokens = torch.tensor(ids, device=device)
     with torch.inference_mode():
         hidden = loaded.model(tokens, torch.arange(n, device=device), caches, meta)
