@@ -147,14 +147,21 @@ def add_rms_norm_fp8(x: torch.Tensor | None, residual: torch.Tensor, weight: tor
     return q, scales
 
 @triton.jit
-def _silu_mul_value(gate_up_row, cols, mask, N, ROUND: tl.constexpr, BF16: tl.constexpr):
-    g = tl.load(gate_up_row + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gate_up_row + N + cols, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul(g, u, ROUND: tl.constexpr, BF16: tl.constexpr):
+    """silu(g) * u of fp32 values of the model dtype; with ROUND silu(g) and the product each rounded to it, as
+    silu_mul stores them."""
     silu = g / (1.0 + tl.exp(-g))
-    if ROUND:  # silu(gate) and the product each rounded to the model dtype, as silu_mul stores them
+    if ROUND:
         return _rounded(_rounded(silu, BF16) * u, BF16)
     else:
         return silu * u
+
+
+@triton.jit
+def _silu_mul_value(gate_up_row, cols, mask, N, ROUND: tl.constexpr, BF16: tl.constexpr):
+    g = tl.load(gate_up_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_row + N + cols, mask=mask, other=0.0).to(tl.float32)
+    return _silu_mul(g, u, ROUND, BF16)
 
 
 @triton.jit

@@ -173,6 +173,50 @@ def test_fp8_graph_replay_equals_eager(kv_cache_dtype):
     assert same >= len(prompts) - 1  # bf16 both ways; a padded batch may move one near-tie
 
 
+def test_silu_mul_in_the_gemm_epilogue_equals_the_separate_launches():
+    """Llama-3-8B's MLP at decode batches in bf16: SiLU·mul in the gate_up GEMM's epilogue and the down projection
+    quantising as it streams, against the small-M GEMM, silu_mul_fp8 and the small-M GEMM again."""
+    from metronome.kernels.triton_fp8_skinny import fp8_skinny_deferred, fp8_skinny_gated, fp8_skinny_matmul
+    from metronome.kernels.triton_fused import silu_mul_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    hidden, inter = 4096, 14336
+    w_up, s_up = fp8.quantize_per_channel(torch.randn(2 * inter, hidden, generator=g, device="cuda") * 0.02)
+    w_down, s_down = fp8.quantize_per_channel(torch.randn(hidden, inter, generator=g, device="cuda") * 0.02)
+    for m in (1, 5, 16):
+        x = torch.randn(m, hidden, generator=g, device="cuda").to(torch.bfloat16)
+        q, sx = fp8.quantize_per_token(x)
+        gate_up = fp8_skinny_matmul(q, sx, w_up, s_up, torch.bfloat16)
+        hq, hs = silu_mul_fp8(gate_up)
+        separate = fp8_skinny_matmul(hq, hs, w_down, s_down, torch.bfloat16)
+        h, amax = fp8_skinny_gated(q, sx, w_up, s_up, torch.bfloat16)
+        fused = fp8_skinny_deferred(h, amax, w_down, s_down)
+        gate, up = gate_up.split(inter, dim=-1)
+        expected_h = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+        h_mismatch = (h != expected_h).float().mean().item()
+        print(f"\nm={m}: h differs from silu_mul's in {h_mismatch:.2e} of elements, out rel "
+              f"{_rel(fused, separate):.2e}")
+        assert h_mismatch < 0.01  # the GEMM's summation order may move a value across a bf16 rounding
+        assert torch.equal(amax.amax(1), h.float().abs().amax(1))
+        assert _rel(fused, separate) < 2e-3
+
+
+def test_the_gated_epilogue_decodes_what_the_separate_launches_decode(monkeypatch):
+    from metronome.server.models.quant.cuda_gemm import GATED_ENV
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(5, 300))] for _ in range(16)]
+    separate, _ = greedy(_engine("fp8", cuda_graphs=True, kv_cache_dtype="fp8"), prompts, 24)
+    monkeypatch.setenv(GATED_ENV, "1")
+    engine = _engine("fp8", cuda_graphs=True, kv_cache_dtype="fp8")
+    assert all(layer.mlp.gated_epilogue for layer in engine.loaded.model.model.layers)
+    fused, graph_steps = greedy(engine, prompts, 24)
+    assert graph_steps > 0
+    same = sum(a == b for a, b in zip(fused, separate))
+    print(f"\ngated epilogue vs separate launches: {same}/{len(prompts)} identical")
+    assert same >= len(prompts) - 1
+
+
 def test_fp8_moe_graph_replay_equals_eager():
     """A mixture of experts in FP8 (attention and dense MLP W8A8, each FP8 linear quantising its own input; routed
     experts e4m3 per row on the fused Triton MoE kernels, W8A16): graphs replay what eager steps compute."""

@@ -138,6 +138,50 @@ def _gemm_results(name, m, n, k, mode, kernel) -> dict:
     return {"rel": ((got - expected).norm() / expected.norm()).item(), "shape": list(got.shape)}
 
 
+# (name, M, K, I, out dtype, bias, amax bound): I not a multiple of the half tile; "many" gives 65 partial amaxes,
+# more than one step of the down projection's reduction
+GATED_CASES = [("plain", 3, 96, 80, torch.float32, False, None),
+               ("bias_bounded", 16, 64, 48, torch.float32, True, 0.05),
+               ("many", 1, 64, 1040, torch.float32, False, None)]
+
+
+def _gated_results(name, m, k, inter, dtype, bias, bound) -> dict:
+    """SiLU·mul in the gate_up GEMM's epilogue and the down projection quantising its input as it streams, against
+    the three separate launches (small-M GEMM, silu_mul_fp8, small-M GEMM)."""
+    from metronome.kernels.triton_fp8 import quantize_fp8
+    from metronome.kernels.triton_fp8_skinny import (
+        SkinnyTiles,
+        fp8_skinny_deferred,
+        fp8_skinny_gated,
+        fp8_skinny_matmul,
+    )
+    from metronome.kernels.triton_fused import silu_mul_fp8
+    from metronome.server.models.quant import fp8
+
+    g = torch.Generator().manual_seed(m + k + inter)
+    tiles = SkinnyTiles(32, 64, 4, 1)
+    x, sx = fp8.quantize_per_token(torch.randn(m, k, generator=g))
+    w_up, s_up = fp8.quantize_per_channel(torch.randn(2 * inter, k, generator=g) * 0.2)
+    w_down, s_down = fp8.quantize_per_channel(torch.randn(k, inter, generator=g) * 0.2)
+    b_up = torch.randn(2 * inter, generator=g) if bias else None
+    b_down = torch.randn(k, generator=g) if bias else None
+
+    gate_up = fp8_skinny_matmul(x, sx, w_up, s_up, dtype, b_up, tiles=tiles)
+    q, s = silu_mul_fp8(gate_up, amax_ub=bound)
+    separate = fp8_skinny_matmul(q, s, w_down, s_down, dtype, b_down, tiles=tiles)
+
+    h, amax = fp8_skinny_gated(x, sx, w_up, s_up, dtype, b_up, tiles=tiles)
+    fused = fp8_skinny_deferred(h, amax, w_down, s_down, b_down, amax_ub=bound, tiles=tiles)
+    gate, up = gate_up.split(inter, dim=-1)
+    # the deferred quantisation alone: the same h through quantize_fp8 and the plain kernel
+    hq, hs = quantize_fp8(h, amax_ub=bound)
+    return {"h_rel": ((h - torch.nn.functional.silu(gate) * up).norm() / h.norm()).item(),
+            "amax_is_rows_max": torch.equal(amax.amax(1), h.abs().amax(1)), "partials": amax.shape[1],
+            "deferred_equal": torch.equal(fused, fp8_skinny_matmul(hq, hs, w_down, s_down, dtype, b_down,
+                                                                     tiles=tiles)),
+            "rel": ((fused - separate).norm() / separate.norm()).item(), "shape": list(fused.shape)}
+
+
 def _model_results() -> dict:
     """A whole FP8 model with the fused kernels (norms and SiLU·mul hand FP8 activations to the next layer)
     against the same model on the torch path (each linear quantises its own input)."""
@@ -150,21 +194,31 @@ def _model_results() -> dict:
     layer = loaded.model.model.layers[0]
     classes = [type(layer.input_layernorm), type(layer.post_attention_layernorm), type(layer.mlp)]
     ids = torch.randint(3, loaded.config.vocab_size, (13,), generator=torch.Generator().manual_seed(5))
+    from metronome.server.models.quant import cuda_gemm
+
+    ran_gated = []
+    two_launch_mlp = cuda_gemm.skinny_gated_mlp
+    cuda_gemm.skinny_gated_mlp = lambda *args: ran_gated.append(1) or two_launch_mlp(*args)
     logits = {}
-    for fused in (False, True):
+    for label, fused, gated in (("torch", False, False), ("fused", True, False), ("gated", True, True)):
         loaded.model.fused = fused
+        for decoder_layer in loaded.model.model.layers:
+            decoder_layer.mlp.gated_epilogue = gated
         cache = PagedCache(loaded.config, 1, len(ids))
         with torch.inference_mode():
             hidden = loaded.model(ids, torch.arange(len(ids)), cache.kv, cache.metadata([0], [len(ids)]))
-            logits[fused] = loaded.model.compute_logits(hidden)
+            logits[label] = loaded.model.compute_logits(hidden)
     return {"producers_fuse": classes == [Fp8OutputRMSNorm, Fp8OutputRMSNorm, Fp8OutputGatedMLP],
-            "max_diff": (logits[True] - logits[False]).abs().max().item(),
-            "scale": logits[False].abs().max().item()}
+            "max_diff": (logits["fused"] - logits["torch"]).abs().max().item(),
+            "gated_max_diff": (logits["gated"] - logits["torch"]).abs().max().item(),
+            "gated_launches": len(ran_gated), "layers": len(loaded.model.model.layers),
+            "scale": logits["torch"].abs().max().item()}
 
 
 def _run_all() -> dict:
     return {"quant": {c[0]: _quant_results(*c) for c in QUANT_CASES}, "fused": _fused_results(),
-            "gemm": {c[0]: _gemm_results(*c) for c in GEMM_CASES}, "model": _model_results()}
+            "gemm": {c[0]: _gemm_results(*c) for c in GEMM_CASES},
+            "gated": {c[0]: _gated_results(*c) for c in GATED_CASES}, "model": _model_results()}
 
 
 @pytest.fixture(scope="module")
@@ -203,10 +257,37 @@ def test_fp8_matmul_matches_the_emulation(results, case):
     assert got["rel"] < 1e-5, got
 
 
+@pytest.mark.parametrize("case", GATED_CASES, ids=[c[0] for c in GATED_CASES])
+def test_silu_mul_in_the_gemm_epilogue_equals_the_separate_launches(results, case):
+    got = results["gated"][case[0]]
+    assert got["shape"] == [case[1], case[2]]
+    assert got["h_rel"] < 1e-6, got  # silu(gate) * up of the same GEMM, up to summation order
+    assert got["amax_is_rows_max"], "the partial amaxes must give each row's largest |h|"
+    assert got["deferred_equal"], "quantising in the K loop must give quantize_fp8's codes and scales"
+    assert got["rel"] < 1e-5, got
+    if case[0] == "many":
+        assert got["partials"] > 64
+
+
 def test_fused_fp8_model_equals_the_unfused_one(results):
     got = results["model"]
     assert got["producers_fuse"], "the norms and the MLP should hand FP8 activations over"
     assert got["max_diff"] < 1e-4 * max(1.0, got["scale"]), got
+    assert got["gated_max_diff"] < 1e-4 * max(1.0, got["scale"]), got
+    assert got["gated_launches"] == got["layers"], "every layer's MLP should run its two-launch path"
+
+
+def test_the_gated_epilogue_is_chosen_by_environment(monkeypatch):
+    from metronome.server.models import load_model
+    from metronome.server.models.quant.cuda_gemm import GATED_ENV, gated_epilogue_from_environment
+
+    assert gated_epilogue_from_environment() is False  # off until timed on a GPU
+    monkeypatch.setenv(GATED_ENV, "1")
+    loaded = load_model("random:tiny", dtype="float32", attention_backend="torch", quantization="fp8")
+    assert all(layer.mlp.gated_epilogue for layer in loaded.model.model.layers)
+    monkeypatch.setenv(GATED_ENV, "yes")
+    with pytest.raises(ValueError, match=GATED_ENV):
+        gated_epilogue_from_environment()
 
 
 def test_kernels_refuse_bad_arguments(monkeypatch):

@@ -24,6 +24,11 @@ while `rowwise` is 4-22 % faster than the kernel's 128 x 128 tiles from 256 to 7
 A layer with a 0-d scale on both operands keeps the per-tensor `_scaled_mm`, faster than either.
 `METRONOME_FP8_GEMM=auto|skinny|rowwise|tensorwise|triton` picks one for benchmarking (read when a model is
 loaded); everything here is capturable in a CUDA graph.
+
+`skinny_gated_mlp`: a SwiGLU MLP of up to GATED_ROWS rows as two launches instead of three, SiLU·mul in the
+gate_up GEMM's epilogue and the down projection quantising its input as it streams (kernels/triton_fp8_skinny.py),
+the same codes and scales as the separate kernels. Off unless `METRONOME_FP8_GATED_EPILOGUE=1` (read when a model
+is loaded) until it is timed on a GPU against the three launches.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from metronome.kernels.fp8_tiles import LARGE_ROWS
-from metronome.server.models.quant.activation import Fp8Activation
+from metronome.server.models.quant.activation import ActivationQuant, Fp8Activation
 
 if TYPE_CHECKING:
     from metronome.server.models.quant.fp8_linear import Fp8Linear
@@ -42,6 +47,10 @@ GEMMS = ("auto", "skinny", "rowwise", "tensorwise", "triton")
 SKINNY_ROWS = 64  # `auto` takes the small-M kernel up to here
 TRITON_ROWS = LARGE_ROWS  # ... and the Triton kernel above here, where its 128 x 256 tiles start
 GEMM_ENV = "METRONOME_FP8_GEMM"
+GATED_ENV = "METRONOME_FP8_GATED_EPILOGUE"
+# up to here the down projection's activation tile (16 rows, padded) is a quarter of its weight tile, so quantising
+# it in registers hides under the weight stream; at 64 rows it would be as large as the weight tile
+GATED_ROWS = 16
 
 
 def gemm_from_environment() -> str:
@@ -49,6 +58,13 @@ def gemm_from_environment() -> str:
     if choice not in GEMMS:
         raise ValueError(f"{GEMM_ENV}={choice!r}: use one of {', '.join(GEMMS)}")
     return choice
+
+
+def gated_epilogue_from_environment() -> bool:
+    choice = os.environ.get(GATED_ENV, "0").strip().lower() or "0"
+    if choice not in ("0", "1"):
+        raise ValueError(f"{GATED_ENV}={choice!r}: use 0 or 1")
+    return choice == "1"
 
 
 def per_token_path(choice: str, m: int, scalar_scales: bool = False) -> str:
@@ -93,3 +109,20 @@ def fp8_gemm(act: Fp8Activation, layer: Fp8Linear) -> torch.Tensor:
     if bias is not None:
         out.add_(bias)
     return out.to(act.dtype)
+
+
+def skinny_gated_mlp(act: Fp8Activation, gate_up: Fp8Linear, down: Fp8Linear, down_quant: ActivationQuant
+                     ) -> torch.Tensor | None:
+    """down(silu(gate) * up) of act [M, K] in two launches where both layers take the small-M kernel at these rows
+    and the down projection quantises per token; None elsewhere (the caller runs the separate kernels)."""
+    from metronome.kernels.triton_fp8_skinny import fp8_skinny_deferred, fp8_skinny_gated
+
+    m = act.q.shape[0]
+    dims = (act.q.shape[1], gate_up.out_features, down.out_features)
+    if (m > GATED_ROWS or m == 0 or any(d % 16 for d in dims) or act.group is not None
+            or down_quant.group is not None or down_quant.static_scale is not None
+            or "block" in (gate_up.granularity, down.granularity)
+            or per_token_path(gate_up.gemm, m) != "skinny" or per_token_path(down.gemm, m) != "skinny"):
+        return None
+    h, amax = fp8_skinny_gated(act.q, act.scale, gate_up.weight, gate_up.weight_scale, act.dtype, gate_up.bias)
+    return fp8_skinny_deferred(h, amax, down.weight, down.weight_scale, down.bias, down_quant.amax_ub)

@@ -94,16 +94,18 @@ class Fp8Router:
 
 
 def load_quantized(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme,
-                   weights: Iterable[tuple[str, torch.Tensor]], gemm: str = "auto") -> None:
+                   weights: Iterable[tuple[str, torch.Tensor]], gemm: str = "auto", gated_epilogue: bool = False
+                   ) -> None:
     """Load every tensor (FP8 shards through the router, the rest through model.load_weights), finalize the
-    FP8 layers (`gemm`: their CUDA GEMM choice), then fuse activation quantisation into their producers. On the
-    fly, a mixture of experts' routed experts are quantised per row once loaded."""
+    FP8 layers (`gemm`: their CUDA GEMM choice), then fuse activation quantisation into their producers
+    (`gated_epilogue`: SiLU·mul into the MLPs' GEMM at decode batches). On the fly, a mixture of experts' routed
+    experts are quantised per row once loaded."""
     router = Fp8Router(model)
     model.load_weights(router.route(weights))
     router.finish(gemm)
     if not scheme.prequantized:
         quantize_loaded_experts(model)
-    fuse_activation_quant(model, config)
+    fuse_activation_quant(model, config, gated_epilogue)
     model.fp8_kv_scales = router.kv_scales
     if router.kv_scales:
         log.info("checkpoint carries %d KV-cache scales", len(router.kv_scales))

@@ -112,25 +112,34 @@ class Fp8OutputRMSNorm(RMSNorm):
 
 
 class Fp8OutputGatedMLP(GatedMLP):
-    """A SwiGLU MLP whose fused (CUDA) SiLU·mul quantises its output for the FP8 down projection."""
+    """A SwiGLU MLP whose fused (CUDA) SiLU·mul quantises its output for the FP8 down projection; with
+    `gated_epilogue`, decode batches run SiLU·mul in the gate_up GEMM's epilogue instead
+    (cuda_gemm.skinny_gated_mlp)."""
 
     output_quant: ActivationQuant
+    gated_epilogue: bool = False
 
     def forward(self, x: torch.Tensor | Fp8Activation, fused: bool = False) -> torch.Tensor:
         if not fused:
             return super().forward(x, fused)
         from metronome.kernels.triton_fused import silu_mul_fp8
 
+        if self.gated_epilogue and isinstance(x, Fp8Activation):
+            from metronome.server.models.quant.cuda_gemm import skinny_gated_mlp
+            out = skinny_gated_mlp(x, self.gate_up_proj, self.down_proj, self.output_quant)
+            if out is not None:
+                return out
         gate_up = self.gate_up_proj(x)
         how = self.output_quant
         q, scale = silu_mul_fp8(gate_up, how.group, how.static_scale, amax_ub=how.amax_ub)
         return self.down_proj(Fp8Activation(q, scale, gate_up.dtype, how.group))
 
 
-def fuse_activation_quant(model: nn.Module, config: ModelConfig) -> int:
+def fuse_activation_quant(model: nn.Module, config: ModelConfig, gated_epilogue: bool = False) -> int:
     """After finalize: make each decoder layer's input norm, post-attention norm and MLP hand their FP8 consumer
-    a quantised activation on the fused path (the class changes; parameters and names stay). Only the layer
-    layouts known to feed exactly those linears are touched. Returns how many producers now quantise."""
+    a quantised activation on the fused path (the class changes; parameters and names stay); `gated_epilogue`:
+    the MLPs run SiLU·mul in their GEMM at decode batches. Only the layer layouts known to feed exactly those
+    linears are touched. Returns how many producers now quantise."""
     if config.architecture not in FUSABLE_ARCHITECTURES:
         return 0
     changed = 0
@@ -144,5 +153,7 @@ def fuse_activation_quant(model: nn.Module, config: ModelConfig) -> int:
             if type(producer) is base and llama_style and isinstance(consumer, Fp8Linear):
                 producer.__class__ = fused_class
                 producer.output_quant = consumer.activation_quant
+                if fused_class is Fp8OutputGatedMLP:
+                    producer.gated_epilogue = gated_epilogue
                 changed += 1
     return changed
