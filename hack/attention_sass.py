@@ -18,10 +18,10 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from metronome_testing.sm90 import cuobjdump, registers_and_spills
 
 KEEP = ("LDS", "STS", "LDSM", "LDG", "LDGSTS", "HMMA", "F2FP", "PRMT", "LDL", "STL", "IMAD", "BAR")
 
@@ -64,25 +64,7 @@ def compile_decode(kv: str, decode_block_n: int, num_warps: int, num_stages: int
 
 
 def sass_of(kernel) -> str:
-    import triton
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        return subprocess.run([str(tools / "cuobjdump"), "-sass", cubin.name], capture_output=True, text=True,
-                              check=True).stdout
-
-
-def resources(kernel) -> tuple[int, int]:
-    """(registers a thread, bytes of stack a thread: spilled registers) from the cubin."""
-    import triton
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", cubin.name], capture_output=True,
-                               text=True, check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
+    return cuobjdump(kernel, "-sass")
 
 
 def first_loop(sass: str) -> collections.Counter:
@@ -126,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             kernel = compile_decode(args.kv, args.decode_block_n, args.warps, args.stages, mode, cap)
             sass = sass_of(kernel)
             mix, loop = instruction_mix(sass), first_loop(sass)
-            registers, stack = resources(kernel)
+            registers, stack = registers_and_spills(kernel)
             print(f"{mode:>6} {registers:>4} ({cap or '-':>3}) {stack:>5} {kernel.metadata.shared:>7} "
                   f"{sum(mix.values()):>6} {sum(loop.values()):>5} {loop.get('LDL', 0):>6} "
                   + " ".join(f"{mix.get(op, 0):>6}" for op in KEEP))

@@ -1,0 +1,56 @@
+"""The Triton kernels of an FP8 decode step compile for Hopper (sm_90), as a launch on an H100 / H200 would compile
+them, on this GPU-less machine (metronome_testing.sm90): each fits its shared memory, none spills registers, and
+the small-M GEMMs stream their weights through shared memory (cp.async) rather than through registers. Run in a
+subprocess, as the interpreter tests are: the compile-only driver never leaks into the test process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+CASES = [(1, False), (1, True), (64, False)]  # (rows, SiLU·mul in the gate_up GEMM's epilogue)
+
+
+def _compile_all() -> dict:
+    from metronome_testing.sm90 import compiling_for_sm90, fp8_decode_layer
+
+    out = {}
+    for rows, gated in CASES:
+        with compiling_for_sm90() as compiled:
+            fp8_decode_layer(rows, gated)
+        out[f"{rows}-{gated}"] = [{f.name: getattr(c, f.name) for f in fields(c) if f.name != "kernel"}
+                                  for c in compiled]
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"compiling for sm_90 failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("rows,gated", CASES, ids=[f"{r}-rows{'-gated' if g else ''}" for r, g in CASES])
+def test_the_fp8_decode_kernels_compile_for_hopper(compiled, rows, gated):
+    from metronome_testing.sm90 import SM90_SHARED_LIMIT
+
+    kernels = compiled[f"{rows}-{gated}"]
+    names = [k["name"] for k in kernels]
+    # qkv, o, gate_up and down as small-M GEMMs (the gated epilogue replaces silu_mul_fp8), the norms, rope, quant
+    assert names.count("_fp8_skinny") == 4 and ("_silu_mul_fp8" in names) != gated, names
+    assert names.count("_add_rms_norm_fp8") == 2 and "_rope_write_kv" in names and "_quantize_rows" in names
+    for kernel in kernels:
+        assert kernel["shared"] <= SM90_SHARED_LIMIT, kernel
+        assert kernel["spilled"] == 0, kernel
+        if kernel["name"] == "_fp8_skinny":
+            assert kernel["async_copies"] > 0, kernel
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
