@@ -85,29 +85,17 @@ def _scaled_rows(acc, ws_ptr, xs, rows, n_mask, bias_ptr, W_SCALAR: tl.constexpr
 
 
 @triton.jit
-def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, amax_ptr, amax_ub, M, N, K, P, up_rows,
-                stride_wn, stride_xm, stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, W_SCALAR: tl.constexpr, X_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GATED: tl.constexpr, X_DEFERRED: tl.constexpr, P_CHUNK: tl.constexpr, ROUND: tl.constexpr,
-                BF16: tl.constexpr):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+def _stream(w_ptr, x_ptr, pair_rows, offs_n, n_mask, offs_m, m_mask, x_scale, K, stride_wn, stride_xm,
+            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+            PAIRED: tl.constexpr, X_DEFERRED: tl.constexpr):
+    """The K loop: weight rows offs_n (and, PAIRED, the rows pair_rows further on) against the activation rows
+    offs_m; an activation in the model dtype (X_DEFERRED) is quantised with x_scale [BLOCK_M] tile by tile.
+    Returns the fp32 accumulators [BLOCK_N, BLOCK_M] of both row sets (the second zero unless PAIRED)."""
     offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    if X_DEFERRED:  # x's per-token scales from the P partial amaxes its producer left: max is exact in any order
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        offs_p = tl.arange(0, P_CHUNK)
-        for start in range(0, P, P_CHUNK):
-            parts = tl.load(amax_ptr + offs_m[:, None] * P + start + offs_p[None, :],
-                            mask=m_mask[:, None] & (start + offs_p < P)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(parts, 1))
-        x_scale = _scale_of(amax, amax_ub)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_pair = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             w_mask = n_mask[:, None]
@@ -120,16 +108,48 @@ def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, amax_ptr, amax_
         if X_DEFERRED:
             x = _fp8_of(x.to(tl.float32), x_scale[None, :])
         acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), x, acc, out_dtype=tl.float32)
-        if GATED:
-            acc_up = tl.dot(tl.load(w_ptrs + up_rows, mask=w_mask, other=0.0), x, acc_up, out_dtype=tl.float32)
+        if PAIRED:
+            acc_pair = tl.dot(tl.load(w_ptrs + pair_rows, mask=w_mask, other=0.0), x, acc_pair,
+                              out_dtype=tl.float32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    return acc, acc_pair
+
+
+@triton.jit
+def _activation_scales(xs_ptr, offs_m, m_mask, X_SCALAR: tl.constexpr):
+    """The activation's scale per column of an accumulator: [1, BLOCK_M], or one value."""
+    if X_SCALAR:
+        return tl.load(xs_ptr)
+    else:
+        return tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+
+
+@triton.jit
+def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, amax_ptr, amax_ub, M, N, K, P, up_rows,
+                stride_wn, stride_xm, stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, W_SCALAR: tl.constexpr, X_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr,
+                GATED: tl.constexpr, X_DEFERRED: tl.constexpr, P_CHUNK: tl.constexpr, ROUND: tl.constexpr,
+                BF16: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if X_DEFERRED:  # x's per-token scales from the P partial amaxes its producer left: max is exact in any order
+        offs_p = tl.arange(0, P_CHUNK)
+        for start in range(0, P, P_CHUNK):
+            parts = tl.load(amax_ptr + offs_m[:, None] * P + start + offs_p[None, :],
+                            mask=m_mask[:, None] & (start + offs_p < P)[None, :], other=0.0)
+            x_scale = tl.maximum(x_scale, tl.max(parts, 1))
+        x_scale = _scale_of(x_scale, amax_ub)
+    acc, acc_up = _stream(w_ptr, x_ptr, up_rows, offs_n, n_mask, offs_m, m_mask, x_scale, K, stride_wn, stride_xm,
+                          BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K, GATED, X_DEFERRED)
     if X_DEFERRED:
         xs = x_scale[None, :]
-    elif X_SCALAR:
-        xs = tl.load(xs_ptr)
     else:
-        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+        xs = _activation_scales(xs_ptr, offs_m, m_mask, X_SCALAR)
     acc = _scaled_rows(acc, ws_ptr, xs, offs_n, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
     out_mask = m_mask[None, :] & n_mask[:, None]
     if GATED:  # silu(gate) * up as silu_mul_fp8 computes it from the stored gate_up, and each row's partial amax
@@ -140,6 +160,82 @@ def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, amax_ptr, amax_
         tl.store(amax_ptr + offs_m * P + pid, tl.max(tl.where(out_mask, tl.abs(acc), 0.0), 0), mask=m_mask)
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _rotated(x, partner, cos, sin, sign, ROUND: tl.constexpr, BF16: tl.constexpr):
+    """Rotate-half rope of one half of a head as rope_write_kv computes it: each product rounded, then the sum."""
+    if ROUND:
+        return _rounded(x * cos, BF16) + _rounded(sign * partner * sin, BF16)
+    else:
+        return x * cos + sign * partner * sin
+
+
+@triton.jit
+def _to_cache(x, cache_ptr, scale_ptr, kv_head, slot, offs_d, m_mask, stride_cb, stride_ct, stride_ch,
+              PAGE: tl.constexpr, KV_FP8: tl.constexpr):
+    """x [BLOCK_N dims, BLOCK_M tokens] of one kv head into the paged cache at each token's slot (none below 0)."""
+    block = (slot // PAGE).to(tl.int64)
+    dst = cache_ptr + block[None, :] * stride_cb + (slot % PAGE)[None, :] * stride_ct + kv_head * stride_ch
+    mask = (m_mask & (slot >= 0))[None, :]
+    if KV_FP8:
+        tl.store(dst + offs_d[:, None], _fp8_of(x, tl.load(scale_ptr + kv_head)), mask=mask)
+    else:
+        tl.store(dst + offs_d[:, None], x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_skinny_rope(w_ptr, x_ptr, ws_ptr, xs_ptr, bias_ptr, M, K, stride_wn, stride_xm, positions_ptr, slot_ptr,
+                     cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_qo,
+                     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                     N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     W_SCALAR: tl.constexpr, X_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr,
+                     BF16: tl.constexpr, KV_FP8: tl.constexpr):
+    # a program takes BLOCK_N dims of a head's first half and the same dims of its second half: the pairs rope
+    # turns together, so q and k leave rotated and k, v go straight to the cache
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pid = tl.program_id(0)
+    head = pid // (HALF // BLOCK_N)
+    offs_d = (pid % (HALF // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = head * HEAD_DIM + offs_d
+    n_mask = offs_d < HALF
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    lo, hi = _stream(w_ptr, x_ptr, HALF * stride_wn, offs_n, n_mask, offs_m, m_mask, x_scale, K, stride_wn,
+                     stride_xm, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K, True, False)
+    xs = _activation_scales(xs_ptr, offs_m, m_mask, X_SCALAR)
+    lo = _scaled_rows(lo, ws_ptr, xs, offs_n, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
+    hi = _scaled_rows(hi, ws_ptr, xs, offs_n + HALF, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
+    if ROUND:  # the projection as the plain kernel stores it
+        lo, hi = _rounded(lo, BF16), _rounded(hi, BF16)
+    if head < N_HEADS + N_KV_HEADS:  # q or k: rotated by each token's position
+        pos = tl.load(positions_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        table = pos[None, :] * HALF + offs_d[:, None]
+        cos = tl.load(cos_ptr + table, mask=m_mask[None, :], other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + table, mask=m_mask[None, :], other=0.0).to(tl.float32)
+        lo, hi = _rotated(lo, hi, cos, sin, -1.0, ROUND, BF16), _rotated(hi, lo, cos, sin, 1.0, ROUND, BF16)
+    if head < N_HEADS:
+        q_ptrs = q_out_ptr + offs_m[None, :].to(tl.int64) * stride_qo + head * HEAD_DIM + offs_d[:, None]
+        tl.store(q_ptrs, lo.to(q_out_ptr.dtype.element_ty), mask=m_mask[None, :])
+        tl.store(q_ptrs + HALF, hi.to(q_out_ptr.dtype.element_ty), mask=m_mask[None, :])
+    else:
+        slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1)
+        if head < N_HEADS + N_KV_HEADS:
+            if ROUND:  # rotated k in the model dtype before its FP8 code, as rope_write_kv holds it
+                lo, hi = _rounded(lo, BF16), _rounded(hi, BF16)
+            kv_head = head - N_HEADS
+            _to_cache(lo, k_cache_ptr, k_scale_ptr, kv_head, slot, offs_d, m_mask, stride_kcb, stride_kct,
+                      stride_kch, PAGE, KV_FP8)
+            _to_cache(hi, k_cache_ptr, k_scale_ptr, kv_head, slot, offs_d + HALF, m_mask, stride_kcb, stride_kct,
+                      stride_kch, PAGE, KV_FP8)
+        else:
+            kv_head = head - N_HEADS - N_KV_HEADS
+            _to_cache(lo, v_cache_ptr, v_scale_ptr, kv_head, slot, offs_d, m_mask, stride_vcb, stride_vct,
+                      stride_vch, PAGE, KV_FP8)
+            _to_cache(hi, v_cache_ptr, v_scale_ptr, kv_head, slot, offs_d + HALF, m_mask, stride_vcb, stride_vct,
+                      stride_vch, PAGE, KV_FP8)
 
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor, w_rows: int, x_dtypes: tuple[torch.dtype, ...], what: str
@@ -232,3 +328,49 @@ def fp8_skinny_deferred(h: torch.Tensor, amax: torch.Tensor, w: torch.Tensor, w_
                              max(1, min(plain.num_stages, SHARED_BUDGET // stage)))
         _launch(h, w, out, w_scale, w.shape[0], bias=bias, amax=amax.contiguous(), amax_ub=amax_ub, tiles=fitted)
     return out
+
+
+def fp8_skinny_qkv_rope(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                        positions: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                        q_out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                        tiles: SkinnyTiles | None = None) -> torch.Tensor:
+    """The qkv projection with rope and the KV write as its epilogue: x [M, K] e4m3 @ w [(H + 2 KVH) * D, K]^T →
+    rotated q [M, H, D] (into q_out if given) in the cache's model dtype, rotated k and v into the paged cache at
+    slot_mapping [M], every value rounded where the small-M GEMM and rope_write_kv round it (their arguments'
+    conventions). Full rotary only (cos / sin [P, D / 2]); no QK-norm. tiles: the plain product's, of which each
+    half of a head takes block_n / 2."""
+    m = x.shape[0]
+    head_dim = k_cache.shape[-1]
+    half = head_dim // 2
+    n = (num_heads + 2 * num_kv_heads) * head_dim
+    _check_operands(x, w, n, (torch.float8_e4m3fn,), "fp8_skinny_qkv_rope")
+    dtype = cos.dtype
+    if cos.shape[-1] != half or sin.shape != cos.shape or half % 16:
+        raise ValueError(f"fp8_skinny_qkv_rope needs full-rotary tables [P, {half}] and a head_dim divisible by 32")
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale")
+    if q_out is None:
+        q_out = torch.empty((m, num_heads, head_dim), dtype=dtype, device=x.device)
+    if q_out.stride(-1) != 1 or q_out.stride(1) != head_dim or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("fp8_skinny_qkv_rope needs contiguous heads in q_out and the KV cache")
+    if m == 0:
+        return q_out
+    plain = _tiles(x, n, tiles)
+    block_n = max(16, plain.block_n // 2)  # rows of each half of a head: the plain tile's bytes a stage
+    while half % block_n:
+        block_n //= 2
+    _fp8_skinny_rope[(n // (2 * block_n),)](
+        w, x, w_scale, x_scale, bias if bias is not None else w_scale, m, x.shape[1], w.stride(0), x.stride(0),
+        positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, k_scale if kv_fp8 else w_scale,
+        v_scale if kv_fp8 else w_scale, q_out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        N_HEADS=num_heads, N_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_N=block_n,
+        BLOCK_M=row_tile(m), BLOCK_K=plain.block_k, EVEN_K=x.shape[1] % plain.block_k == 0,
+        W_SCALAR=w_scale.numel() == 1, X_SCALAR=x_scale.numel() == 1, HAS_BIAS=bias is not None,
+        ROUND=dtype in (torch.bfloat16, torch.float16), BF16=dtype == torch.bfloat16, KV_FP8=kv_fp8,
+        num_warps=plain.num_warps, num_stages=plain.num_stages,
+    )
+    return q_out

@@ -201,19 +201,55 @@ def test_silu_mul_in_the_gemm_epilogue_equals_the_separate_launches():
         assert _rel(fused, separate) < 2e-3
 
 
-def test_the_gated_epilogue_decodes_what_the_separate_launches_decode(monkeypatch):
-    from metronome.server.models.quant.cuda_gemm import GATED_ENV
+def test_rope_in_the_qkv_epilogue_equals_the_separate_launches():
+    """Llama-3-8B's qkv projection at decode batches in bf16 with an FP8 cache: rope and the K/V write in the GEMM's
+    epilogue against the small-M GEMM then rope_write_kv."""
+    from metronome.kernels.triton_fp8_skinny import fp8_skinny_matmul, fp8_skinny_qkv_rope
+    from metronome.kernels.triton_fused import rope_write_kv
+    from metronome.server.models.presets import preset_config
+    from metronome.server.models.rope import RotaryEmbedding
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    heads, kv_heads, dim, hidden = 32, 8, 128, 4096
+    w, sw = fp8.quantize_per_channel(torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g,
+                                                 device="cuda") * 0.02)
+    cos, sin = RotaryEmbedding(preset_config("llama-3-8b")).tables(torch.device("cuda"), torch.bfloat16)
+    scales = {"k_scale": torch.rand(kv_heads, generator=g, device="cuda") + 0.01,
+              "v_scale": torch.rand(kv_heads, generator=g, device="cuda") + 0.01}
+    for m in (1, 7, 16):
+        x, sx = fp8.quantize_per_token(torch.randn(m, hidden, generator=g, device="cuda").to(torch.bfloat16))
+        positions = torch.randint(0, 8000, (m,), generator=g, device="cuda")
+        slots = torch.randperm(64 * 16, generator=g, device="cuda")[:m]
+        out = {}
+        for label in ("separate", "epilogue"):
+            kc = torch.zeros(64, 16, kv_heads, dim, device="cuda").to(torch.float8_e4m3fn)
+            vc = kc.clone()
+            if label == "separate":
+                qkv = fp8_skinny_matmul(x, sx, w, sw, torch.bfloat16)
+                q = rope_write_kv(qkv, positions, slots, cos, sin, kc, vc, heads, kv_heads, **scales)
+            else:
+                q = fp8_skinny_qkv_rope(x, sx, w, sw, positions, slots, cos, sin, kc, vc, heads, kv_heads, **scales)
+            out[label] = (q, kc.view(torch.uint8), vc.view(torch.uint8))
+        (q0, k0, v0), (q1, k1, v1) = out["separate"], out["epilogue"]
+        k_mismatch = (k0 != k1).float().mean().item()
+        print(f"\nm={m}: q rel {_rel(q1, q0):.2e}, k codes differ in {k_mismatch:.2e}, v in "
+              f"{(v0 != v1).float().mean().item():.2e}")
+        assert _rel(q1, q0) < 1e-3 and k_mismatch < 0.01 and (v0 != v1).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("epilogues", ["mlp", "rope", "mlp,rope"])
+def test_the_epilogues_decode_what_the_separate_launches_decode(monkeypatch, epilogues):
+    from metronome.server.models.quant.cuda_gemm import EPILOGUES_ENV
 
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(5, 300))] for _ in range(16)]
     separate, _ = greedy(_engine("fp8", cuda_graphs=True, kv_cache_dtype="fp8"), prompts, 24)
-    monkeypatch.setenv(GATED_ENV, "1")
+    monkeypatch.setenv(EPILOGUES_ENV, epilogues)
     engine = _engine("fp8", cuda_graphs=True, kv_cache_dtype="fp8")
-    assert all(layer.mlp.gated_epilogue for layer in engine.loaded.model.model.layers)
     fused, graph_steps = greedy(engine, prompts, 24)
     assert graph_steps > 0
     same = sum(a == b for a, b in zip(fused, separate))
-    print(f"\ngated epilogue vs separate launches: {same}/{len(prompts)} identical")
+    print(f"\nepilogues {epilogues} vs separate launches: {same}/{len(prompts)} identical")
     assert same >= len(prompts) - 1
 
 

@@ -13,16 +13,17 @@ from dataclasses import fields
 
 import pytest
 
-CASES = [(1, False), (1, True), (64, False)]  # (rows, SiLU·mul in the gate_up GEMM's epilogue)
+CASES = [(1, False), (1, True), (64, False)]  # (rows, the decode-batch epilogues: SiLU·mul, rope and the KV write)
 
 
 def _compile_all() -> dict:
+    from metronome.server.models.quant.cuda_gemm import EPILOGUES
     from metronome_testing.sm90 import compiling_for_sm90, fp8_decode_layer
 
     out = {}
     for rows, gated in CASES:
         with compiling_for_sm90() as compiled:
-            fp8_decode_layer(rows, gated)
+            fp8_decode_layer(rows, frozenset(EPILOGUES) if gated else frozenset())
         out[f"{rows}-{gated}"] = [{f.name: getattr(c, f.name) for f in fields(c) if f.name != "kernel"}
                                   for c in compiled]
     return out
@@ -42,13 +43,18 @@ def test_the_fp8_decode_kernels_compile_for_hopper(compiled, rows, gated):
 
     kernels = compiled[f"{rows}-{gated}"]
     names = [k["name"] for k in kernels]
-    # qkv, o, gate_up and down as small-M GEMMs (the gated epilogue replaces silu_mul_fp8), the norms, rope, quant
-    assert names.count("_fp8_skinny") == 4 and ("_silu_mul_fp8" in names) != gated, names
-    assert names.count("_add_rms_norm_fp8") == 2 and "_rope_write_kv" in names and "_quantize_rows" in names
+    # qkv, o, gate_up and down as small-M GEMMs, the norms, the row quantisation of o_proj's input; the epilogues
+    # take the place of silu_mul_fp8 and of rope_write_kv (whose GEMM becomes _fp8_skinny_rope)
+    expected = ["_add_rms_norm_fp8", "_fp8_skinny", "_rope_write_kv", "_quantize_rows", "_fp8_skinny",
+                "_add_rms_norm_fp8", "_fp8_skinny", "_silu_mul_fp8", "_fp8_skinny"]
+    if gated:
+        expected = [n for n in expected if n not in ("_rope_write_kv", "_silu_mul_fp8")]
+        expected[1] = "_fp8_skinny_rope"
+    assert names == expected
     for kernel in kernels:
         assert kernel["shared"] <= SM90_SHARED_LIMIT, kernel
         assert kernel["spilled"] == 0, kernel
-        if kernel["name"] == "_fp8_skinny":
+        if kernel["name"].startswith("_fp8_skinny"):
             assert kernel["async_copies"] > 0, kernel
 
 
