@@ -62,15 +62,18 @@ def _observe_weight(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Ten
     return blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
 
 
-def _compressed_tensors_checkpoint(folder, preset: str, targets: tuple[str, ...] = ("Linear",)) -> None:
+def _compressed_tensors_checkpoint(folder, preset: str, targets: tuple[str, ...] = ("Linear",), model=None,
+                                   ignore: tuple[str, ...] = ("lm_head",)) -> None:
+    """`model` (a tiny Llama unless given) quantised by the compressed-tensors `preset` and saved to `folder`."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    model = _tiny_llama(128, 256)  # transformers runs activation groups of 128 only on whole groups
+    if model is None:
+        model = _tiny_llama(128, 256)  # transformers runs activation groups of 128 only on whole groups
     apply_quantization_config(model, QuantizationConfig(
-        config_groups={"group_0": preset_name_to_scheme(preset, list(targets))}, ignore=["lm_head"]))
+        config_groups={"group_0": preset_name_to_scheme(preset, list(targets))}, ignore=list(ignore)))
     quantised = {name: m for name, m in model.named_modules() if getattr(m, "quantization_scheme", None)}
     amax: dict[str, torch.Tensor] = {}
     hooks = []
