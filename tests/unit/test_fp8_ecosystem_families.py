@@ -8,7 +8,8 @@ What llm-compressor 0.14 writes for these families, and what the checkpoints her
 - mixtures of experts: llm-compressor unfuses transformers' stacked experts into one Linear per expert and
   projection before quantising, so the routed experts are stored one FP8 tensor per expert with their scales
   (`input_scale` too, for the static scheme), in the names transformers saves them under; the routers and
-  Qwen2-MoE's `shared_expert_gate` stay unquantised, named in `ignore` as its examples do. For Mixtral, 0.14 with
+  Qwen2-MoE's `shared_expert_gate` stay unquantised, named in `ignore` as its examples do (a recipe that does not
+  name the gate quantises it: served in FP8 then). For Mixtral, 0.14 with
   transformers 5 writes `block_sparse_moe.experts.N.gate_proj` / `up_proj` / `down_proj`, not the w1 / w3 / w2 of
   the original checkpoints (transformers itself cannot load those back).
 - `kv_cache_scheme` (FP8, per tensor or per attention head): `self_attn.k_scale` / `v_scale`, shaped [kv heads,
@@ -26,6 +27,7 @@ from family_models import FAMILIES, save_hf_model
 from safetensors.torch import load_file, save_file
 from test_fp8_ecosystem import PROMPTS, _compressed_tensors_checkpoint, _observe_weight
 from test_loaders import our_prefill_logits
+from transformers import AutoModelForCausalLM
 
 from metronome.server.models import load_model
 from metronome.server.models.quant.fp8_linear import Fp8Linear
@@ -74,8 +76,6 @@ def _quantize_experts(folder, preset: str) -> int:
 
 def _checkpoint(folder, family: str, preset: str):
     """A tiny `family` model saved by compressed-tensors' `preset`; returns transformers' model of the folder."""
-    from transformers import AutoModelForCausalLM
-
     model = save_hf_model(folder, _config(family, wide=preset == "FP8_BLOCK"))
     moe = any(".experts." in name for name in load_file(str(folder / "model.safetensors")))
     _compressed_tensors_checkpoint(folder, preset, model=model, ignore=MOE_IGNORE if moe else ("lm_head",))
@@ -124,17 +124,18 @@ def test_moe_checkpoint_matches_transformers(tmp_path, family, preset, weights, 
         assert type(block.shared_expert_gate) is torch.nn.Linear
 
 
-def test_an_fp8_shared_expert_gate_is_refused_naming_it(tmp_path):
+def test_an_fp8_shared_expert_gate_is_served_in_fp8(tmp_path):
     """A Qwen2-MoE recipe that ignores only the routers (`re:.*mlp.gate$`) quantises the [1, hidden]
-    shared_expert_gate too; this server keeps that gate in the model dtype, so it refuses the checkpoint rather
-    than read e4m3 codes without their scale."""
-    from metronome.contract.errors import ModelNotFoundError
-
+    shared_expert_gate too: served as the FP8 linear it is, logits equal to transformers'. (The static scheme:
+    compressed-tensors quantises a 2-D input with one scale even when asked for one per token, and the gate's input
+    is 2-D in transformers' Qwen2-MoE, so the dynamic schemes' references differ by that.)"""
     model = save_hf_model(tmp_path, _config("qwen2_moe", wide=False))
-    _compressed_tensors_checkpoint(tmp_path, "FP8_DYNAMIC", model=model, ignore=("lm_head", "re:.*mlp.gate$"))
-    _quantize_experts(tmp_path, "FP8_DYNAMIC")
-    with pytest.raises(ModelNotFoundError, match=r"'model\.layers\.1\.mlp\.shared_expert_gate\.weight' is FP8"):
-        load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
+    _compressed_tensors_checkpoint(tmp_path, "FP8", model=model, ignore=("lm_head", "re:.*mlp.gate$"))
+    _quantize_experts(tmp_path, "FP8")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = _assert_matches(tmp_path, theirs, "tensor", "static")
+    block = next(layer.mlp for layer in ours.model.model.layers if hasattr(layer.mlp, "experts"))
+    assert isinstance(block.shared_expert_gate, Fp8Linear)
 
 
 def test_mixtral_experts_under_llm_compressor_names_load_as_under_the_original_names(tmp_path):

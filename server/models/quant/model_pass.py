@@ -24,9 +24,12 @@ from metronome.server.models.rope import RotaryEmbedding
 
 DECODER_PREFIX = "model.layers."
 
-# a mixture of experts' shared-expert gate ([1, H]) stays in the model dtype, as every FP8 MoE checkpoint keeps it
-# (the router is no nn.Linear here; the routed experts have FP8 storage of their own: store_fp8_experts)
-UNQUANTISED = (".shared_expert_gate",)
+# a mixture of experts' shared-expert gate ([1, H], one logit a token) stays in the model dtype, as MoE recipes
+# keep it, except where a layout names exactly what it quantised (compressed-tensors' targets and ignore list,
+# ModelOpt's exclude_modules): a recipe that does not exclude the gate quantises it (the router is no nn.Linear
+# here; the routed experts have FP8 storage of their own: store_fp8_experts)
+GATE_BY_CONVENTION = (".shared_expert_gate",)
+EXPLICIT_LAYOUTS = ("compressed-tensors", "modelopt")
 
 # our fused module → the checkpoint modules it stacks, in row order
 FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -43,7 +46,9 @@ def swap_linears(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme) -> in
     weights are materialised); returns how many were swapped."""
     swapped = 0
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or not name.startswith(DECODER_PREFIX) or name.endswith(UNQUANTISED):
+        if type(module) is not nn.Linear or not name.startswith(DECODER_PREFIX):
+            continue
+        if name.endswith(GATE_BY_CONVENTION) and scheme.source not in EXPLICIT_LAYOUTS:
             continue
         parent_name, _, attr = name.rpartition(".")
         parts = FUSED_SHARDS.get(attr)
