@@ -116,8 +116,12 @@ def graph_time_us(calls: list, reps: int) -> float:
 def sweep_tiles():
     from metronome.kernels.triton_fp8_skinny import SkinnyTiles
 
-    return [SkinnyTiles(bn, bk, warps, stages) for bn in (16, 32, 64, 128) for bk in (256, 512)
-            for warps, stages in ((4, 3), (4, 4), (4, 6), (8, 4))]
+    plain = [SkinnyTiles(bn, bk, warps, stages) for bn in (16, 32, 64, 128) for bk in (256, 512)
+             for warps, stages in ((4, 3), (4, 4), (4, 6), (8, 4))]
+    # K split over two programs: twice the programs and bytes in flight for the narrow weights, whose 64-96
+    # programs of one per SM leave SMs idle at decode batches
+    split = [SkinnyTiles(bn, 256, 4, stages, 2) for bn, stages in ((64, 4), (64, 6), (128, 3), (32, 6))]
+    return plain + split
 
 
 def matmul_sweep_tiles():

@@ -41,6 +41,7 @@ class SkinnyTiles:
     block_k: int  # weight columns per pipeline stage
     num_warps: int
     num_stages: int
+    split_k: int = 1  # programs a column tile's K range is split over (plain products only)
 
 
 # From an H200 sweep of 32 tile shapes per Llama-3-8B linear shape at 1, 16 and 64 rows (hack/fp8_gemm_bench.py
@@ -85,18 +86,19 @@ def _scaled_rows(acc, ws_ptr, xs, rows, n_mask, bias_ptr, W_SCALAR: tl.constexpr
 
 
 @triton.jit
-def _stream(w_ptr, x_ptr, pair_rows, offs_n, n_mask, offs_m, m_mask, x_scale, K, stride_wn, stride_xm,
-            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+def _stream(w_ptr, x_ptr, pair_rows, offs_n, n_mask, offs_m, m_mask, x_scale, K, k_first, k_last, stride_wn,
+            stride_xm, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
             PAIRED: tl.constexpr, X_DEFERRED: tl.constexpr):
-    """The K loop: weight rows offs_n (and, PAIRED, the rows pair_rows further on) against the activation rows
-    offs_m; an activation in the model dtype (X_DEFERRED) is quantised with x_scale [BLOCK_M] tile by tile.
-    Returns the fp32 accumulators [BLOCK_N, BLOCK_M] of both row sets (the second zero unless PAIRED)."""
+    """The K loop over K tiles [k_first, k_last): weight rows offs_n (and, PAIRED, the rows pair_rows further on)
+    against the activation rows offs_m; an activation in the model dtype (X_DEFERRED) is quantised with x_scale
+    [BLOCK_M] tile by tile. Returns the fp32 accumulators [BLOCK_N, BLOCK_M] of both row sets (the second zero
+    unless PAIRED)."""
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_first * BLOCK_K + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k_first * BLOCK_K + offs_k)[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_pair = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(k_first, k_last):
         if EVEN_K:
             w_mask = n_mask[:, None]
             x_mask = m_mask[None, :]
@@ -126,13 +128,36 @@ def _activation_scales(xs_ptr, offs_m, m_mask, X_SCALAR: tl.constexpr):
 
 
 @triton.jit
+def _split_k_sum(acc, partials_ptr, arrivals_ptr, tile, split, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """Split-K's fix-up: each of a column tile's SPLIT_K programs leaves its partial sum; the last to arrive adds
+    them in split order (the same sum whichever arrives last) and resets the tile's arrival count for the next
+    launch or graph replay. Returns (the sum, whether this program is the last)."""
+    offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tile_partials = partials_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
+    tl.store(tile_partials + split * (BLOCK_N * BLOCK_M) + offs, acc)
+    tl.debug_barrier()  # every thread's partial written before the arrival releases them
+    last = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+    if last:
+        acc = tl.load(tile_partials + offs, cache_modifier=".cg")  # past L1, which other SMs' writes bypass
+        for other in tl.static_range(1, SPLIT_K):
+            acc += tl.load(tile_partials + other * (BLOCK_N * BLOCK_M) + offs, cache_modifier=".cg")
+        tl.atomic_xchg(arrivals_ptr + tile, 0)
+    return acc, last
+
+
+@triton.jit
 def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, amax_ptr, amax_ub, M, N, K, P, up_rows,
-                stride_wn, stride_xm, stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, W_SCALAR: tl.constexpr, X_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GATED: tl.constexpr, X_DEFERRED: tl.constexpr, P_CHUNK: tl.constexpr, ROUND: tl.constexpr,
-                BF16: tl.constexpr):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+                partials_ptr, arrivals_ptr, stride_wn, stride_xm, stride_om, BLOCK_N: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_SCALAR: tl.constexpr,
+                X_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, X_DEFERRED: tl.constexpr,
+                P_CHUNK: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr, SPLIT_K: tl.constexpr):
+    tile = tl.program_id(0) // SPLIT_K
+    split = tl.program_id(0) % SPLIT_K
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_first = split * tl.cdiv(k_tiles, SPLIT_K)
+    k_last = tl.minimum(k_first + tl.cdiv(k_tiles, SPLIT_K), k_tiles)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
@@ -144,22 +169,27 @@ def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, amax_ptr, amax_
                             mask=m_mask[:, None] & (start + offs_p < P)[None, :], other=0.0)
             x_scale = tl.maximum(x_scale, tl.max(parts, 1))
         x_scale = _scale_of(x_scale, amax_ub)
-    acc, acc_up = _stream(w_ptr, x_ptr, up_rows, offs_n, n_mask, offs_m, m_mask, x_scale, K, stride_wn, stride_xm,
-                          BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K, GATED, X_DEFERRED)
-    if X_DEFERRED:
-        xs = x_scale[None, :]
+    acc, acc_up = _stream(w_ptr, x_ptr, up_rows, offs_n, n_mask, offs_m, m_mask, x_scale, K, k_first, k_last,
+                          stride_wn, stride_xm, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K, GATED, X_DEFERRED)
+    if SPLIT_K > 1:
+        acc, finish = _split_k_sum(acc, partials_ptr, arrivals_ptr, tile, split, SPLIT_K, BLOCK_N, BLOCK_M)
     else:
-        xs = _activation_scales(xs_ptr, offs_m, m_mask, X_SCALAR)
-    acc = _scaled_rows(acc, ws_ptr, xs, offs_n, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
-    out_mask = m_mask[None, :] & n_mask[:, None]
-    if GATED:  # silu(gate) * up as silu_mul_fp8 computes it from the stored gate_up, and each row's partial amax
-        up = _scaled_rows(acc_up, ws_ptr, xs, offs_n + N, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
-        if ROUND:
-            acc, up = _rounded(acc, BF16), _rounded(up, BF16)
-        acc = _silu_mul(acc, up, ROUND, BF16)
-        tl.store(amax_ptr + offs_m * P + pid, tl.max(tl.where(out_mask, tl.abs(acc), 0.0), 0), mask=m_mask)
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        finish = True
+    if finish:
+        if X_DEFERRED:
+            xs = x_scale[None, :]
+        else:
+            xs = _activation_scales(xs_ptr, offs_m, m_mask, X_SCALAR)
+        acc = _scaled_rows(acc, ws_ptr, xs, offs_n, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
+        out_mask = m_mask[None, :] & n_mask[:, None]
+        if GATED:  # silu(gate) * up as silu_mul_fp8 computes it from the stored gate_up, and each row's partial amax
+            up = _scaled_rows(acc_up, ws_ptr, xs, offs_n + N, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
+            if ROUND:
+                acc, up = _rounded(acc, BF16), _rounded(up, BF16)
+            acc = _silu_mul(acc, up, ROUND, BF16)
+            tl.store(amax_ptr + offs_m * P + tile, tl.max(tl.where(out_mask, tl.abs(acc), 0.0), 0), mask=m_mask)
+        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -203,8 +233,8 @@ def _fp8_skinny_rope(w_ptr, x_ptr, ws_ptr, xs_ptr, bias_ptr, M, K, stride_wn, st
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    lo, hi = _stream(w_ptr, x_ptr, HALF * stride_wn, offs_n, n_mask, offs_m, m_mask, x_scale, K, stride_wn,
-                     stride_xm, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K, True, False)
+    lo, hi = _stream(w_ptr, x_ptr, HALF * stride_wn, offs_n, n_mask, offs_m, m_mask, x_scale, K, 0,
+                     tl.cdiv(K, BLOCK_K), stride_wn, stride_xm, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K, True, False)
     xs = _activation_scales(xs_ptr, offs_m, m_mask, X_SCALAR)
     lo = _scaled_rows(lo, ws_ptr, xs, offs_n, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
     hi = _scaled_rows(hi, ws_ptr, xs, offs_n + HALF, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
@@ -259,15 +289,39 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, w_scale: torch.
         raise ValueError("fp8_skinny scales must be one value or one per row of x / per row of w")
     deferred = x_scale is None
     dtype = out.dtype
-    _fp8_skinny[(triton.cdiv(n, tiles.block_n),)](
+    column_tiles = triton.cdiv(n, tiles.block_n)
+    partials = arrivals = w_scale  # not read without a split
+    if tiles.split_k > 1:
+        if gated or deferred:
+            raise ValueError("fp8_skinny splits K for plain products only")
+        partials = torch.empty(column_tiles * tiles.split_k * tiles.block_n * row_tile(m), dtype=torch.float32,
+                               device=x.device)
+        arrivals = arrival_counts(x.device, column_tiles)
+    _fp8_skinny[(column_tiles * tiles.split_k,)](
         w, x, out, w_scale, x_scale if x_scale is not None else w_scale, bias if bias is not None else w_scale,
         amax if amax is not None else w_scale, ub_arg(amax_ub), m, n, k, amax.shape[1] if amax is not None else 0,
-        n * w.stride(0), w.stride(0), x.stride(0), out.stride(0),
+        n * w.stride(0), partials, arrivals, w.stride(0), x.stride(0), out.stride(0),
         BLOCK_N=tiles.block_n, BLOCK_M=row_tile(m), BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0,
         W_SCALAR=w_scale.numel() == 1, X_SCALAR=not deferred and x_scale.numel() == 1, HAS_BIAS=bias is not None,
         GATED=gated, X_DEFERRED=deferred, P_CHUNK=PARTIALS_CHUNK, ROUND=dtype in (torch.bfloat16, torch.float16),
-        BF16=dtype == torch.bfloat16, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BF16=dtype == torch.bfloat16, SPLIT_K=tiles.split_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+
+
+_ARRIVALS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counts for split-K's fix-up, at least `tiles` of them, one buffer per device and
+    stream: the fix-up leaves them zero again, so they are zeroed once, and products on two streams at once (the
+    mixed step's overlap) never share one. Graphs capture on one stream, so their launches share that stream's
+    buffer (made during the first capture, kept alive here; that graph also zeroes it again when it replays)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    counts = _ARRIVALS.get(key)
+    if counts is None or counts.numel() < tiles:
+        counts = _ARRIVALS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return counts
 
 
 def _tiles(x: torch.Tensor, n: int, tiles: SkinnyTiles | None) -> SkinnyTiles:

@@ -17,6 +17,9 @@ CASES = [(1, False), (1, True), (64, False)]  # (rows, the decode-batch epilogue
 
 
 def _compile_all() -> dict:
+    import torch
+
+    from metronome.kernels.triton_fp8_skinny import SkinnyTiles, fp8_skinny_matmul
     from metronome.server.models.quant.cuda_gemm import EPILOGUES
     from metronome_testing.sm90 import compiling_for_sm90, fp8_decode_layer
 
@@ -24,9 +27,18 @@ def _compile_all() -> dict:
     for rows, gated in CASES:
         with compiling_for_sm90() as compiled:
             fp8_decode_layer(rows, frozenset(EPILOGUES) if gated else frozenset())
-        out[f"{rows}-{gated}"] = [{f.name: getattr(c, f.name) for f in fields(c) if f.name != "kernel"}
-                                  for c in compiled]
+        out[f"{rows}-{gated}"] = [_plain(c) for c in compiled]
+    with compiling_for_sm90() as compiled:  # o_proj with its K split over two programs (a tile the sweep tries)
+        fp8_skinny_matmul(torch.zeros(1, 4096, dtype=torch.float8_e4m3fn), torch.ones(1, 1),
+                          torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn), torch.ones(4096), torch.bfloat16,
+                          tiles=SkinnyTiles(64, 256, 4, 6, split_k=2))
+    ptx = compiled[0].kernel.asm["ptx"]
+    out["split"] = {**_plain(compiled[0]), "ptx": [line.strip() for line in ptx.splitlines() if "atom." in line]}
     return out
+
+
+def _plain(kernel) -> dict:
+    return {f.name: getattr(kernel, f.name) for f in fields(kernel) if f.name != "kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +68,15 @@ def test_the_fp8_decode_kernels_compile_for_hopper(compiled, rows, gated):
         assert kernel["spilled"] == 0, kernel
         if kernel["name"].startswith("_fp8_skinny"):
             assert kernel["async_copies"] > 0, kernel
+
+
+
+def test_split_k_compiles_with_an_ordered_arrival(compiled):
+    """The fix-up's arrival is one acquire-release atomic (the partial sums of the other program visible to the
+    last one), and the split kernel still streams through shared memory without spilling."""
+    got = compiled["split"]
+    assert got["spilled"] == 0 and got["async_copies"] > 0, got
+    assert any("atom.global.gpu.acq_rel.add" in line for line in got["ptx"]), got["ptx"]
 
 
 if __name__ == "__main__":
