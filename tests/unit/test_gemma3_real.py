@@ -5,13 +5,16 @@ the window; prefix caching cold, then warm (hits longer than the window). (Chunk
 caching off are covered on tiny configs by test_family_exact.py; this file pays for a real model once.)
 
 transformers' greedy tokens and its top-2 logit gaps are cached by content (the file's hash, transformers'
-version and the prompts): loading the file into transformers costs a minute or more on this machine. A
-divergence is accepted only where transformers' top-2 logits are within 1e-4 (a near tie).
+version and the prompts) in $METRONOME_CACHE, which outlives a checkout as the built tools and images there do:
+loading the file into transformers costs a minute or more on this machine. A divergence is accepted only where
+transformers' top-2 logits are within 1e-4 (a near tie).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,17 +72,17 @@ def prompt_ids(gemma):
 
 
 @pytest.fixture(scope="module")
-def reference(request, gemma, prompt_ids):
+def reference(gemma, prompt_ids):
     """transformers' (tokens, top-2 gap per step) for each prompt, cached by content."""
     import transformers
 
     from metronome.server.models.packaged_gguf import GEMMA3_270M_Q4_K_M
 
     digest = hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()[:16]
-    key = f"metronome/gemma3-270m-reference/{GEMMA3_270M_Q4_K_M.sha256[:16]}-{transformers.__version__}-{digest}"
-    cached = request.config.cache.get(key, None)
-    if cached is not None:
-        return cached
+    cache = (Path(os.environ.get("METRONOME_CACHE") or Path.home() / ".cache" / "metronome") / "test-references"
+             / f"gemma3-270m-{GEMMA3_270M_Q4_K_M.sha256[:16]}-{transformers.__version__}-{digest}.json")
+    if cache.is_file():
+        return json.loads(cache.read_text())
     from transformers import AutoModelForCausalLM
 
     _, path = gemma
@@ -93,7 +96,10 @@ def reference(request, gemma, prompt_ids):
                                     return_dict_in_generate=True)
         gaps = [float(v[0] - v[1]) for v in (step[0].float().topk(2).values for step in out.logits)]
         results.append([out.sequences[0, len(ids):].tolist(), gaps])
-    request.config.cache.set(key, results)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(results))
+    partial.replace(cache)  # whole or not at all, should two runs write it at once
     return results
 
 
