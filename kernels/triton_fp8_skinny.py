@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .triton_attention import require_runnable, sm_count
 from .triton_fp8 import _fp8_of, _scale_of, ub_arg
-from .triton_fused import _rounded, _silu_mul
+from .triton_fused import _rotated, _rounded, _silu_mul
 
 MAX_ROWS = 64  # beyond this the activation tile stops being "skinny": the general FP8 GEMMs take over
 
@@ -190,15 +190,6 @@ def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, amax_ptr, amax_
             tl.store(amax_ptr + offs_m * P + tile, tl.max(tl.where(out_mask, tl.abs(acc), 0.0), 0), mask=m_mask)
         out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _rotated(x, partner, cos, sin, sign, ROUND: tl.constexpr, BF16: tl.constexpr):
-    """Rotate-half rope of one half of a head as rope_write_kv computes it: each product rounded, then the sum."""
-    if ROUND:
-        return _rounded(x * cos, BF16) + _rounded(sign * partner * sin, BF16)
-    else:
-        return x * cos + sign * partner * sin
 
 
 @triton.jit

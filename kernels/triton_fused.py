@@ -261,6 +261,16 @@ def _normed(x, inv, w, ROUND: tl.constexpr, BF16: tl.constexpr, PLUS_ONE: tl.con
 
 
 @triton.jit
+def _rotated(x, partner, cos, sin, sign, ROUND: tl.constexpr, BF16: tl.constexpr):
+    """Rotate-half rope of x given its partner in the other half (sign -1 for the first half, +1 for the second),
+    as torch computes it in the model dtype: each product rounded, then the sum."""
+    if ROUND:
+        return _rounded(x * cos, BF16) + _rounded(sign * partner * sin, BF16)
+    else:
+        return x * cos + sign * partner * sin
+
+
+@triton.jit
 def _rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, pos, heads, n_heads, eps, HEAD_DIM: tl.constexpr,
                 D_PAD: tl.constexpr, ROT_HALF: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr,
                 QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr):
@@ -285,11 +295,7 @@ def _rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, pos, heads, n_heads, eps, HEAD_D
     cos = tl.load(cos_ptr + pos * ROT_HALF + angle, mask=rot, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * ROT_HALF + angle, mask=rot, other=0.0).to(tl.float32)[None, :]
     sign = tl.where(offs < ROT_HALF, -1.0, 1.0)[None, :]
-    if ROUND:
-        turned = _rounded(x * cos, BF16) + _rounded(sign * xp * sin, BF16)
-    else:
-        turned = x * cos + sign * xp * sin
-    return tl.where(rot[None, :], turned, x), mask
+    return tl.where(rot[None, :], _rotated(x, xp, cos, sin, sign, ROUND, BF16), x), mask
 
 
 @triton.jit

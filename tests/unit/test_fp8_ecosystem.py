@@ -116,12 +116,19 @@ def test_compressed_tensors_checkpoint_matches_transformers(tmp_path, preset, we
         "compressed-tensors"
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert theirs.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn  # FP8 math, not bf16
-    ours = load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
+    assert_matches_transformers(tmp_path, theirs, weights, activations)
+
+
+def assert_matches_transformers(folder, theirs, weights: str, activations: str):
+    """Metronome loads the checkpoint in `folder` with the scheme (weights, activations) and its prefill logits
+    equal transformers' model of the same folder (`theirs`) within 1e-5; returns Metronome's model."""
+    ours = load_model(f"hf-dir:{folder}", dtype="float32", attention_backend="torch")
     assert (ours.quantization.weights, ours.quantization.activations) == (weights, activations)
     for prompt in PROMPTS:
         with torch.inference_mode():
             expected = theirs(torch.tensor([prompt])).logits[0].float()
         torch.testing.assert_close(our_prefill_logits(ours, prompt), expected, rtol=0, atol=1e-5)
+    return ours
 
 
 def test_compressed_tensors_targets_leave_the_other_linears_in_bf16(tmp_path):

@@ -25,7 +25,7 @@ import pytest
 import torch
 from family_models import FAMILIES, save_hf_model
 from safetensors.torch import load_file, save_file
-from test_fp8_ecosystem import PROMPTS, _compressed_tensors_checkpoint, _observe_weight
+from test_fp8_ecosystem import PROMPTS, _compressed_tensors_checkpoint, _observe_weight, assert_matches_transformers
 from test_loaders import our_prefill_logits
 from transformers import AutoModelForCausalLM
 
@@ -86,23 +86,13 @@ def _checkpoint(folder, family: str, preset: str):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def _assert_matches(folder, theirs, weights: str, activations: str):
-    ours = load_model(f"hf-dir:{folder}", dtype="float32", attention_backend="torch")
-    assert (ours.quantization.weights, ours.quantization.activations) == (weights, activations)
-    for prompt in PROMPTS:
-        with torch.inference_mode():
-            expected = theirs(torch.tensor([prompt])).logits[0].float()
-        torch.testing.assert_close(our_prefill_logits(ours, prompt), expected, rtol=0, atol=1e-5)
-    return ours
-
-
 @pytest.mark.parametrize("family, preset, weights, activations", [
     ("qwen3", "FP8_DYNAMIC", "channel", "token"), ("qwen3", "FP8_BLOCK", "block", "group"),
     ("gemma3", "FP8", "tensor", "static"), ("gemma3", "FP8_BLOCK", "block", "group"),
     ("phi3", "FP8", "tensor", "static"), ("mistral", "FP8_DYNAMIC", "channel", "token")])
 def test_dense_family_checkpoint_matches_transformers(tmp_path, family, preset, weights, activations):
     theirs = _checkpoint(tmp_path, family, preset)
-    ours = _assert_matches(tmp_path, theirs, weights, activations)
+    ours = assert_matches_transformers(tmp_path, theirs, weights, activations)
     layer = ours.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Fp8Linear) and isinstance(layer.mlp.down_proj, Fp8Linear)
     if family == "phi3":  # stored fused: one per-tensor weight scale for the whole fused matrix, not per shard
@@ -116,7 +106,7 @@ def test_moe_checkpoint_matches_transformers(tmp_path, family, preset, weights, 
     """Attention, dense MLPs and the shared expert run W8A8 in both; the routed experts run on unquantised
     activations in both (transformers dequantises stacked experts on load), their input scales unused."""
     theirs = _checkpoint(tmp_path, family, preset)
-    ours = _assert_matches(tmp_path, theirs, weights, activations)
+    ours = assert_matches_transformers(tmp_path, theirs, weights, activations)
     block = next(layer.mlp for layer in ours.model.model.layers if hasattr(layer.mlp, "experts"))
     assert block.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     if family == "qwen2_moe":  # llm-compressor's Qwen2-MoE exports: an FP8 shared expert, its gate unquantised
@@ -133,7 +123,7 @@ def test_an_fp8_shared_expert_gate_is_served_in_fp8(tmp_path):
     _compressed_tensors_checkpoint(tmp_path, "FP8", model=model, ignore=("lm_head", "re:.*mlp.gate$"))
     _quantize_experts(tmp_path, "FP8")
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    ours = _assert_matches(tmp_path, theirs, "tensor", "static")
+    ours = assert_matches_transformers(tmp_path, theirs, "tensor", "static")
     block = next(layer.mlp for layer in ours.model.model.layers if hasattr(layer.mlp, "experts"))
     assert isinstance(block.shared_expert_gate, Fp8Linear)
 
@@ -143,7 +133,7 @@ def test_mixtral_experts_under_llm_compressor_names_load_as_under_the_original_n
     up_proj / down_proj where the original checkpoints (and transformers' own save) say w1 / w3 / w2:
     transformers matches the original names (the reference here), Metronome must read both the same."""
     theirs = _checkpoint(tmp_path, "mixtral", "FP8_DYNAMIC")
-    original = _assert_matches(tmp_path, theirs, "channel", "token")
+    original = assert_matches_transformers(tmp_path, theirs, "channel", "token")
     renames = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
     tensors = {}
     for name, value in load_file(str(tmp_path / "model.safetensors")).items():
