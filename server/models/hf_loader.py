@@ -39,6 +39,20 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def hf_tensor_names(folder: Path) -> list[str]:
+    """Every tensor name of the folder's safetensors files, from their headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                names += handle.keys()
+        except (OSError, RuntimeError, ValueError) as error:
+            raise ModelNotFoundError(f"cannot read {path}: {error}") from None
+    return names
+
+
 def hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) for every tensor of every safetensors file, one tensor in memory at a time."""
     from safetensors import safe_open

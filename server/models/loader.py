@@ -273,6 +273,8 @@ def _quantization(reader, config: ModelConfig, requested: str | None, tensor_par
 
     try:
         scheme = resolve_scheme(reader.quantization_config(), requested)
+        if scheme is not None and scheme.experts_follow_checkpoint and config.num_moe_layers:
+            scheme = scheme.with_experts_stored(reader.tensor_names())
         gemm = gemm_from_environment() if scheme is not None else "auto"
         epilogues = epilogues_from_environment() if scheme is not None else frozenset()
     except ValueError as error:
@@ -343,6 +345,9 @@ class _HFFolderSource:
 
     def weights(self, config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
         return self._hf.hf_weights(self.folder)
+
+    def tensor_names(self) -> list[str]:
+        return self._hf.hf_tensor_names(self.folder)
 
     def tokenizer(self, config: ModelConfig) -> Tokenizer:
         return load_hf_tokenizer(self.folder, self.source.name, config.eos_token_ids, config.bos_token_id)

@@ -21,6 +21,13 @@ Checkpoint layouts read (the ones vLLM serves):
   [N, 1], activations dynamic per token with each token's amax bounded by `activation_scale_ub` (1200 by
   default; an outlier token's values past it saturate), `modules_to_not_convert` left in bf16.
 
+- `quant_method: quark` (AMD Quark's `export_safetensors`, the `amd/*-FP8-KV` checkpoints): `global_quant_config`
+  gives `weight` and `input_tensors` specs (`dtype: fp8_e4m3`; its `fp8` scheme is per-tensor weights with static
+  per-tensor inputs, `ptpc_fp8` per-channel weights ([N]) with dynamic per-token inputs); `exclude` lists
+  fnmatch patterns over full module names (a parent's pattern does not cover its children). With
+  `export.kv_cache_group` (`*k_proj`, `*v_proj`) the k and v projections' `output_tensors` are FP8 per tensor and
+  their `output_scale` is the layer's KV-cache scale (one value for K and V).
+
 `modules_to_not_convert` (transformers' field) is matched as transformers matches it: from the start of a module
 name up to a module boundary, as a regular expression with the same boundary, or as a suffix. vLLM's
 `ignored_layers` and compressed-tensors' `ignore` name modules exactly (or `re:` patterns).
@@ -34,7 +41,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import inf
 from typing import Any
 
@@ -42,6 +49,8 @@ from metronome.contract.errors import InvalidRequestError, ModelNotFoundError
 from metronome.contract.precision import QUANTIZATIONS
 
 WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
+ROUTED_EXPERTS = r"re:.*\.experts\.\d+\."  # one routed expert's linears ('mlp.experts.3.down_proj')
+ROUTED_EXPERT_SCALE = re.compile(r"\.experts\.\d+\.\w+\.weight_scale(_inv)?$")
 ACTIVATION_SCHEMES = ("static", "token", "group")  # static: one calibrated per-tensor scale per linear
 
 
@@ -57,7 +66,7 @@ class KVCacheScheme:
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    source: str  # "fp8" | "compressed-tensors" | "modelopt" | "fbgemm_fp8" | "online" (--quantization fp8)
+    source: str  # "fp8" | "compressed-tensors" | "modelopt" | "fbgemm_fp8" | "quark" | "online" (--quantization fp8)
     weights: str  # WEIGHT_GRANULARITIES
     activations: str  # ACTIVATION_SCHEMES
     block: tuple[int, int] | None = None  # (rows, columns) of a weight block; activation groups are block[1] wide
@@ -101,6 +110,19 @@ class Fp8Scheme:
         if self.activation_ub is not None:
             activations += f" (amax bounded by {self.activation_ub:g})"
         return f"fp8 e4m3 ({self.source}): weights {weights}, activations {activations}"
+
+    @property
+    def experts_follow_checkpoint(self) -> bool:
+        """Quark quantises the Linear modules it finds: a mixture of experts' routed experts are FP8 when the
+        exporting transformers held them as one Linear an expert (4.x), and stay in the model dtype when it held
+        them stacked (5.x). Its config does not say which; the checkpoint's tensors do."""
+        return self.source == "quark"
+
+    def with_experts_stored(self, tensor_names: list[str]) -> Fp8Scheme:
+        """This scheme with the routed experts left unquantised unless the checkpoint stores FP8 scales for them."""
+        if any(ROUTED_EXPERT_SCALE.search(name) for name in tensor_names):
+            return self
+        return replace(self, ignore=self.ignore + (ROUTED_EXPERTS,))
 
     def ignores(self, module_name: str) -> bool:
         """Whether the checkpoint linear `module_name` (e.g. 'model.layers.0.mlp.down_proj') stays unquantised:
@@ -147,8 +169,10 @@ def scheme_from_config(raw: Any) -> Fp8Scheme:
         return _from_modelopt(raw)
     if method == "fbgemm_fp8":
         return _from_fbgemm(raw)
+    if method == "quark":
+        return _from_quark(raw)
     raise QuantizationConfigError(f"unsupported quantization_config.quant_method {method!r}; supported: fp8, "
-                                  "compressed-tensors, modelopt, fbgemm_fp8 (FP8 schemes)")
+                                  "compressed-tensors, modelopt, fbgemm_fp8, quark (FP8 schemes)")
 
 
 def _from_fp8(raw: dict[str, Any]) -> Fp8Scheme:
@@ -323,3 +347,85 @@ def _not_converted(raw: dict[str, Any]) -> tuple[str, ...]:
             raise QuantizationConfigError(f"quantization_config.modules_to_not_convert entry {key!r} is not a "
                                           f"valid pattern: {error}") from None
     return patterns
+
+
+QUARK_FP8 = "fp8_e4m3"
+
+
+def _from_quark(raw: dict[str, Any]) -> Fp8Scheme:
+    where = "quantization_config"
+    export = _object(raw.get("export") or {}, f"{where}.export")
+    if export.get("weight_format", "real_quantized") != "real_quantized":
+        raise QuantizationConfigError(f"{where}.export.weight_format {export.get('weight_format')!r}: only "
+                                      "real_quantized exports (FP8 weights with their scales) are served")
+    if raw.get("layer_type_quant_config"):
+        raise QuantizationConfigError(f"{where}.layer_type_quant_config: per-layer-type schemes are not served")
+    if raw.get("softmax_quant_spec") is not None or raw.get("algo_config") not in (None, [], {}):
+        what = "softmax_quant_spec" if raw.get("softmax_quant_spec") is not None else "algo_config"
+        raise QuantizationConfigError(f"{where}.{what}: FP8 attention and weight-transforming algorithms are not "
+                                      "served")
+    weights, activations = _quark_layer(_object(raw.get("global_quant_config"), f"{where}.global_quant_config"),
+                                        f"{where}.global_quant_config")
+    kv_patterns = export.get("kv_cache_group") or []
+    kv_cache = None
+    for table in ("layer_quant_config", "kv_cache_quant_config"):
+        for pattern, layer in _object(raw.get(table) or {}, f"{where}.{table}").items():
+            field = f"{where}.{table}.{pattern}"
+            layer = _object(layer, field)
+            if _quark_layer(layer, field) != (weights, activations):
+                raise QuantizationConfigError(f"{field}: a scheme other than global_quant_config's is not served")
+            if layer.get("output_tensors") is not None:
+                if pattern not in kv_patterns:
+                    raise QuantizationConfigError(f"{field}.output_tensors: output quantisation outside the KV "
+                                                  "cache (export.kv_cache_group) is not served")
+                _quark_spec(layer["output_tensors"], f"{field}.output_tensors", "per_tensor", static=True)
+                kv_cache = KVCacheScheme("tensor")
+    excluded = raw.get("exclude") or []
+    if not isinstance(excluded, list) or not all(isinstance(p, str) and p for p in excluded):
+        raise QuantizationConfigError(f"{where}.exclude must be a list of module names or fnmatch patterns")
+    ignore = tuple(f"re:{fnmatch.translate(p)}" for p in excluded)
+    return Fp8Scheme("quark", weights, activations, None, ignore, kv_cache)
+
+
+def _quark_layer(layer: dict[str, Any], field: str) -> tuple[str, str]:
+    """A Quark layer config's (weight granularity, activation scheme)."""
+    if layer.get("bias") is not None:
+        raise QuantizationConfigError(f"{field}.bias: bias quantisation is not served")
+    if layer.get("weight") is None:
+        raise QuantizationConfigError(f"{field}.weight: a layer config without FP8 weights is not served")
+    if layer.get("input_tensors") is None:
+        raise QuantizationConfigError(f"{field}.input_tensors: weight-only FP8 is not served")
+    if layer.get("output_tensors") is not None and field.endswith("global_quant_config"):
+        raise QuantizationConfigError(f"{field}.output_tensors: output quantisation is not served")
+    weight = _quark_spec(layer["weight"], f"{field}.weight", "per_tensor", "per_channel", static=True)
+    if weight == "per_channel" and layer["weight"].get("ch_axis", 0) != 0:
+        raise QuantizationConfigError(f"{field}.weight.ch_axis {layer['weight'].get('ch_axis')!r}: per-channel "
+                                      "weight scales are per output row (ch_axis 0)")
+    inputs = layer["input_tensors"]
+    qscheme = _quark_spec(inputs, f"{field}.input_tensors", "per_tensor", "per_channel")
+    if not inputs.get("is_dynamic"):
+        if qscheme != "per_tensor":
+            raise QuantizationConfigError(f"{field}.input_tensors: static scales must be per tensor, got {qscheme!r}")
+        return ("tensor" if weight == "per_tensor" else "channel"), "static"
+    # Dynamic inputs are served per token: per_channel along the token axis is that, and per_tensor gets each
+    # row's own scale (at least as accurate, and fused into the kernels that produce the activation).
+    return ("tensor" if weight == "per_tensor" else "channel"), "token"
+
+
+def _quark_spec(spec: Any, field: str, *qschemes: str, static: bool = False) -> str:
+    spec = _object(spec, field)
+    if spec.get("dtype") != QUARK_FP8:
+        raise QuantizationConfigError(f"{field}.dtype {spec.get('dtype')!r}: only {QUARK_FP8} is served")
+    if spec.get("symmetric", True) is not True:
+        raise QuantizationConfigError(f"{field}.symmetric: asymmetric FP8 is not served")
+    if spec.get("qscheme") not in qschemes:
+        raise QuantizationConfigError(f"{field}.qscheme {spec.get('qscheme')!r}: served are {', '.join(qschemes)}")
+    if static and spec.get("is_dynamic"):
+        raise QuantizationConfigError(f"{field}.is_dynamic: these scales must be stored in the checkpoint")
+    return spec["qscheme"]
+
+
+def _object(value: Any, field: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise QuantizationConfigError(f"{field} must be an object")
+    return value
