@@ -67,6 +67,18 @@ def write_fp8_checkpoint(folder: Path, hf_model, layout: str) -> dict[str, torch
     """Save hf_model (a saved transformers folder already) in `layout`: decoder linears as FP8 with scales.
     Returns the dequantised weight of every quantised linear by checkpoint module name."""
     quant_config, granularity, scale_name, input_name, _ = LAYOUTS[layout]
+    extra = None if input_name is None else (lambda module: {input_name: torch.tensor(STATIC_INPUT_SCALE)})
+    return write_linears_in_fp8(folder, hf_model, quant_config, granularity, scale_name=scale_name, extra=extra)
+
+
+def write_linears_in_fp8(folder: Path, hf_model, quant_config: dict, granularity: str, *, weight_name: str = "weight",
+                         scale_name: str = "weight_scale",
+                         scale_shape: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                         extra: Callable[[str], dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    """hf_model's state (a saved transformers folder already) rewritten with its decoder linears in FP8, under a
+    tool's names: `<module>.<weight_name>` codes, `<module>.<scale_name>` (reshaped by `scale_shape`, else as
+    quantize_weight gives it) and `extra(module)`'s tensors; `quant_config` becomes config.json's
+    quantization_config. Returns the dequantised weight of every quantised linear by checkpoint module name."""
     tensors: dict[str, torch.Tensor] = {}
     dequantised: dict[str, torch.Tensor] = {}
     tied = hf_model.config.tie_word_embeddings
@@ -76,10 +88,9 @@ def write_fp8_checkpoint(folder: Path, hf_model, layout: str) -> dict[str, torch
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module.startswith("model.layers.") and module.endswith(LINEARS):
             q, scale = quantize_weight(value.float(), granularity)
-            tensors[name] = q
-            tensors[f"{module}.{scale_name}"] = scale
-            if input_name is not None:
-                tensors[f"{module}.{input_name}"] = torch.tensor(STATIC_INPUT_SCALE)
+            tensors[f"{module}.{weight_name}"] = q
+            tensors[f"{module}.{scale_name}"] = scale if scale_shape is None else scale_shape(scale)
+            tensors.update((f"{module}.{key}", tensor) for key, tensor in (extra(module) if extra else {}).items())
             dequantised[module] = dequantize_weight(q, scale, granularity)
         else:
             tensors[name] = value.contiguous()

@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from family_models import FAMILIES
-from fp8_checkpoints import LINEARS, STATIC_INPUT_SCALE, dequantize_weight, quantize_weight, reference_logits
+from fp8_checkpoints import (
+    STATIC_INPUT_SCALE,
+    dequantize_weight,
+    quantize_weight,
+    reference_logits,
+    write_linears_in_fp8,
+)
 from safetensors.torch import save_file
 from test_loaders import our_prefill_logits, save_hf_model
 from test_model_exact import PagedCache
@@ -47,24 +53,16 @@ def write_quark_checkpoint(folder: Path, scheme: str, config: dict | None = None
 
     hf_model = save_hf_model(folder, LlamaConfig(**TINY, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
     granularity, activations = SCHEMES[scheme]
-    config = config or quark_config(scheme)
-    tensors, dequantised = {}, {}
-    for name, value in hf_model.state_dict().items():
-        module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and module.startswith("model.layers.") and module.endswith(LINEARS)):
-            tensors[name] = value.contiguous()
-            continue
-        q, scale = quantize_weight(value.float(), granularity)
-        tensors[name], tensors[f"{module}.weight_scale"] = q, scale.reshape(-1) if scale.dim() else scale
-        if activations == "static":
-            tensors[f"{module}.input_scale"] = torch.tensor(STATIC_INPUT_SCALE)
+
+    def beside_the_weight(module: str) -> dict[str, torch.Tensor]:
+        tensors = {"input_scale": torch.tensor(STATIC_INPUT_SCALE)} if activations == "static" else {}
         if module.endswith(("k_proj", "v_proj")):
-            tensors[f"{module}.output_scale"] = torch.tensor(KV_SCALES[int(module.split(".")[2])])
-        dequantised[module] = dequantize_weight(q, scale, granularity)
-    (folder / "model.safetensors").unlink()
-    save_file(tensors, str(folder / "model.safetensors"))
-    saved = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**saved, "quantization_config": config}))
+            tensors["output_scale"] = torch.tensor(KV_SCALES[int(module.split(".")[2])])
+        return tensors
+
+    dequantised = write_linears_in_fp8(folder, hf_model, config or quark_config(scheme), granularity,
+                                       scale_shape=lambda scale: scale.reshape(-1) if scale.dim() else scale,
+                                       extra=beside_the_weight)
     return hf_model, dequantised
 
 

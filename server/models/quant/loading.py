@@ -5,7 +5,8 @@
     load_quantized(model, config, scheme, weights)   # route FP8 tensors and scales, the rest to load_weights
 
 Routing: a checkpoint tensor `<module>.<suffix>` whose module is (a shard of) an Fp8Linear goes to it — `weight`,
-`weight_scale` / `weight_scale_inv` (the same thing under the block layout's name), `input_scale` /
+`weight_scale` / `weight_scale_inv` (the same thing under the block layout's name; torchao's flattened tensor
+names them `_weight_qdata` and `_weight_scale`), `input_scale` /
 `activation_scale` (transformers' name for it), `input_scale_ub` (an FBGEMM export's activation bound, checked
 against the config's). KV-cache scales (`self_attn.k_scale` / `v_scale`, the older
 `k_proj.output_scale` / `v_proj.output_scale`, or ModelOpt's `k_proj.k_scale` / `v_proj.v_scale`) are collected into
@@ -38,7 +39,9 @@ from metronome.server.models.quant.scheme import Fp8Scheme
 log = logging.getLogger(__name__)
 
 TENSOR_KINDS = {"weight": "weight", "weight_scale": "weight_scale", "weight_scale_inv": "weight_scale",
-                "input_scale": "input_scale", "activation_scale": "input_scale", "input_scale_ub": "input_scale_ub"}
+                "input_scale": "input_scale", "activation_scale": "input_scale", "input_scale_ub": "input_scale_ub",
+                # torchao's Float8Tensor, flattened into safetensors by transformers
+                "_weight_qdata": "weight", "_weight_scale": "weight_scale"}
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # the MoE block's own: FP8 weight and scale pairs
 KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_proj.output_scale",
                   "self_attn.v_proj.output_scale", "self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")

@@ -28,6 +28,12 @@ Checkpoint layouts read (the ones vLLM serves):
   `export.kv_cache_group` (`*k_proj`, `*v_proj`) the k and v projections' `output_tensors` are FP8 per tensor and
   their `output_scale` is the layer's KV-cache scale (one value for K and V).
 
+- `quant_method: torchao` (transformers' TorchAoConfig saved as safetensors) with
+  `Float8DynamicActivationFloat8WeightConfig`: granularity `PerRow` is per-channel weights ([N, 1]) with dynamic
+  per-token activations, `PerTensor` one weight scale ([1, 1]) with dynamic activations (served per token);
+  `activation_value_ub` bounds each token's amax as FBGEMM's bound does. Tensors are torchao's flattened
+  Float8Tensor: `<module>._weight_qdata` (e4m3) and `<module>._weight_scale`.
+
 `modules_to_not_convert` (transformers' field) is matched as transformers matches it: from the start of a module
 name up to a module boundary, as a regular expression with the same boundary, or as a suffix. vLLM's
 `ignored_layers` and compressed-tensors' `ignore` name modules exactly (or `re:` patterns).
@@ -66,7 +72,8 @@ class KVCacheScheme:
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    source: str  # "fp8" | "compressed-tensors" | "modelopt" | "fbgemm_fp8" | "quark" | "online" (--quantization fp8)
+    # "fp8" | "compressed-tensors" | "modelopt" | "fbgemm_fp8" | "quark" | "torchao" | "online" (--quantization fp8)
+    source: str
     weights: str  # WEIGHT_GRANULARITIES
     activations: str  # ACTIVATION_SCHEMES
     block: tuple[int, int] | None = None  # (rows, columns) of a weight block; activation groups are block[1] wide
@@ -171,8 +178,10 @@ def scheme_from_config(raw: Any) -> Fp8Scheme:
         return _from_fbgemm(raw)
     if method == "quark":
         return _from_quark(raw)
+    if method == "torchao":
+        return _from_torchao(raw)
     raise QuantizationConfigError(f"unsupported quantization_config.quant_method {method!r}; supported: fp8, "
-                                  "compressed-tensors, modelopt, fbgemm_fp8, quark (FP8 schemes)")
+                                  "compressed-tensors, modelopt, fbgemm_fp8, quark, torchao (FP8 schemes)")
 
 
 def _from_fp8(raw: dict[str, Any]) -> Fp8Scheme:
@@ -429,3 +438,50 @@ def _object(value: Any, field: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise QuantizationConfigError(f"{field} must be an object")
     return value
+
+
+TORCHAO_FP8 = "Float8DynamicActivationFloat8WeightConfig"
+TORCHAO_GRANULARITIES = {"PerRow": "channel", "PerTensor": "tensor"}
+
+
+def _from_torchao(raw: dict[str, Any]) -> Fp8Scheme:
+    """transformers' TorchAoConfig as it serialises a torchao config: {"_type": class name, "_data": fields}."""
+    where = "quantization_config.quant_type"
+    quant_type = raw.get("quant_type")
+    if isinstance(quant_type, dict) and "_type" not in quant_type:
+        if set(quant_type) != {"default"}:
+            raise QuantizationConfigError(f"{where}: per-module torchao configs ({', '.join(map(str, quant_type))}) "
+                                          "are not served; one `default` config is")
+        quant_type, where = quant_type["default"], f"{where}.default"
+    config = _object(quant_type, where)
+    if config.get("_type") != TORCHAO_FP8:
+        raise QuantizationConfigError(f"{where}._type {config.get('_type')!r}: of torchao's configs only "
+                                      f"{TORCHAO_FP8} (FP8 weights and dynamic FP8 activations) is served")
+    data = _object(config.get("_data"), f"{where}._data")
+    for field in ("activation_dtype", "weight_dtype"):
+        dtype = _torchao_value(data.get(field, "float8_e4m3fn"))
+        if dtype != "float8_e4m3fn":
+            raise QuantizationConfigError(f"{where}._data.{field} {dtype!r}: only float8_e4m3fn is served")
+    if data.get("activation_value_lb") is not None:
+        raise QuantizationConfigError(f"{where}._data.activation_value_lb: a lower bound on activation scales is "
+                                      "not served")
+    granularity = data.get("granularity") or {"_type": "PerTensor"}
+    granularity = granularity if isinstance(granularity, list) else [granularity, granularity]
+    kinds = {g.get("_type") if isinstance(g, dict) else g for g in granularity}
+    if len(granularity) != 2 or len(kinds) != 1 or not kinds <= set(TORCHAO_GRANULARITIES):
+        raise QuantizationConfigError(f"{where}._data.granularity {granularity!r}: served are PerRow and PerTensor, "
+                                      "the same for activations and weights")
+    weights = TORCHAO_GRANULARITIES[kinds.pop()]
+    if raw.get("include_input_output_embeddings"):
+        raise QuantizationConfigError("quantization_config.include_input_output_embeddings: the embeddings and the "
+                                      "LM head are served in the model dtype")
+    bound = data.get("activation_value_ub")
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 < bound < inf):
+        raise QuantizationConfigError(f"{where}._data.activation_value_ub must be a positive number, got {bound!r}")
+    return Fp8Scheme("torchao", weights, "token", None, _not_converted(raw) + ("lm_head",),
+                     activation_ub=None if bound is None else float(bound))
+
+
+def _torchao_value(value: Any) -> Any:
+    """A serialised torchao field's value: {"_type": ..., "_data": value} or the plain value."""
+    return value.get("_data") if isinstance(value, dict) else value
