@@ -5,12 +5,11 @@ each pod it removes. The load is a closed loop spread over the service's ready s
 
 1. One replica at chunk 512; the TBT target comes from the gaps measured there (closedloop/slo.py, as in
    test_closed_loop.py), and with it the loop shrinks the chunk: the chunk goes first.
-2. The chunk is pinned where the loop put it; a TTFT limit and a load step from the first tokens measured there
-   (closedloop/slo.py:
-   a CPU server's TTFT under a closed loop grows with the clients it carries; the limit is a TTFT bucket bound that
-   one server exceeds at the stepped-up load and two servers meet), and a TBT target with room for two servers
-   sharing the machine. One replica cannot serve the step: the loop adds a replica because prefill is the
-   bottleneck, and the SLO is met on two.
+2. The chunk is pinned where the loop put it; a TTFT limit and a load step from one server's first tokens measured
+   there at a few client counts (closedloop/slo.py: the limit is a TTFT bucket bound that one server exceeds at the
+   stepped-up load and one server meets at half of it, what each of two servers carries), and a TBT target with
+   room for two servers sharing the machine. One replica cannot serve the step: the loop adds a replica because
+   prefill is the bottleneck, and the SLO is met on two.
 3. The load drops to one client with short prompts: within the scale-down stabilization window and a bounded time
    the loop removes the replica again, back to minReplicas, while requests stream on both servers — and none of
    them fails (the pod leaves the load's endpoints first, its server finishes what it streams). The replica count
@@ -27,7 +26,7 @@ from e2e_helpers import calibrate, isvc, service_namespace
 
 from metronome.server.bench.load.stats import percentile
 from metronome_testing.closedloop import LoadSpec, ServiceLoad
-from metronome_testing.closedloop.slo import choose_load_step, choose_shared_tbt_target
+from metronome_testing.closedloop.slo import choose_load_step, choose_shared_tbt_target, load_levels
 from metronome_testing.kube_objects import events_for
 from metronome_testing.polling import wait_for
 
@@ -36,6 +35,7 @@ INITIAL_CHUNK = 512
 FLOOR_CHUNK = 32
 WINDOW_S = 20
 MEASURE_S = 20.0
+SETTLE_S = 5.0
 CLIENTS = 4  # per replica, as the closed-loop test's load
 STABILIZATION_S = 30
 # From the load's drop to one replica: the stabilization window, a full metrics window of the low load before it,
@@ -110,6 +110,18 @@ def pin_chunk(cluster, ns) -> int:
     return pinned[-1]
 
 
+def measure_one_server(load: ServiceLoad, clients: int, measured: dict[int, float]) -> float:
+    """Put `clients` on the one server (the loop holding) and record its client TTFT p99 in `measured`, over
+    MEASURE_S from a request's length after the change (the clients already streaming finish under the old load
+    first); returns its TBT p99."""
+    load.set_load(clients)
+    mark = load.now() + SETTLE_S
+    wait_for(lambda: load.now() - mark >= MEASURE_S and len(load.ttfts_since(mark)) >= 8,
+             f"first tokens with {clients} clients on one server", timeout=SETTLE_S + MEASURE_S + 180, interval=1.0)
+    measured[clients] = percentile(load.ttfts_since(mark), 99)
+    return percentile(load.gaps_since(mark), 99)
+
+
 def scalings(cluster, ns) -> list[tuple[int, int]]:
     """(from, to) of every AutotuneScaled Event, oldest first."""
     events = sorted((e for e in events_for(cluster, ns, NAME) if e["reason"] == "AutotuneScaled"),
@@ -147,20 +159,26 @@ def run(cluster, standin, ns, load: ServiceLoad) -> None:
     # saw 160 -> 128 while first tokens were measured, and 128 -> 160 again once the target loosened): the step
     # is chosen from one server's first tokens at one chunk, and a larger one shortens them.
     chunk = pin_chunk(cluster, ns)
-    # The TTFT limit and the load step, from what the pinned chunk gives CLIENTS clients on one server.
-    mark = load.now()
-    wait_for(lambda: load.now() - mark >= MEASURE_S and len(load.ttfts_since(mark)) >= 8,
-             "first tokens at the chosen chunk", timeout=MEASURE_S + 180, interval=1.0)
-    base_ttft, base_tbt = percentile(load.ttfts_since(mark), 99), percentile(load.gaps_since(mark), 99)
-    step = choose_load_step(base_ttft, CLIENTS)
+    # The TTFT limit and the load step, from one server's first tokens at the pinned chunk: at CLIENTS clients,
+    # then at more until a bucket bound lies between a load on one server and half of it (each of two servers).
+    measured: dict[int, float] = {}
+    base_tbt = measure_one_server(load, CLIENTS, measured)
+    step = choose_load_step(measured)
+    for level in load_levels(CLIENTS):
+        if step is not None:
+            break
+        measure_one_server(load, level, measured)
+        step = choose_load_step(measured)
+    assert step is not None, f"no TTFT bucket bound separates one server from two: TTFT p99 by clients {measured}"
     limit_ms = round(step.limit_s * 1000)
     # Two servers on the 2-core machine slow each other's steps: their TBT target allows for it.
     target_ms = round(choose_shared_tbt_target(base_tbt, target_ms / 1000) * 1000)
-    print(f"chunk {chunk}: client TTFT p99 {base_ttft * 1e3:.0f} ms, TBT p99 {base_tbt * 1e3:.0f} ms with "
+    print(f"chunk {chunk}: one server's client TTFT p99 by clients "
+          f"{ {n: round(t * 1e3) for n, t in measured.items()} } ms, TBT p99 {base_tbt * 1e3:.0f} ms with "
           f"{CLIENTS} clients; {step.describe()}; TBT target for two servers {target_ms} ms")
     patch(cluster, ns, {"slo": {"tbtP99Ms": target_ms, "ttftP99Ms": limit_ms}, "autotune": {"mode": "apply"}})
     first = set(load.servers_used(0.0))
-    load.set_load(step.clients)
+    load.set_load(step.clients)  # already there: the level measured last
     stepped = load.now()
 
     # The loop adds the replica because prefill cannot keep up (TTFT over the limit while prompts wait for the

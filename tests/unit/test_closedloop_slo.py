@@ -9,6 +9,7 @@ from metronome_testing.closedloop.slo import (
     choose_load_step,
     choose_shared_tbt_target,
     choose_tbt_target,
+    load_levels,
 )
 
 
@@ -39,33 +40,46 @@ def test_a_flat_response_is_refused_with_the_numbers():
 
 
 def test_the_load_step_puts_a_ttft_bucket_bound_between_one_server_and_two():
-    # 6.7 s with 4 clients (a busy CI machine): 8 clients give one server ~13.4 s and two ~6.7 s; 10 s lies in
-    # [1.4 x 6.7, 13.4 / 1.2]. The old limit there, 14.2 s, sat inside the 10-20 s bucket, where a few slow first
-    # tokens read as a p99 near 20 s on two servers.
-    step = choose_load_step(6.7, 4)
+    # One server: 6.5 s p99 with 4 clients (a busy CI machine), 13.4 s with 8; two servers carry 4 each. 10 s lies
+    # in [1.5 x 6.5, 13.4 / 1.3]. The old limit there, 14.2 s, sat inside the 10-20 s bucket, where a few slow
+    # first tokens read as a p99 near 20 s on two servers.
+    step = choose_load_step({4: 6.5, 8: 13.4})
     assert (step.clients, step.limit_s) == (8, 10.0)
-    assert step.one_server_s == pytest.approx(13.4) and step.two_servers_s == pytest.approx(6.7)
+    assert step.one_server_s == 13.4 and step.two_servers_s == 6.5
     assert "8 clients" in step.describe() and "limit 10000 ms" in step.describe()
 
 
-def test_the_load_steps_further_when_no_bound_fits_at_twice_the_clients():
-    # 4.1 s: at 8 clients the band [1.4 x 4.1, 8.2 / 1.3] = [5.74, 6.31] holds no bound (5, 7.5), nor at 9
-    # clients [6.46, 7.10]; 10 clients: [7.18, 7.88] holds 7.5.
-    step = choose_load_step(4.1, 4)
-    assert (step.clients, step.limit_s) == (10, 7.5)
-    # 5.44 s (a CI run): 9 clients put one server only 1.22x over a 10 s limit; 10 clients, 1.36x.
-    step = choose_load_step(5.444, 4)
-    assert (step.clients, step.limit_s) == (10, 10.0)
-    for base in (0.05, 0.3, 1.2, 2.5, 3.3, 9.0, 14.0):
-        step = choose_load_step(base, 4)
-        assert step.two_servers_s * 1.4 <= step.limit_s <= step.one_server_s / 1.3
+def test_a_server_whose_ttft_barely_grows_is_measured_at_more_clients():
+    # A quiet run: 4.6 s with 4 clients, 5.5 s with 12 (batched side by side under max_num_seqs 16) and 22.9 s with
+    # 24 (8 of them wait for a slot): [1.5 x 5.5, 22.9 / 1.3] holds 10.
+    assert load_levels(4) == [12, 24, 8, 16]
+    measured = {4: 4.6, 12: 5.5}
+    assert choose_load_step(measured) is None  # 12 needs 6, not measured
+    measured[24] = 22.9
+    assert (choose_load_step(measured).clients, choose_load_step(measured).limit_s) == (24, 10.0)
+    # Where 24 clients do not separate them either, the smaller steps are measured: 8 against 4, 16 against 8.
+    measured = {4: 5.4, 12: 7.0, 24: 9.0}
+    assert choose_load_step(measured) is None  # [10.5, 6.9]
+    measured[8] = 6.1
+    assert choose_load_step(measured) is None  # a CI run: [8.1, 4.7], that step left one server within the limit
+    measured[16] = 20.0  # [9.15, 15.4] holds 10
+    step = choose_load_step(measured)
+    assert (step.clients, step.limit_s, step.two_servers_s) == (16, 10.0, 6.1)
 
 
-def test_a_load_step_beyond_the_buckets_is_refused():
-    with pytest.raises(CalibrationError, match="no TTFT bucket bound"):
-        choose_load_step(30.0, 4)  # two servers would need a bound above 40 s, and 80 s is where quantiles clamp
+def test_the_smallest_fitting_load_and_the_bound_nearest_the_middle_are_chosen():
+    # 8 clients: [1.5 x 0.3, 2.0 / 1.3] = [0.45, 1.54] holds 0.5, 0.75, 1.0, 1.5; the middle is 0.83 → 0.75.
+    step = choose_load_step({4: 0.3, 8: 2.0, 16: 9.0})
+    assert (step.clients, step.limit_s) == (8, 0.75)
+    for two, one in ((0.05, 0.2), (1.2, 3.0), (2.5, 7.0), (9.0, 40.0)):
+        step = choose_load_step({4: two, 8: one})
+        assert step.two_servers_s * 1.5 <= step.limit_s <= step.one_server_s / 1.3
+
+
+def test_a_load_step_beyond_the_buckets_is_not_chosen():
+    assert choose_load_step({4: 30.0, 8: 90.0}) is None  # two servers need a bound above 45 s; 80 s clamps
     with pytest.raises(CalibrationError):
-        choose_load_step(0.0, 4)
+        choose_load_step({4: 0.0, 8: 1.0})
 
 
 def test_two_servers_get_a_tbt_target_with_room_for_sharing_the_machine():

@@ -8,12 +8,15 @@ The target is a bucket bound of the TBT histogram (Prometheus' quantile is exact
 Violated are crisp there), below its largest finite bound (beyond it histogram_quantile clamps to that bound and
 a violation would read as Met), reachable at the floor chunk with slack, and clearly violated at the initial chunk.
 
-The replica test's load step follows the same idea for TTFT (choose_load_step): under a closed loop a saturated
-server's TTFT grows with the clients it carries, so from the TTFT p99 measured with `clients` on one server, N
-clients give one server about N / clients times that and two servers half as much. The limit is a TTFT bucket
-bound — between two bounds histogram_quantile interpolates, and a few slow first tokens in a wide bucket (10 s to
-20 s) read as a p99 near its top — that one server clearly exceeds and two servers clearly meet, with more room on
-the two-server side: two servers on a 2-core machine share their cores with the control plane and the load.
+The replica test's load step is measured, not predicted: a CPU server's TTFT under a closed loop grows with the
+clients it carries only once its prefill budget (or its max_num_seqs) is saturated, and how far it grows between
+`clients` and twice that varied from run to run (a CI run's one server met a limit its 4-client TTFT predicted it
+would exceed 1.3-fold, and the loop rightly never scaled). So one server's TTFT p99 is measured at a few client
+counts with the loop holding (choose_load_step takes them): N clients on two servers are N / 2 on each, which one
+server measured. The limit is a TTFT bucket bound — between two bounds histogram_quantile interpolates, and a few
+slow first tokens in a wide bucket (10 s to 20 s) read as a p99 near its top — that one server clearly exceeds
+and two servers clearly meet, with more room on the two-server side: two servers on a 2-core machine share their
+cores with the control plane and the load.
 The same sharing slows each server's steps, so the TBT target the step is judged against is set again for two
 servers (choose_shared_tbt_target): a CI run saw 1.03 s p99 on two servers at the floor chunk, where one server's
 gaps predicted 349 ms.
@@ -21,7 +24,7 @@ gaps predicted 349 ms.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from metronome.contract.metric_names import TBT_BUCKETS, TTFT_BUCKETS
@@ -74,33 +77,43 @@ def choose_tbt_target(median_s: float, p99_s: float, initial_chunk: int, floor_c
 class LoadStep:
     clients: int  # the stepped-up load, all servers together
     limit_s: float  # the TTFT limit: a TTFT bucket bound
-    one_server_s: float  # predicted TTFT p99 with all of them on one server
-    two_servers_s: float  # ... spread over two
+    one_server_s: float  # TTFT p99 measured with all of them on one server
+    two_servers_s: float  # ... measured on one server with half of them: what each of two carries
 
     def describe(self) -> str:
-        return (f"{self.clients} clients: predicted TTFT p99 {self.one_server_s * 1e3:.0f} ms on one server, "
-                f"{self.two_servers_s * 1e3:.0f} ms on two → limit {self.limit_s * 1e3:.0f} ms")
+        return (f"{self.clients} clients: TTFT p99 {self.one_server_s * 1e3:.0f} ms on one server, "
+                f"{self.two_servers_s * 1e3:.0f} ms with half of them → limit {self.limit_s * 1e3:.0f} ms")
 
 
-def choose_load_step(base_ttft_s: float, clients: int, buckets: Sequence[float] = TTFT_BUCKETS,
-                     over_margin: float = 1.3, under_margin: float = 1.4, max_factor: int = 6) -> LoadStep:
-    """The smallest load, from twice `clients` up to `max_factor` times, with a TTFT bucket bound that one server
-    exceeds by `over_margin` and two servers meet by `under_margin` (the bound nearest the middle of that band).
-    At 1.2 a CI run's one server, predicted 1.22x over its limit, stayed under it for 7 minutes."""
-    if not (base_ttft_s > 0 and clients > 0):
-        raise CalibrationError(f"need a positive TTFT p99 ({base_ttft_s}) and client count ({clients})")
+def load_levels(clients: int, factors: Sequence[int] = (3, 6, 2, 4)) -> list[int]:
+    """The client counts to measure one server at, in order, after `clients` itself: each even count's half is
+    measured before it (6c needs 3c, 2c needs c, 4c needs 2c). 6c first: a CPU server's TTFT barely grows with
+    the clients it batches (a quiet run measured 4.6, 4.4, 5.5 and 7.1 s p99 at 4, 8, 12 and 16 clients), and
+    jumps once they queue past its max_num_seqs (16 in the replica test: 22.9 s at 24)."""
+    return [clients * f for f in factors]
+
+
+def choose_load_step(measured: Mapping[int, float], buckets: Sequence[float] = TTFT_BUCKETS,
+                     over_margin: float = 1.3, under_margin: float = 1.5) -> LoadStep | None:
+    """From one server's TTFT p99 at each client count measured so far: the smallest load N whose half was
+    measured too, with a TTFT bucket bound that one server (at N) exceeds by `over_margin` and each of two servers
+    (at N / 2) meets by `under_margin` (the bound nearest the middle of that band); None while none fits (measure
+    the next level). At 1.2 a CI run's one server, 1.22x over its limit, stayed under it for 7 minutes; two servers
+    sharing the machine measured up to 1.36x what one server measured at half their load."""
+    if any(not (n > 0 and ttft > 0) for n, ttft in measured.items()):
+        raise CalibrationError(f"need positive client counts and TTFT p99s, got {dict(measured)}")
     bounds = usable_bounds(buckets)
-    for total in range(2 * clients, max_factor * clients + 1):
-        one = base_ttft_s * total / clients
-        two = one / 2
+    for total in sorted(measured):
+        if total % 2 or total // 2 not in measured:
+            continue
+        one, two = measured[total], measured[total // 2]
         low, high = two * under_margin, one / over_margin
         fitting = [b for b in bounds if low <= b <= high]
         if fitting:
             middle = math.sqrt(low * high)
             limit = min(fitting, key=lambda b: abs(math.log(b / middle)))
             return LoadStep(clients=total, limit_s=limit, one_server_s=one, two_servers_s=two)
-    raise CalibrationError(f"no TTFT bucket bound separates one server from two for a TTFT p99 of "
-                           f"{base_ttft_s * 1e3:.0f} ms with {clients} clients, up to {max_factor} times the load")
+    return None
 
 
 def choose_shared_tbt_target(one_server_p99_s: float, at_least_s: float, buckets: Sequence[float] = TBT_BUCKETS,
