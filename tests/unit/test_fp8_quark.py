@@ -187,12 +187,22 @@ def _edited(scheme: str, edit) -> dict:
     (lambda c: c["layer_quant_config"]["*k_proj"]["input_tensors"].update(qscheme="per_channel", is_dynamic=True),
      r"layer_quant_config.\*k_proj: a scheme other than"),
     (lambda c: c.update(softmax_quant_spec={"dtype": "fp8_e4m3"}), "softmax_quant_spec"),
+    (lambda c: c.update(algo_config=[{"name": "svdquant", "svd_rank": 32}]), "'svdquant' changes the model"),
+    (lambda c: c.update(algo_config=[{"name": "rotation", "r1": True, "online_r1_rotation": True}]),
+     "'rotation' with online rotations"),
     (lambda c: c.update(layer_type_quant_config={"Linear": {}}), "layer_type_quant_config"),
     (lambda c: c.update(exclude="lm_head"), "exclude"),
 ])
 def test_quark_configs_this_server_cannot_run_are_refused_with_the_field(edit, message):
     with pytest.raises(QuantizationConfigError, match=message):
         scheme_from_config(_edited("fp8", edit))
+
+
+def test_algorithms_the_export_folds_into_its_weights_are_served_as_stored():
+    for algorithms in ([{"name": "awq", "scaling_layers": []}, {"name": "gptq"}], {"name": "smooth", "alpha": 0.5},
+                       [{"name": "rotation", "r1": True, "online_r1_rotation": False, "r3": False}]):
+        config = {**quark_config("fp8"), "algo_config": algorithms}
+        assert scheme_from_config(config).source == "quark"
 
 
 def test_a_dynamic_per_tensor_input_is_served_per_token():

@@ -369,10 +369,9 @@ def _from_quark(raw: dict[str, Any]) -> Fp8Scheme:
                                       "real_quantized exports (FP8 weights with their scales) are served")
     if raw.get("layer_type_quant_config"):
         raise QuantizationConfigError(f"{where}.layer_type_quant_config: per-layer-type schemes are not served")
-    if raw.get("softmax_quant_spec") is not None or raw.get("algo_config") not in (None, [], {}):
-        what = "softmax_quant_spec" if raw.get("softmax_quant_spec") is not None else "algo_config"
-        raise QuantizationConfigError(f"{where}.{what}: FP8 attention and weight-transforming algorithms are not "
-                                      "served")
+    if raw.get("softmax_quant_spec") is not None:
+        raise QuantizationConfigError(f"{where}.softmax_quant_spec: FP8 attention is not served")
+    _quark_algorithms(raw.get("algo_config"), f"{where}.algo_config")
     weights, activations = _quark_layer(_object(raw.get("global_quant_config"), f"{where}.global_quant_config"),
                                         f"{where}.global_quant_config")
     kv_patterns = export.get("kv_cache_group") or []
@@ -394,6 +393,22 @@ def _from_quark(raw: dict[str, Any]) -> Fp8Scheme:
         raise QuantizationConfigError(f"{where}.exclude must be a list of module names or fnmatch patterns")
     ignore = tuple(f"re:{fnmatch.translate(p)}" for p in excluded)
     return Fp8Scheme("quark", weights, activations, None, ignore, kv_cache)
+
+
+# Quark's algorithms whose effect the export folds into the stored weights and norms (served as stored); a rotation
+# is too unless it rotates activations at run time (online R1, R3, R4), which this server does not do.
+QUARK_FOLDED_ALGORITHMS = ("smooth", "autosmoothquant", "awq", "gptq", "gptaq", "qronos", "autoround", "rotation")
+
+
+def _quark_algorithms(algorithms: Any, field: str) -> None:
+    entries = algorithms if isinstance(algorithms, list) else [] if algorithms in (None, {}) else [algorithms]
+    for entry in entries:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        online = isinstance(entry, dict) and any(entry.get(k) for k in ("online_r1_rotation", "r3", "r4"))
+        if name not in QUARK_FOLDED_ALGORITHMS or online:
+            raise QuantizationConfigError(f"{field}: {name or entry!r}{' with online rotations' if online else ''} "
+                                          "changes the model at run time; served are the algorithms an export folds "
+                                          f"into its weights ({', '.join(QUARK_FOLDED_ALGORITHMS)})")
 
 
 def _quark_layer(layer: dict[str, Any], field: str) -> tuple[str, str]:
