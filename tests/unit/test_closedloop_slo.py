@@ -40,44 +40,44 @@ def test_a_flat_response_is_refused_with_the_numbers():
 
 
 def test_the_load_step_puts_a_ttft_bucket_bound_between_one_server_and_two():
-    # One server: 6.5 s p99 with 4 clients (a busy CI machine), 13.4 s with 8; two servers carry 4 each. 10 s lies
-    # in [1.5 x 6.5, 13.4 / 1.3]. The old limit there, 14.2 s, sat inside the 10-20 s bucket, where a few slow
-    # first tokens read as a p99 near 20 s on two servers.
-    step = choose_load_step({4: 6.5, 8: 13.4})
-    assert (step.clients, step.limit_s) == (8, 10.0)
-    assert step.one_server_s == 13.4 and step.two_servers_s == 6.5
-    assert "8 clients" in step.describe() and "limit 10000 ms" in step.describe()
+    # One server: 7.0 s p99 with 16 clients (all batched), 41 s with 32 (16 waiting for a slot); two servers carry
+    # 16 each. [2 x 7.0, 41 / 1.3] = [14, 31.5] holds 20.
+    step = choose_load_step({4: 4.2, 16: 7.0, 32: 41.0})
+    assert (step.clients, step.limit_s) == (32, 20.0)
+    assert step.one_server_s == 41.0 and step.two_servers_s == 7.0
+    assert "32 clients" in step.describe() and "limit 20000 ms" in step.describe()
 
 
 def test_a_server_whose_ttft_barely_grows_is_measured_at_more_clients():
-    # A quiet run: 4.6 s with 4 clients, 5.5 s with 12 (batched side by side under max_num_seqs 16) and 22.9 s with
-    # 24 (8 of them wait for a slot): [1.5 x 5.5, 22.9 / 1.3] holds 10.
-    assert load_levels(4) == [12, 24, 8, 16]
-    measured = {4: 4.6, 12: 5.5}
-    assert choose_load_step(measured) is None  # 12 needs 6, not measured
-    measured[24] = 22.9
-    assert (choose_load_step(measured).clients, choose_load_step(measured).limit_s) == (24, 10.0)
-    # Where 24 clients do not separate them either, the smaller steps are measured: 8 against 4, 16 against 8.
-    measured = {4: 5.4, 12: 7.0, 24: 9.0}
-    assert choose_load_step(measured) is None  # [10.5, 6.9]
-    measured[8] = 6.1
-    assert choose_load_step(measured) is None  # a CI run: [8.1, 4.7], that step left one server within the limit
-    measured[16] = 20.0  # [9.15, 15.4] holds 10
+    assert load_levels(4) == [16, 32, 12, 24]
+    measured = {4: 4.4, 16: 6.0}
+    assert choose_load_step(measured) is None  # 16 needs 8, not measured
+    measured[32] = 14.0  # [12, 10.8]: none
+    assert choose_load_step(measured) is None
+    measured[12] = 4.5
+    assert choose_load_step(measured) is None  # 12 needs 6
+    measured[24] = 30.0  # [9, 23.1] holds 10 and 20; the middle is 14.4 → 20
     step = choose_load_step(measured)
-    assert (step.clients, step.limit_s, step.two_servers_s) == (16, 10.0, 6.1)
+    assert (step.clients, step.limit_s, step.two_servers_s) == (24, 20.0, 4.5)
+
+
+def test_a_step_whose_two_servers_measured_only_1_5x_below_the_limit_is_not_chosen():
+    # A quiet run: 6.0 s at 12 clients, 19.1 s at 24, and a 10 s limit between them ([1.5 x 6.0, 19.1 / 1.3]):
+    # two servers with 12 each then measured 9.7 s, within 3 % of the limit.
+    assert choose_load_step({4: 4.2, 12: 6.0, 24: 19.1}) is None
 
 
 def test_the_smallest_fitting_load_and_the_bound_nearest_the_middle_are_chosen():
-    # 8 clients: [1.5 x 0.3, 2.0 / 1.3] = [0.45, 1.54] holds 0.5, 0.75, 1.0, 1.5; the middle is 0.83 → 0.75.
+    # 8 clients: [2 x 0.3, 2.0 / 1.3] = [0.6, 1.54] holds 0.75, 1.0, 1.5; the middle is 0.96 → 1.0.
     step = choose_load_step({4: 0.3, 8: 2.0, 16: 9.0})
-    assert (step.clients, step.limit_s) == (8, 0.75)
-    for two, one in ((0.05, 0.2), (1.2, 3.0), (2.5, 7.0), (9.0, 40.0)):
+    assert (step.clients, step.limit_s) == (8, 1.0)
+    for two, one in ((0.05, 0.2), (1.2, 5.0), (2.5, 7.0), (9.0, 40.0)):
         step = choose_load_step({4: two, 8: one})
-        assert step.two_servers_s * 1.5 <= step.limit_s <= step.one_server_s / 1.3
+        assert step.two_servers_s * 2.0 <= step.limit_s <= step.one_server_s / 1.3
 
 
 def test_a_load_step_beyond_the_buckets_is_not_chosen():
-    assert choose_load_step({4: 30.0, 8: 90.0}) is None  # two servers need a bound above 45 s; 80 s clamps
+    assert choose_load_step({4: 30.0, 8: 90.0}) is None  # two servers need a bound above 60 s; 80 s clamps
     with pytest.raises(CalibrationError):
         choose_load_step({4: 0.0, 8: 1.0})
 
