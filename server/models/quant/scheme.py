@@ -21,18 +21,8 @@ Checkpoint layouts read (the ones vLLM serves):
   [N, 1], activations dynamic per token with each token's amax bounded by `activation_scale_ub` (1200 by
   default; an outlier token's values past it saturate), `modules_to_not_convert` left in bf16.
 
-- `quant_method: quark` (AMD Quark's `export_safetensors`, the `amd/*-FP8-KV` checkpoints): `global_quant_config`
-  gives `weight` and `input_tensors` specs (`dtype: fp8_e4m3`; its `fp8` scheme is per-tensor weights with static
-  per-tensor inputs, `ptpc_fp8` per-channel weights ([N]) with dynamic per-token inputs); `exclude` lists
-  fnmatch patterns over full module names (a parent's pattern does not cover its children). With
-  `export.kv_cache_group` (`*k_proj`, `*v_proj`) the k and v projections' `output_tensors` are FP8 per tensor and
-  their `output_scale` is the layer's KV-cache scale (one value for K and V).
-
-- `quant_method: torchao` (transformers' TorchAoConfig saved as safetensors) with
-  `Float8DynamicActivationFloat8WeightConfig`: granularity `PerRow` is per-channel weights ([N, 1]) with dynamic
-  per-token activations, `PerTensor` one weight scale ([1, 1]) with dynamic activations (served per token);
-  `activation_value_ub` bounds each token's amax as FBGEMM's bound does. Tensors are torchao's flattened
-  Float8Tensor: `<module>._weight_qdata` (e4m3) and `<module>._weight_scale`.
+- `quant_method: quark` (AMD Quark's exports): quark_scheme.py; `quant_method: torchao` (transformers'
+  TorchAoConfig): torchao_scheme.py.
 
 `modules_to_not_convert` (transformers' field) is matched as transformers matches it: from the start of a module
 name up to a module boundary, as a regular expression with the same boundary, or as a suffix. vLLM's
@@ -176,10 +166,11 @@ def scheme_from_config(raw: Any) -> Fp8Scheme:
         return _from_modelopt(raw)
     if method == "fbgemm_fp8":
         return _from_fbgemm(raw)
-    if method == "quark":
-        return _from_quark(raw)
-    if method == "torchao":
-        return _from_torchao(raw)
+    if method in ("quark", "torchao"):
+        # their modules build on this one's types
+        from metronome.server.models.quant import quark_scheme, torchao_scheme
+
+        return quark_scheme.from_quark(raw) if method == "quark" else torchao_scheme.from_torchao(raw)
     raise QuantizationConfigError(f"unsupported quantization_config.quant_method {method!r}; supported: fp8, "
                                   "compressed-tensors, modelopt, fbgemm_fp8, quark, torchao (FP8 schemes)")
 
@@ -195,7 +186,7 @@ def _from_fp8(raw: dict[str, Any]) -> Fp8Scheme:
     if raw.get("scale_fmt", "float") != "float":
         raise QuantizationConfigError(f"quantization_config.scale_fmt {raw['scale_fmt']!r}: only float32 scales "
                                       "are supported")
-    ignore = tuple(raw.get("ignored_layers") or ()) or _not_converted(raw) or ("lm_head",)
+    ignore = tuple(raw.get("ignored_layers") or ()) or not_converted(raw) or ("lm_head",)
     block = raw.get("weight_block_size")
     if block is not None:
         block = _block(block, "quantization_config.weight_block_size")
@@ -337,11 +328,11 @@ def _from_fbgemm(raw: dict[str, Any]) -> Fp8Scheme:
     if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 < bound < inf:
         raise QuantizationConfigError(f"quantization_config.activation_scale_ub must be a positive number, got "
                                       f"{bound!r}")
-    return Fp8Scheme("fbgemm_fp8", "channel", "token", None, _not_converted(raw) or ("lm_head",),
+    return Fp8Scheme("fbgemm_fp8", "channel", "token", None, not_converted(raw) or ("lm_head",),
                      activation_ub=float(bound))
 
 
-def _not_converted(raw: dict[str, Any]) -> tuple[str, ...]:
+def not_converted(raw: dict[str, Any]) -> tuple[str, ...]:
     """transformers' `modules_to_not_convert` as `re:` patterns with transformers' matching rule: a key matches
     from the start of a module name up to a module boundary ('model.layers.1' matches 'model.layers.1.mlp', not
     'model.layers.11'), as a regular expression with that boundary, or as a suffix ('lm_head')."""
@@ -358,145 +349,7 @@ def _not_converted(raw: dict[str, Any]) -> tuple[str, ...]:
     return patterns
 
 
-QUARK_FP8 = "fp8_e4m3"
-
-
-def _from_quark(raw: dict[str, Any]) -> Fp8Scheme:
-    where = "quantization_config"
-    export = _object(raw.get("export") or {}, f"{where}.export")
-    if export.get("weight_format", "real_quantized") != "real_quantized":
-        raise QuantizationConfigError(f"{where}.export.weight_format {export.get('weight_format')!r}: only "
-                                      "real_quantized exports (FP8 weights with their scales) are served")
-    if raw.get("layer_type_quant_config"):
-        raise QuantizationConfigError(f"{where}.layer_type_quant_config: per-layer-type schemes are not served")
-    if raw.get("softmax_quant_spec") is not None:
-        raise QuantizationConfigError(f"{where}.softmax_quant_spec: FP8 attention is not served")
-    _quark_algorithms(raw.get("algo_config"), f"{where}.algo_config")
-    weights, activations = _quark_layer(_object(raw.get("global_quant_config"), f"{where}.global_quant_config"),
-                                        f"{where}.global_quant_config")
-    kv_patterns = export.get("kv_cache_group") or []
-    kv_cache = None
-    for table in ("layer_quant_config", "kv_cache_quant_config"):
-        for pattern, layer in _object(raw.get(table) or {}, f"{where}.{table}").items():
-            field = f"{where}.{table}.{pattern}"
-            layer = _object(layer, field)
-            if _quark_layer(layer, field) != (weights, activations):
-                raise QuantizationConfigError(f"{field}: a scheme other than global_quant_config's is not served")
-            if layer.get("output_tensors") is not None:
-                if pattern not in kv_patterns:
-                    raise QuantizationConfigError(f"{field}.output_tensors: output quantisation outside the KV "
-                                                  "cache (export.kv_cache_group) is not served")
-                _quark_spec(layer["output_tensors"], f"{field}.output_tensors", "per_tensor", static=True)
-                kv_cache = KVCacheScheme("tensor")
-    excluded = raw.get("exclude") or []
-    if not isinstance(excluded, list) or not all(isinstance(p, str) and p for p in excluded):
-        raise QuantizationConfigError(f"{where}.exclude must be a list of module names or fnmatch patterns")
-    ignore = tuple(f"re:{fnmatch.translate(p)}" for p in excluded)
-    return Fp8Scheme("quark", weights, activations, None, ignore, kv_cache)
-
-
-# Quark's algorithms whose effect the export folds into the stored weights and norms (served as stored); a rotation
-# is too unless it rotates activations at run time (online R1, R3, R4), which this server does not do.
-QUARK_FOLDED_ALGORITHMS = ("smooth", "autosmoothquant", "awq", "gptq", "gptaq", "qronos", "autoround", "rotation")
-
-
-def _quark_algorithms(algorithms: Any, field: str) -> None:
-    entries = algorithms if isinstance(algorithms, list) else [] if algorithms in (None, {}) else [algorithms]
-    for entry in entries:
-        name = entry.get("name") if isinstance(entry, dict) else None
-        online = isinstance(entry, dict) and any(entry.get(k) for k in ("online_r1_rotation", "r3", "r4"))
-        if name not in QUARK_FOLDED_ALGORITHMS or online:
-            raise QuantizationConfigError(f"{field}: {name or entry!r}{' with online rotations' if online else ''} "
-                                          "changes the model at run time; served are the algorithms an export folds "
-                                          f"into its weights ({', '.join(QUARK_FOLDED_ALGORITHMS)})")
-
-
-def _quark_layer(layer: dict[str, Any], field: str) -> tuple[str, str]:
-    """A Quark layer config's (weight granularity, activation scheme)."""
-    if layer.get("bias") is not None:
-        raise QuantizationConfigError(f"{field}.bias: bias quantisation is not served")
-    if layer.get("weight") is None:
-        raise QuantizationConfigError(f"{field}.weight: a layer config without FP8 weights is not served")
-    if layer.get("input_tensors") is None:
-        raise QuantizationConfigError(f"{field}.input_tensors: weight-only FP8 is not served")
-    if layer.get("output_tensors") is not None and field.endswith("global_quant_config"):
-        raise QuantizationConfigError(f"{field}.output_tensors: output quantisation is not served")
-    weight = _quark_spec(layer["weight"], f"{field}.weight", "per_tensor", "per_channel", static=True)
-    if weight == "per_channel" and layer["weight"].get("ch_axis", 0) != 0:
-        raise QuantizationConfigError(f"{field}.weight.ch_axis {layer['weight'].get('ch_axis')!r}: per-channel "
-                                      "weight scales are per output row (ch_axis 0)")
-    inputs = layer["input_tensors"]
-    qscheme = _quark_spec(inputs, f"{field}.input_tensors", "per_tensor", "per_channel")
-    if not inputs.get("is_dynamic"):
-        if qscheme != "per_tensor":
-            raise QuantizationConfigError(f"{field}.input_tensors: static scales must be per tensor, got {qscheme!r}")
-        return ("tensor" if weight == "per_tensor" else "channel"), "static"
-    # Dynamic inputs are served per token: per_channel along the token axis is that, and per_tensor gets each
-    # row's own scale (at least as accurate, and fused into the kernels that produce the activation).
-    return ("tensor" if weight == "per_tensor" else "channel"), "token"
-
-
-def _quark_spec(spec: Any, field: str, *qschemes: str, static: bool = False) -> str:
-    spec = _object(spec, field)
-    if spec.get("dtype") != QUARK_FP8:
-        raise QuantizationConfigError(f"{field}.dtype {spec.get('dtype')!r}: only {QUARK_FP8} is served")
-    if spec.get("symmetric", True) is not True:
-        raise QuantizationConfigError(f"{field}.symmetric: asymmetric FP8 is not served")
-    if spec.get("qscheme") not in qschemes:
-        raise QuantizationConfigError(f"{field}.qscheme {spec.get('qscheme')!r}: served are {', '.join(qschemes)}")
-    if static and spec.get("is_dynamic"):
-        raise QuantizationConfigError(f"{field}.is_dynamic: these scales must be stored in the checkpoint")
-    return spec["qscheme"]
-
-
-def _object(value: Any, field: str) -> dict[str, Any]:
+def config_object(value: Any, field: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise QuantizationConfigError(f"{field} must be an object")
     return value
-
-
-TORCHAO_FP8 = "Float8DynamicActivationFloat8WeightConfig"
-TORCHAO_GRANULARITIES = {"PerRow": "channel", "PerTensor": "tensor"}
-
-
-def _from_torchao(raw: dict[str, Any]) -> Fp8Scheme:
-    """transformers' TorchAoConfig as it serialises a torchao config: {"_type": class name, "_data": fields}."""
-    where = "quantization_config.quant_type"
-    quant_type = raw.get("quant_type")
-    if isinstance(quant_type, dict) and "_type" not in quant_type:
-        if set(quant_type) != {"default"}:
-            raise QuantizationConfigError(f"{where}: per-module torchao configs ({', '.join(map(str, quant_type))}) "
-                                          "are not served; one `default` config is")
-        quant_type, where = quant_type["default"], f"{where}.default"
-    config = _object(quant_type, where)
-    if config.get("_type") != TORCHAO_FP8:
-        raise QuantizationConfigError(f"{where}._type {config.get('_type')!r}: of torchao's configs only "
-                                      f"{TORCHAO_FP8} (FP8 weights and dynamic FP8 activations) is served")
-    data = _object(config.get("_data"), f"{where}._data")
-    for field in ("activation_dtype", "weight_dtype"):
-        dtype = _torchao_value(data.get(field, "float8_e4m3fn"))
-        if dtype != "float8_e4m3fn":
-            raise QuantizationConfigError(f"{where}._data.{field} {dtype!r}: only float8_e4m3fn is served")
-    if data.get("activation_value_lb") is not None:
-        raise QuantizationConfigError(f"{where}._data.activation_value_lb: a lower bound on activation scales is "
-                                      "not served")
-    granularity = data.get("granularity") or {"_type": "PerTensor"}
-    granularity = granularity if isinstance(granularity, list) else [granularity, granularity]
-    kinds = {g.get("_type") if isinstance(g, dict) else g for g in granularity}
-    if len(granularity) != 2 or len(kinds) != 1 or not kinds <= set(TORCHAO_GRANULARITIES):
-        raise QuantizationConfigError(f"{where}._data.granularity {granularity!r}: served are PerRow and PerTensor, "
-                                      "the same for activations and weights")
-    weights = TORCHAO_GRANULARITIES[kinds.pop()]
-    if raw.get("include_input_output_embeddings"):
-        raise QuantizationConfigError("quantization_config.include_input_output_embeddings: the embeddings and the "
-                                      "LM head are served in the model dtype")
-    bound = data.get("activation_value_ub")
-    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 < bound < inf):
-        raise QuantizationConfigError(f"{where}._data.activation_value_ub must be a positive number, got {bound!r}")
-    return Fp8Scheme("torchao", weights, "token", None, _not_converted(raw) + ("lm_head",),
-                     activation_ub=None if bound is None else float(bound))
-
-
-def _torchao_value(value: Any) -> Any:
-    """A serialised torchao field's value: {"_type": ..., "_data": value} or the plain value."""
-    return value.get("_data") if isinstance(value, dict) else value
