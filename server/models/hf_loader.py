@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from metronome.contract.errors import ModelNotFoundError
 from metronome.server.models.config import ModelConfig
 from metronome.server.models.hf_config import config_from_hf_dict
+
+T = TypeVar("T")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -41,26 +43,21 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def hf_tensor_names(folder: Path) -> list[str]:
     """Every tensor name of the folder's safetensors files, from their headers (no tensor is read)."""
-    from safetensors import safe_open
-
-    names: list[str] = []
-    for path in safetensors_files(folder):
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                names += handle.keys()
-        except (OSError, RuntimeError, ValueError) as error:
-            raise ModelNotFoundError(f"cannot read {path}: {error}") from None
-    return names
+    return list(_from_each_file(folder, lambda handle: handle.keys()))
 
 
 def hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) for every tensor of every safetensors file, one tensor in memory at a time."""
+    return _from_each_file(folder, lambda handle: ((name, handle.get_tensor(name)) for name in handle.keys()))
+
+
+def _from_each_file(folder: Path, take: Callable[[Any], Iterable[T]]) -> Iterator[T]:
+    """What `take` reads from each safetensors file's open handle, a file's read errors as ModelNotFoundError."""
     from safetensors import safe_open
 
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as handle:
-                for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                yield from take(handle)
         except (OSError, RuntimeError, ValueError) as error:  # safetensors raises SafetensorError(RuntimeError-like)
             raise ModelNotFoundError(f"cannot read {path}: {error}") from None
