@@ -419,11 +419,21 @@ def test_the_wide_tiles_give_way_where_their_last_wave_is_mostly_empty():
 
 
 def test_the_skinny_tiles_by_weight_width():
-    from metronome.kernels.triton_fp8_skinny import DEFAULT_TILES, WIDE_TILES, WIDE_TILES_FEW_ROWS, choose_tiles
+    from metronome.kernels.triton_fp8_skinny import (
+        DEFAULT_TILES,
+        SPLIT_TILES,
+        WIDE_TILES,
+        WIDE_TILES_FEW_ROWS,
+        choose_tiles,
+    )
 
     # Llama-3-8B on an H200 (132 SMs): qkv, o and down stay under one wave of programs, gate_up spans several
-    for n in (6144, 4096):
-        assert {choose_tiles(n, m, 132) for m in (1, 16, 64)} == {DEFAULT_TILES}
-    assert [choose_tiles(28672, m, 132) for m in (1, 16, 17, 64)] == [WIDE_TILES_FEW_ROWS] * 2 + [WIDE_TILES] * 2
-    assert choose_tiles(28672, 1, 264) == DEFAULT_TILES  # twice the SMs: the same weight is narrow again
+    for n, k in ((6144, 4096), (4096, 4096)):
+        assert {choose_tiles(n, k, m, 132) for m in (1, 16, 64)} == {DEFAULT_TILES}
+    assert [choose_tiles(28672, 4096, m, 132) for m in (1, 16, 17, 64)] == [WIDE_TILES_FEW_ROWS] * 2 + [WIDE_TILES] * 2
+    assert choose_tiles(28672, 4096, 1, 264) == DEFAULT_TILES  # twice the SMs: the same weight is narrow again
+    # down_proj (K = 3.5 N) splits its K range over two programs above 32 rows, while the split fits one wave
+    assert [choose_tiles(4096, 14336, m, 132) for m in (1, 16, 32, 33, 64)] == [DEFAULT_TILES] * 3 + [SPLIT_TILES] * 2
+    assert choose_tiles(8192, 28672, 64, 132) == DEFAULT_TILES  # 128 column tiles: two programs each would not fit
+    assert SPLIT_TILES.split_k == 2
     assert WIDE_TILES.num_stages < DEFAULT_TILES.num_stages

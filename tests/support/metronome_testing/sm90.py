@@ -143,7 +143,7 @@ def fp8_decode_layer(rows: int, epilogues: frozenset[str] = frozenset(), shapes:
 
     def skinny(x, scale, n: int, k: int) -> torch.Tensor:
         w, w_scale = weight(n, k)
-        return fp8_skinny_matmul(x, scale, w, w_scale, bf16, tiles=choose_tiles(n, rows, SM_COUNT))
+        return fp8_skinny_matmul(x, scale, w, w_scale, bf16, tiles=choose_tiles(n, k, rows, SM_COUNT))
 
     residual, delta = torch.zeros(rows, hidden, dtype=bf16), torch.zeros(rows, hidden, dtype=bf16)
     norm_weight = torch.ones(hidden, dtype=bf16)
@@ -156,7 +156,8 @@ def fp8_decode_layer(rows: int, epilogues: frozenset[str] = frozenset(), shapes:
     kv_scales = {"k_scale": torch.ones(kv_heads), "v_scale": torch.ones(kv_heads)}
     if "rope" in epilogues:
         w, w_scale = weight(qkv_rows, hidden)
-        fp8_skinny_qkv_rope(x, x_scale, w, w_scale, *where, tiles=choose_tiles(qkv_rows, rows, SM_COUNT), **kv_scales)
+        fp8_skinny_qkv_rope(x, x_scale, w, w_scale, *where, tiles=choose_tiles(qkv_rows, hidden, rows, SM_COUNT),
+                            **kv_scales)
     else:
         rope_write_kv(skinny(x, x_scale, qkv_rows, hidden), *where, **kv_scales)
     attention_out = torch.zeros(rows, heads * dim, dtype=bf16)
@@ -165,8 +166,10 @@ def fp8_decode_layer(rows: int, epilogues: frozenset[str] = frozenset(), shapes:
     up, up_scale = weight(2 * inter, hidden)
     down, down_scale = weight(hidden, inter)
     if "mlp" in epilogues:
-        h, amax = fp8_skinny_gated(x, x_scale, up, up_scale, bf16, tiles=choose_tiles(2 * inter, rows, SM_COUNT))
-        fp8_skinny_deferred(h, amax, down, down_scale, tiles=choose_tiles(hidden, rows, SM_COUNT))
+        up_tiles = choose_tiles(2 * inter, hidden, rows, SM_COUNT)
+        h, amax = fp8_skinny_gated(x, x_scale, up, up_scale, bf16, tiles=up_tiles)
+        fp8_skinny_deferred(h, amax, down, down_scale, tiles=choose_tiles(hidden, inter, rows, SM_COUNT))
     else:
-        gate_up = fp8_skinny_matmul(x, x_scale, up, up_scale, bf16, tiles=choose_tiles(2 * inter, rows, SM_COUNT))
+        up_tiles = choose_tiles(2 * inter, hidden, rows, SM_COUNT)
+        gate_up = fp8_skinny_matmul(x, x_scale, up, up_scale, bf16, tiles=up_tiles)
         skinny(*silu_mul_fp8(gate_up), hidden, inter)
