@@ -12,13 +12,6 @@ Scales multiply once after the K loop: the weight's per output row (0-d or [N]) 
 (0-d or [M]); the FP8 products are exact in the fp32 accumulator, so the result is the emulated FP8 math
 (quant/fp8_linear.emulated_linear) up to summation order. M is a run-time argument: a new batch size within one
 row tile never compiles a new variant.
-
-A gated MLP at decode batches can skip its SiLU·mul launch (at batch 1 on the H200 one program of 14,336 columns,
-7.2 us a layer: docs/perf/fp8-h200.md): `fp8_skinny_gated` streams the gate and up rows of each output column in
-one program and writes silu(gate) * up in the model dtype, with each row's largest magnitude over its columns;
-`fp8_skinny_deferred` (the down projection) takes those partial maxima, forms the per-token scales quantize_fp8
-would, and quantises its activation tiles in registers as it streams. Every value is rounded where the separate
-kernels round it, so the codes and scales are theirs.
 """
 from __future__ import annotations
 
@@ -29,8 +22,6 @@ import triton
 import triton.language as tl
 
 from .triton_attention import require_runnable, sm_count
-from .triton_fp8 import _fp8_of, _scale_of, ub_arg
-from .triton_fused import _rotated, _rounded, _silu_mul
 
 MAX_ROWS = 64  # beyond this the activation tile stops being "skinny": the general FP8 GEMMs take over
 
@@ -41,7 +32,7 @@ class SkinnyTiles:
     block_k: int  # weight columns per pipeline stage
     num_warps: int
     num_stages: int
-    split_k: int = 1  # programs a column tile's K range is split over (plain products only)
+    split_k: int = 1  # programs a column tile's K range is split over
 
 
 # From an H200 sweep of 32 tile shapes per Llama-3-8B linear shape at 1, 16 and 64 rows (hack/fp8_gemm_bench.py
@@ -62,8 +53,6 @@ WIDE_WAVES = 2  # programs of DEFAULT_TILES per SM from which a weight counts as
 SPLIT_TILES = SkinnyTiles(block_n=64, block_k=256, num_warps=4, num_stages=6, split_k=2)
 SPLIT_ROWS = 32  # split K above this many activation rows
 LONG_K = 2  # ... for weights with K at least this many times N
-PARTIALS_CHUNK = 64  # partial amaxes a deferred program reduces per step
-SHARED_BUDGET = 200 * 1024  # bytes of pipeline stages a program may keep (Hopper: 227 KB a block)
 
 
 def choose_tiles(n: int, k: int, m: int, sm_count: int) -> SkinnyTiles:
@@ -97,18 +86,14 @@ def _scaled_rows(acc, ws_ptr, xs, rows, n_mask, bias_ptr, W_SCALAR: tl.constexpr
 
 
 @triton.jit
-def _stream(w_ptr, x_ptr, pair_rows, offs_n, n_mask, offs_m, m_mask, x_scale, K, k_first, k_last, stride_wn,
-            stride_xm, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-            PAIRED: tl.constexpr, X_DEFERRED: tl.constexpr):
-    """The K loop over K tiles [k_first, k_last): weight rows offs_n (and, PAIRED, the rows pair_rows further on)
-    against the activation rows offs_m; an activation in the model dtype (X_DEFERRED) is quantised with x_scale
-    [BLOCK_M] tile by tile. Returns the fp32 accumulators [BLOCK_N, BLOCK_M] of both row sets (the second zero
-    unless PAIRED)."""
+def _stream(w_ptr, x_ptr, offs_n, n_mask, offs_m, m_mask, K, k_first, k_last, stride_wn, stride_xm,
+            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The K loop over K tiles [k_first, k_last): weight rows offs_n against the activation rows offs_m. Returns
+    the fp32 accumulator [BLOCK_N, BLOCK_M]."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_first * BLOCK_K + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k_first * BLOCK_K + offs_k)[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_pair = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(k_first, k_last):
         if EVEN_K:
             w_mask = n_mask[:, None]
@@ -117,16 +102,11 @@ def _stream(w_ptr, x_ptr, pair_rows, offs_n, n_mask, offs_m, m_mask, x_scale, K,
             k_mask = offs_k < K - kb * BLOCK_K
             w_mask = n_mask[:, None] & k_mask[None, :]
             x_mask = m_mask[None, :] & k_mask[:, None]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if X_DEFERRED:
-            x = _fp8_of(x.to(tl.float32), x_scale[None, :])
-        acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), x, acc, out_dtype=tl.float32)
-        if PAIRED:
-            acc_pair = tl.dot(tl.load(w_ptrs + pair_rows, mask=w_mask, other=0.0), x, acc_pair,
-                              out_dtype=tl.float32)
+        acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.load(x_ptrs, mask=x_mask, other=0.0), acc,
+                     out_dtype=tl.float32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    return acc, acc_pair
+    return acc
 
 
 @triton.jit
@@ -158,11 +138,10 @@ def _split_k_sum(acc, partials_ptr, arrivals_ptr, tile, split, SPLIT_K: tl.const
 
 
 @triton.jit
-def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, amax_ptr, amax_ub, M, N, K, P, up_rows,
-                partials_ptr, arrivals_ptr, stride_wn, stride_xm, stride_om, BLOCK_N: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_SCALAR: tl.constexpr,
-                X_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, X_DEFERRED: tl.constexpr,
-                P_CHUNK: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr, SPLIT_K: tl.constexpr):
+def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, M, N, K, partials_ptr, arrivals_ptr, stride_wn,
+                stride_xm, stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, W_SCALAR: tl.constexpr, X_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SPLIT_K: tl.constexpr):
     tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -172,141 +151,48 @@ def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, amax_ptr, amax_
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if X_DEFERRED:  # x's per-token scales from the P partial amaxes its producer left: max is exact in any order
-        offs_p = tl.arange(0, P_CHUNK)
-        for start in range(0, P, P_CHUNK):
-            parts = tl.load(amax_ptr + offs_m[:, None] * P + start + offs_p[None, :],
-                            mask=m_mask[:, None] & (start + offs_p < P)[None, :], other=0.0)
-            x_scale = tl.maximum(x_scale, tl.max(parts, 1))
-        x_scale = _scale_of(x_scale, amax_ub)
-    acc, acc_up = _stream(w_ptr, x_ptr, up_rows, offs_n, n_mask, offs_m, m_mask, x_scale, K, k_first, k_last,
-                          stride_wn, stride_xm, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K, GATED, X_DEFERRED)
+    acc = _stream(w_ptr, x_ptr, offs_n, n_mask, offs_m, m_mask, K, k_first, k_last, stride_wn, stride_xm, BLOCK_N,
+                  BLOCK_M, BLOCK_K, EVEN_K)
     if SPLIT_K > 1:
         acc, finish = _split_k_sum(acc, partials_ptr, arrivals_ptr, tile, split, SPLIT_K, BLOCK_N, BLOCK_M)
     else:
         finish = True
     if finish:
-        if X_DEFERRED:
-            xs = x_scale[None, :]
-        else:
-            xs = _activation_scales(xs_ptr, offs_m, m_mask, X_SCALAR)
+        xs = _activation_scales(xs_ptr, offs_m, m_mask, X_SCALAR)
         acc = _scaled_rows(acc, ws_ptr, xs, offs_n, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
-        out_mask = m_mask[None, :] & n_mask[:, None]
-        if GATED:  # silu(gate) * up as silu_mul_fp8 computes it from the stored gate_up, and each row's partial amax
-            up = _scaled_rows(acc_up, ws_ptr, xs, offs_n + N, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
-            if ROUND:
-                acc, up = _rounded(acc, BF16), _rounded(up, BF16)
-            acc = _silu_mul(acc, up, ROUND, BF16)
-            tl.store(amax_ptr + offs_m * P + tile, tl.max(tl.where(out_mask, tl.abs(acc), 0.0), 0), mask=m_mask)
         out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
 
 
-@triton.jit
-def _to_cache(x, cache_ptr, scale_ptr, kv_head, slot, offs_d, m_mask, stride_cb, stride_ct, stride_ch,
-              PAGE: tl.constexpr, KV_FP8: tl.constexpr):
-    """x [BLOCK_N dims, BLOCK_M tokens] of one kv head into the paged cache at each token's slot (none below 0)."""
-    block = (slot // PAGE).to(tl.int64)
-    dst = cache_ptr + block[None, :] * stride_cb + (slot % PAGE)[None, :] * stride_ct + kv_head * stride_ch
-    mask = (m_mask & (slot >= 0))[None, :]
-    if KV_FP8:
-        tl.store(dst + offs_d[:, None], _fp8_of(x, tl.load(scale_ptr + kv_head)), mask=mask)
-    else:
-        tl.store(dst + offs_d[:, None], x.to(cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _fp8_skinny_rope(w_ptr, x_ptr, ws_ptr, xs_ptr, bias_ptr, M, K, stride_wn, stride_xm, positions_ptr, slot_ptr,
-                     cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_qo,
-                     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-                     N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     W_SCALAR: tl.constexpr, X_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr,
-                     BF16: tl.constexpr, KV_FP8: tl.constexpr):
-    # a program takes BLOCK_N dims of a head's first half and the same dims of its second half: the pairs rope
-    # turns together, so q and k leave rotated and k, v go straight to the cache
-    HALF: tl.constexpr = HEAD_DIM // 2
-    pid = tl.program_id(0)
-    head = pid // (HALF // BLOCK_N)
-    offs_d = (pid % (HALF // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = head * HEAD_DIM + offs_d
-    n_mask = offs_d < HALF
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    lo, hi = _stream(w_ptr, x_ptr, HALF * stride_wn, offs_n, n_mask, offs_m, m_mask, x_scale, K, 0,
-                     tl.cdiv(K, BLOCK_K), stride_wn, stride_xm, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K, True, False)
-    xs = _activation_scales(xs_ptr, offs_m, m_mask, X_SCALAR)
-    lo = _scaled_rows(lo, ws_ptr, xs, offs_n, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
-    hi = _scaled_rows(hi, ws_ptr, xs, offs_n + HALF, n_mask, bias_ptr, W_SCALAR, HAS_BIAS)
-    if ROUND:  # the projection as the plain kernel stores it
-        lo, hi = _rounded(lo, BF16), _rounded(hi, BF16)
-    if head < N_HEADS + N_KV_HEADS:  # q or k: rotated by each token's position
-        pos = tl.load(positions_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        table = pos[None, :] * HALF + offs_d[:, None]
-        cos = tl.load(cos_ptr + table, mask=m_mask[None, :], other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + table, mask=m_mask[None, :], other=0.0).to(tl.float32)
-        lo, hi = _rotated(lo, hi, cos, sin, -1.0, ROUND, BF16), _rotated(hi, lo, cos, sin, 1.0, ROUND, BF16)
-    if head < N_HEADS:
-        q_ptrs = q_out_ptr + offs_m[None, :].to(tl.int64) * stride_qo + head * HEAD_DIM + offs_d[:, None]
-        tl.store(q_ptrs, lo.to(q_out_ptr.dtype.element_ty), mask=m_mask[None, :])
-        tl.store(q_ptrs + HALF, hi.to(q_out_ptr.dtype.element_ty), mask=m_mask[None, :])
-    else:
-        slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1)
-        if head < N_HEADS + N_KV_HEADS:
-            if ROUND:  # rotated k in the model dtype before its FP8 code, as rope_write_kv holds it
-                lo, hi = _rounded(lo, BF16), _rounded(hi, BF16)
-            kv_head = head - N_HEADS
-            _to_cache(lo, k_cache_ptr, k_scale_ptr, kv_head, slot, offs_d, m_mask, stride_kcb, stride_kct,
-                      stride_kch, PAGE, KV_FP8)
-            _to_cache(hi, k_cache_ptr, k_scale_ptr, kv_head, slot, offs_d + HALF, m_mask, stride_kcb, stride_kct,
-                      stride_kch, PAGE, KV_FP8)
-        else:
-            kv_head = head - N_HEADS - N_KV_HEADS
-            _to_cache(lo, v_cache_ptr, v_scale_ptr, kv_head, slot, offs_d, m_mask, stride_vcb, stride_vct,
-                      stride_vch, PAGE, KV_FP8)
-            _to_cache(hi, v_cache_ptr, v_scale_ptr, kv_head, slot, offs_d + HALF, m_mask, stride_vcb, stride_vct,
-                      stride_vch, PAGE, KV_FP8)
-
-
-def _check_operands(x: torch.Tensor, w: torch.Tensor, w_rows: int, x_dtypes: tuple[torch.dtype, ...], what: str
-                    ) -> None:
+def _check_operands(x: torch.Tensor, w: torch.Tensor) -> None:
     m, k = x.shape
-    if w.shape != (w_rows, k) or x.dtype not in x_dtypes or w.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"{what} needs x [M, K] in {' or '.join(map(str, x_dtypes))} and an e4m3 w [{w_rows}, K], "
-                         f"got {tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
+    if w.shape[1] != k or x.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_skinny_matmul needs e4m3 x [M, K] and w [N, K], got {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(w.shape)} {w.dtype}")
     if m > MAX_ROWS:
-        raise ValueError(f"{what} takes at most {MAX_ROWS} rows, got {m}")
+        raise ValueError(f"fp8_skinny_matmul takes at most {MAX_ROWS} rows, got {m}")
     if x.stride(-1) != 1 or w.stride(-1) != 1:
-        raise ValueError(f"{what} needs x and w with contiguous rows")
+        raise ValueError("fp8_skinny_matmul needs x and w with contiguous rows")
     require_runnable(x.device)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, w_scale: torch.Tensor, n: int, *,
-            x_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, amax: torch.Tensor | None = None,
-            amax_ub: float | None = None, gated: bool = False, tiles: SkinnyTiles) -> None:
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor,
+            bias: torch.Tensor | None, tiles: SkinnyTiles) -> None:
     m, k = x.shape
-    if w_scale.numel() not in (1, w.shape[0]) or x_scale is not None and x_scale.numel() not in (1, m):
+    n = w.shape[0]
+    if w_scale.numel() not in (1, n) or x_scale.numel() not in (1, m):
         raise ValueError("fp8_skinny scales must be one value or one per row of x / per row of w")
-    deferred = x_scale is None
-    dtype = out.dtype
     column_tiles = triton.cdiv(n, tiles.block_n)
     partials = arrivals = w_scale  # not read without a split
     if tiles.split_k > 1:
-        if gated or deferred:
-            raise ValueError("fp8_skinny splits K for plain products only")
         partials = torch.empty(column_tiles * tiles.split_k * tiles.block_n * row_tile(m), dtype=torch.float32,
                                device=x.device)
         arrivals = arrival_counts(x.device, column_tiles)
     _fp8_skinny[(column_tiles * tiles.split_k,)](
-        w, x, out, w_scale, x_scale if x_scale is not None else w_scale, bias if bias is not None else w_scale,
-        amax if amax is not None else w_scale, ub_arg(amax_ub), m, n, k, amax.shape[1] if amax is not None else 0,
-        n * w.stride(0), partials, arrivals, w.stride(0), x.stride(0), out.stride(0),
-        BLOCK_N=tiles.block_n, BLOCK_M=row_tile(m), BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0,
-        W_SCALAR=w_scale.numel() == 1, X_SCALAR=not deferred and x_scale.numel() == 1, HAS_BIAS=bias is not None,
-        GATED=gated, X_DEFERRED=deferred, P_CHUNK=PARTIALS_CHUNK, ROUND=dtype in (torch.bfloat16, torch.float16),
-        BF16=dtype == torch.bfloat16, SPLIT_K=tiles.split_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        w, x, out, w_scale, x_scale, bias if bias is not None else w_scale, m, n, k, partials, arrivals,
+        w.stride(0), x.stride(0), out.stride(0), BLOCK_N=tiles.block_n, BLOCK_M=row_tile(m), BLOCK_K=tiles.block_k,
+        EVEN_K=k % tiles.block_k == 0, W_SCALAR=w_scale.numel() == 1, X_SCALAR=x_scale.numel() == 1,
+        HAS_BIAS=bias is not None, SPLIT_K=tiles.split_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
 
@@ -337,96 +223,8 @@ def fp8_skinny_matmul(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w
                       tiles: SkinnyTiles | None = None) -> torch.Tensor:
     """x [M, K] e4m3 (M <= MAX_ROWS) @ w [N, K]^T e4m3 → [M, N] in out_dtype; x_scale 0-d or per row ([M] or
     [M, 1]), w_scale 0-d or per output row ([N]); tiles: choose_tiles' unless given."""
-    _check_operands(x, w, w.shape[0], (torch.float8_e4m3fn,), "fp8_skinny_matmul")
+    _check_operands(x, w)
     out = torch.empty((x.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
     if x.shape[0]:
-        _launch(x, w, out, w_scale, w.shape[0], x_scale=x_scale, bias=bias, tiles=_tiles(x, w.shape[0], tiles))
+        _launch(x, w, out, w_scale, x_scale, bias, _tiles(x, w.shape[0], tiles))
     return out
-
-
-def fp8_skinny_gated(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                     out_dtype: torch.dtype, bias: torch.Tensor | None = None, tiles: SkinnyTiles | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A gated MLP's first half in one launch: x [M, K] e4m3 @ w [2I, K]^T (gate rows, then up rows) with silu(gate)
-    * up as the epilogue, each rounded as silu_mul_fp8 rounds them from the stored product. Returns (h [M, I] in
-    out_dtype, amax [M, P]): each row's largest |h| per program, for fp8_skinny_deferred to take h's per-token
-    scales from. tiles: the plain product's (choose_tiles for 2I rows), of which each half takes block_n / 2."""
-    m, _ = x.shape
-    inter = w.shape[0] // 2
-    _check_operands(x, w, 2 * inter, (torch.float8_e4m3fn,), "fp8_skinny_gated")
-    plain = _tiles(x, 2 * inter, tiles)
-    half = SkinnyTiles(max(16, plain.block_n // 2), plain.block_k, plain.num_warps, plain.num_stages)
-    h = torch.empty((m, inter), dtype=out_dtype, device=x.device)
-    amax = torch.empty((m, triton.cdiv(inter, half.block_n)), dtype=torch.float32, device=x.device)
-    if m:
-        _launch(x, w, h, w_scale, inter, x_scale=x_scale, bias=bias, amax=amax, gated=True, tiles=half)
-    return h, amax
-
-
-def fp8_skinny_deferred(h: torch.Tensor, amax: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                        bias: torch.Tensor | None = None, amax_ub: float | None = None,
-                        tiles: SkinnyTiles | None = None) -> torch.Tensor:
-    """h [M, K] in the model dtype @ w [N, K]^T e4m3 → [M, N] in h's dtype, h quantised per token inside the K loop
-    with the scale its partial amaxes give ([M, P] from fp8_skinny_gated; bounded by amax_ub): the codes and scales
-    quantize_fp8 would produce, without its launch or a store of them."""
-    m, _ = h.shape
-    _check_operands(h, w, w.shape[0], (torch.bfloat16, torch.float16, torch.float32), "fp8_skinny_deferred")
-    if amax.shape[0] != m or amax.dtype != torch.float32 or amax.stride(-1) != 1:
-        raise ValueError(f"fp8_skinny_deferred needs float32 partial amaxes [{m}, P], got {tuple(amax.shape)} "
-                         f"{amax.dtype}")
-    out = torch.empty((m, w.shape[0]), dtype=h.dtype, device=h.device)
-    if m:
-        plain = _tiles(h, w.shape[0], tiles)
-        # the activation tile is h.element_size() times an FP8 one: fewer stages where they would outgrow the
-        # shared memory a block may hold (a stage per 64 rows of bf16 is 48 KB at these tiles)
-        stage = plain.block_k * (plain.block_n + row_tile(m) * h.element_size())
-        fitted = SkinnyTiles(plain.block_n, plain.block_k, plain.num_warps,
-                             max(1, min(plain.num_stages, SHARED_BUDGET // stage)))
-        _launch(h, w, out, w_scale, w.shape[0], bias=bias, amax=amax.contiguous(), amax_ub=amax_ub, tiles=fitted)
-    return out
-
-
-def fp8_skinny_qkv_rope(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                        positions: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-                        q_out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                        tiles: SkinnyTiles | None = None) -> torch.Tensor:
-    """The qkv projection with rope and the KV write as its epilogue: x [M, K] e4m3 @ w [(H + 2 KVH) * D, K]^T →
-    rotated q [M, H, D] (into q_out if given) in the cache's model dtype, rotated k and v into the paged cache at
-    slot_mapping [M], every value rounded where the small-M GEMM and rope_write_kv round it (their arguments'
-    conventions). Full rotary only (cos / sin [P, D / 2]); no QK-norm. tiles: the plain product's, of which each
-    half of a head takes block_n / 2."""
-    m = x.shape[0]
-    head_dim = k_cache.shape[-1]
-    half = head_dim // 2
-    n = (num_heads + 2 * num_kv_heads) * head_dim
-    _check_operands(x, w, n, (torch.float8_e4m3fn,), "fp8_skinny_qkv_rope")
-    dtype = cos.dtype
-    if cos.shape[-1] != half or sin.shape != cos.shape or half % 16:
-        raise ValueError(f"fp8_skinny_qkv_rope needs full-rotary tables [P, {half}] and a head_dim divisible by 32")
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if kv_fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("an FP8 KV cache needs k_scale and v_scale")
-    if q_out is None:
-        q_out = torch.empty((m, num_heads, head_dim), dtype=dtype, device=x.device)
-    if q_out.stride(-1) != 1 or q_out.stride(1) != head_dim or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("fp8_skinny_qkv_rope needs contiguous heads in q_out and the KV cache")
-    if m == 0:
-        return q_out
-    plain = _tiles(x, n, tiles)
-    block_n = max(16, plain.block_n // 2)  # rows of each half of a head: the plain tile's bytes a stage
-    while half % block_n:
-        block_n //= 2
-    _fp8_skinny_rope[(n // (2 * block_n),)](
-        w, x, w_scale, x_scale, bias if bias is not None else w_scale, m, x.shape[1], w.stride(0), x.stride(0),
-        positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, k_scale if kv_fp8 else w_scale,
-        v_scale if kv_fp8 else w_scale, q_out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        N_HEADS=num_heads, N_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-        BLOCK_M=row_tile(m), BLOCK_K=plain.block_k, EVEN_K=x.shape[1] % plain.block_k == 0,
-        W_SCALAR=w_scale.numel() == 1, X_SCALAR=x_scale.numel() == 1, HAS_BIAS=bias is not None,
-        ROUND=dtype in (torch.bfloat16, torch.float16), BF16=dtype == torch.bfloat16, KV_FP8=kv_fp8,
-        num_warps=plain.num_warps, num_stages=plain.num_stages,
-    )
-    return q_out

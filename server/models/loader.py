@@ -223,7 +223,7 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
     started = time.perf_counter()
     reader = _SOURCE_READERS[source.kind](source)
     config = reader.config()
-    scheme, gemm, epilogues = _quantization(reader, config, quantization, tensor_parallel)
+    scheme, gemm = _quantization(reader, config, quantization, tensor_parallel)
     # The tokenizer (transformers' import, the vocabulary) builds on a second thread while the weights load: both
     # are on a cold start's critical path and the weights' torch ops release the GIL.
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="metronome-load-tokenizer")
@@ -249,7 +249,7 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
             else:
                 from metronome.server.models.quant.loading import load_quantized
 
-                load_quantized(model, config, scheme, weights, gemm, epilogues)
+                load_quantized(model, config, scheme, weights, gemm)
         except ValueError as error:
             if isinstance(error, ModelNotFoundError):
                 raise
@@ -266,24 +266,22 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
 
 
 def _quantization(reader, config: ModelConfig, requested: str | None, tensor_parallel: TPContext | None
-                  ) -> tuple[Fp8Scheme | None, str, frozenset[str]]:
-    """The FP8 scheme to load with (the checkpoint's, or on the fly when requested), the CUDA GEMM choice and the
-    decode-batch epilogues chosen."""
-    from metronome.server.models.quant.cuda_gemm import epilogues_from_environment, gemm_from_environment
+                  ) -> tuple[Fp8Scheme | None, str]:
+    """The FP8 scheme to load with (the checkpoint's, or on the fly when requested) and the CUDA GEMM choice."""
+    from metronome.server.models.quant.cuda_gemm import gemm_from_environment
 
     try:
         scheme = resolve_scheme(reader.quantization_config(), requested)
         if scheme is not None and scheme.experts_follow_checkpoint and config.num_moe_layers:
             scheme = scheme.with_experts_stored(reader.tensor_names())
         gemm = gemm_from_environment() if scheme is not None else "auto"
-        epilogues = epilogues_from_environment() if scheme is not None else frozenset()
     except ValueError as error:
         if isinstance(error, ModelNotFoundError):
             raise
         raise InvalidRequestError(str(error), param="quantization") from None
     if scheme is not None and tensor_parallel is not None:
         raise InvalidRequestError("FP8 models are served at tensor_parallel_size 1", param="quantization")
-    return scheme, gemm, epilogues
+    return scheme, gemm
 
 
 class _RandomSource:

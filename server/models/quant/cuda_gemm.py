@@ -24,13 +24,6 @@ while `rowwise` is 4-22 % faster than the kernel's 128 x 128 tiles from 256 to 7
 A layer with a 0-d scale on both operands keeps the per-tensor `_scaled_mm`, faster than either.
 `METRONOME_FP8_GEMM=auto|skinny|rowwise|tensorwise|triton` picks one for benchmarking (read when a model is
 loaded); everything here is capturable in a CUDA graph.
-
-Epilogues for decode batches (up to EPILOGUE_ROWS rows), each the same values as the separate launches it
-replaces (kernels/triton_fp8_skinny.py), chosen by `METRONOME_FP8_EPILOGUES` (a comma list, read when a model is
-loaded; none by default until they are timed on a GPU against the launches they save):
-- `mlp` (`skinny_gated_mlp`): a SwiGLU MLP as two launches instead of three, SiLU·mul in the gate_up GEMM's
-  epilogue and the down projection quantising its input as it streams;
-- `rope` (`skinny_qkv_rope`): rope and the K/V cache write in the qkv GEMM's epilogue instead of their own launch.
 """
 from __future__ import annotations
 
@@ -40,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from metronome.kernels.fp8_tiles import LARGE_ROWS
-from metronome.server.models.quant.activation import ActivationQuant, Fp8Activation
+from metronome.server.models.quant.activation import Fp8Activation
 
 if TYPE_CHECKING:
     from metronome.server.models.quant.fp8_linear import Fp8Linear
@@ -49,11 +42,6 @@ GEMMS = ("auto", "skinny", "rowwise", "tensorwise", "triton")
 SKINNY_ROWS = 64  # `auto` takes the small-M kernel up to here
 TRITON_ROWS = LARGE_ROWS  # ... and the Triton kernel above here, where its 128 x 256 tiles start
 GEMM_ENV = "METRONOME_FP8_GEMM"
-EPILOGUES_ENV = "METRONOME_FP8_EPILOGUES"
-EPILOGUES = ("mlp", "rope")
-# up to here the down projection's activation tile (16 rows, padded) is a quarter of its weight tile, so quantising
-# it in registers hides under the weight stream; at 64 rows it would be as large as the weight tile
-EPILOGUE_ROWS = 16
 
 
 def gemm_from_environment() -> str:
@@ -61,13 +49,6 @@ def gemm_from_environment() -> str:
     if choice not in GEMMS:
         raise ValueError(f"{GEMM_ENV}={choice!r}: use one of {', '.join(GEMMS)}")
     return choice
-
-
-def epilogues_from_environment() -> frozenset[str]:
-    chosen = frozenset(part.strip().lower() for part in os.environ.get(EPILOGUES_ENV, "").split(",") if part.strip())
-    if not chosen <= set(EPILOGUES):
-        raise ValueError(f"{EPILOGUES_ENV}={os.environ[EPILOGUES_ENV]!r}: a comma list of {', '.join(EPILOGUES)}")
-    return chosen
 
 
 def per_token_path(choice: str, m: int, scalar_scales: bool = False) -> str:
@@ -112,38 +93,3 @@ def fp8_gemm(act: Fp8Activation, layer: Fp8Linear) -> torch.Tensor:
     if bias is not None:
         out.add_(bias)
     return out.to(act.dtype)
-
-
-def _takes_epilogue(act: Fp8Activation, *layers: Fp8Linear) -> bool:
-    """Whether act's rows are a decode batch that every layer multiplies on the small-M kernel."""
-    m = act.q.shape[0]
-    return (0 < m <= EPILOGUE_ROWS and act.group is None and act.q.shape[1] % 16 == 0
-            and all(layer.granularity != "block" and layer.out_features % 16 == 0
-                    and per_token_path(layer.gemm, m) == "skinny" for layer in layers))
-
-
-def skinny_gated_mlp(act: Fp8Activation, gate_up: Fp8Linear, down: Fp8Linear, down_quant: ActivationQuant
-                     ) -> torch.Tensor | None:
-    """down(silu(gate) * up) of act [M, K] in two launches where both layers take the small-M kernel at these rows
-    and the down projection quantises per token; None elsewhere (the caller runs the separate kernels)."""
-    from metronome.kernels.triton_fp8_skinny import fp8_skinny_deferred, fp8_skinny_gated
-
-    if not _takes_epilogue(act, gate_up, down) or down_quant.group is not None or down_quant.static_scale is not None:
-        return None
-    h, amax = fp8_skinny_gated(act.q, act.scale, gate_up.weight, gate_up.weight_scale, act.dtype, gate_up.bias)
-    return fp8_skinny_deferred(h, amax, down.weight, down.weight_scale, down.bias, down_quant.amax_ub)
-
-
-def skinny_qkv_rope(act: Fp8Activation, qkv: Fp8Linear, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                    num_heads: int, num_kv_heads: int, q_out: torch.Tensor | None,
-                    kv_scales: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """Rotated q [M, H, D] from act with rope and the K/V write in the qkv GEMM's epilogue, where the layer takes
-    the small-M kernel at these rows and rope turns whole heads (half a head a multiple of 16); None elsewhere."""
-    from metronome.kernels.triton_fp8_skinny import fp8_skinny_qkv_rope
-
-    head_dim = kv_cache[0].shape[-1]
-    if not _takes_epilogue(act, qkv) or 2 * cos.shape[-1] != head_dim or (head_dim // 2) % 16:
-        return None
-    return fp8_skinny_qkv_rope(act.q, act.scale, qkv.weight, qkv.weight_scale, positions, slot_mapping, cos, sin,
-                               kv_cache[0], kv_cache[1], num_heads, num_kv_heads, q_out, qkv.bias, **kv_scales)

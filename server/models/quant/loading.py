@@ -32,7 +32,6 @@ from metronome.server.models.quant.model_pass import (
     quantize_loaded_experts,
     store_fp8_experts,
     swap_linears,
-    use_epilogues,
 )
 from metronome.server.models.quant.scheme import Fp8Scheme
 
@@ -98,19 +97,16 @@ class Fp8Router:
 
 
 def load_quantized(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme,
-                   weights: Iterable[tuple[str, torch.Tensor]], gemm: str = "auto",
-                   epilogues: frozenset[str] = frozenset()) -> None:
+                   weights: Iterable[tuple[str, torch.Tensor]], gemm: str = "auto") -> None:
     """Load every tensor (FP8 shards through the router, the rest through model.load_weights), finalize the
-    FP8 layers (`gemm`: their CUDA GEMM choice), then fuse activation quantisation into their producers and
-    turn on the decode-batch `epilogues` chosen (cuda_gemm.EPILOGUES). On the fly, a mixture of experts' routed
-    experts are quantised per row once loaded."""
+    FP8 layers (`gemm`: their CUDA GEMM choice), then fuse activation quantisation into their producers. On the
+    fly, a mixture of experts' routed experts are quantised per row once loaded."""
     router = Fp8Router(model)
     model.load_weights(router.route(weights))
     router.finish(gemm)
     if not scheme.prequantized:
         quantize_loaded_experts(model)
     fuse_activation_quant(model, config)
-    use_epilogues(model, epilogues)
     model.fp8_kv_scales = router.kv_scales
     if router.kv_scales:
         log.info("checkpoint carries %d KV-cache scales", len(router.kv_scales))

@@ -1,6 +1,5 @@
 """Model passes for FP8: swap the decoder's linear layers for `Fp8Linear`s (before weights load), and after
-loading let the norms and the SiLU·mul that feed them hand over FP8 activations directly (fused kernels on CUDA),
-and, where chosen, run SiLU·mul or rope and the K/V write in the GEMMs' epilogues at decode batches.
+loading let the norms and the SiLU·mul that feed them hand over FP8 activations directly (fused kernels on CUDA).
 
 Only the decoder layers' linears (`model.layers.N.…`) are swapped: the embeddings and the LM head stay in the
 model dtype, as every FP8 checkpoint layout keeps them. A fused module (qkv_proj, gate_up_proj) takes its shard
@@ -14,13 +13,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from metronome.server.models.attention import Attention, KVCache
 from metronome.server.models.config import ModelConfig
 from metronome.server.models.layers import GatedMLP, RMSNorm
 from metronome.server.models.quant.activation import ActivationQuant, Fp8Activation
 from metronome.server.models.quant.fp8_linear import Fp8Linear
 from metronome.server.models.quant.scheme import Fp8Scheme, QuantizationConfigError
-from metronome.server.models.rope import RotaryEmbedding
 
 DECODER_PREFIX = "model.layers."
 
@@ -120,61 +117,19 @@ class Fp8OutputRMSNorm(RMSNorm):
 
 
 class Fp8OutputGatedMLP(GatedMLP):
-    """A SwiGLU MLP whose fused (CUDA) SiLU·mul quantises its output for the FP8 down projection; with
-    `gated_epilogue`, decode batches run SiLU·mul in the gate_up GEMM's epilogue instead
-    (cuda_gemm.skinny_gated_mlp)."""
+    """A SwiGLU MLP whose fused (CUDA) SiLU·mul quantises its output for the FP8 down projection."""
 
     output_quant: ActivationQuant
-    gated_epilogue: bool = False
 
     def forward(self, x: torch.Tensor | Fp8Activation, fused: bool = False) -> torch.Tensor:
         if not fused:
             return super().forward(x, fused)
         from metronome.kernels.triton_fused import silu_mul_fp8
 
-        if self.gated_epilogue and isinstance(x, Fp8Activation):
-            from metronome.server.models.quant.cuda_gemm import skinny_gated_mlp
-            out = skinny_gated_mlp(x, self.gate_up_proj, self.down_proj, self.output_quant)
-            if out is not None:
-                return out
         gate_up = self.gate_up_proj(x)
         how = self.output_quant
         q, scale = silu_mul_fp8(gate_up, how.group, how.static_scale, amax_ub=how.amax_ub)
         return self.down_proj(Fp8Activation(q, scale, gate_up.dtype, how.group))
-
-
-class Fp8RopeEpilogueAttention(Attention):
-    """Attention whose fused (CUDA) path, at decode batches, runs rope and the K/V write in the qkv GEMM's epilogue
-    (cuda_gemm.skinny_qkv_rope) instead of their own launch."""
-
-    def project_and_cache(self, x: torch.Tensor | Fp8Activation, positions: torch.Tensor,
-                          slot_mapping: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache, fused: bool,
-                          q_out: torch.Tensor | None = None) -> torch.Tensor:
-        if fused and isinstance(x, Fp8Activation):
-            from metronome.server.models.quant.cuda_gemm import skinny_qkv_rope
-            cos, sin = rotary.tables(x.q.device, x.dtype)
-            q = skinny_qkv_rope(x, self.qkv_proj, positions, slot_mapping, cos, sin, kv_cache, self.num_heads,
-                                self.num_kv_heads, q_out, self.kv_scales)
-            if q is not None:
-                return q
-        return super().project_and_cache(x, positions, slot_mapping, rotary, kv_cache, fused, q_out)
-
-
-def use_epilogues(model: nn.Module, epilogues: frozenset[str]) -> int:
-    """After fuse_activation_quant: the decode-batch epilogues chosen (cuda_gemm.EPILOGUES) for the layers they
-    fit: `mlp` for MLPs that hand their down projection FP8, `rope` for plain attention (no QK-norm) fed FP8 by
-    its norm. Returns how many modules now run one."""
-    changed = 0
-    for layer in model.model.layers:
-        if "mlp" in epilogues and type(layer.mlp) is Fp8OutputGatedMLP:
-            layer.mlp.gated_epilogue = True
-            changed += 1
-        attention = layer.self_attn
-        if ("rope" in epilogues and type(attention) is Attention and attention.q_norm is None
-                and type(layer.input_layernorm) is Fp8OutputRMSNorm and isinstance(attention.qkv_proj, Fp8Linear)):
-            attention.__class__ = Fp8RopeEpilogueAttention
-            changed += 1
-    return changed
 
 
 def fuse_activation_quant(model: nn.Module, config: ModelConfig) -> int:

@@ -116,60 +116,35 @@ LLAMA3_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "inter
 SM_COUNT = 132  # an H200's (and an H100 SXM's)
 
 
-def fp8_decode_layer(rows: int, epilogues: frozenset[str] = frozenset(), shapes: dict[str, int] = LLAMA3_8B
-                     ) -> None:
+def fp8_decode_layer(rows: int, shapes: dict[str, int] = LLAMA3_8B) -> None:
     """Launch every Triton kernel of one Llama-style decoder layer's FP8 decode step at `rows` tokens (FP8 weights,
     per-token activations, FP8 KV cache) except the attention itself (hack/attention_sass.py), on CPU tensors of
-    the layer's shapes, with the decode-batch `epilogues` given (cuda_gemm.EPILOGUES); the small-M GEMMs take the
-    tiles they get on `SM_COUNT` SMs. Meant for inside compiling_for_sm90()."""
+    the layer's shapes; the small-M GEMMs take the tiles they get on `SM_COUNT` SMs. Meant for inside
+    compiling_for_sm90()."""
     import torch
 
     from metronome.kernels.triton_fp8 import quantize_fp8
-    from metronome.kernels.triton_fp8_skinny import (
-        choose_tiles,
-        fp8_skinny_deferred,
-        fp8_skinny_gated,
-        fp8_skinny_matmul,
-        fp8_skinny_qkv_rope,
-    )
+    from metronome.kernels.triton_fp8_skinny import choose_tiles, fp8_skinny_matmul
     from metronome.kernels.triton_fused import add_rms_norm_fp8, rope_write_kv, silu_mul_fp8
 
     hidden, heads, kv_heads, dim, inter = (shapes[k] for k in ("hidden", "heads", "kv_heads", "head_dim",
                                                                "intermediate"))
     e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
 
-    def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros(n, k, dtype=e4m3), torch.ones(n)
-
     def skinny(x, scale, n: int, k: int) -> torch.Tensor:
-        w, w_scale = weight(n, k)
+        w, w_scale = torch.zeros(n, k, dtype=e4m3), torch.ones(n)
         return fp8_skinny_matmul(x, scale, w, w_scale, bf16, tiles=choose_tiles(n, k, rows, SM_COUNT))
 
     residual, delta = torch.zeros(rows, hidden, dtype=bf16), torch.zeros(rows, hidden, dtype=bf16)
     norm_weight = torch.ones(hidden, dtype=bf16)
     x, x_scale = add_rms_norm_fp8(delta, residual, norm_weight, 1e-5)
-    qkv_rows = (heads + 2 * kv_heads) * dim
     cache = torch.zeros(64, 16, kv_heads, dim, dtype=e4m3)
     table = torch.zeros(4096, dim // 2, dtype=bf16)
-    where = (torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64), table, table, cache,
-             cache.clone(), heads, kv_heads)
-    kv_scales = {"k_scale": torch.ones(kv_heads), "v_scale": torch.ones(kv_heads)}
-    if "rope" in epilogues:
-        w, w_scale = weight(qkv_rows, hidden)
-        fp8_skinny_qkv_rope(x, x_scale, w, w_scale, *where, tiles=choose_tiles(qkv_rows, hidden, rows, SM_COUNT),
-                            **kv_scales)
-    else:
-        rope_write_kv(skinny(x, x_scale, qkv_rows, hidden), *where, **kv_scales)
+    rope_write_kv(skinny(x, x_scale, (heads + 2 * kv_heads) * dim, hidden), torch.zeros(rows, dtype=torch.int64),
+                  torch.zeros(rows, dtype=torch.int64), table, table, cache, cache.clone(), heads, kv_heads,
+                  k_scale=torch.ones(kv_heads), v_scale=torch.ones(kv_heads))
     attention_out = torch.zeros(rows, heads * dim, dtype=bf16)
     skinny(*quantize_fp8(attention_out), hidden, heads * dim)
     x, x_scale = add_rms_norm_fp8(delta, residual, norm_weight, 1e-5)
-    up, up_scale = weight(2 * inter, hidden)
-    down, down_scale = weight(hidden, inter)
-    if "mlp" in epilogues:
-        up_tiles = choose_tiles(2 * inter, hidden, rows, SM_COUNT)
-        h, amax = fp8_skinny_gated(x, x_scale, up, up_scale, bf16, tiles=up_tiles)
-        fp8_skinny_deferred(h, amax, down, down_scale, tiles=choose_tiles(hidden, inter, rows, SM_COUNT))
-    else:
-        up_tiles = choose_tiles(2 * inter, hidden, rows, SM_COUNT)
-        gate_up = fp8_skinny_matmul(x, x_scale, up, up_scale, bf16, tiles=up_tiles)
-        skinny(*silu_mul_fp8(gate_up), hidden, inter)
+    gate_up = skinny(x, x_scale, 2 * inter, hidden)
+    skinny(*silu_mul_fp8(gate_up), hidden, inter)
