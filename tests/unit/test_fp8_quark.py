@@ -126,9 +126,8 @@ def _quark_moe(folder: Path, fp8_experts: bool):
 
     hf_model = save_hf_model(folder, FAMILIES["qwen3_moe"]())
     saved = load_file(str(folder / "model.safetensors"))  # one tensor an expert, as transformers saves them
-    stacked = {n: v for n, v in hf_model.state_dict().items() if n.endswith(("experts.gate_up_proj",
-                                                                              "experts.down_proj"))}
-    tensors = {} if fp8_experts else stacked
+    tensors = {} if fp8_experts else {n: v for n, v in hf_model.state_dict().items()
+                                      if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     dequantised, reference = {}, {}
     for name, value in saved.items():
         module = name.removesuffix(".weight")
