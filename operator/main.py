@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from metronome.operator import crd_removal, handlers, k8s, leader, runtime
+    from metronome.operator import crd_discovery, crd_removal, handlers, k8s, kinds, leader, runtime
     from metronome.operator.cache import ObjectCache
     from metronome.operator.operator_metrics import OperatorMetrics
 
@@ -258,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
     registry = kopf.OperatorRegistry()
     handlers.register(registry, options)
     crd_removal.tolerate_unserved_kinds()
+    crd_discovery.watch_crds_once_served(kinds.OPTIONAL_CRDS)
 
     # On SIGTERM kopf runs the cleanup handlers: the runtime's workers stop (handlers.stop_runtime), then the Lease
     # is handed back at once, while the operator still has its permissions (an uninstall deletes them next), so a
