@@ -147,21 +147,14 @@ def add_rms_norm_fp8(x: torch.Tensor | None, residual: torch.Tensor, weight: tor
     return q, scales
 
 @triton.jit
-def _silu_mul(g, u, ROUND: tl.constexpr, BF16: tl.constexpr):
-    """silu(g) * u of fp32 values of the model dtype; with ROUND silu(g) and the product each rounded to it, as
-    silu_mul stores them."""
-    silu = g / (1.0 + tl.exp(-g))
-    if ROUND:
-        return _rounded(_rounded(silu, BF16) * u, BF16)
-    else:
-        return silu * u
-
-
-@triton.jit
 def _silu_mul_value(gate_up_row, cols, mask, N, ROUND: tl.constexpr, BF16: tl.constexpr):
     g = tl.load(gate_up_row + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_up_row + N + cols, mask=mask, other=0.0).to(tl.float32)
-    return _silu_mul(g, u, ROUND, BF16)
+    silu = g / (1.0 + tl.exp(-g))
+    if ROUND:  # silu(gate) and the product each rounded to the model dtype, as silu_mul stores them
+        return _rounded(_rounded(silu, BF16) * u, BF16)
+    else:
+        return silu * u
 
 
 @triton.jit
@@ -261,16 +254,6 @@ def _normed(x, inv, w, ROUND: tl.constexpr, BF16: tl.constexpr, PLUS_ONE: tl.con
 
 
 @triton.jit
-def _rotated(x, partner, cos, sin, sign, ROUND: tl.constexpr, BF16: tl.constexpr):
-    """Rotate-half rope of x given its partner in the other half (sign -1 for the first half, +1 for the second),
-    as torch computes it in the model dtype: each product rounded, then the sum."""
-    if ROUND:
-        return _rounded(x * cos, BF16) + _rounded(sign * partner * sin, BF16)
-    else:
-        return x * cos + sign * partner * sin
-
-
-@triton.jit
 def _rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, pos, heads, n_heads, eps, HEAD_DIM: tl.constexpr,
                 D_PAD: tl.constexpr, ROT_HALF: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr,
                 QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr):
@@ -295,7 +278,11 @@ def _rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, pos, heads, n_heads, eps, HEAD_D
     cos = tl.load(cos_ptr + pos * ROT_HALF + angle, mask=rot, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * ROT_HALF + angle, mask=rot, other=0.0).to(tl.float32)[None, :]
     sign = tl.where(offs < ROT_HALF, -1.0, 1.0)[None, :]
-    return tl.where(rot[None, :], _rotated(x, xp, cos, sin, sign, ROUND, BF16), x), mask
+    if ROUND:
+        turned = _rounded(x * cos, BF16) + _rounded(sign * xp * sin, BF16)
+    else:
+        turned = x * cos + sign * xp * sin
+    return tl.where(rot[None, :], turned, x), mask
 
 
 @triton.jit
