@@ -198,8 +198,11 @@ def run(cluster, standin, ns, load: ServiceLoad) -> None:
         since = load.now() - MEASURE_S
         ttft, gaps = load.ttft_p99_s(since), load.gaps_since(since)
         tbt = percentile(gaps, 99) if gaps else None
-        seen = (f"status slo={current.get('slo')} ready={current.get('readyReplicas')} "
-                f"chunk={current.get('chunkSize')}; client TTFT p99 {ttft} s, TBT p99 {tbt} s over {len(gaps)} gaps")
+        slo_message = next((c.get("message", "") for c in current.get("conditions") or [] if c.get("type") == "SLOMet"),
+                           "")
+        seen = (f"status slo={current.get('slo')} ({slo_message}; TTFT p99 {current.get('ttftP99Ms')} ms, TBT p99 "
+                f"{current.get('tbtP99Ms')} ms) ready={current.get('readyReplicas')} chunk={current.get('chunkSize')}; "
+                f"client TTFT p99 {ttft} s, TBT p99 {tbt} s over {len(gaps)} gaps")
         assert current.get("slo") == "Met" and current.get("readyReplicas") == 2, seen
         assert ttft is not None and ttft * 1000 < limit_ms and len(gaps) >= 100 and tbt * 1000 < target_ms, seen
         return ttft, tbt
