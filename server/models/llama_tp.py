@@ -76,7 +76,16 @@ def random_full_weights(config: ModelConfig, seed: int, device: torch.device,
             values.fill_(norm_fill(config))
         else:
             values.normal_(0.0, std, generator=generator)
-        yield from _unfused(name, values, config)
+        yield from _unfused(name, _checkpoint_form(name, values, config), config)
+
+
+def _checkpoint_form(name: str, values: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """An MoE block's stacked experts as its family's checkpoints lay them out (gpt-oss's differ from ours)."""
+    if config.moe is None or ".mlp.experts." not in name:
+        return values
+    from metronome.server.models.moe import checkpoint_form
+
+    return checkpoint_form(name[name.index(".mlp.") + len(".mlp."):], values, config.moe)
 
 
 def _unfused(name: str, values: torch.Tensor, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -362,6 +362,25 @@ def _deinterleave(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
 
 
+def _interleave(gate_up: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_deinterleave`: gate rows, then up rows → alternating rows."""
+    gate, up = gate_up.chunk(2, dim=1)
+    return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+
+def checkpoint_form(name: str, tensor: torch.Tensor, spec: MoeSpec) -> torch.Tensor:
+    """One of this block's stacked parameters (named relative to the block) as the family's checkpoints store it:
+    what `SparseMoeBlock.load_tensor` turns back into the parameter (for weights made in our layout, such as
+    random ones, that go through the loader)."""
+    if spec.checkpoint_layout != "interleaved_transposed":
+        return tensor
+    if name in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
+        tensor = _interleave(tensor)
+    if name in ("experts.gate_up_proj", "experts.down_proj"):
+        tensor = tensor.transpose(1, 2)  # [E, out, in] → [E, in, out]
+    return tensor
+
+
 _EXPERT_ROLES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _PER_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\."
                          r"(weight|weight_scale|weight_scale_inv|input_scale|activation_scale)")

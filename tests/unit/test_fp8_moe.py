@@ -154,9 +154,10 @@ def test_a_checkpoint_missing_an_expert_scale_is_refused_naming_it(tmp_path):
         load_model(f"hf-dir:{tmp_path}", dtype="float32", attention_backend="torch")
 
 
-def test_fp8_on_the_fly_quantises_a_moe_s_linears_and_its_experts_per_row():
-    bf16 = load_model("random:tiny-qwen3-moe", attention_backend="torch", dtype="float32")
-    fp8 = load_model("random:tiny-qwen3-moe", attention_backend="torch", dtype="float32", quantization="fp8")
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-gpt-oss"])  # gpt-oss: transposed, interleaved experts
+def test_fp8_on_the_fly_quantises_a_moe_s_linears_and_its_experts_per_row(preset):
+    bf16 = load_model(f"random:{preset}", attention_backend="torch", dtype="float32")
+    fp8 = load_model(f"random:{preset}", attention_backend="torch", dtype="float32", quantization="fp8")
     layer = fp8.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Fp8Linear)
     experts, original = layer.mlp.experts, bf16.model.model.layers[0].mlp.experts

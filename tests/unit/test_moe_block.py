@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metronome.server.models.moe import SparseMoeBlock, resolve_moe_backend
+from metronome.server.models.moe import SparseMoeBlock, checkpoint_form, resolve_moe_backend
 from metronome.server.models.moe_config import (
     MoeSpec,
     expected_distinct_experts,
@@ -147,6 +147,19 @@ def test_per_expert_checkpoint_tensors_stack_like_the_fused_ones(family):
     assert filled == split.expected_shards()
     for (name, a), (_, b) in zip(stacked.state_dict().items(), split.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stacked_experts_go_back_to_the_family_s_checkpoint_layout(family):
+    """checkpoint_form undoes what loading does to transformers' own stacked tensors (gpt-oss's transposed and
+    interleaved), so weights made in our layout (random ones) can go through the loader."""
+    hf, config = hf_block(family)
+    ours = our_block(hf, config, torch.float32)
+    state = hf.state_dict()
+    stacked = [name for name, _ in ours.named_parameters() if name.startswith("experts.") and name in state]
+    assert "experts.gate_up_proj" in stacked and "experts.down_proj" in stacked
+    for name in stacked:
+        assert torch.equal(checkpoint_form(name, ours.get_parameter(name).detach(), ours.spec), state[name]), name
 
 
 def _mxfp4_pair(rows_shape: tuple[int, ...], columns: int, generator: torch.Generator):
