@@ -41,8 +41,11 @@ def fetch(pins: Pins, wheel_dir: Path, echo: bool = True,
     """Downloads the missing wheels (binary only, no dependencies: the pins are already closed); returns them. A
     failed download is tried again for the wheels still missing, ATTEMPTS times in all."""
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    wanted = missing(pins, [p.name for p in wheel_dir.glob("*.whl")])
-    todo = wanted
+
+    def still_missing() -> list[str]:
+        return missing(pins, [p.name for p in wheel_dir.glob("*.whl")])
+
+    wanted = todo = still_missing()
     if not todo:
         return []
     for attempt in range(1, ATTEMPTS + 1):
@@ -51,7 +54,7 @@ def fetch(pins: Pins, wheel_dir: Path, echo: bool = True,
         result = run(argv, stdout=None if echo else subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if result.returncode == 0:
             return wanted
-        todo = missing(pins, [p.name for p in wheel_dir.glob("*.whl")])
+        todo = still_missing()
         if not todo:
             return wanted
         if attempt < ATTEMPTS:
