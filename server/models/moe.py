@@ -324,9 +324,9 @@ class SparseMoeBlock(nn.Module):
         """A whole [E, ...] tensor: as ours (concatenated layout), or gpt-oss's transposed and interleaved one."""
         experts = self.spec.num_experts
         if self.spec.checkpoint_layout == "interleaved_transposed":
-            if name in ("experts.gate_up_proj", "experts.down_proj"):
+            if name in _TRANSPOSED:
                 tensor = tensor.transpose(1, 2)  # [E, in, out] → [E, out, in]
-            if name in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
+            if name in _INTERLEAVED:
                 tensor = _deinterleave(tensor)
         params = dict(self.named_parameters())
         if name not in params:
@@ -357,6 +357,12 @@ class SparseMoeBlock(nn.Module):
         return [(f"experts.{proj}", s) for s in range(count)]
 
 
+# gpt-oss's stacked experts ("interleaved_transposed"): which of them its checkpoints store [E, in, out], and which
+# with gate and up in alternating rows
+_TRANSPOSED = ("experts.gate_up_proj", "experts.down_proj")
+_INTERLEAVED = ("experts.gate_up_proj", "experts.gate_up_proj_bias")
+
+
 def _deinterleave(gate_up: torch.Tensor) -> torch.Tensor:
     """[E, 2I, ...] with gate and up in alternating rows → gate rows, then up rows."""
     return torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
@@ -374,9 +380,9 @@ def checkpoint_form(name: str, tensor: torch.Tensor, spec: MoeSpec) -> torch.Ten
     random ones, that go through the loader)."""
     if spec.checkpoint_layout != "interleaved_transposed":
         return tensor
-    if name in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
+    if name in _INTERLEAVED:
         tensor = _interleave(tensor)
-    if name in ("experts.gate_up_proj", "experts.down_proj"):
+    if name in _TRANSPOSED:
         tensor = tensor.transpose(1, 2)  # [E, out, in] → [E, in, out]
     return tensor
 
