@@ -210,9 +210,11 @@ def test_gpt_oss_mxfp4_experts_load_as_their_dequantised_weights():
     reference = our_block(hf, config, torch.float32)
     for (name, a), (_, b) in zip(reference.state_dict().items(), block.state_dict().items()):
         assert torch.equal(a, b), name
-    x = torch.randn(6, HIDDEN)
+    x = torch.randn(6, HIDDEN, generator=generator)
+    # The weights above are equal bit for bit; the outputs differ only by fp32 summation order over MXFP4's wide
+    # range of magnitudes, which reaches ~1e-5 on a few elements.
     with torch.no_grad():
-        torch.testing.assert_close(block.run(x, "reference"), hf(x[None])[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(block.run(x, "reference"), hf(x[None])[0][0], rtol=1e-4, atol=1e-4)
 
 
 def test_bad_checkpoint_tensors_are_named():
