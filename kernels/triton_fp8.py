@@ -32,6 +32,15 @@ from .triton_attention import require_runnable, sm_count
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
+# Hopper's FP8 tensor cores add a chain of products into fewer mantissa bits than float32 keeps (cuBLAS's "fast
+# accumulation", Triton's default for FP8 dots on sm_90). PROMOTE_EVERY = n adds their partial sum into a float32
+# accumulator every n products, as CUTLASS's FP8 kernels do, in the GEMMs whose dots chain the whole K (the
+# block-scaled one promotes every K group anyway). Left off: on an H100 it made the skinny kernel 4-17 % slower a
+# call and the tiled one 3.2-3.6x (Triton then waits on each group of MMAs), for an error that goes from 2.1-4.2e-3
+# of the output's norm to bf16's own rounding, 1.7e-3, an order below what e4m3 operands differ from bf16 by
+# (docs/perf/fp8-h200.md, hack/fp8_accumulation.py). Read at each launch.
+PROMOTE_EVERY: int | None = None
+
 
 # Compiled for the GPU (not Triton's interpreter, which is chosen before triton is imported, so this is fixed for
 # the process), fp32 → e4m3 is one cvt that rounds to nearest even, subnormals included, so the integer rounding
@@ -209,11 +218,17 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.
     return q, scales
 
 
+def promote_every(block_k: int) -> int | None:
+    """The products a dot over block_k columns adds on the tensor cores before promoting (at most block_k)."""
+    return None if PROMOTE_EVERY is None else min(PROMOTE_EVERY, block_k)
+
+
 @triton.jit(do_not_specialize=["M"])  # one variant for every row count: eager steps of any size compile nothing
 def _fp8_matmul(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
                 stride_am, stride_bn, stride_cm, stride_as, stride_bs,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                K_SCALES: tl.constexpr, A_SCALAR: tl.constexpr, B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr):
+                K_SCALES: tl.constexpr, A_SCALAR: tl.constexpr, B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr,
+                PROMOTE: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -238,9 +253,9 @@ def _fp8_matmul(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
         if K_SCALES:
             sa = tl.load(as_ptr + offs_m.to(tl.int64) * stride_as + kb, mask=m_mask, other=0.0)
             sb = tl.load(bs_ptr + offs_n.to(tl.int64) * stride_bs + kb, mask=n_mask, other=0.0)
-            acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+            acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]  # promoted every K group
         else:
-            acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=PROMOTE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if not K_SCALES:
@@ -295,6 +310,7 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
         a.stride(0), b.stride(0), out.stride(0),
         0 if a_scalar else a_scale.stride(0), 0 if b_scalar else b_scale.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, K_SCALES=group_k is not None,
-        A_SCALAR=a_scalar, B_SCALAR=b_scalar, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
+        A_SCALAR=a_scalar, B_SCALAR=b_scalar, HAS_BIAS=bias is not None, PROMOTE=promote_every(block_k),
+        num_warps=warps, num_stages=stages,
     )
     return out

@@ -9,9 +9,9 @@ dot's long side (BLOCK_N), the few activation rows its short side (BLOCK_M, padd
 give many programs, each streaming its weight rows with a deep software pipeline.
 
 Scales multiply once after the K loop: the weight's per output row (0-d or [N]) and the activation's per token
-(0-d or [M]); the FP8 products are exact in the fp32 accumulator, so the result is the emulated FP8 math
-(quant/fp8_linear.emulated_linear) up to summation order. M is a run-time argument: a new batch size within one
-row tile never compiles a new variant.
+(0-d or [M]); the FP8 products are exact and summed by the tensor cores (in fewer bits than fp32 unless
+triton_fp8.PROMOTE_EVERY is set), so the result is the emulated FP8 math (quant/fp8_linear.emulated_linear) up to
+summation order. M is a run-time argument: a new batch size within one row tile never compiles a new variant.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_fp8
 from .triton_attention import require_runnable, sm_count
 
 MAX_ROWS = 64  # beyond this the activation tile stops being "skinny": the general FP8 GEMMs take over
@@ -87,9 +88,11 @@ def _scaled_rows(acc, ws_ptr, xs, rows, n_mask, bias_ptr, W_SCALAR: tl.constexpr
 
 @triton.jit
 def _stream(w_ptr, x_ptr, offs_n, n_mask, offs_m, m_mask, K, k_first, k_last, stride_wn, stride_xm,
-            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+            PROMOTE: tl.constexpr):
     """The K loop over K tiles [k_first, k_last): weight rows offs_n against the activation rows offs_m. Returns
-    the fp32 accumulator [BLOCK_N, BLOCK_M]."""
+    the fp32 accumulator [BLOCK_N, BLOCK_M] (the tensor cores' partial sums added into it every PROMOTE products
+    when set: triton_fp8.PROMOTE_EVERY)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_first * BLOCK_K + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k_first * BLOCK_K + offs_k)[:, None]
@@ -103,7 +106,7 @@ def _stream(w_ptr, x_ptr, offs_n, n_mask, offs_m, m_mask, K, k_first, k_last, st
             w_mask = n_mask[:, None] & k_mask[None, :]
             x_mask = m_mask[None, :] & k_mask[:, None]
         acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.load(x_ptrs, mask=x_mask, other=0.0), acc,
-                     out_dtype=tl.float32)
+                     out_dtype=tl.float32, max_num_imprecise_acc=PROMOTE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return acc
@@ -141,7 +144,7 @@ def _split_k_sum(acc, partials_ptr, arrivals_ptr, tile, split, SPLIT_K: tl.const
 def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, M, N, K, partials_ptr, arrivals_ptr, stride_wn,
                 stride_xm, stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, W_SCALAR: tl.constexpr, X_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr,
-                SPLIT_K: tl.constexpr):
+                SPLIT_K: tl.constexpr, PROMOTE: tl.constexpr):
     tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -152,7 +155,7 @@ def _fp8_skinny(w_ptr, x_ptr, out_ptr, ws_ptr, xs_ptr, bias_ptr, M, N, K, partia
     n_mask = offs_n < N
     m_mask = offs_m < M
     acc = _stream(w_ptr, x_ptr, offs_n, n_mask, offs_m, m_mask, K, k_first, k_last, stride_wn, stride_xm, BLOCK_N,
-                  BLOCK_M, BLOCK_K, EVEN_K)
+                  BLOCK_M, BLOCK_K, EVEN_K, PROMOTE)
     if SPLIT_K > 1:
         acc, finish = _split_k_sum(acc, partials_ptr, arrivals_ptr, tile, split, SPLIT_K, BLOCK_N, BLOCK_M)
     else:
@@ -192,7 +195,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, w_scale: torch.
         w, x, out, w_scale, x_scale, bias if bias is not None else w_scale, m, n, k, partials, arrivals,
         w.stride(0), x.stride(0), out.stride(0), BLOCK_N=tiles.block_n, BLOCK_M=row_tile(m), BLOCK_K=tiles.block_k,
         EVEN_K=k % tiles.block_k == 0, W_SCALAR=w_scale.numel() == 1, X_SCALAR=x_scale.numel() == 1,
-        HAS_BIAS=bias is not None, SPLIT_K=tiles.split_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        HAS_BIAS=bias is not None, SPLIT_K=tiles.split_k, PROMOTE=triton_fp8.promote_every(tiles.block_k),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -27,7 +28,24 @@ def _compile_all() -> dict:
     down_proj = compiled[-1]  # at 64 rows its K is split over two programs
     ptx = down_proj.kernel.asm["ptx"]
     out["split"] = {**_plain(down_proj), "ptx": [line.strip() for line in ptx.splitlines() if "atom." in line]}
+    out["promotion"] = {str(every): _promotion_adds(every) for every in (None, 128)}
     return out
+
+
+def _promotion_adds(every: int | None) -> dict:
+    """The first small-M GEMM of a 16-row layer compiled with triton_fp8.PROMOTE_EVERY = every: its spills and
+    how many float32 adds its PTX has (the promotion's: the chained accumulation has none)."""
+    from metronome.kernels import triton_fp8
+    from metronome_testing.sm90 import compiling_for_sm90, fp8_decode_layer
+
+    triton_fp8.PROMOTE_EVERY = every
+    try:
+        with compiling_for_sm90() as compiled:
+            fp8_decode_layer(16)
+    finally:
+        triton_fp8.PROMOTE_EVERY = None
+    gemm = next(c for c in compiled if c.name == "_fp8_skinny")
+    return {"spilled": gemm.spilled, "adds": len(re.findall(r"\badd(\.rn)?\.f32\b", gemm.kernel.asm["ptx"]))}
 
 
 def _plain(kernel) -> dict:
@@ -66,6 +84,14 @@ def test_split_k_compiles_with_an_ordered_arrival(compiled):
     got = compiled["split"]
     assert got["spilled"] == 0 and got["async_copies"] > 0, got
     assert any("atom.global.gpu.acq_rel.add" in line for line in got["ptx"]), got["ptx"]
+
+
+def test_promoting_the_fp8_accumulation_compiles_its_float32_adds(compiled):
+    """Off by default (Hopper's chained FP8 accumulation: no float32 add in the K loop); PROMOTE_EVERY = 128 adds
+    the tensor cores' partial sums into float32 (two adds a 256-column K step) without spilling."""
+    chained, promoted = compiled["promotion"]["None"], compiled["promotion"]["128"]
+    assert chained["adds"] == 0 and promoted["adds"] > 0, compiled["promotion"]
+    assert promoted["spilled"] == 0
 
 
 if __name__ == "__main__":
