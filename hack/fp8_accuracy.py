@@ -44,10 +44,7 @@ def model_spec(name: str) -> tuple[str | None, str]:
 def bf16_against_float32(make_engine, label: str, prompt_count: int, new_tokens: int) -> dict:
     """fp8_accuracy.measure's figures for the bf16 model against a float32 reference."""
     reference = make_engine(None, "auto", "float32")
-    prompts = [reference.tokenizer.encode(text) for text in fp8_accuracy.prompt_texts(prompt_count)]
-    expected, _ = fp8_accuracy.greedy(reference, prompts, new_tokens)
-    reference_logprobs = [fp8_accuracy.sequence_logprobs(reference, p + e)[len(p) - 1:]
-                          for p, e in zip(prompts, expected)]
+    prompts, expected, reference_logprobs = fp8_accuracy.reference_run(reference, prompt_count, new_tokens)
     del reference
     scored = make_engine(None, "auto", "bfloat16")
     got, _ = fp8_accuracy.greedy(scored, prompts, new_tokens)

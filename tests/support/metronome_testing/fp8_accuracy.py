@@ -82,14 +82,21 @@ def agreement(engine: EngineCore, prompts: list[list[int]], got: list[list[int]]
     }
 
 
+def reference_run(reference: EngineCore, prompt_count: int | None, new_tokens: int
+                  ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """The reference's side of the comparison: the prompts' token ids, its greedy tokens for each, and the log-probs
+    of those tokens under it."""
+    prompts = [reference.tokenizer.encode(text) for text in prompt_texts(prompt_count)]
+    expected, _ = greedy(reference, prompts, new_tokens)
+    return prompts, expected, [sequence_logprobs(reference, p + e)[len(p) - 1:] for p, e in zip(prompts, expected)]
+
+
 def measure(make_engine: Callable[[str | None, str], EngineCore], model_label: str, prompt_count: int | None = None,
             new_tokens: int = NEW_TOKENS) -> dict[str, Any]:
     """The whole comparison. make_engine(quantization, kv_cache_dtype) builds an engine on the model; the
     reference is make_engine(None, "auto"). Each engine is dropped before the next is built."""
     reference = make_engine(None, "auto")
-    prompts = [reference.tokenizer.encode(text) for text in prompt_texts(prompt_count)]
-    expected, _ = greedy(reference, prompts, new_tokens)
-    reference_logprobs = [sequence_logprobs(reference, p + e)[len(p) - 1:] for p, e in zip(prompts, expected)]
+    prompts, expected, reference_logprobs = reference_run(reference, prompt_count, new_tokens)
     result: dict[str, Any] = {"model": model_label, "reference_dtype": str(reference.loaded.dtype).removeprefix(
         "torch."), "device": str(reference.loaded.device), "prompts": len(prompts), "new_tokens": new_tokens}
     del reference
