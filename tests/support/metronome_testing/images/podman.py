@@ -69,6 +69,11 @@ class Podman:
     def image_size(self, ref: str) -> int:
         return int(self.run("image", "inspect", "--format", "{{.Size}}", ref).stdout.strip())
 
+    def storage_paths(self) -> dict[str, Path]:
+        """Where a build writes: the image store and the folder a commit stages each layer's diff in."""
+        graph_root = self.run("info", "--format", "{{.Store.GraphRoot}}").stdout.strip()
+        return {"image store": Path(graph_root), "layer staging": Path(os.environ.get("TMPDIR", "/var/tmp"))}
+
     def try_pull(self, ref: str, timeout: float) -> bool:
         """True when `ref` could be pulled within `timeout` seconds (no registry is reachable on some machines)."""
         try:
