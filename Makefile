@@ -34,6 +34,7 @@ tools:
 	hack/build-s3-server.sh
 	hack/build-prometheus-sd.sh >/dev/null
 	hack/build-picker.sh >/dev/null
+	rm -rf "$(METRONOME_CACHE)/go"   # the builds' Go caches (hack/go-build-env.sh): the binaries stay
 
 prometheus:
 	hack/install-prometheus.sh

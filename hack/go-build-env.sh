@@ -1,6 +1,7 @@
 # Sourced by hack/build-*.sh: where Go-built tools are cached, how Go is run, and the steps every build shares.
 # The caller sets BUILD_NAME (its log prefix and lock name) before sourcing, and BUILD_LOG_FD=2 when its stdout
-# is reserved for a path. Layout: $CACHE/bin/<name>-<version>/<binary>, module work dirs in $CACHE/gomod/.
+# is reserved for a path. Layout: $CACHE/bin/<name>-<version>/<binary>, module work dirs in $CACHE/gomod/, Go's
+# caches in $CACHE/go/.
 # shellcheck shell=bash
 
 # shellcheck source=hack/tool-versions.sh
@@ -12,7 +13,12 @@ MOD_ROOT="$CACHE/gomod"
 
 # Modules resolved from the proxy into go.mod as needed, no VCS stamping (work dirs are not checkouts), static
 # binaries, and the installed Go only (no toolchain download).
-export GOFLAGS="-mod=mod -buildvcs=false"
+export GOFLAGS="-mod=mod -buildvcs=false -modcacherw"
+# The builds' own module and build caches (a cold build of every tool fills 9.5 GB), apart from the user's so
+# that `make tools` can drop them once the binaries are in place: the binaries are the cache that matters, and
+# a CI run needs the disk for its image builds. Writable (-modcacherw), so a plain `rm -rf` removes them.
+GO_CACHES="$CACHE/go"
+export GOMODCACHE="$GO_CACHES/mod" GOCACHE="$GO_CACHES/build"
 export CGO_ENABLED=0
 export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
 
