@@ -5,10 +5,11 @@ each pod it removes. The load is a closed loop spread over the service's ready s
 
 1. One replica at chunk 512; the TBT target comes from the gaps measured there (closedloop/slo.py, as in
    test_closed_loop.py), and with it the loop shrinks the chunk: the chunk goes first.
-2. The chunk is pinned where the loop put it; a TTFT limit and a load step from one server's first tokens measured
-   there at a few client counts (closedloop/slo.py: the limit is a TTFT bucket bound that one server exceeds at the
-   stepped-up load and one server meets at half of it, what each of two servers carries), and a TBT target with
-   room for two servers sharing the machine. One replica cannot serve the step: the loop adds a replica because
+2. The chunk is pinned where the loop put it, and the load's prompts shorten and its answers lengthen (STEP_LOAD); a
+   TTFT limit and a load step from one server's first tokens measured there at a few client counts
+   (closedloop/slo.py: the limit is a TTFT bucket bound that one server exceeds at the stepped-up load and one
+   server meets at half of it, what each of two servers carries), and a TBT target with room for two servers
+   sharing the machine. One replica cannot serve the step: the loop adds a replica because
    prefill is the bottleneck, and the SLO is met on two (the chunk free again from the scale-up on: where TBT has
    room the loop may also grow it, as it would for a backlog at the maximum replica count).
 3. The load drops to one client with short prompts: within the scale-down stabilization window and a bounded time
@@ -38,6 +39,13 @@ WINDOW_S = 20
 MEASURE_S = 20.0
 SETTLE_S = 5.0
 CLIENTS = 4  # per replica, as the closed-loop test's load
+# The load from the step's measurement on: a quarter of the prompts long, of 128 tokens, and answers of 64 (the
+# chunk phase's half, 512 and 32), so that half the step's clients leave one server's prefill budget idle most of
+# the time even at the floor chunk, and the step past max_num_seqs queues whole requests. A CI run whose loop went to
+# the floor chunk (32, on a busy machine) saw one server's TTFT p99 grow in proportion to its clients under the
+# chunk phase's load (11, 20, 26, 48 and 57 s at 4, 12, 16, 24 and 32): prefill was saturated at every count, and no
+# step was a replica's worth.
+STEP_LOAD = LoadSpec(long_fraction=0.25, long_prompt_len=128, output_len=64)
 STABILIZATION_S = 30
 # From the load's drop to one replica: the stabilization window, a full metrics window of the low load before it,
 # the interval and a settling window after the last change, with room for a busy machine.
@@ -163,6 +171,7 @@ def run(cluster, standin, ns, load: ServiceLoad) -> None:
     # The TTFT limit and the load step, from one server's first tokens at the pinned chunk: at CLIENTS clients,
     # then at more until a bucket bound lies between a load on one server and half of it (each of two servers).
     measured: dict[int, float] = {}
+    load.set_load(CLIENTS, STEP_LOAD)
     base_tbt = measure_one_server(load, CLIENTS, measured)
     step = choose_load_step(measured)
     for level in load_levels(CLIENTS):
