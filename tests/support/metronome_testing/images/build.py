@@ -50,7 +50,7 @@ IMAGES = {
         PinStep("pins-torch.txt", ("torch",)),
         PinStep("pins-triton.txt", ("triton",)),
     )),
-    "operator": ImageSpec("operator", extra="operator", peak_disk_gb=2),
+    "operator": ImageSpec("operator", extra="operator", peak_disk_gb=1),
 }
 
 
