@@ -557,7 +557,7 @@ def _estimate(obs: Observation, current: CurrentConfig, spec: AutotuneSpec, head
         decode_batch = obs.decode_batch_size if obs.decode_batch_size is not None else fit.token_min
         factor = calibrate_p99_factor(fit, tbt, decode_batch, current.chunk_size)
         estimate = model_replicas(fit, factor, load.scaled(headroom), _floor(spec, current), spec,
-                                  spec.tbt_p99_target_s * _aim(spec))
+                                  spec.tbt_p99_target_s * _aim(spec), current.max_num_seqs)
         if estimate is not None:
             return estimate if headroom == 1 else replace(
                 estimate, basis=f"with ×{headroom:g} the observed load, {estimate.basis}")

@@ -37,12 +37,14 @@ class CurrentConfig:
     short_prompt_threshold: int = 512  # split admits short prompts whole, so its budget never goes below this
     # Who else sets the replica count (e.g. "HorizontalPodAutoscaler web/llm"): the loop then never changes it.
     replicas_owner: str | None = None
+    # The most requests a server runs at once (max_num_seqs); past it requests wait whole for a slot. None: unknown.
+    max_num_seqs: int | None = None
 
     @classmethod
     def from_scheduler(cls, scheduler: SchedulerConfig, replicas: int, generation: int = 0,
                        last_change_time: float | None = None, replicas_owner: str | None = None) -> CurrentConfig:
         return cls(prefill_budget(scheduler), QueuePolicy(scheduler.queue_policy).value, replicas, generation,
-                   last_change_time, scheduler.short_prompt_threshold, replicas_owner)
+                   last_change_time, scheduler.short_prompt_threshold, replicas_owner, scheduler.max_num_seqs)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ A step that carries both costs s = a + m + b · (D + C), so
 which exists while b · (λo + λp) < 1 (the replica is not saturated). The chunk is then C = λp · s (never below
 the floor the policy allows, which lengthens the step: s = (a + m + b · C) / (1 - b · λo)), and the p99 TBT that
 follows is k · s with the observation's calibrated factor k. R replicas serve the load when that chunk fits under
-the ceiling and k · s stays within the budget; the answer is the smallest such R within the bounds.
+the ceiling, the decode batch D = λo · s fits in the servers' max_num_seqs (past it requests wait whole for a slot:
+their first tokens come late while every TBT looks fine) and k · s stays within the budget; the answer is the
+smallest such R within the bounds.
 
 Without a usable fit the replicas' busy share of time stands in: the step samples' seconds per window and pod,
 which fewer replicas would share out as busy · pods / R.
@@ -88,9 +90,10 @@ class ReplicaEstimate:
 
 
 def model_prediction(fit: StepFit, factor: float, load: OfferedLoad, replicas: int, floor_chunk: int,
-                     spec: AutotuneSpec) -> tuple[float, int] | None:
-    """(predicted p99 TBT, chunk) with the load spread over `replicas`, or None when a replica would saturate or
-    prefill would need a chunk above the ceiling (module docstring)."""
+                     spec: AutotuneSpec, max_batch: int | None = None) -> tuple[float, int] | None:
+    """(predicted p99 TBT, chunk) with the load spread over `replicas`, or None when a replica would saturate,
+    prefill would need a chunk above the ceiling or the decode batch would exceed `max_batch` (max_num_seqs; None:
+    no cap) (module docstring)."""
     b, fixed = fit.slope_s_per_token, fit.step_seconds(0.0, mixed=True)
     output = load.output_tokens_per_s / replicas
     prompt = load.prompt_tokens_per_s * spec.prefill_headroom / replicas
@@ -103,11 +106,13 @@ def model_prediction(fit: StepFit, factor: float, load: OfferedLoad, replicas: i
     if chunk > spec.max_chunk:
         return None
     step = (fixed + b * chunk) / (1.0 - b * output)
+    if max_batch is not None and output * step > max_batch:
+        return None
     return factor * step, chunk
 
 
 def model_replicas(fit: StepFit, factor: float, load: OfferedLoad, floor_chunk: int, spec: AutotuneSpec,
-                   budget_s: float) -> ReplicaEstimate | None:
+                   budget_s: float, max_batch: int | None = None) -> ReplicaEstimate | None:
     """The smallest R in [min_replicas, max_replicas] whose prediction is within `budget_s`; the maximum, not
     enough, when none is; None when not even an empty step fits the budget (k · (a + m) > budget: what the
     observation's p99 says is then not what replicas change)."""
@@ -115,15 +120,16 @@ def model_replicas(fit: StepFit, factor: float, load: OfferedLoad, floor_chunk: 
         return None
     lowest = max(1, spec.min_replicas)
     for replicas in range(lowest, max(lowest, spec.max_replicas) + 1):
-        predicted = model_prediction(fit, factor, load, replicas, floor_chunk, spec)
+        predicted = model_prediction(fit, factor, load, replicas, floor_chunk, spec, max_batch)
         if predicted is not None and predicted[0] <= budget_s:
             tbt, chunk = predicted
             return ReplicaEstimate(replicas, True, f"the step model predicts p99 TBT {tbt * 1e3:.1f} ms ≤ "
                                                    f"{budget_s * 1e3:.1f} ms at chunk {chunk} with {replicas} "
                                                    f"replica(s) for {load.describe()}", tbt, chunk)
     top = max(lowest, spec.max_replicas)
-    predicted = model_prediction(fit, factor, load, top, floor_chunk, spec)
-    at_top = (f"p99 TBT {predicted[0] * 1e3:.1f} ms" if predicted is not None else "saturated replicas")
+    predicted = model_prediction(fit, factor, load, top, floor_chunk, spec, max_batch)
+    capped = f", or more requests each than max_num_seqs {max_batch}" if max_batch is not None else ""
+    at_top = f"p99 TBT {predicted[0] * 1e3:.1f} ms" if predicted is not None else f"saturated replicas{capped}"
     return ReplicaEstimate(top, False, f"the step model predicts {at_top} even with the maximum {top} replica(s) "
                                        f"for {load.describe()}", predicted[0] if predicted else None,
                            predicted[1] if predicted else None)

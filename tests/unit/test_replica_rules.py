@@ -4,6 +4,8 @@ scale-up sized by the model, never past a pending scale, never while another aut
 scale-down only once the window agrees, an idle service to minReplicas, advise mode proposing without acting."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from metronome.operator.tuning.controller import decide
@@ -97,6 +99,17 @@ def test_the_model_picks_the_smallest_replica_count_within_the_budget():
     assert model_replicas(FIT, 4.0, load, 64, spec(), budget_s=0.0225) is None
 
 
+def test_a_replica_is_never_sized_past_max_num_seqs():
+    # Two replicas decode 700 tokens/s each at a 21.3 ms step: a decode batch of 14.9 (Little's law).
+    load = OfferedLoad(11.0, 33_000.0, 1400.0, 1)
+    assert model_replicas(FIT, 1.0, load, 64, spec(), budget_s=0.0225, max_batch=16).replicas == 2
+    capped = model_replicas(FIT, 1.0, load, 64, spec(), budget_s=0.0225, max_batch=14)
+    assert (capped.replicas, capped.enough) == (3, True)
+    assert model_prediction(FIT, 1.0, load, 2, 64, spec(), max_batch=14) is None
+    short = model_replicas(FIT, 1.0, load, 64, spec(max_replicas=4), budget_s=0.0225, max_batch=4)
+    assert (short.replicas, short.enough) == (4, False) and "max_num_seqs 4" in short.basis
+
+
 def test_without_a_fit_busy_time_or_the_saturated_prefill_rate_size_the_count():
     obs = reading(22, pods=("a", "b", "c"), step_samples=tuple(
         StepSample(50, 0.012, 100.0, pod, "mixed") for pod in ("a", "b", "c") for _ in range(4)))
@@ -187,6 +200,18 @@ def test_scale_down_waits_for_the_whole_window_to_agree():
     assert owned.replicas == 3 and not owned.changed
     advised = decide(obs, current, spec(mode=AutotuneMode.ADVISE), NOW, history)
     assert not advised.changed and advised.proposed_change and advised.replicas == 1
+
+
+def test_scale_down_keeps_the_replicas_the_servers_batch_cap_needs():
+    # 390 output tokens/s (×1.3) at a 13.4 ms step is a decode batch of 5.2: one server under max_num_seqs 4 would
+    # queue whole requests, where every TBT it reported still looked fine.
+    obs, current = scale_down_case(3)
+    history = (Recommendation(NOW - 130, 1),)
+    uncapped = decide(obs, replace(current, max_num_seqs=256), spec(), NOW, history)
+    assert uncapped.replicas == 1 and uncapped.actions == (ActionKind.SCALE_DOWN,)
+    capped = decide(obs, replace(current, max_num_seqs=4), spec(), NOW, (Recommendation(NOW - 130, 2),))
+    assert capped.recommended_replicas == 2 and capped.replicas == 2, capped.reason
+    assert decide(obs, replace(current, max_num_seqs=2), spec(), NOW, history).replicas == 3
 
 
 def test_no_scale_down_while_the_slo_is_broken_or_prefill_lags():
