@@ -105,6 +105,20 @@ class ServiceLoad:
                 out[record.server] = out.get(record.server, 0) + 1
         return out
 
+    def drained_at(self, sent_before_s: float) -> float:
+        """When the last request sent before `sent_before_s` ended (now while one still runs)."""
+        ends = [record.end_s if record.end_s is not None else self.now() for record in list(self.records)
+                if record.sent_s is not None and record.sent_s < sent_before_s]
+        return max(ends, default=sent_before_s)
+
+    def servers_streaming(self, since_s: float) -> dict[str, int]:
+        """Each server's requests that streamed a token at or after `since_s`, whenever they were sent."""
+        out: dict[str, int] = {}
+        for record in list(self.records):
+            if record.token_times_s and record.token_times_s[-1] >= since_s:
+                out[record.server] = out.get(record.server, 0) + 1
+        return out
+
     # --- the event loop thread ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
