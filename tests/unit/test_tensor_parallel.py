@@ -58,15 +58,16 @@ def engine(model: str, tp: int, chunk: int = 16) -> EngineCore:
 def run_recording_logits(core: EngineCore, prompts: list[list[int]], max_tokens: int):
     """Greedy outputs, and the logits of every step (the same batches on both sides when the tokens agree)."""
     logits_per_step: list[torch.Tensor] = []
-    sample = core.runner.sampler.sample
+    choose = core.runner.sampler.choose  # every sampling path picks its tokens here
 
-    def recording(logits, params, generators, **options):
+    def recording(logits, *args, **options):
         logits_per_step.append(logits.clone())
-        return sample(logits, params, generators, **options)
+        return choose(logits, *args, **options)
 
-    core.runner.sampler.sample = recording
+    core.runner.sampler.choose = recording
     results = core.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     core.check_no_leaks()
+    assert len(logits_per_step) >= max_tokens  # a step per token at least: the comparison is not empty
     return [r.token_ids for r in results], logits_per_step
 
 
