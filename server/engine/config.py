@@ -64,8 +64,6 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                                       f"{self.quantization!r}", param="quantization")
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            raise InvalidRequestError("FP8 quantization runs at tensor_parallel_size 1", param="quantization")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                                       f"{self.kv_cache_dtype!r}", param="kv_cache_dtype")

@@ -108,7 +108,7 @@ class EngineCore:
         dtype = loaded.dtype if isinstance(loaded.dtype, torch.dtype) else getattr(torch, str(loaded.dtype))
         kv_heads = model_config.num_key_value_heads if workers is None else workers.kv_heads_per_rank
         backend_name = getattr(getattr(loaded.model, "attention_backend", None), "name", config.attention_backend)
-        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, backend_name, config.tensor_parallel_size)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, backend_name)
         # an FP8 cache's scales: the checkpoint's, else calibrated on the model (before any cache exists)
         self.kv_scales = install_kv_scales(loaded, config.block_size) if kv_dtype == torch.float8_e4m3fn else None
         # Layers with a sliding window keep their KV in groups of their own, whose blocks behind the window are

@@ -15,10 +15,9 @@ _GIB = 1 << 30
 _GPU_ACTIVATION_RESERVE_BYTES = 2 * _GIB
 
 
-def kv_cache_dtype(requested: str, model_dtype: torch.dtype, attention_backend: str,
-                   tensor_parallel_size: int) -> torch.dtype:
+def kv_cache_dtype(requested: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:
     """The cache's element type: the model's (auto), bfloat16 (for a bfloat16 model: the kernels read a cache of
-    another float type in the model's dtype only), or FP8 e4m3 (one byte; torch and triton attention, one rank)."""
+    another float type in the model's dtype only), or FP8 e4m3 (one byte; torch and triton attention)."""
     if requested == "auto":
         return model_dtype
     if requested == "bf16":
@@ -31,8 +30,6 @@ def kv_cache_dtype(requested: str, model_dtype: torch.dtype, attention_backend: 
     if attention_backend not in ("torch", "triton"):
         raise InvalidRequestError(f"an FP8 KV cache is read by the torch and triton attention backends, not "
                                   f"{attention_backend}", param="kv_cache_dtype")
-    if tensor_parallel_size > 1:
-        raise InvalidRequestError("an FP8 KV cache runs at tensor_parallel_size 1", param="kv_cache_dtype")
     return torch.float8_e4m3fn
 
 

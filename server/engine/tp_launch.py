@@ -236,7 +236,8 @@ def start_tensor_parallel(engine_class: type, config: EngineConfig, scheduler_co
     try:
         loaded = load_model(config.model, dtype=config.dtype, device=str(pool.device),
                             attention_backend=config.attention_backend, seed=config.seed,
-                            block_size=config.block_size, tensor_parallel=pool.context)
+                            block_size=config.block_size, tensor_parallel=pool.context,
+                            quantization=config.quantization)
         return engine_class(loaded, config, scheduler_config, workers=pool)
     except BaseException:
         pool.shutdown()

@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from metronome.server.engine.config import EngineConfig
-    from metronome.server.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
+    from metronome.server.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype, plan_num_blocks
     from metronome.server.engine.tp_channel import (
         SET_NUM_BLOCKS,
         SHUTDOWN,
@@ -45,6 +45,7 @@ def main(argv: list[str]) -> int:
     from metronome.server.engine.tp_launch import COLLECTIVE_TIMEOUT, HOST, check_in_key, share_cpu_threads
     from metronome.server.models import load_model
     from metronome.server.models.parallel import TPContext
+    from metronome.server.models.quant.kv_scales import install_kv_scales
 
     config = EngineConfig(**json.loads(config_json))
     world = config.tensor_parallel_size
@@ -60,17 +61,21 @@ def main(argv: list[str]) -> int:
     try:
         loaded = load_model(config.model, dtype=config.dtype, device=device_name,
                             attention_backend=config.attention_backend, seed=config.seed,
-                            block_size=config.block_size, tensor_parallel=TPContext(rank, world, None))
+                            block_size=config.block_size, tensor_parallel=TPContext(rank, world, None),
+                            quantization=config.quantization)
         model, plan = loaded.model, loaded.model.plan
         layers = loaded.config.num_hidden_layers
-        per_block = bytes_per_block(layers, config.block_size, plan.num_kv_heads, plan.head_dim, loaded.dtype)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.dtype, model.attention_backend.name)
+        if kv_dtype == torch.float8_e4m3fn:  # calibrating runs a forward pass: in step with rank 0's
+            install_kv_scales(loaded, config.block_size)
+        per_block = bytes_per_block(layers, config.block_size, plan.num_kv_heads, plan.head_dim, kv_dtype)
         replies.write(encode_reply(plan_num_blocks(config, per_block, device)))
         command, num_blocks, _ = read_message(commands)
         if command != SET_NUM_BLOCKS:
             return 0 if command == SHUTDOWN else 2
         # + 1: the scratch block ModelRunner keeps for padded CUDA-graph rows, so the caches match rank 0's.
         kv_caches = allocate_kv_cache(layers, num_blocks + 1, config.block_size, plan.num_kv_heads, plan.head_dim,
-                                      loaded.dtype, device)
+                                      kv_dtype, device)
         with torch.inference_mode():
             while True:
                 command, _, header = read_message(commands)

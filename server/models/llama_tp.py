@@ -1,6 +1,7 @@
 """One rank's shard of a tensor-parallel Llama: the ordinary LlamaForCausalLM built at the per-rank size
-(parallel.local_config), with the communicating modules swapped in and the loader cutting each full tensor
-down to this rank's part. At tensor_parallel_size 1 none of this is used: the model is llama.py's, unchanged.
+(parallel.local_config), with the communicating modules swapped in and each full tensor cut down to this rank's
+part before it loads (`local_tensors`). At tensor_parallel_size 1 none of this is used: the model is llama.py's,
+unchanged.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from metronome.server.models.random_weights import norm_fill, random_init_std
 
 if TYPE_CHECKING:
     from metronome.kernels import AttentionBackend
+    from metronome.server.models.quant.scheme import Fp8Scheme
 
 
 class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
@@ -39,18 +41,28 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
         local = super().compute_logits(hidden)
         return self.tp.all_gather_last_dim(local)[:, : self.plan.vocab_size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Full transformers-named tensors in (CPU or device); only this rank's part is copied to its device."""
+    def local_tensors(self, weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full transformers-named tensors in (CPU or device), this rank's part of each out (views where possible):
+        what load_weights, or the FP8 loader, then copies to the device. `block`: an FP8 checkpoint's weight-scale
+        block, if its scales are block grids."""
         rank, plan = self.tp.rank, self.plan
-        super().load_weights((name, shard_for(name, tensor, plan, rank)) for name, tensor in weights)
+        return ((name, shard_for(name, tensor, plan, rank, block)) for name, tensor in weights)
 
 
 def build_empty_tp_model(config: ModelConfig, attention: AttentionBackend, device: torch.device,
-                         dtype: torch.dtype, tp: TPContext) -> TensorParallelLlamaForCausalLM:
-    """Like loader.build_empty_model: per-rank weights allocated once, on the device, uninitialised."""
+                         dtype: torch.dtype, tp: TPContext, quantization: Fp8Scheme | None = None
+                         ) -> TensorParallelLlamaForCausalLM:
+    """Like loader.build_empty_model: per-rank weights allocated once, on the device, uninitialised; with
+    `quantization`, the decoder's linears (row-parallel ones included) are FP8 ones of the per-rank size."""
     with torch.device("meta"):
         model = TensorParallelLlamaForCausalLM(config, attention, tp)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if quantization is not None:
+        from metronome.server.models.quant.loading import prepare_model
+
+        prepare_model(model, model.config, quantization)
+    model = model.to_empty(device=device)
     model.requires_grad_(False)
     return model.eval()
 

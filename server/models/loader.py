@@ -233,9 +233,9 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
     if tensor_parallel is None:
         model = build_empty_model(config, attention, torch_device, torch_dtype, scheme)
     else:
-        from metronome.server.models.llama_tp import build_empty_tp_model, random_full_weights
+        from metronome.server.models.llama_tp import build_empty_tp_model
 
-        model = build_empty_tp_model(config, attention, torch_device, torch_dtype, tensor_parallel)
+        model = build_empty_tp_model(config, attention, torch_device, torch_dtype, tensor_parallel, scheme)
     if source.kind == "random" and tensor_parallel is None and scheme is None:
         init_random_weights(model, seed)
     else:
@@ -243,6 +243,8 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
             from metronome.server.models.llama_tp import random_full_weights
         weights = (reader.weights(config) if source.kind != "random"
                    else random_full_weights(config, seed, torch_device, torch_dtype))
+        if tensor_parallel is not None:
+            weights = model.local_tensors(weights, scheme.block if scheme is not None else None)
         try:
             if scheme is None:
                 model.load_weights(weights)
@@ -279,8 +281,10 @@ def _quantization(reader, config: ModelConfig, requested: str | None, tensor_par
         if isinstance(error, ModelNotFoundError):
             raise
         raise InvalidRequestError(str(error), param="quantization") from None
-    if scheme is not None and tensor_parallel is not None:
-        raise InvalidRequestError("FP8 models are served at tensor_parallel_size 1", param="quantization")
+    if scheme is not None and scheme.block is not None and tensor_parallel is not None:
+        from metronome.server.models.parallel import check_block_split, plan_shards
+
+        check_block_split(plan_shards(config, tensor_parallel.world_size), scheme.block)
     return scheme, gemm
 
 

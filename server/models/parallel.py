@@ -9,6 +9,10 @@ The Megatron split, one process per GPU:
   sums the partial results (parallel_layers.RowParallelLinear).
 - The embedding and the LM head split the vocabulary (padded to a multiple of the world size): ids outside a
   rank's rows embed to zero before the all-reduce; logits are all-gathered over the vocabulary shards.
+- FP8 checkpoints split their scales with their weights: a per-row weight scale with the rows it scales, a
+  block grid in whole blocks, a per-tensor or static input scale whole; each rank quantises its own slice of a
+  row-parallel input (per token, as vLLM's ranks do: a token's scale then comes from its slice alone). An FP8 KV
+  cache's per-head scales go with their heads.
 
 KV heads: with more KV heads than ranks each rank keeps n_kv / tp of them; with more ranks than KV heads (a
 multiple of them) each KV head is replicated on tp / n_kv ranks, which is exact because a rank's query heads then
@@ -17,6 +21,7 @@ all belong to that one KV head's group. Anything else is an InvalidRequestError 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,8 +30,9 @@ import torch
 from metronome.contract.errors import InvalidRequestError
 from metronome.server.models.config import ModelConfig
 
-# The Llama block with no per-head norms: what the shard plan and the row-parallel modules below cover.
-TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# The Llama block: what the shard plan and the row-parallel modules cover (Qwen3's QK-norm weights are one per
+# head_dim, shared by every head, so each rank keeps them whole).
+TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -138,23 +144,25 @@ def vocab_rows(plan: ShardPlan, rank: int) -> tuple[int, int]:
     return start, max(0, min(plan.vocab_size, start + plan.vocab_per_rank) - start)
 
 
-# transformers name suffix → (dimension, which rows); o_proj / down_proj weights are split along columns.
-_SPLITS = {
-    "self_attn.q_proj.weight": (0, q_rows), "self_attn.q_proj.bias": (0, q_rows),
-    "self_attn.k_proj.weight": (0, kv_rows), "self_attn.k_proj.bias": (0, kv_rows),
-    "self_attn.v_proj.weight": (0, kv_rows), "self_attn.v_proj.bias": (0, kv_rows),
-    "self_attn.o_proj.weight": (1, q_rows),
-    "mlp.gate_proj.weight": (0, intermediate_rows), "mlp.gate_proj.bias": (0, intermediate_rows),
-    "mlp.up_proj.weight": (0, intermediate_rows), "mlp.up_proj.bias": (0, intermediate_rows),
-    "mlp.down_proj.weight": (1, intermediate_rows),
-}
+# The decoder's linears: column-parallel modules split their output rows (weight, bias and a per-row or block
+# weight scale alike), row-parallel ones their input columns (weight, block scales; bias and per-row scales stay
+# whole, as each rank's partial sum has every output row).
+_COLUMN_PARALLEL = {"self_attn.q_proj": q_rows, "self_attn.k_proj": kv_rows, "self_attn.v_proj": kv_rows,
+                    "mlp.gate_proj": intermediate_rows, "mlp.up_proj": intermediate_rows}
+_ROW_PARALLEL = {"self_attn.o_proj": q_rows, "mlp.down_proj": intermediate_rows}
+_WEIGHTS = ("weight", "_weight_qdata")  # torchao's FP8 tensor, flattened by transformers, names its codes so
+_WEIGHT_SCALES = ("weight_scale", "weight_scale_inv", "_weight_scale")
+# An FP8 KV cache's scales in a checkpoint: one per layer (kept whole) or one per kv head (cut to the rank's heads)
+_KV_SCALE = re.compile(r"\.self_attn\.(?:[kv]_scale|[kv]_proj\.output_scale|[kv]_proj\.[kv]_scale)$")
 _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def shard_for(name: str, tensor: torch.Tensor, plan: ShardPlan, rank: int) -> torch.Tensor:
+def shard_for(name: str, tensor: torch.Tensor, plan: ShardPlan, rank: int,
+              block: tuple[int, int] | None = None) -> torch.Tensor:
     """This rank's part of a full transformers-named tensor (a view where possible; vocabulary tensors are
-    zero-padded to vocab_per_rank rows). Everything not split (norms, row-parallel biases, rope factors) is
-    returned whole."""
+    zero-padded to vocab_per_rank rows). Everything not split (norms, row-parallel biases, rope factors, static
+    input scales) is returned whole. `block`: an FP8 checkpoint's weight-scale block (rows, columns), whose scale
+    grids are cut in whole blocks (check_block_split says beforehand whether they can be)."""
     if name in _VOCAB_TENSORS:
         start, length = vocab_rows(plan, rank)
         part = tensor.narrow(0, start, length)
@@ -163,11 +171,61 @@ def shard_for(name: str, tensor: torch.Tensor, plan: ShardPlan, rank: int) -> to
         padded = tensor.new_zeros((plan.vocab_per_rank, *tensor.shape[1:]))
         padded[:length].copy_(part)
         return padded
-    for suffix, (dim, rows) in _SPLITS.items():
-        if name.endswith("." + suffix):
-            start, length = rows(plan, rank)
-            if start + length > tensor.shape[dim]:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, too small for "
-                                 f"rank {rank} of {plan.world_size}")
-            return tensor.narrow(dim, start, length)
+    if _KV_SCALE.search(name):
+        return _kv_heads_of(name, tensor, plan, rank)
+    module, _, kind = name.rpartition(".")
+    for suffix, rows in _COLUMN_PARALLEL.items():
+        if module.endswith("." + suffix):
+            if kind in _WEIGHTS or kind == "bias":
+                return _narrow(name, tensor, 0, *rows(plan, rank))
+            if kind in _WEIGHT_SCALES and tensor.numel() > 1:
+                return _narrow_scale(name, tensor, 0, *rows(plan, rank), block and block[0])
+            return tensor
+    for suffix, columns in _ROW_PARALLEL.items():
+        if module.endswith("." + suffix):
+            if kind in _WEIGHTS:
+                return _narrow(name, tensor, 1, *columns(plan, rank))
+            if kind in _WEIGHT_SCALES and block is not None and tensor.dim() == 2:
+                return _narrow_scale(name, tensor, 1, *columns(plan, rank), block[1])
+            return tensor
     return tensor
+
+
+def _narrow(name: str, tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    if start + length > tensor.shape[dim]:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, too small for a "
+                         f"tensor-parallel shard at {start}..{start + length} of dimension {dim}")
+    return tensor.narrow(dim, start, length)
+
+
+def _narrow_scale(name: str, tensor: torch.Tensor, dim: int, start: int, length: int,
+                  block: int | None) -> torch.Tensor:
+    """A weight scale's part: per row like the weight's rows, or a block grid's whole blocks."""
+    if not block:
+        return _narrow(name, tensor, dim, start, length)
+    if start % block or length % block:
+        raise ValueError(f"checkpoint tensor {name!r}: a tensor-parallel shard at {start}..{start + length} cuts "
+                         f"its {block}-wide scale blocks")
+    return _narrow(name, tensor, dim, start // block, length // block)
+
+
+def _kv_heads_of(name: str, tensor: torch.Tensor, plan: ShardPlan, rank: int) -> torch.Tensor:
+    total = plan.num_kv_heads * plan.world_size // plan.kv_replicas
+    if tensor.numel() != total or total == 1:
+        return tensor  # one scale for the layer (kv_scales.from_checkpoint refuses any other shape)
+    first = kv_rows(plan, rank)[0] // plan.head_dim
+    return tensor.reshape(total).narrow(0, first, plan.num_kv_heads)
+
+
+def check_block_split(plan: ShardPlan, block: tuple[int, int]) -> None:
+    """InvalidRequestError unless every rank's rows and columns of the split linears are whole weight-scale
+    blocks (a block scale cannot be shared by two ranks)."""
+    rows, columns = block
+    q, kv, mlp = plan.num_heads * plan.head_dim, plan.num_kv_heads * plan.head_dim, plan.intermediate_size
+    cut = [f"{what} {size}" for what, size, unit in (("q rows", q, rows), ("kv rows", kv, rows),
+                                                     ("MLP rows", mlp, rows), ("o_proj columns", q, columns),
+                                                     ("down_proj columns", mlp, columns)) if size % unit]
+    if cut:
+        raise InvalidRequestError(
+            f"tensor_parallel_size {plan.world_size} gives each rank {', '.join(cut)}: not whole {rows}x{columns} "
+            "blocks of the checkpoint's weight scales", param="tensor_parallel_size")

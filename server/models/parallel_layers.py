@@ -1,5 +1,6 @@
-"""The modules of a tensor-parallel Llama that communicate: row-parallel linears (o_proj, down_proj) and the
-vocabulary-parallel embedding. (Column-parallel q/k/v and gate/up need no communication: see parallel.py.)"""
+"""The modules of a tensor-parallel Llama that communicate: row-parallel linears (o_proj, down_proj), in the model
+dtype or FP8, and the vocabulary-parallel embedding. (Column-parallel q/k/v and gate/up need no communication: see
+parallel.py.)"""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from metronome.server.models.parallel import TPContext
+from metronome.server.models.quant.activation import Fp8Activation
+from metronome.server.models.quant.fp8_linear import Fp8Linear
+from metronome.server.models.quant.scheme import Fp8Scheme
 
 
 class RowParallelLinear(nn.Module):
@@ -21,6 +25,33 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def fp8_replacement(self, scheme: Fp8Scheme, checkpoint_name: str) -> Fp8RowParallelLinear:
+        """This layer with FP8 weights (quant/model_pass.swap_linears calls it before the weights load)."""
+        return Fp8RowParallelLinear(self, scheme, checkpoint_name)
+
+
+class Fp8RowParallelLinear(nn.Module):
+    """A row-parallel linear over FP8 weights: this rank's columns are an Fp8Linear (`local`) that takes the
+    checkpoint's tensors under this module's name and quantises this rank's slice of the input; the bias, whole
+    on every rank, is added once after the all-reduce, as in RowParallelLinear."""
+
+    def __init__(self, row: RowParallelLinear, scheme: Fp8Scheme, checkpoint_name: str):
+        super().__init__()
+        self.tp = row.tp
+        out_features, in_features_per_rank = row.weight.shape
+        self.local = Fp8Linear(in_features_per_rank, out_features, bias=False, scheme=scheme,
+                               shard_sizes=(out_features,), dtype=row.weight.dtype, device=row.weight.device,
+                               checkpoint_names=(checkpoint_name,))
+        self.bias = row.bias
+
+    @property
+    def activation_quant(self):
+        return self.local.activation_quant
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        out = self.tp.all_reduce(self.local(x))
         return out if self.bias is None else out + self.bias
 
 

@@ -217,13 +217,11 @@ def test_kv_cache_dtype_refusals():
     from metronome.server.engine.kv_cache import kv_cache_dtype
 
     with pytest.raises(InvalidRequestError, match="bf16 needs a bfloat16 model"):
-        kv_cache_dtype("bf16", torch.float32, "torch", 1)
+        kv_cache_dtype("bf16", torch.float32, "torch")
     with pytest.raises(InvalidRequestError, match="not flash_attn"):
-        kv_cache_dtype("fp8", torch.bfloat16, "flash_attn", 1)
-    with pytest.raises(InvalidRequestError, match="tensor_parallel_size 1"):
-        kv_cache_dtype("fp8", torch.bfloat16, "triton", 2)
-    assert kv_cache_dtype("auto", torch.float16, "triton", 2) == torch.float16
-    assert kv_cache_dtype("fp8", torch.float32, "torch", 1) == FP8
+        kv_cache_dtype("fp8", torch.bfloat16, "flash_attn")
+    assert kv_cache_dtype("auto", torch.float16, "triton") == torch.float16
+    assert kv_cache_dtype("fp8", torch.float32, "torch") == FP8
 
 
 if __name__ == "__main__":

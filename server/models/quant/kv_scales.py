@@ -138,7 +138,8 @@ def install_kv_scales(loaded, block_size: int = 16) -> KVScales:
     the checkpoint's when it has them, else calibrated now. ModelNotFoundError when the checkpoint's do not fit."""
     from metronome.contract.errors import ModelNotFoundError
 
-    model, config = loaded.model, loaded.config
+    model = loaded.model
+    config = model.config  # a tensor-parallel rank's own: its kv heads (the checkpoint's came cut to them)
     try:
         scales = from_checkpoint(getattr(model, "fp8_kv_scales", None) or {}, config.num_hidden_layers,
                                  config.num_key_value_heads)

@@ -65,6 +65,8 @@ class Fp8Router:
             if len(layer.checkpoint_names) > 1:
                 for shard, checkpoint_name in enumerate(layer.checkpoint_names):
                     self.routes[checkpoint_name] = (layer, shard)
+            elif layer.checkpoint_names:  # a layer inside another module that the checkpoint names (tensor parallel)
+                self.routes[layer.checkpoint_names[0]] = (layer, None)
         self.kv_scales: dict[str, torch.Tensor] = {}
 
     def route(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

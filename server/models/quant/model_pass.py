@@ -15,6 +15,7 @@ from torch import nn
 
 from metronome.server.models.config import ModelConfig
 from metronome.server.models.layers import GatedMLP, RMSNorm
+from metronome.server.models.parallel_layers import Fp8RowParallelLinear
 from metronome.server.models.quant.activation import ActivationQuant, Fp8Activation
 from metronome.server.models.quant.fp8_linear import Fp8Linear
 from metronome.server.models.quant.scheme import Fp8Scheme, QuantizationConfigError
@@ -27,6 +28,8 @@ DECODER_PREFIX = "model.layers."
 # here; the routed experts have FP8 storage of their own: store_fp8_experts)
 GATE_BY_CONVENTION = (".shared_expert_gate",)
 EXPLICIT_LAYOUTS = ("compressed-tensors", "modelopt")
+
+FP8_CONSUMERS = (Fp8Linear, Fp8RowParallelLinear)  # the linears whose producers may hand over FP8 activations
 
 # our fused module → the checkpoint modules it stacks, in row order
 FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -43,11 +46,19 @@ def swap_linears(model: nn.Module, config: ModelConfig, scheme: Fp8Scheme) -> in
     weights are materialised); returns how many were swapped."""
     swapped = 0
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or not name.startswith(DECODER_PREFIX):
+        if not name.startswith(DECODER_PREFIX):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        fp8_replacement = getattr(module, "fp8_replacement", None)  # a layer that builds its own (tensor parallel)
+        if fp8_replacement is not None:
+            if not scheme.ignores(name):
+                setattr(model.get_submodule(parent_name), attr, fp8_replacement(scheme, name))
+                swapped += 1
+            continue
+        if type(module) is not nn.Linear:
             continue
         if name.endswith(GATE_BY_CONVENTION) and scheme.source not in EXPLICIT_LAYOUTS:
             continue
-        parent_name, _, attr = name.rpartition(".")
         parts = FUSED_SHARDS.get(attr)
         checkpoint_names = tuple(f"{parent_name}.{part}" for part in parts) if parts else (name,)
         ignored = [scheme.ignores(c) for c in checkpoint_names]
@@ -146,7 +157,7 @@ def fuse_activation_quant(model: nn.Module, config: ModelConfig) -> int:
         for producer, base, fused_class, consumer in pairs:
             # the fused FP8 kernels are Llama's: weight x norm (not Gemma's 1 + weight), SiLU (not GELU)
             llama_style = not getattr(producer, "plus_one", False) and getattr(producer, "act", "silu") == "silu"
-            if type(producer) is base and llama_style and isinstance(consumer, Fp8Linear):
+            if type(producer) is base and llama_style and isinstance(consumer, FP8_CONSUMERS):
                 producer.__class__ = fused_class
                 producer.output_quant = consumer.activation_quant
                 changed += 1
