@@ -17,7 +17,7 @@ import torch
 from fp8_checkpoints import BLOCK, dequantize_weight, quantize_weight, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
 from test_loaders import save_hf_model
-from test_tensor_parallel import one_thread_per_rank, run_recording_logits  # noqa: F401 (a fixture)
+from test_tensor_parallel import assert_same_run, one_thread_per_rank, run_recording_logits  # noqa: F401 (a fixture)
 
 from metronome.contract.errors import InvalidRequestError
 from metronome.server.models.parallel import check_block_split, plan_shards, shard_for
@@ -104,8 +104,6 @@ PER_TOKEN_ATOL = 0.03
                                                                                PER_TOKEN_ATOL)],
     ids=["llama-static-checkpoint-kv-scales", "qwen3-block-calibrated-kv-scales", "llama-per-token"])
 def test_tp2_serves_an_fp8_checkpoint_with_an_fp8_cache_as_tp1_does(tmp_path, family, layout, kv_scales, atol):
-    import torch.distributed as dist
-
     from metronome.contract.config import SchedulerConfig
     from metronome.server.engine.config import EngineConfig
     from metronome.server.engine.engine import EngineCore
@@ -131,9 +129,4 @@ def test_tp2_serves_an_fp8_checkpoint_with_an_fp8_cache_as_tp1_does(tmp_path, fa
         tokens, logits = run_recording_logits(sharded, prompts, 12)
     finally:
         sharded.close()
-    assert tokens == expected_tokens
-    assert len(logits) == len(expected_logits)
-    for step, (got, want) in enumerate(zip(logits, expected_logits)):
-        torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=lambda m, step=step: f"step {step}: {m}")
-    assert [p.returncode for p in sharded.workers.procs] == [0]
-    assert not dist.is_initialized()
+    assert_same_run(sharded, (tokens, logits), (expected_tokens, expected_logits), atol)
