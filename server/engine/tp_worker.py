@@ -64,6 +64,8 @@ def main(argv: list[str]) -> int:
                             block_size=config.block_size, tensor_parallel=TPContext(rank, world, None),
                             quantization=config.quantization)
         model, plan = loaded.model, loaded.model.plan
+        if hasattr(model, "set_moe_backend"):  # the experts run as rank 0's do
+            model.set_moe_backend(config.moe_backend)
         layers = loaded.config.num_hidden_layers
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.dtype, model.attention_backend.name)
         if kv_dtype == torch.float8_e4m3fn:  # calibrating runs a forward pass: in step with rank 0's

@@ -1,19 +1,21 @@
-"""One rank's shard of a tensor-parallel Llama: the ordinary LlamaForCausalLM built at the per-rank size
-(parallel.local_config), with the communicating modules swapped in and each full tensor cut down to this rank's
-part before it loads (`local_tensors`). At tensor_parallel_size 1 none of this is used: the model is llama.py's,
-unchanged.
+"""One rank's shard of a tensor-parallel model of the Llama block (Llama, Mistral, Qwen2, Qwen3, and the expert
+families built on it): the family's own class built at the per-rank size (parallel.local_config), with the
+communicating modules swapped in, and each full tensor cut down to this rank's part before it loads
+(`local_tensors`). At tensor_parallel_size 1 none of this is used: the model is the family's, unchanged.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
 
 from metronome.server.models.config import ModelConfig
-from metronome.server.models.llama import LlamaForCausalLM
+from metronome.server.models.families import model_class
+from metronome.server.models.moe import SparseMoeBlock
 from metronome.server.models.parallel import TPContext, local_config, plan_shards, shard_for, vocab_rows
-from metronome.server.models.parallel_layers import RowParallelLinear, VocabParallelEmbedding
+from metronome.server.models.parallel_layers import RowParallelLinear, RowParallelMoeBlock, VocabParallelEmbedding
 from metronome.server.models.random_weights import norm_fill, random_init_std
 
 if TYPE_CHECKING:
@@ -21,7 +23,11 @@ if TYPE_CHECKING:
     from metronome.server.models.quant.scheme import Fp8Scheme
 
 
-class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
+class TensorParallel:
+    """Mixed in before a family's class (`tensor_parallel_class`): builds the family at this rank's size, then
+    makes o_proj and the MLP's down projection row-parallel (an expert block: its experts' and shared expert's
+    partial sums all-reduced once), the embedding vocabulary-parallel, and the logits whole on every rank."""
+
     def __init__(self, config: ModelConfig, attention: AttentionBackend, tp: TPContext):
         plan = plan_shards(config, tp.world_size)
         super().__init__(local_config(config, plan), attention)
@@ -34,7 +40,10 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
         for layer in self.model.layers:
             layer.self_attn.o_proj = RowParallelLinear(plan.num_heads * plan.head_dim, hidden,
                                                        config.attention_output_bias, tp)
-            layer.mlp.down_proj = RowParallelLinear(plan.intermediate_size, hidden, config.mlp_bias, tp)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                RowParallelMoeBlock.adopt(layer.mlp, tp)
+            else:
+                layer.mlp.down_proj = RowParallelLinear(plan.intermediate_size, hidden, config.mlp_bias, tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Every rank gets the full float32 [N, vocab] logits (its shard's columns all-gathered)."""
@@ -50,13 +59,20 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
         return ((name, shard_for(name, tensor, plan, rank, block)) for name, tensor in weights)
 
 
+@cache
+def tensor_parallel_class(family: type) -> type:
+    """`family` (a Llama-block model class) with TensorParallel mixed in: TensorParallelQwen3MoeForCausalLM, ..."""
+    return type(f"TensorParallel{family.__name__}", (TensorParallel, family), {})
+
+
 def build_empty_tp_model(config: ModelConfig, attention: AttentionBackend, device: torch.device,
                          dtype: torch.dtype, tp: TPContext, quantization: Fp8Scheme | None = None
-                         ) -> TensorParallelLlamaForCausalLM:
+                         ) -> TensorParallel:
     """Like loader.build_empty_model: per-rank weights allocated once, on the device, uninitialised; with
     `quantization`, the decoder's linears (row-parallel ones included) are FP8 ones of the per-rank size."""
     with torch.device("meta"):
-        model = TensorParallelLlamaForCausalLM(config, attention, tp)
+        plan_shards(config, tp.world_size)  # a family outside the plan is refused by name before its class is built
+        model = tensor_parallel_class(model_class(config))(config, attention, tp)
     model = model.to(dtype)
     if quantization is not None:
         from metronome.server.models.quant.loading import prepare_model

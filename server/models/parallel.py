@@ -30,9 +30,9 @@ import torch
 from metronome.contract.errors import InvalidRequestError
 from metronome.server.models.config import ModelConfig
 
-# The Llama block: what the shard plan and the row-parallel modules cover (Qwen3's QK-norm weights are one per
-# head_dim, shared by every head, so each rank keeps them whole).
-TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# The Llama block, with a dense MLP or an expert block: what the shard plan and the row-parallel modules cover
+# (Qwen3's QK-norm weights are one per head_dim, shared by every head, so each rank keeps them whole).
+TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ class ShardPlan:
     intermediate_size: int  # MLP width per rank
     vocab_size: int  # the real vocabulary (unpadded)
     vocab_per_rank: int  # rows of the embedding / LM head per rank (the last rank may hold padding)
+    expert_size: int = 0  # one routed expert's MLP width per rank (0: no experts)
+    shared_expert_size: int = 0  # the shared expert's MLP width per rank (0: none)
 
 
 def plan_shards(config: ModelConfig, world_size: int) -> ShardPlan:
@@ -100,12 +102,19 @@ def plan_shards(config: ModelConfig, world_size: int) -> ShardPlan:
         raise InvalidRequestError(
             f"tensor_parallel_size {world_size} does not divide the MLP width {config.intermediate_size}",
             param="tensor_parallel_size")
+    moe = config.moe
+    expert, shared = (moe.intermediate_size, moe.shared_expert_intermediate_size) if moe is not None else (0, 0)
+    for what, width in (("an expert's MLP width", expert), ("the shared expert's MLP width", shared)):
+        if width % world_size:
+            raise InvalidRequestError(f"tensor_parallel_size {world_size} does not divide {what} {width}",
+                                      param="tensor_parallel_size")
     replicas = max(1, world_size // kv_heads)
     return ShardPlan(
         world_size=world_size, head_dim=config.head_dim, num_heads=heads // world_size,
         num_kv_heads=max(1, kv_heads // world_size), kv_replicas=replicas,
         intermediate_size=config.intermediate_size // world_size, vocab_size=config.vocab_size,
-        vocab_per_rank=math.ceil(config.vocab_size / world_size),
+        vocab_per_rank=math.ceil(config.vocab_size / world_size), expert_size=expert // world_size,
+        shared_expert_size=shared // world_size,
     )
 
 
@@ -116,9 +125,13 @@ def _divisors_text(heads: int, kv_heads: int, intermediate: int) -> str:
 
 
 def local_config(config: ModelConfig, plan: ShardPlan) -> ModelConfig:
-    """The shape one rank builds: its heads, its MLP slice, its vocabulary rows (head_dim stays explicit)."""
+    """The shape one rank builds: its heads, its MLP slices (dense, each expert's, the shared expert's), its
+    vocabulary rows (head_dim stays explicit)."""
+    moe = config.moe
+    if moe is not None:
+        moe = replace(moe, intermediate_size=plan.expert_size, shared_expert_intermediate_size=plan.shared_expert_size)
     return replace(config, num_attention_heads=plan.num_heads, num_key_value_heads=plan.num_kv_heads,
-                   intermediate_size=plan.intermediate_size, vocab_size=plan.vocab_per_rank)
+                   intermediate_size=plan.intermediate_size, vocab_size=plan.vocab_per_rank, moe=moe)
 
 
 # ---- which rows / columns a rank owns (start, length) in the full tensor ----------------------------------------
@@ -138,6 +151,14 @@ def intermediate_rows(plan: ShardPlan, rank: int) -> tuple[int, int]:
     return rank * plan.intermediate_size, plan.intermediate_size
 
 
+def expert_rows(plan: ShardPlan, rank: int) -> tuple[int, int]:
+    return rank * plan.expert_size, plan.expert_size
+
+
+def shared_expert_rows(plan: ShardPlan, rank: int) -> tuple[int, int]:
+    return rank * plan.shared_expert_size, plan.shared_expert_size
+
+
 def vocab_rows(plan: ShardPlan, rank: int) -> tuple[int, int]:
     """The real vocabulary rows of `rank`: (start, length); length may be short (or 0) on the last ranks."""
     start = rank * plan.vocab_per_rank
@@ -148,8 +169,16 @@ def vocab_rows(plan: ShardPlan, rank: int) -> tuple[int, int]:
 # weight scale alike), row-parallel ones their input columns (weight, block scales; bias and per-row scales stay
 # whole, as each rank's partial sum has every output row).
 _COLUMN_PARALLEL = {"self_attn.q_proj": q_rows, "self_attn.k_proj": kv_rows, "self_attn.v_proj": kv_rows,
-                    "mlp.gate_proj": intermediate_rows, "mlp.up_proj": intermediate_rows}
-_ROW_PARALLEL = {"self_attn.o_proj": q_rows, "mlp.down_proj": intermediate_rows}
+                    "mlp.gate_proj": intermediate_rows, "mlp.up_proj": intermediate_rows,
+                    "mlp.shared_expert.gate_proj": shared_expert_rows, "mlp.shared_expert.up_proj": shared_expert_rows}
+_ROW_PARALLEL = {"self_attn.o_proj": q_rows, "mlp.down_proj": intermediate_rows,
+                 "mlp.shared_expert.down_proj": shared_expert_rows}
+# An expert block splits every expert's MLP as a dense MLP is split: one expert a tensor (Qwen's names, Mixtral's
+# w1 / w3 / w2), stacked [E, 2I, H] gate rows then up rows and [E, H, I] (ours, transformers 5's), or stacked per
+# projection [E, I, H] / [E, H, I] (GGUF's). The block's output is all-reduced once (parallel_layers).
+_EXPERT = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|w1|w3|down_proj|w2)$")
+_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj|gate_proj\.weight|up_proj\.weight|"
+                              r"down_proj\.weight)$")
 _WEIGHTS = ("weight", "_weight_qdata")  # torchao's FP8 tensor, flattened by transformers, names its codes so
 _WEIGHT_SCALES = ("weight_scale", "weight_scale_inv", "_weight_scale")
 # An FP8 KV cache's scales in a checkpoint: one per layer (kept whole) or one per kv head (cut to the rank's heads)
@@ -173,22 +202,50 @@ def shard_for(name: str, tensor: torch.Tensor, plan: ShardPlan, rank: int,
         return padded
     if _KV_SCALE.search(name):
         return _kv_heads_of(name, tensor, plan, rank)
+    stacked = _STACKED_EXPERTS.search(name)
+    if stacked:
+        return _stacked_experts_of(name, stacked.group(1), tensor, *expert_rows(plan, rank))
     module, _, kind = name.rpartition(".")
+    expert = _EXPERT.search(module)
+    if expert:
+        column = expert.group(1) in ("gate_proj", "up_proj", "w1", "w3")
+        return _linear_part(name, kind, tensor, column, expert_rows(plan, rank), block)
     for suffix, rows in _COLUMN_PARALLEL.items():
         if module.endswith("." + suffix):
-            if kind in _WEIGHTS or kind == "bias":
-                return _narrow(name, tensor, 0, *rows(plan, rank))
-            if kind in _WEIGHT_SCALES and tensor.numel() > 1:
-                return _narrow_scale(name, tensor, 0, *rows(plan, rank), block and block[0])
-            return tensor
+            return _linear_part(name, kind, tensor, True, rows(plan, rank), block)
     for suffix, columns in _ROW_PARALLEL.items():
         if module.endswith("." + suffix):
-            if kind in _WEIGHTS:
-                return _narrow(name, tensor, 1, *columns(plan, rank))
-            if kind in _WEIGHT_SCALES and block is not None and tensor.dim() == 2:
-                return _narrow_scale(name, tensor, 1, *columns(plan, rank), block[1])
-            return tensor
+            return _linear_part(name, kind, tensor, False, columns(plan, rank), block)
     return tensor
+
+
+def _linear_part(name: str, kind: str, tensor: torch.Tensor, column: bool, span: tuple[int, int],
+                 block: tuple[int, int] | None) -> torch.Tensor:
+    """A linear layer's tensor `kind` cut to the rank's `span` of its rows (column-parallel) or of its input
+    columns (row-parallel)."""
+    if column:
+        if kind in _WEIGHTS or kind == "bias":
+            return _narrow(name, tensor, 0, *span)
+        if kind in _WEIGHT_SCALES and tensor.numel() > 1:
+            return _narrow_scale(name, tensor, 0, *span, block and block[0])
+        return tensor
+    if kind in _WEIGHTS:
+        return _narrow(name, tensor, 1, *span)
+    if kind in _WEIGHT_SCALES and block is not None and tensor.dim() == 2:
+        return _narrow_scale(name, tensor, 1, *span, block[1])
+    return tensor
+
+
+def _stacked_experts_of(name: str, what: str, tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Every expert's part of a stacked expert tensor: [E, 2I, H] (gate rows, then up rows: both halves cut, a
+    copy), [E, I, H] (one projection's rows) or [E, H, I] (a down projection's columns)."""
+    if what.startswith("down_proj"):
+        return _narrow(name, tensor, 2, start, length)
+    if what == "gate_up_proj":
+        half = tensor.shape[1] // 2
+        return torch.cat([_narrow(name, tensor, 1, start, length), _narrow(name, tensor, 1, half + start, length)],
+                         dim=1)
+    return _narrow(name, tensor, 1, start, length)
 
 
 def _narrow(name: str, tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
@@ -222,9 +279,12 @@ def check_block_split(plan: ShardPlan, block: tuple[int, int]) -> None:
     blocks (a block scale cannot be shared by two ranks)."""
     rows, columns = block
     q, kv, mlp = plan.num_heads * plan.head_dim, plan.num_kv_heads * plan.head_dim, plan.intermediate_size
-    cut = [f"{what} {size}" for what, size, unit in (("q rows", q, rows), ("kv rows", kv, rows),
-                                                     ("MLP rows", mlp, rows), ("o_proj columns", q, columns),
-                                                     ("down_proj columns", mlp, columns)) if size % unit]
+    widths = [("q rows", q, rows), ("kv rows", kv, rows), ("MLP rows", mlp, rows), ("o_proj columns", q, columns),
+              ("down_proj columns", mlp, columns)]
+    for what, size in (("expert", plan.expert_size), ("shared expert", plan.shared_expert_size)):
+        if size:
+            widths += [(f"{what} rows", size, rows), (f"{what} down_proj columns", size, columns)]
+    cut = [f"{what} {size}" for what, size, unit in widths if size % unit]
     if cut:
         raise InvalidRequestError(
             f"tensor_parallel_size {plan.world_size} gives each rank {', '.join(cut)}: not whole {rows}x{columns} "

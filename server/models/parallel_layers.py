@@ -1,12 +1,13 @@
 """The modules of a tensor-parallel Llama that communicate: row-parallel linears (o_proj, down_proj), in the model
-dtype or FP8, and the vocabulary-parallel embedding. (Column-parallel q/k/v and gate/up need no communication: see
-parallel.py.)"""
+dtype or FP8, the row-parallel expert block, and the vocabulary-parallel embedding. (Column-parallel q/k/v and
+gate/up need no communication: see parallel.py.)"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metronome.server.models.moe import SparseMoeBlock
 from metronome.server.models.parallel import TPContext
 from metronome.server.models.quant.activation import Fp8Activation
 from metronome.server.models.quant.fp8_linear import Fp8Linear
@@ -53,6 +54,25 @@ class Fp8RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         out = self.tp.all_reduce(self.local(x))
         return out if self.bias is None else out + self.bias
+
+
+class RowParallelMoeBlock(SparseMoeBlock):
+    """An expert block whose routed experts and shared expert hold this rank's slice of every MLP (built at the
+    per-rank expert width): their outputs are partial sums, added up over the ranks once, after the block. The
+    router is whole on every rank, so every rank routes a token to the same experts."""
+
+    tp: TPContext
+
+    @classmethod
+    def adopt(cls, block: SparseMoeBlock, tp: TPContext) -> None:
+        """Turn a block built at the per-rank size into this class in place (its parameters and names stay)."""
+        if block.spec.expert_bias:
+            raise ValueError("expert biases would be added on every rank: this block cannot be split")
+        block.__class__ = cls
+        block.tp = tp
+
+    def run(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        return self.tp.all_reduce(super().run(x, backend))
 
 
 class VocabParallelEmbedding(nn.Module):

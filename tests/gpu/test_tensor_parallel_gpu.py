@@ -5,9 +5,9 @@
 
 1. fp32, Triton: TP=2 greedy tokens equal TP=1's on a random Qwen2-0.5B (14 query / 2 KV heads, qkv biases,
    tied embeddings), allowing one near-tie divergence over the prompts as the single-GPU test does.
-2. Llama-3-8B (random weights), TP=2, in bf16 and with FP8 weights and KV cache: a mixed chunked-prefill + decode
-   run finishes every request without leaking KV blocks, each rank caches 4 of the 8 KV heads, and the workers
-   exit 0 on close. Step times are
+2. Llama-3-8B (random weights), TP=2, in bf16 and with FP8 weights and KV cache, and Qwen3-30B-A3B in FP8: a mixed
+   chunked-prefill + decode run finishes every request without leaking KV blocks, each rank caches half the KV
+   heads, and the workers exit 0 on close. Step times are
    printed, not asserted (figures belong in docs/perf/tp.md via `metronome bench engine`).
 """
 from __future__ import annotations
@@ -55,14 +55,16 @@ def test_tp2_fp32_greedy_matches_tp1():
     assert same >= len(prompts) - 1
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-weights-and-cache"])
-def test_tp2_llama3_8b_serves_a_mixed_batch(fp8):
+@pytest.mark.parametrize(("model", "kv_heads", "fp8"), [("llama-3-8b", 8, False), ("llama-3-8b", 8, True),
+                                                     ("qwen3-30b-a3b", 4, True)],
+                         ids=["llama-3-8b-bf16", "llama-3-8b-fp8-weights-and-cache", "qwen3-30b-a3b-fp8"])
+def test_tp2_serves_a_mixed_batch(model, kv_heads, fp8):
     precision = dict(quantization="fp8", kv_cache_dtype="fp8") if fp8 else {}
-    config = EngineConfig(model="random:llama-3-8b", dtype="bfloat16", device="cuda", attention_backend="triton",
+    config = EngineConfig(model=f"random:{model}", dtype="bfloat16", device="cuda", attention_backend="triton",
                           tensor_parallel_size=2, **precision)
     core = EngineCore.from_config(config, SchedulerConfig(chunk_size=512, max_num_seqs=64))
     try:
-        assert core.runner.kv_caches[0][0].shape[2] == 4
+        assert core.runner.kv_caches[0][0].shape[2] == kv_heads // 2
         assert core.runner.kv_caches[0][0].dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
         params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
         for prompt in _prompts(128000, 32, 1):
@@ -74,7 +76,7 @@ def test_tp2_llama3_8b_serves_a_mixed_batch(fp8):
             done += sum(e.finished for e in events)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        print(f"\nTP=2 8B {'FP8' if fp8 else 'bf16'}: 32 requests, {steps} steps in {elapsed:.2f} s "
+        print(f"\nTP=2 {model} {'FP8' if fp8 else 'bf16'}: 32 requests, {steps} steps in {elapsed:.2f} s "
               f"({1000 * elapsed / steps:.1f} ms/step)")
         assert done == 32
         core.check_no_leaks()

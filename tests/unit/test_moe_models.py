@@ -115,13 +115,15 @@ def test_moe_backend_flag_is_checked_against_the_device():
     assert model.graph_capture_problem(torch.device("cuda")) is None
 
 
-def test_tensor_parallelism_refuses_mixtures_of_experts_naming_the_flag():
+def test_tensor_parallelism_refuses_gpt_oss_naming_the_flag():
     from metronome.server.models.parallel import plan_shards
 
-    with pytest.raises(InvalidRequestError, match="mixtral runs with tensor_parallel_size 1") as refused:
-        plan_shards(preset_config("tiny-mixtral"), 2)
+    with pytest.raises(InvalidRequestError, match="gpt_oss runs with tensor_parallel_size 1") as refused:
+        plan_shards(preset_config("tiny-gpt-oss"), 2)
     assert refused.value.param == "tensor_parallel_size"
-    assert plan_shards(preset_config("tiny-mixtral"), 1) is not None
+    assert plan_shards(preset_config("tiny-gpt-oss"), 1) is not None
+    mixtral = preset_config("tiny-mixtral")
+    assert plan_shards(mixtral, 2).expert_size == mixtral.moe.intermediate_size // 2
 
 
 # ---- config.json ------------------------------------------------------------------------------------------------

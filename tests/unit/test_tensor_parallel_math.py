@@ -271,7 +271,7 @@ def test_families_outside_the_shard_plan_are_refused_by_name():
     from metronome.server.models.parallel import plan_shards
     from metronome.server.models.presets import preset_config
 
-    for name in ("qwen3-30b-a3b", "gemma-3-12b", "phi-4-mini"):
+    for name in ("gpt-oss-20b", "gemma-3-12b", "phi-4-mini"):
         with pytest.raises(InvalidRequestError, match="tensor_parallel_size 1"):
             plan_shards(preset_config(name), 2)
     assert plan_shards(preset_config("gemma-3-12b"), 1).world_size == 1
