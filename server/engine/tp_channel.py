@@ -6,10 +6,11 @@ any collective timeout, while a blocking pipe read can wait forever and returns 
 So collectives happen only inside a step, and a worker that loses its parent exits at once.
 
 Header (rank 0 → worker), little-endian int64 x 8: command, then for STEP: num_tokens T, num_seqs B,
-block-table columns C, rows to sample N, max_seqlen_q, max_seqlen_k; followed by B int32 q_lens and B int32
-seq_lens (the host copies of the attention metadata, so a worker needs no device-to-host sync).
-Payload (broadcast from rank 0, int64 on the device): input_ids[T], positions[T], slot_mapping[T],
-sample_rows[N], cu_seqlens_q[B+1], seq_lens[B], block_tables[B*C].
+block-table columns C, rows to sample N, max_seqlen_q, max_seqlen_k, KV groups G; followed by B int32 q_lens and
+B int32 seq_lens (the host copies of the attention metadata, so a worker needs no device-to-host sync).
+Payload (broadcast from rank 0, int64 on the device): input_ids[T], positions[T], G slot mappings[T],
+sample_rows[N], cu_seqlens_q[B+1], seq_lens[B], G block tables[B*C]. A model whose layers keep their KV in
+several groups (sliding-window and full layers: kv_layout.py) has a slot mapping and a block table per group.
 Reply (worker → rank 0), int64 x 2: READY and the KV blocks the worker's memory allows.
 """
 from __future__ import annotations
@@ -42,16 +43,17 @@ class StepHeader:
     max_seqlen_k: int
     q_lens: list[int]
     seq_lens: list[int]
+    num_groups: int = 1  # KV groups, each with its slot mapping and block table
 
     @property
     def payload_numel(self) -> int:
-        t, b = self.num_tokens, self.num_seqs
-        return 3 * t + self.num_sample + (b + 1) + b + b * self.block_cols
+        t, b, g = self.num_tokens, self.num_seqs, self.num_groups
+        return (2 + g) * t + self.num_sample + (b + 1) + b + g * b * self.block_cols
 
 
 def encode_step(header: StepHeader) -> bytes:
     fixed = _HEADER.pack(STEP, header.num_tokens, header.num_seqs, header.block_cols, header.num_sample,
-                         header.max_seqlen_q, header.max_seqlen_k, 0)
+                         header.max_seqlen_q, header.max_seqlen_k, header.num_groups)
     lens = np.asarray([*header.q_lens, *header.seq_lens], dtype="<i4").tobytes()
     return fixed + lens
 
@@ -66,9 +68,9 @@ def read_message(stream: BinaryIO) -> tuple[int, int, StepHeader | None]:
     command = fields[0]
     if command != STEP:
         return command, fields[1], None
-    _, t, b, cols, n, max_q, max_k, _ = fields
+    _, t, b, cols, n, max_q, max_k, groups = fields
     lens = np.frombuffer(_read_exact(stream, 8 * b), dtype="<i4").tolist()
-    return STEP, t, StepHeader(t, b, cols, n, max_q, max_k, lens[:b], lens[b:])
+    return STEP, t, StepHeader(t, b, cols, n, max_q, max_k, lens[:b], lens[b:], groups)
 
 
 def encode_reply(num_blocks: int) -> bytes:
@@ -94,28 +96,34 @@ def _read_exact(stream: BinaryIO, size: int) -> bytes:
 
 # ---- the step's tensors ---------------------------------------------------------------------------------------
 
-def header_of(input_ids: torch.Tensor, meta: AttentionMetadata, sample_rows: torch.Tensor) -> StepHeader:
+def header_of(input_ids: torch.Tensor, metas: list[AttentionMetadata], sample_rows: torch.Tensor) -> StepHeader:
+    """The header of a step whose KV groups have the metadata `metas` (one per group, in group order)."""
+    meta = metas[0]
     return StepHeader(int(input_ids.shape[0]), meta.num_seqs, int(meta.block_tables.shape[1]),
                       int(sample_rows.shape[0]), meta.max_seqlen_q, meta.max_seqlen_k,
-                      list(meta.q_lens_host), list(meta.seq_lens_host))
+                      list(meta.q_lens_host), list(meta.seq_lens_host), len(metas))
 
 
-def pack_payload(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+def pack_payload(input_ids: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata],
                  sample_rows: torch.Tensor) -> torch.Tensor:
     long = torch.int64
-    return torch.cat([input_ids.to(long), positions.to(long), meta.slot_mapping.to(long), sample_rows.to(long),
-                      meta.cu_seqlens_q.to(long), meta.seq_lens.to(long), meta.block_tables.reshape(-1).to(long)])
+    meta = metas[0]  # the groups share the sequence lengths; each has its own slots and block table
+    return torch.cat([input_ids.to(long), positions.to(long), *(m.slot_mapping.to(long) for m in metas),
+                      sample_rows.to(long), meta.cu_seqlens_q.to(long), meta.seq_lens.to(long),
+                      *(m.block_tables.reshape(-1).to(long) for m in metas)])
 
 
 def unpack_payload(payload: torch.Tensor, header: StepHeader
-                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-    """(input_ids, positions, meta, sample_rows) with the dtypes ModelRunner.prepare produces."""
-    t, b, n = header.num_tokens, header.num_seqs, header.num_sample
-    input_ids, positions, slots, rows, cu, seq_lens, tables = payload.split(
-        [t, t, t, n, b + 1, b, b * header.block_cols])
-    meta = AttentionMetadata(
-        cu_seqlens_q=cu.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
-        block_tables=tables.to(torch.int32).view(b, header.block_cols), slot_mapping=slots,
-        max_seqlen_q=header.max_seqlen_q, max_seqlen_k=header.max_seqlen_k,
-        q_lens_host=list(header.q_lens), seq_lens_host=list(header.seq_lens))
-    return input_ids, positions, meta, rows
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], torch.Tensor]:
+    """(input_ids, positions, one metadata per KV group, sample_rows) with the dtypes ModelRunner.prepare
+    produces."""
+    t, b, n, g, cols = header.num_tokens, header.num_seqs, header.num_sample, header.num_groups, header.block_cols
+    parts = payload.split([t, t, *[t] * g, n, b + 1, b, *[b * cols] * g])
+    input_ids, positions, slots, (rows, cu, seq_lens), tables = parts[0], parts[1], parts[2:2 + g], \
+        parts[2 + g:5 + g], parts[5 + g:]
+    cu, seq_lens = cu.to(torch.int32), seq_lens.to(torch.int32)
+    metas = [AttentionMetadata(
+        cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=table.to(torch.int32).view(b, cols), slot_mapping=slot,
+        max_seqlen_q=header.max_seqlen_q, max_seqlen_k=header.max_seqlen_k, q_lens_host=list(header.q_lens),
+        seq_lens_host=list(header.seq_lens)) for slot, table in zip(slots, tables)]
+    return input_ids, positions, metas, rows

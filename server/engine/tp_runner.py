@@ -26,6 +26,14 @@ class TensorParallelRunner(ModelRunner):
     def forward_logits(self, inputs: PreparedInputs) -> torch.Tensor | None:
         import torch.distributed as dist
 
-        self.workers.send_step(header_of(inputs.input_ids, inputs.meta, inputs.sample_rows))
-        dist.broadcast(pack_payload(inputs.input_ids, inputs.positions, inputs.meta, inputs.sample_rows), src=0)
+        metas = self.group_metadata(inputs.meta)
+        self.workers.send_step(header_of(inputs.input_ids, metas, inputs.sample_rows))
+        dist.broadcast(pack_payload(inputs.input_ids, inputs.positions, metas, inputs.sample_rows), src=0)
         return super().forward_logits(inputs)
+
+    def group_metadata(self, meta) -> list:
+        """One metadata object per KV group, from what the model takes (one object, or one per layer)."""
+        if not isinstance(meta, (list, tuple)):
+            return [meta]
+        first_layers = [self.layout.layer_group.index(g) for g in range(self.layout.num_groups)]
+        return [meta[layer] for layer in first_layers]

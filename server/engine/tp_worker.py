@@ -1,6 +1,7 @@
 """A tensor-parallel worker (ranks 1..N-1): `python -m metronome.server.engine.tp_worker RANK PORT DEVICE CONFIG`,
 started by tp_launch.WorkerPool. It loads its shard, reports how many KV blocks fit, then runs every step rank 0
-sends (tp_channel.py) with its own KV cache (its KV heads only) until SHUTDOWN or until its pipe closes.
+sends (tp_channel.py) with its own KV cache (its KV heads only, in rank 0's KV groups) until SHUTDOWN or until its
+pipe closes.
 It never samples: the logits it helps all-gather are rank 0's to use.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv: list[str]) -> int:
 
     from metronome.server.engine.config import EngineConfig
     from metronome.server.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype, plan_num_blocks
+    from metronome.server.engine.kv_layout import kv_layout
     from metronome.server.engine.tp_channel import (
         SET_NUM_BLOCKS,
         SHUTDOWN,
@@ -67,17 +69,20 @@ def main(argv: list[str]) -> int:
         if hasattr(model, "set_moe_backend"):  # the experts run as rank 0's do
             model.set_moe_backend(config.moe_backend)
         layers = loaded.config.num_hidden_layers
+        layout = kv_layout(loaded.config.layer_windows or (None,) * layers)  # the KV groups, as rank 0's
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.dtype, model.attention_backend.name)
         if kv_dtype == torch.float8_e4m3fn:  # calibrating runs a forward pass: in step with rank 0's
             install_kv_scales(loaded, config.block_size)
-        per_block = bytes_per_block(layers, config.block_size, plan.num_kv_heads, plan.head_dim, kv_dtype)
+        per_block = bytes_per_block(layout.group_size, config.block_size, plan.num_kv_heads, plan.head_dim,
+                                    kv_dtype)
         replies.write(encode_reply(plan_num_blocks(config, per_block, device)))
         command, num_blocks, _ = read_message(commands)
         if command != SET_NUM_BLOCKS:
             return 0 if command == SHUTDOWN else 2
         # + 1: the scratch block ModelRunner keeps for padded CUDA-graph rows, so the caches match rank 0's.
-        kv_caches = allocate_kv_cache(layers, num_blocks + 1, config.block_size, plan.num_kv_heads, plan.head_dim,
-                                      kv_dtype, device)
+        pairs = allocate_kv_cache(layout.group_size, num_blocks + 1, config.block_size, plan.num_kv_heads,
+                                  plan.head_dim, kv_dtype, device)
+        kv_caches = [pairs[slot] for slot in layout.layer_slot]
         with torch.inference_mode():
             while True:
                 command, _, header = read_message(commands)
@@ -85,7 +90,8 @@ def main(argv: list[str]) -> int:
                     return 0 if command == SHUTDOWN else 2
                 payload = torch.empty(header.payload_numel, dtype=torch.int64, device=device)
                 dist.broadcast(payload, src=0)
-                input_ids, positions, meta, sample_rows = unpack_payload(payload, header)
+                input_ids, positions, metas, sample_rows = unpack_payload(payload, header)
+                meta = metas[0] if len(metas) == 1 else [metas[group] for group in layout.layer_group]
                 hidden = model.forward(input_ids, positions, kv_caches, meta)
                 if header.num_sample:
                     model.compute_logits(hidden.index_select(0, sample_rows))

@@ -1,5 +1,5 @@
-"""One rank's shard of a tensor-parallel model of the Llama block (Llama, Mistral, Qwen2, Qwen3, and the expert
-families built on it): the family's own class built at the per-rank size (parallel.local_config), with the
+"""One rank's shard of a tensor-parallel model (Llama, Mistral, Qwen2, Qwen3, the expert families built on the
+Llama block, Gemma 3): the family's own class built at the per-rank size (parallel.local_config), with the
 communicating modules swapped in, and each full tensor cut down to this rank's part before it loads
 (`local_tensors`). At tensor_parallel_size 1 none of this is used: the model is the family's, unchanged.
 """
@@ -56,12 +56,15 @@ class TensorParallel:
         what load_weights, or the FP8 loader, then copies to the device. `block`: an FP8 checkpoint's weight-scale
         block, if its scales are block grids."""
         rank, plan = self.tp.rank, self.plan
-        return ((name, shard_for(name, tensor, plan, rank, block)) for name, tensor in weights)
+        for name, tensor in weights:
+            ours = self.checkpoint_name(name)  # a family's own name for it (None: not part of the model)
+            yield name, tensor if ours is None else shard_for(ours, tensor, plan, rank, block)
 
 
 @cache
 def tensor_parallel_class(family: type) -> type:
-    """`family` (a Llama-block model class) with TensorParallel mixed in: TensorParallelQwen3MoeForCausalLM, ..."""
+    """`family` (a model class of the shard plan) with TensorParallel mixed in: TensorParallelQwen3MoeForCausalLM,
+    ..."""
     return type(f"TensorParallel{family.__name__}", (TensorParallel, family), {})
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism for the Llama family: the process group a rank belongs to, and which part of every
+"""Tensor parallelism: the process group a rank belongs to, and which part of every
 transformers-named weight each rank owns.
 
 The Megatron split, one process per GPU:
@@ -30,9 +30,10 @@ import torch
 from metronome.contract.errors import InvalidRequestError
 from metronome.server.models.config import ModelConfig
 
-# The Llama block, with a dense MLP or an expert block: what the shard plan and the row-parallel modules cover
-# (Qwen3's QK-norm weights are one per head_dim, shared by every head, so each rank keeps them whole).
-TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+# The families whose layers are an attention with o_proj and an MLP with down_proj or an expert block: what the
+# shard plan and the row-parallel modules cover (QK-norm weights are one per head_dim, shared by every head, and
+# Gemma 3's four norms act on whole hidden states, so each rank keeps them whole).
+TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,6 @@ def plan_shards(config: ModelConfig, world_size: int) -> ShardPlan:
     if world_size > 1 and config.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
         raise InvalidRequestError(f"tensor parallelism serves {', '.join(TENSOR_PARALLEL_ARCHITECTURES)}; "
                                   f"{config.architecture} runs with tensor_parallel_size 1",
-                                  param="tensor_parallel_size")
-    if world_size > 1 and len(set(config.layer_windows)) > 1:
-        raise InvalidRequestError("tensor parallelism needs every layer to share one KV block table; this model "
-                                  "mixes sliding-window and full layers: use tensor_parallel_size 1",
                                   param="tensor_parallel_size")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:

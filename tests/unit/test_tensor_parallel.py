@@ -107,6 +107,26 @@ def test_tp2_over_gloo_matches_tp1(tmp_path, fields):
     sharded.close()  # idempotent
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_tp2_matches_tp1_where_window_layers_keep_their_own_block_tables(tmp_path, family):
+    """Gemma 3 (sliding, full, sliding) and Qwen3 (full, then sliding): a step carries a slot mapping and a block
+    table per KV group to the workers, and prompts past the 20-token window free the window groups' blocks."""
+    from family_models import FAMILIES, VOCAB
+    from family_models import save_hf_model as save_family_model
+
+    save_family_model(tmp_path, FAMILIES[family]())
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (9, 33, 57)]
+    expected = run_recording_logits(engine(f"hf-dir:{tmp_path}", 1), prompts, 16)
+    sharded = engine(f"hf-dir:{tmp_path}", 2)
+    try:
+        assert sharded.kv_layout.num_groups > 1 and sharded.runner.kv_caches[0][0].shape[2] == 1
+        run = run_recording_logits(sharded, prompts, 16)
+    finally:
+        sharded.close()
+    assert_same_run(sharded, run, expected, atol=1e-4)
+
+
 def test_a_dead_worker_fails_the_next_step_with_a_clear_error():
     from metronome.server.engine.tp_launch import TensorParallelError
 

@@ -175,21 +175,25 @@ def test_step_header_and_payload_round_trip():
     from metronome.server.engine.tp_channel import header_of
 
     input_ids, positions, meta, rows = _meta()
-    header = header_of(input_ids, meta, rows)
+    window_group = replace(meta, block_tables=meta.block_tables + 30, slot_mapping=meta.slot_mapping + 7)
+    header = header_of(input_ids, [meta, window_group], rows)
     stream = io.BytesIO(encode_step(header) + encode_command(SHUTDOWN))
     command, tokens, received = read_message(stream)
     assert (command, tokens, received) == (STEP, 4, header)
     assert read_message(stream)[0] == SHUTDOWN
     with pytest.raises(ChannelClosed):
         read_message(stream)
-    payload = pack_payload(input_ids, positions, meta, rows)
+    payload = pack_payload(input_ids, positions, [meta, window_group], rows)
     assert payload.numel() == header.payload_numel and payload.dtype == torch.int64
-    ids2, pos2, meta2, rows2 = unpack_payload(payload, received)
+    ids2, pos2, metas, rows2 = unpack_payload(payload, received)
     assert torch.equal(ids2, input_ids) and torch.equal(pos2, positions) and torch.equal(rows2, rows)
-    for field in ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping"):
-        assert torch.equal(getattr(meta2, field), getattr(meta, field)), field
-        assert getattr(meta2, field).dtype == getattr(meta, field).dtype, field
-    assert (meta2.q_lens_host, meta2.seq_lens_host, meta2.max_seqlen_q, meta2.max_seqlen_k) == ([3, 1], [7, 20], 3, 20)
+    assert len(metas) == 2  # a KV group each: its own slots and block table, the same lengths
+    for sent, meta2 in zip((meta, window_group), metas):
+        for field in ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping"):
+            assert torch.equal(getattr(meta2, field), getattr(sent, field)), field
+            assert getattr(meta2, field).dtype == getattr(sent, field).dtype, field
+        assert (meta2.q_lens_host, meta2.seq_lens_host, meta2.max_seqlen_q, meta2.max_seqlen_k) == \
+            ([3, 1], [7, 20], 3, 20)
 
 
 def test_ready_reply_and_a_closed_pipe():
@@ -197,6 +201,7 @@ def test_ready_reply_and_a_closed_pipe():
     with pytest.raises(ChannelClosed):
         read_reply(io.BytesIO(encode_reply(5)[:9]))
     assert StepHeader(2, 1, 3, 1, 2, 9, [2], [9]).payload_numel == 3 * 2 + 1 + 2 + 1 + 3
+    assert StepHeader(2, 1, 3, 1, 2, 9, [2], [9], num_groups=2).payload_numel == 4 * 2 + 1 + 2 + 1 + 2 * 3
 
 
 # ---- devices, config and the command lines ---------------------------------------------------------------------
@@ -271,7 +276,8 @@ def test_families_outside_the_shard_plan_are_refused_by_name():
     from metronome.server.models.parallel import plan_shards
     from metronome.server.models.presets import preset_config
 
-    for name in ("gpt-oss-20b", "gemma-3-12b", "phi-4-mini"):
+    for name in ("gpt-oss-20b", "phi-4-mini"):
         with pytest.raises(InvalidRequestError, match="tensor_parallel_size 1"):
             plan_shards(preset_config(name), 2)
-    assert plan_shards(preset_config("gemma-3-12b"), 1).world_size == 1
+    assert plan_shards(preset_config("phi-4-mini"), 1).world_size == 1
+    assert plan_shards(preset_config("gemma-3-12b"), 2).num_kv_heads == 4  # windows and all
