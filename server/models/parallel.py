@@ -33,7 +33,9 @@ from metronome.server.models.config import ModelConfig
 # The families whose layers are an attention with o_proj and an MLP with down_proj or an expert block: what the
 # shard plan and the row-parallel modules cover (QK-norm weights are one per head_dim, shared by every head, and
 # Gemma 3's four norms act on whole hidden states, so each rank keeps them whole).
-TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral")
+TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral",
+                                 "gpt_oss")
+MXFP4_BLOCK = 32  # input columns per MXFP4 scale (gpt-oss's experts): a rank's columns are whole blocks
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class ShardPlan:
     vocab_per_rank: int  # rows of the embedding / LM head per rank (the last rank may hold padding)
     expert_size: int = 0  # one routed expert's MLP width per rank (0: no experts)
     shared_expert_size: int = 0  # the shared expert's MLP width per rank (0: none)
+    experts_interleaved: bool = False  # stacked experts stored as gpt-oss stores them: [E, H, 2I], gate/up alternating
 
 
 def plan_shards(config: ModelConfig, world_size: int) -> ShardPlan:
@@ -105,13 +108,18 @@ def plan_shards(config: ModelConfig, world_size: int) -> ShardPlan:
         if width % world_size:
             raise InvalidRequestError(f"tensor_parallel_size {world_size} does not divide {what} {width}",
                                       param="tensor_parallel_size")
+    interleaved = moe is not None and moe.checkpoint_layout == "interleaved_transposed"
+    if interleaved and (expert // world_size) % MXFP4_BLOCK:
+        raise InvalidRequestError(f"tensor_parallel_size {world_size} gives each rank {expert // world_size} of an "
+                                  f"expert's {expert} columns: not whole MXFP4 blocks of {MXFP4_BLOCK}",
+                                  param="tensor_parallel_size")
     replicas = max(1, world_size // kv_heads)
     return ShardPlan(
         world_size=world_size, head_dim=config.head_dim, num_heads=heads // world_size,
         num_kv_heads=max(1, kv_heads // world_size), kv_replicas=replicas,
         intermediate_size=config.intermediate_size // world_size, vocab_size=config.vocab_size,
         vocab_per_rank=math.ceil(config.vocab_size / world_size), expert_size=expert // world_size,
-        shared_expert_size=shared // world_size,
+        shared_expert_size=shared // world_size, experts_interleaved=interleaved,
     )
 
 
@@ -175,7 +183,9 @@ _ROW_PARALLEL = {"self_attn.o_proj": q_rows, "mlp.down_proj": intermediate_rows,
 # projection [E, I, H] / [E, H, I] (GGUF's). The block's output is all-reduced once (parallel_layers).
 _EXPERT = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|w1|w3|down_proj|w2)$")
 _STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj|gate_proj\.weight|up_proj\.weight|"
-                              r"down_proj\.weight)$")
+                              r"down_proj\.weight|gate_up_proj_bias|down_proj_bias|gate_up_proj_blocks|"
+                              r"gate_up_proj_scales|down_proj_blocks|down_proj_scales)$")
+_SINKS = re.compile(r"\.self_attn\.sinks$")  # gpt-oss: a logit per query head
 _WEIGHTS = ("weight", "_weight_qdata")  # torchao's FP8 tensor, flattened by transformers, names its codes so
 _WEIGHT_SCALES = ("weight_scale", "weight_scale_inv", "_weight_scale")
 # An FP8 KV cache's scales in a checkpoint: one per layer (kept whole) or one per kv head (cut to the rank's heads)
@@ -199,8 +209,13 @@ def shard_for(name: str, tensor: torch.Tensor, plan: ShardPlan, rank: int,
         return padded
     if _KV_SCALE.search(name):
         return _kv_heads_of(name, tensor, plan, rank)
+    if _SINKS.search(name):
+        start, length = q_rows(plan, rank)
+        return _narrow(name, tensor, 0, start // plan.head_dim, length // plan.head_dim)
     stacked = _STACKED_EXPERTS.search(name)
     if stacked:
+        if plan.experts_interleaved:
+            return _interleaved_experts_of(name, stacked.group(1), tensor, rank, *expert_rows(plan, rank))
         return _stacked_experts_of(name, stacked.group(1), tensor, *expert_rows(plan, rank))
     module, _, kind = name.rpartition(".")
     expert = _EXPERT.search(module)
@@ -269,6 +284,22 @@ def _kv_heads_of(name: str, tensor: torch.Tensor, plan: ShardPlan, rank: int) ->
         return tensor  # one scale for the layer (kv_scales.from_checkpoint refuses any other shape)
     first = kv_rows(plan, rank)[0] // plan.head_dim
     return tensor.reshape(total).narrow(0, first, plan.num_kv_heads)
+
+
+def _interleaved_experts_of(name: str, what: str, tensor: torch.Tensor, rank: int, start: int, length: int
+                            ) -> torch.Tensor:
+    """Every expert's part of gpt-oss's stacked experts: gate_up [E, H, 2I] and its bias [E, 2I] with gate and up
+    alternating (a rank's columns are one contiguous run of 2 x length), down [E, I, H], the MXFP4 pairs (rows are
+    output features: gate_up [E, 2I, H/32, 16], down [E, H, I/32, 16], scales without the last axis). The down
+    bias is rank 0's alone (zeros elsewhere): the all-reduce after the block then adds it once."""
+    if what == "down_proj_bias":
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+    if what in ("down_proj_blocks", "down_proj_scales"):
+        return _narrow(name, tensor, 2, start // MXFP4_BLOCK, length // MXFP4_BLOCK)
+    if what == "down_proj":
+        return _narrow(name, tensor, 1, start, length)
+    dim = {"gate_up_proj": 2, "gate_up_proj_bias": 1}.get(what, 1)  # the MXFP4 pair's rows: dim 1
+    return _narrow(name, tensor, dim, 2 * start, 2 * length)
 
 
 def check_block_split(plan: ShardPlan, block: tuple[int, int]) -> None:

@@ -59,15 +59,14 @@ class Fp8RowParallelLinear(nn.Module):
 class RowParallelMoeBlock(SparseMoeBlock):
     """An expert block whose routed experts and shared expert hold this rank's slice of every MLP (built at the
     per-rank expert width): their outputs are partial sums, added up over the ranks once, after the block. The
-    router is whole on every rank, so every rank routes a token to the same experts."""
+    router is whole on every rank, so every rank routes a token to the same experts. An expert's down bias (gpt-oss)
+    is rank 0's alone, the other ranks' zeros (parallel.shard_for), so the sum adds it once."""
 
     tp: TPContext
 
     @classmethod
     def adopt(cls, block: SparseMoeBlock, tp: TPContext) -> None:
         """Turn a block built at the per-rank size into this class in place (its parameters and names stay)."""
-        if block.spec.expert_bias:
-            raise ValueError("expert biases would be added on every rank: this block cannot be split")
         block.__class__ = cls
         block.tp = tp
 

@@ -115,13 +115,15 @@ def test_moe_backend_flag_is_checked_against_the_device():
     assert model.graph_capture_problem(torch.device("cuda")) is None
 
 
-def test_tensor_parallelism_refuses_gpt_oss_naming_the_flag():
+def test_tensor_parallelism_splits_gpt_oss_experts_in_whole_mxfp4_blocks():
     from metronome.server.models.parallel import plan_shards
 
-    with pytest.raises(InvalidRequestError, match="gpt_oss runs with tensor_parallel_size 1") as refused:
-        plan_shards(preset_config("tiny-gpt-oss"), 2)
+    gpt_oss = preset_config("gpt-oss-20b")  # experts 2,880 columns wide: 1,440 a rank at 2 (45 blocks), 720 at 4
+    assert plan_shards(gpt_oss, 2).expert_size == 1440
+    with pytest.raises(InvalidRequestError, match="720 of an expert's 2880 columns: not whole MXFP4 blocks of 32"
+                       ) as refused:
+        plan_shards(gpt_oss, 4)
     assert refused.value.param == "tensor_parallel_size"
-    assert plan_shards(preset_config("tiny-gpt-oss"), 1) is not None
     mixtral = preset_config("tiny-mixtral")
     assert plan_shards(mixtral, 2).expert_size == mixtral.moe.intermediate_size // 2
 

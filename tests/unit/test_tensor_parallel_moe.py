@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 from fp8_checkpoints import BLOCK, dequantize_weight, quantize_weight
+from safetensors.torch import load_file, save_file
 from test_loaders import save_hf_model
 from test_tensor_parallel import assert_same_run, one_thread_per_rank, run_recording_logits  # noqa: F401 (a fixture)
 
@@ -114,9 +115,48 @@ def _fp8_qwen3_moe(folder):
     _write_fp8_moe(folder, _qwen3_moe(folder), "fp8-block")  # the experts FP8 too, one tensor each
 
 
+def _gpt_oss(folder):
+    from transformers import GptOssConfig
+
+    # window and full layers alternating, sinks, q/k/v/o and expert biases; experts stored [E, H, 2I] with gate and
+    # up alternating, as gpt-oss's bf16 checkpoints hold them
+    config = GptOssConfig(vocab_size=333, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                          rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                          sliding_window=20, num_local_experts=EXPERTS, num_experts_per_tok=2,
+                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    model = save_hf_model(folder, config)
+    tensors = load_file(folder / "model.safetensors")
+    generator = torch.Generator().manual_seed(5)
+    for name, value in tensors.items():  # the experts' biases and the sinks start at 0: make them count
+        if name.endswith(("_bias", ".sinks")):
+            value.add_(torch.randn(value.shape, generator=generator) * 0.1)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+def _gpt_oss_mxfp4(folder):
+    """gpt-oss with its experts as the Hub ships them: MXFP4 `_blocks` (16 bytes = 32 values) and `_scales`."""
+    config = _gpt_oss(folder).config
+    generator = torch.Generator().manual_seed(11)
+    tensors = load_file(folder / "model.safetensors")
+    for layer in range(config.num_hidden_layers):
+        for proj, rows, columns in (("gate_up_proj", 2 * config.intermediate_size, HIDDEN),
+                                    ("down_proj", HIDDEN, config.intermediate_size)):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            del tensors[name]
+            tensors[f"{name}_blocks"] = torch.randint(0, 256, (EXPERTS, rows, columns // 32, 16), generator=generator,
+                                                      dtype=torch.uint8)
+            tensors[f"{name}_scales"] = torch.randint(118, 124, (EXPERTS, rows, columns // 32), generator=generator,
+                                                      dtype=torch.uint8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize(("write", "kv_cache_dtype"), [(_qwen3_moe, "auto"), (_qwen2_moe, "auto"),
-                                                      (_fp8_qwen3_moe, "fp8")],
-                         ids=["qwen3-moe", "qwen2-moe-shared-expert", "qwen3-moe-fp8-block-fp8-cache"])
+                                                      (_fp8_qwen3_moe, "fp8"), (_gpt_oss, "auto"),
+                                                      (_gpt_oss_mxfp4, "fp8")],
+                         ids=["qwen3-moe", "qwen2-moe-shared-expert", "qwen3-moe-fp8-block-fp8-cache", "gpt-oss",
+                              "gpt-oss-mxfp4-fp8-cache"])
 def test_tp2_serves_a_mixture_of_experts_as_tp1_does(tmp_path, write, kv_cache_dtype):
     from metronome.contract.config import SchedulerConfig
     from metronome.server.engine.config import EngineConfig
@@ -135,8 +175,9 @@ def test_tp2_serves_a_mixture_of_experts_as_tp1_does(tmp_path, write, kv_cache_d
     sharded = engine(2)
     try:
         block = next(layer.mlp for layer in sharded.runner.model.model.layers if hasattr(layer.mlp, "experts"))
-        assert block.experts.down_proj.shape == (EXPERTS, HIDDEN, EXPERT_WIDTH // 2)  # half of every expert
-        assert (block.experts.gate_up_proj.dtype == torch.float8_e4m3fn) == (kv_cache_dtype == "fp8")
+        width = sharded.loaded.config.moe.intermediate_size
+        assert block.experts.down_proj.shape == (EXPERTS, HIDDEN, width // 2)  # half of every expert
+        assert block.experts.fp8 == (write is _fp8_qwen3_moe)
         run = run_recording_logits(sharded, prompts, 12)
     finally:
         sharded.close()
