@@ -1,5 +1,7 @@
 """Tensor parallelism: the process group a rank belongs to, and which part of every
-transformers-named weight each rank owns.
+transformers-named weight each rank owns. Every family splits: each layer is an attention with o_proj and an MLP
+with down_proj or an expert block (QK-norm weights are one per head_dim, shared by every head, and Gemma 3's four
+norms act on whole hidden states, so each rank keeps them whole).
 
 The Megatron split, one process per GPU:
 - q/k/v and gate/up are column-parallel: each rank computes its own attention heads and its slice of the MLP
@@ -30,11 +32,6 @@ import torch
 from metronome.contract.errors import InvalidRequestError
 from metronome.server.models.config import ModelConfig
 
-# The families whose layers are an attention with o_proj and an MLP with down_proj or an expert block: what the
-# shard plan and the row-parallel modules cover (QK-norm weights are one per head_dim, shared by every head, and
-# Gemma 3's four norms act on whole hidden states, so each rank keeps them whole).
-TENSOR_PARALLEL_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral",
-                                 "gpt_oss")
 MXFP4_BLOCK = 32  # input columns per MXFP4 scale (gpt-oss's experts): a rank's columns are whole blocks
 
 
@@ -82,10 +79,6 @@ def plan_shards(config: ModelConfig, world_size: int) -> ShardPlan:
     """How `config` splits over `world_size` ranks; InvalidRequestError when it cannot be split that way."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidRequestError(f"tensor_parallel_size must be a positive integer, got {world_size!r}",
-                                  param="tensor_parallel_size")
-    if world_size > 1 and config.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
-        raise InvalidRequestError(f"tensor parallelism serves {', '.join(TENSOR_PARALLEL_ARCHITECTURES)}; "
-                                  f"{config.architecture} runs with tensor_parallel_size 1",
                                   param="tensor_parallel_size")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:
@@ -186,6 +179,8 @@ _STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj|gate_pro
                               r"down_proj\.weight|gate_up_proj_bias|down_proj_bias|gate_up_proj_blocks|"
                               r"gate_up_proj_scales|down_proj_blocks|down_proj_scales)$")
 _SINKS = re.compile(r"\.self_attn\.sinks$")  # gpt-oss: a logit per query head
+# Phi-3's checkpoints hold q/k/v and gate/up fused: a rank takes its rows of each part
+_FUSED = re.compile(r"\.(self_attn\.qkv_proj|mlp\.gate_up_proj)$")
 _WEIGHTS = ("weight", "_weight_qdata")  # torchao's FP8 tensor, flattened by transformers, names its codes so
 _WEIGHT_SCALES = ("weight_scale", "weight_scale_inv", "_weight_scale")
 # An FP8 KV cache's scales in a checkpoint: one per layer (kept whole) or one per kv head (cut to the rank's heads)
@@ -218,6 +213,9 @@ def shard_for(name: str, tensor: torch.Tensor, plan: ShardPlan, rank: int,
             return _interleaved_experts_of(name, stacked.group(1), tensor, rank, *expert_rows(plan, rank))
         return _stacked_experts_of(name, stacked.group(1), tensor, *expert_rows(plan, rank))
     module, _, kind = name.rpartition(".")
+    fused = _FUSED.search(module)
+    if fused:
+        return _fused_part(name, kind, tensor, plan, rank, fused.group(1) == "self_attn.qkv_proj", block)
     expert = _EXPERT.search(module)
     if expert:
         column = expert.group(1) in ("gate_proj", "up_proj", "w1", "w3")
@@ -246,6 +244,32 @@ def _linear_part(name: str, kind: str, tensor: torch.Tensor, column: bool, span:
     if kind in _WEIGHT_SCALES and block is not None and tensor.dim() == 2:
         return _narrow_scale(name, tensor, 1, *span, block[1])
     return tensor
+
+
+def _fused_part(name: str, kind: str, tensor: torch.Tensor, plan: ShardPlan, rank: int, qkv: bool,
+                block: tuple[int, int] | None) -> torch.Tensor:
+    """A rank's rows of a fused [q; k; v] or [gate; up] tensor (weight, bias, per-row or block scale): its rows of
+    each part, in order (a copy). A per-tensor scale stays whole."""
+    if kind not in _WEIGHTS and kind != "bias" and not (kind in _WEIGHT_SCALES and tensor.numel() > 1):
+        return tensor
+    full = plan.world_size
+    if qkv:
+        kv_heads_total = plan.num_kv_heads * full // plan.kv_replicas
+        sizes = (plan.num_heads * plan.head_dim * full, kv_heads_total * plan.head_dim,
+                 kv_heads_total * plan.head_dim)
+        spans = (q_rows(plan, rank), kv_rows(plan, rank), kv_rows(plan, rank))
+    else:
+        sizes = (plan.intermediate_size * full,) * 2
+        spans = (intermediate_rows(plan, rank),) * 2
+    unit = block[0] if kind in _WEIGHT_SCALES and block else 1  # a block grid's rows are blocks of rows
+    parts, offset = [], 0
+    for size, (start, length) in zip(sizes, spans):
+        if (offset + start) % unit or length % unit:
+            raise ValueError(f"checkpoint tensor {name!r}: a tensor-parallel shard at {offset + start}.."
+                             f"{offset + start + length} cuts its {unit}-row scale blocks")
+        parts.append(_narrow(name, tensor, 0, (offset + start) // unit, length // unit))
+        offset += size
+    return torch.cat(parts)
 
 
 def _stacked_experts_of(name: str, what: str, tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:

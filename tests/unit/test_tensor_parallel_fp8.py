@@ -51,6 +51,26 @@ def test_each_ranks_fp8_shard_is_its_part_of_the_dequantised_weight(granularity,
     assert torch.equal(torch.cat(parts, dim=dim), full)
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_a_fused_qkv_checkpoint_gives_each_rank_its_rows_of_every_part(granularity):
+    """Phi-3's checkpoints fuse q, k and v (and gate and up): a rank's tensor is its q rows, then its k and v rows."""
+    plan = plan_shards(CONFIG, 2)
+    q, kv = CONFIG.q_size, CONFIG.kv_size
+    weight = torch.randn(q + 2 * kv, CONFIG.hidden_size, generator=torch.Generator().manual_seed(2))
+    codes, scale = quantize_weight(weight, granularity)
+    full = dequantize_weight(codes, scale, granularity)
+    block = BLOCK if granularity == "block" else None
+    name = "model.layers.0.self_attn.qkv_proj"
+    for rank in range(2):
+        part = dequantize_weight(shard_for(f"{name}.weight", codes, plan, rank, block),
+                                 shard_for(f"{name}.weight_scale", scale, plan, rank, block), granularity)
+        half_q, half_kv = q // 2, kv // 2
+        expected = torch.cat([full[rank * half_q:(rank + 1) * half_q],
+                              full[q + rank * half_kv:q + (rank + 1) * half_kv],
+                              full[q + kv + rank * half_kv:q + kv + (rank + 1) * half_kv]])
+        assert torch.equal(part, expected)
+
+
 def test_a_split_through_scale_blocks_is_refused_naming_the_sizes():
     plan = plan_shards(CONFIG, 2)
     check_block_split(plan, (32, 32))  # q rows 64, kv rows 32, MLP 64 a rank: whole blocks

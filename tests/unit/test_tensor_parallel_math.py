@@ -271,12 +271,12 @@ def test_bench_engine_flag():
     assert args.tensor_parallel_size == 2
 
 
-def test_families_outside_the_shard_plan_are_refused_by_name():
-    from metronome.contract.errors import InvalidRequestError
+def test_every_family_splits_two_ways():
     from metronome.server.models.parallel import plan_shards
     from metronome.server.models.presets import preset_config
 
-    with pytest.raises(InvalidRequestError, match="phi3 runs with tensor_parallel_size 1"):
-        plan_shards(preset_config("phi-4-mini"), 2)
-    assert plan_shards(preset_config("phi-4-mini"), 1).world_size == 1
-    assert plan_shards(preset_config("gemma-3-12b"), 2).num_kv_heads == 4  # windows and all
+    for name in ("llama-3-8b", "mistral-7b", "qwen2-7b", "qwen3-8b", "gemma-3-12b", "phi-4-mini", "qwen3-30b-a3b",
+                 "mixtral-8x7b", "gpt-oss-20b"):
+        config = preset_config(name)
+        plan = plan_shards(config, 2)
+        assert plan.num_heads == config.num_attention_heads // 2, name
