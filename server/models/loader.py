@@ -215,7 +215,7 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
     """Load a model (see the module doc for `spec`). `block_size` only steers the "auto" attention backend
     choice (flash_attn needs multiples of 256); an engine may swap backends later with
     `model.set_attention_backend`. `seed` seeds random weights. With `tensor_parallel`, load only this rank's
-    shard (llama_tp.py; random weights are the same model as without it). An FP8 checkpoint loads as FP8;
+    shard (parallel_model.py; random weights are the same model as without it). An FP8 checkpoint loads as FP8;
     `quantization="fp8"` quantises any other model's linear layers on load (quant/scheme.py)."""
     source = parse_model_spec(spec)
     torch_device = resolve_device(device)
@@ -233,14 +233,14 @@ def load_model(spec: str | None, *, dtype: str | torch.dtype = "auto", device: s
     if tensor_parallel is None:
         model = build_empty_model(config, attention, torch_device, torch_dtype, scheme)
     else:
-        from metronome.server.models.llama_tp import build_empty_tp_model
+        from metronome.server.models.parallel_model import build_empty_tp_model
 
         model = build_empty_tp_model(config, attention, torch_device, torch_dtype, tensor_parallel, scheme)
     if source.kind == "random" and tensor_parallel is None and scheme is None:
         init_random_weights(model, seed)
     else:
         if source.kind == "random":
-            from metronome.server.models.llama_tp import random_full_weights
+            from metronome.server.models.parallel_model import random_full_weights
         weights = (reader.weights(config) if source.kind != "random"
                    else random_full_weights(config, seed, torch_device, torch_dtype))
         if tensor_parallel is not None:

@@ -1,7 +1,7 @@
 """Random weights with a real model's shapes (`random:<preset>`): N(0, 0.02), residual outputs scaled down by
 sqrt(2·layers) so the residual stream and the logits stay in a sane range at any depth, norms at a scale of one
 (weight 1, or 0 where the norm scales by 1 + weight).
-Used by the loader for the whole model and by llama_tp.py for the full tensors it shards."""
+Used by the loader for the whole model and by parallel_model.py for the full tensors it shards."""
 from __future__ import annotations
 
 import math

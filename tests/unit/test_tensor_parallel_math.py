@@ -142,7 +142,7 @@ def test_local_config_is_one_ranks_shape():
 def test_random_weight_stream_is_the_tp1_random_model():
     """TP ranks cut their shards out of exactly the weights `random:<preset>` gives at TP=1."""
     from metronome.server.models import load_model
-    from metronome.server.models.llama_tp import random_full_weights
+    from metronome.server.models.parallel_model import random_full_weights
 
     loaded = load_model("random:tiny", dtype="float32", device="cpu", attention_backend="torch", seed=5)
     streamed = dict(random_full_weights(loaded.config, 5, torch.device("cpu"), torch.float32))

@@ -1,7 +1,7 @@
-"""One rank's shard of a tensor-parallel model (Llama, Mistral, Qwen2, Qwen3, the expert families built on the
-Llama block, Gemma 3): the family's own class built at the per-rank size (parallel.local_config), with the
-communicating modules swapped in, and each full tensor cut down to this rank's part before it loads
-(`local_tensors`). At tensor_parallel_size 1 none of this is used: the model is the family's, unchanged.
+"""One rank's shard of a tensor-parallel model of any family: the family's own class built at the per-rank size
+(parallel.local_config), with the communicating modules swapped in, and each full tensor cut down to this rank's
+part before it loads (`local_tensors`). At tensor_parallel_size 1 none of this is used: the model is the family's,
+unchanged.
 """
 from __future__ import annotations
 
@@ -63,8 +63,7 @@ class TensorParallel:
 
 @cache
 def tensor_parallel_class(family: type) -> type:
-    """`family` (a model class of the shard plan) with TensorParallel mixed in: TensorParallelQwen3MoeForCausalLM,
-    ..."""
+    """A family's model class with TensorParallel mixed in: TensorParallelQwen3MoeForCausalLM, ..."""
     return type(f"TensorParallel{family.__name__}", (TensorParallel, family), {})
 
 
