@@ -49,16 +49,16 @@ def test_the_load_step_puts_a_ttft_bucket_bound_between_one_server_and_two():
 
 
 def test_a_server_whose_ttft_barely_grows_is_measured_at_more_clients():
-    assert load_levels(4) == [16, 32, 12, 24]
-    measured = {4: 4.4, 16: 6.0}
-    assert choose_load_step(measured) is None  # 16 needs 8, not measured
-    measured[32] = 14.0  # [12, 10.8]: none
+    assert load_levels(4) == [12, 24, 16, 32]
+    measured = {4: 4.4, 12: 4.5}
+    assert choose_load_step(measured) is None  # 12 needs 6, not measured
+    measured[24] = 9.0  # [9, 6.9]: none
     assert choose_load_step(measured) is None
-    measured[12] = 4.5
-    assert choose_load_step(measured) is None  # 12 needs 6
-    measured[24] = 30.0  # [9, 23.1] holds 10 and 20; the middle is 14.4 → 20
+    measured[16] = 6.0
+    assert choose_load_step(measured) is None  # 16 needs 8
+    measured[32] = 41.0  # [12, 31.5] holds 20
     step = choose_load_step(measured)
-    assert (step.clients, step.limit_s, step.two_servers_s) == (24, 20.0, 4.5)
+    assert (step.clients, step.limit_s, step.two_servers_s) == (32, 20.0, 6.0)
 
 
 def test_a_step_whose_two_servers_measured_only_1_5x_below_the_limit_is_not_chosen():
