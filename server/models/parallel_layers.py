@@ -1,4 +1,4 @@
-"""The modules of a tensor-parallel Llama that communicate: row-parallel linears (o_proj, down_proj), in the model
+"""The modules of a tensor-parallel model that communicate: row-parallel linears (o_proj, down_proj), in the model
 dtype or FP8, the row-parallel expert block, and the vocabulary-parallel embedding. (Column-parallel q/k/v and
 gate/up need no communication: see parallel.py.)"""
 from __future__ import annotations
