@@ -21,6 +21,8 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, workers: StepSender, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.workers = workers
+        # the first layer of each KV group: where a step's per-layer metadata holds that group's
+        self.group_first_layers = [self.layout.layer_group.index(g) for g in range(self.layout.num_groups)]
 
     @torch.inference_mode()
     def forward_logits(self, inputs: PreparedInputs) -> torch.Tensor | None:
@@ -35,5 +37,4 @@ class TensorParallelRunner(ModelRunner):
         """One metadata object per KV group, from what the model takes (one object, or one per layer)."""
         if not isinstance(meta, (list, tuple)):
             return [meta]
-        first_layers = [self.layout.layer_group.index(g) for g in range(self.layout.num_groups)]
-        return [meta[layer] for layer in first_layers]
+        return [meta[layer] for layer in self.group_first_layers]

@@ -74,6 +74,11 @@ class ShardPlan:
     shared_expert_size: int = 0  # the shared expert's MLP width per rank (0: none)
     experts_interleaved: bool = False  # stacked experts stored as gpt-oss stores them: [E, H, 2I], gate/up alternating
 
+    @property
+    def total_kv_heads(self) -> int:
+        """The model's KV heads (each kept by kv_replicas ranks)."""
+        return self.num_kv_heads * self.world_size // self.kv_replicas
+
 
 def plan_shards(config: ModelConfig, world_size: int) -> ShardPlan:
     """How `config` splits over `world_size` ranks; InvalidRequestError when it cannot be split that way."""
@@ -252,22 +257,17 @@ def _fused_part(name: str, kind: str, tensor: torch.Tensor, plan: ShardPlan, ran
     each part, in order (a copy). A per-tensor scale stays whole."""
     if kind not in _WEIGHTS and kind != "bias" and not (kind in _WEIGHT_SCALES and tensor.numel() > 1):
         return tensor
-    full = plan.world_size
     if qkv:
-        kv_heads_total = plan.num_kv_heads * full // plan.kv_replicas
-        sizes = (plan.num_heads * plan.head_dim * full, kv_heads_total * plan.head_dim,
-                 kv_heads_total * plan.head_dim)
+        kv = plan.total_kv_heads * plan.head_dim
+        sizes = (plan.num_heads * plan.head_dim * plan.world_size, kv, kv)
         spans = (q_rows(plan, rank), kv_rows(plan, rank), kv_rows(plan, rank))
     else:
-        sizes = (plan.intermediate_size * full,) * 2
+        sizes = (plan.intermediate_size * plan.world_size,) * 2
         spans = (intermediate_rows(plan, rank),) * 2
-    unit = block[0] if kind in _WEIGHT_SCALES and block else 1  # a block grid's rows are blocks of rows
+    grid_rows = block[0] if kind in _WEIGHT_SCALES and block else None  # a block grid's rows are blocks of rows
     parts, offset = [], 0
     for size, (start, length) in zip(sizes, spans):
-        if (offset + start) % unit or length % unit:
-            raise ValueError(f"checkpoint tensor {name!r}: a tensor-parallel shard at {offset + start}.."
-                             f"{offset + start + length} cuts its {unit}-row scale blocks")
-        parts.append(_narrow(name, tensor, 0, (offset + start) // unit, length // unit))
+        parts.append(_narrow_scale(name, tensor, 0, offset + start, length, grid_rows))
         offset += size
     return torch.cat(parts)
 
@@ -293,7 +293,8 @@ def _narrow(name: str, tensor: torch.Tensor, dim: int, start: int, length: int) 
 
 def _narrow_scale(name: str, tensor: torch.Tensor, dim: int, start: int, length: int,
                   block: int | None) -> torch.Tensor:
-    """A weight scale's part: per row like the weight's rows, or a block grid's whole blocks."""
+    """A tensor's rows (or columns) start..start + length: as they are, or, with `block`, a block grid's whole
+    blocks of them."""
     if not block:
         return _narrow(name, tensor, dim, start, length)
     if start % block or length % block:
@@ -303,7 +304,7 @@ def _narrow_scale(name: str, tensor: torch.Tensor, dim: int, start: int, length:
 
 
 def _kv_heads_of(name: str, tensor: torch.Tensor, plan: ShardPlan, rank: int) -> torch.Tensor:
-    total = plan.num_kv_heads * plan.world_size // plan.kv_replicas
+    total = plan.total_kv_heads
     if tensor.numel() != total or total == 1:
         return tensor  # one scale for the layer (kv_scales.from_checkpoint refuses any other shape)
     first = kv_rows(plan, rank)[0] // plan.head_dim

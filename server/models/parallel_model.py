@@ -73,7 +73,6 @@ def build_empty_tp_model(config: ModelConfig, attention: AttentionBackend, devic
     """Like loader.build_empty_model: per-rank weights allocated once, on the device, uninitialised; with
     `quantization`, the decoder's linears (row-parallel ones included) are FP8 ones of the per-rank size."""
     with torch.device("meta"):
-        plan_shards(config, tp.world_size)  # a family outside the plan is refused by name before its class is built
         model = tensor_parallel_class(model_class(config))(config, attention, tp)
     model = model.to(dtype)
     if quantization is not None:
