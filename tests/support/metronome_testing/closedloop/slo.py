@@ -91,9 +91,7 @@ def load_levels(clients: int, factors: Sequence[int] = (3, 6, 4, 8)) -> list[int
     (quiet runs measured 4.2-4.6, 4.4-5.3, 5.5-6.8 and 5.0-7.1 s p99 at 4, 8, 12 and 16 clients) and jumps once
     they queue past its max_num_seqs (16 in the replica test: 19.1-22.9 s at 24), so the steps measured queue on
     one server and not on two: 24 against 12 first, then 32 against 16. Two servers at 16 each sit at
-    max_num_seqs: the load's round robin sends a slower server as many requests as a faster one, its requests in
-    flight grow past 16, queue whole and slow it further (a run saw TTFT p99 19.6 s on two servers at 16 clients
-    each, 1.0 s on one alone); at 12 each that takes 4 extra requests in flight on one server."""
+    max_num_seqs, where one request more than its share queues whole on a server; at 12 each that takes four."""
     return [clients * f for f in factors]
 
 
