@@ -1,7 +1,6 @@
-"""The FP8 activation-quantising kernels on CUDA against their bytes: SiLU·mul-quantise (the whole-row kernel, with
-other warp counts and the two-pass streaming form beside it, and at decode batches the split rows the engine runs),
-add-RMSNorm-quantise and the row quantiser, at Llama-3-8B widths, per row count; the plain bf16 SiLU·mul as the
-unquantised reference.
+"""The FP8 activation-quantising kernels on CUDA against their bytes: SiLU·mul-quantise (the whole-row kernel the
+engine runs, with other warp counts and the two-pass streaming form beside it), add-RMSNorm-quantise and the row
+quantiser, at Llama-3-8B widths, per row count; the plain bf16 SiLU·mul as the unquantised reference.
 
     python3 -m hack.bench_quant --json quant.json        # on the GPU machine, from the repo root
 
@@ -31,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from triton.testing import do_bench_cudagraph
 
     from hack.bench_kernels import copy_bandwidth
-    from metronome.kernels import row_sync, triton_fused
+    from metronome.kernels import triton_fused
     from metronome.kernels.triton_fp8 import quantize_fp8, scale_buffer, ub_arg, whole_row_warps
 
     bandwidth = copy_bandwidth(torch.device("cuda"))
@@ -66,9 +65,6 @@ def main(argv: list[str] | None = None) -> int:
             call()
             same = torch.equal(q.view(torch.uint8), engine_q.view(torch.uint8)) and torch.equal(s, engine_s)
             record("silu_mul_fp8", name, rows, quant_bytes, call, same)
-        if row_sync.can_split(rows, INTERMEDIATE):
-            record("silu_mul_fp8", f"split, {row_sync.parts(INTERMEDIATE)} programs a row", rows, quant_bytes,
-                   lambda g=gate_up: triton_fused.silu_mul_fp8(g))
         residual = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
         x = torch.randn_like(residual)
         weight = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)

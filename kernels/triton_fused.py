@@ -5,8 +5,7 @@
   per token row.
 - `add_rms_norm_fp8`, `silu_mul_fp8`: the (Llama-style) norm and SiLU * up with their output quantised to FP8
   e4m3 in the same launch (per token, per group of columns, or with a static scale) for the FP8 linear layers
-  that read them; one program per token row (a token's scale needs its whole row), except SiLU·mul's wide rows
-  at decode batches, split over programs that share the row's amax (row_sync.py).
+  that read them; one program per token row (a token's scale needs its whole row).
 - `rope_write_kv`: from the fused qkv projection, optionally RMS-norm each q and k head (QK-norm: Qwen3, Gemma 3),
   rotate q and k (rotate-half layout, over all of a head or its first rotary dims) with cos/sin read from a
   per-position table built once, write rotated q to its own buffer and k, v into their paged-cache slots
@@ -26,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import row_sync
 from .triton_attention import require_runnable
 from .triton_fp8 import (
     _COMPILED,
@@ -195,29 +193,13 @@ def _silu_mul_fp8(gate_up_ptr, q_ptr, s_ptr, static_ptr, stride_g, stride_q, str
         tl.store(s_row, scale)
 
 
-@triton.jit
-def _silu_mul_fp8_split(gate_up_ptr, q_ptr, s_ptr, amax_ptr, counts_ptr, stride_g, stride_q, stride_s, amax_ub, N,
-                        PARTS: tl.constexpr, CHUNK: tl.constexpr, ROUND: tl.constexpr, BF16: tl.constexpr):
-    """A per-token row over PARTS programs of CHUNK columns, its amax shared through row_sync."""
-    part = tl.program_id(0)
-    row = tl.program_id(1)
-    cols = part * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < N
-    y = _silu_mul_value(gate_up_ptr + row.to(tl.int64) * stride_g, cols, mask, N, ROUND, BF16)
-    amax = row_sync.row_amax(tl.max(tl.where(mask, tl.abs(y), 0.0), 0), amax_ptr, counts_ptr, row, PARTS)
-    scale = _scale_of(amax, amax_ub)
-    tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, _fp8_of(y, scale), mask=mask)
-    if part == 0:
-        tl.store(s_ptr + row * stride_s, scale)
-
-
 def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
                  chunk: int = WHOLE_ROW_MAX, amax_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [T, 2I] (gate columns first) → (q e4m3 [T, I], scales) of silu(gate) * up rounded to the model
     dtype, quantised per token (group None, amax bounded by `amax_ub`), per `group` columns or with a static
-    scale. At decode batches a per-token row is split over programs that share its amax (row_sync); otherwise a
-    row of at most `chunk` columns is held whole in one program's registers (one pass, 16 warps), where two passes
-    of small chunks made it latency-bound."""
+    scale. A per-token row of at most `chunk` columns is held whole in one program's registers (one pass, 16
+    warps): at decode batches a program per row is all the parallelism there is, and two passes of small chunks
+    made it latency-bound."""
     rows, width = gate_up.shape
     n = width // 2
     check_quant_args(n, group, static_scale, amax_ub)
@@ -228,17 +210,7 @@ def silu_mul_fp8(gate_up: torch.Tensor, group: int | None = None, static_scale: 
     if gate_up.stride(-1) != 1:
         raise ValueError("silu_mul_fp8 needs rows with a contiguous last axis")
     require_runnable(gate_up.device)
-    per_token = group is None and static_scale is None
-    if per_token and row_sync.can_split(rows, n):
-        parts = row_sync.parts(n)
-        amax, counts = row_sync.row_slots(gate_up.device, rows)
-        _silu_mul_fp8_split[(parts, rows)](
-            gate_up, q, scales, amax, counts, gate_up.stride(0), q.stride(0), scales.stride(0), ub_arg(amax_ub), n,
-            PARTS=parts, CHUNK=row_sync.SPLIT_COLUMNS, ROUND=gate_up.dtype in (torch.bfloat16, torch.float16),
-            BF16=gate_up.dtype == torch.bfloat16, num_warps=4,
-        )
-        return q, scales
-    whole = per_token and triton.next_power_of_2(n) <= chunk
+    whole = group is None and static_scale is None and triton.next_power_of_2(n) <= chunk
     _silu_mul_fp8[(rows,)](
         gate_up, q, scales, static_scale if static_scale is not None else scales, gate_up.stride(0), q.stride(0),
         scales.stride(0) if scales.dim() == 2 else 0, ub_arg(amax_ub), n,

@@ -153,46 +153,6 @@ def test_fp8_kernels_in_bf16_match_the_torch_reference():
     assert _rel(s, rs) < 1e-3
 
 
-@pytest.mark.parametrize("width", [14336, 3072, 2049])
-def test_split_silu_mul_rows_quantise_as_whole_ones(width):
-    """SiLU·mul-quantise at decode batches splits a row over programs that share its amax (kernels/row_sync.py):
-    the codes and scales of the one-program-a-row kernel, bit for bit, launch after launch and replayed in a CUDA
-    graph (each launch leaves the row slots zero for the next), with an amax bound too."""
-    from metronome.kernels import row_sync
-    from metronome.kernels.triton_fused import silu_mul_fp8
-
-    def whole_rows(gate_up, bound=None):
-        saved, row_sync.SPLIT_MAX_ROWS = row_sync.SPLIT_MAX_ROWS, 0
-        try:
-            return silu_mul_fp8(gate_up, amax_ub=bound)
-        finally:
-            row_sync.SPLIT_MAX_ROWS = saved
-
-    def same(a, b) -> bool:
-        return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
-
-    g = torch.Generator(device="cuda").manual_seed(11)
-    for rows in (1, 16, 64):
-        assert row_sync.can_split(rows, width)
-        gate_up = (torch.randn(rows, 2 * width, generator=g, device="cuda") * 4).to(torch.bfloat16)
-        for bound in (None, 3.0):
-            want = whole_rows(gate_up, bound)
-            assert all(same(silu_mul_fp8(gate_up, amax_ub=bound), want) for _ in range(3)), (rows, bound)
-        static = gate_up.clone()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            silu_mul_fp8(static)  # the capture stream's row slots exist before the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            captured = silu_mul_fp8(static)
-        for _ in range(3):
-            static.copy_((torch.randn(rows, 2 * width, generator=g, device="cuda") * 4).to(torch.bfloat16))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert same(captured, whole_rows(static)), rows
-
-
 def test_fp8_quantisers_divide_exactly_as_torch():
     """The kernels divide by a scale through its reciprocal and one fma correction: the same e4m3 codes as torch's
     division, for scales across their range (the floor, significands of all ones, random) and values at e4m3

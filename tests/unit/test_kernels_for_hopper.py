@@ -28,9 +28,6 @@ def _compile_all() -> dict:
     down_proj = compiled[-1]  # at 64 rows its K is split over two programs
     ptx = down_proj.kernel.asm["ptx"]
     out["split"] = {**_plain(down_proj), "ptx": [line.strip() for line in ptx.splitlines() if "atom." in line]}
-    silu = compiled[-2]
-    out["row_sync"] = [line.strip() for line in silu.kernel.asm["ptx"].splitlines()
-                       if any(op in line for op in ("atom.", "red.", "ld.global.gpu.acquire"))]
     out["promotion"] = {str(every): _promotion_adds(every) for every in (None, 128)}
     return out
 
@@ -69,10 +66,10 @@ def test_the_fp8_decode_kernels_compile_for_hopper(compiled, rows):
 
     kernels = compiled[str(rows)]
     # qkv, o, gate_up and down as small-M GEMMs, the norms, rope with the KV write, the row quantisation of
-    # o_proj's input, SiLU·mul with its rows split over programs
+    # o_proj's input, SiLU·mul
     assert [k["name"] for k in kernels] == ["_add_rms_norm_fp8", "_fp8_skinny", "_rope_write_kv", "_quantize_rows",
-                                            "_fp8_skinny", "_add_rms_norm_fp8", "_fp8_skinny",
-                                            "_silu_mul_fp8_split", "_fp8_skinny"]
+                                            "_fp8_skinny", "_add_rms_norm_fp8", "_fp8_skinny", "_silu_mul_fp8",
+                                            "_fp8_skinny"]
     for kernel in kernels:
         assert kernel["shared"] <= SM90_SHARED_LIMIT, kernel
         assert kernel["spilled"] == 0, kernel
@@ -87,15 +84,6 @@ def test_split_k_compiles_with_an_ordered_arrival(compiled):
     got = compiled["split"]
     assert got["spilled"] == 0 and got["async_copies"] > 0, got
     assert any("atom.global.gpu.acq_rel.add" in line for line in got["ptx"]), got["ptx"]
-
-
-def test_split_rows_meet_through_ordered_atomics(compiled):
-    """SiLU·mul's split rows (kernels/row_sync.py): each part's amax goes in as a max, its arrival releases it, the
-    wait and the row's amax read acquire, and the last part out zeroes the slots again."""
-    got = compiled["row_sync"]
-    for wanted in ("red.global.gpu.relaxed.max", "atom.global.gpu.acq_rel.add", "ld.global.gpu.acquire",
-                   "atom.global.gpu.acquire.max", "atom.global.gpu.relaxed.exch"):
-        assert any(wanted in line for line in got), (wanted, got)
 
 
 def test_promoting_the_fp8_accumulation_compiles_its_float32_adds(compiled):
