@@ -95,42 +95,6 @@ def test_fp8_gemm_matches_the_emulation(layout, gemm):
     print(f"\n{layout} {gemm}: rel error vs emulation by M {worst}")
 
 
-@pytest.mark.parametrize("m", [1, 5, 16])
-def test_the_weight_only_gemm_and_its_fused_inputs_in_bf16(m):
-    """kernels/triton_w8a16.py at Llama-3-8B's shapes in bf16 against torch on the dequantised weight: the plain
-    input (o_proj), the residual add with RMSNorm (qkv_proj; the new residual bit-equal to torch's bf16 add) and
-    SiLU·mul (down_proj, K 14,336), on the tiles the GPU chooses."""
-    from metronome.kernels.triton_w8a16 import add_rms_norm_w8a16, silu_mul_w8a16, w8a16_matmul
-    from metronome.server.models.layers import RMSNorm
-
-    g = torch.Generator(device="cuda").manual_seed(m)
-    bf16 = torch.bfloat16
-
-    def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, scale = fp8.quantize_per_channel(torch.randn(n, k, generator=g, device="cuda") * 0.02)
-        return q, scale, fp8.dequantize(q, scale[:, None])
-
-    q, scale, w = weight(4096, 4096)
-    x = torch.randn(m, 4096, generator=g, device="cuda").to(bf16)
-    assert _rel(w8a16_matmul(x, q, scale), x.float() @ w.t()) < 4e-3
-
-    q, scale, w = weight(6144, 4096)
-    residual = (torch.randn(m, 4096, generator=g, device="cuda") * 3).to(bf16)
-    delta = torch.randn(m, 4096, generator=g, device="cuda").to(bf16)
-    norm = RMSNorm(4096, 1e-5).to(device="cuda", dtype=bf16)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.1 * torch.randn(4096, generator=g, device="cuda"))
-    out, new_residual = add_rms_norm_w8a16(delta, residual, norm.weight, norm.eps, q, scale)
-    assert torch.equal(new_residual, residual + delta)
-    assert _rel(out, norm(residual + delta).float() @ w.t()) < 6e-3
-
-    q, scale, w = weight(4096, 14336)
-    gate_up = torch.randn(m, 2 * 14336, generator=g, device="cuda").to(bf16)
-    gate, up = gate_up.split(14336, dim=-1)
-    expected = (torch.nn.functional.silu(gate) * up).float() @ w.t()
-    assert _rel(silu_mul_w8a16(gate_up, q, scale), expected) < 4e-3
-
-
 @pytest.mark.parametrize("m", [16, 2048])
 def test_fp8_gemm_accumulation_with_and_without_promotion(m):
     """Over down_proj's K (14,336), with outlier channels setting each token's scale, the Triton FP8 GEMMs (skinny

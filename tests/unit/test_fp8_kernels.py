@@ -147,9 +147,33 @@ def _gemm_results(name, m, n, k, mode, kernel) -> dict:
     return out
 
 
+def _model_results() -> dict:
+    """A whole FP8 model with the fused kernels (norms and SiLU·mul hand FP8 activations to the next layer)
+    against the same model on the torch path (each linear quantises its own input)."""
+    from test_model_exact import PagedCache
+
+    from metronome.server.models import load_model
+    from metronome.server.models.quant.model_pass import Fp8OutputGatedMLP, Fp8OutputRMSNorm
+
+    loaded = load_model("random:tiny", dtype="float32", attention_backend="torch", seed=2, quantization="fp8")
+    layer = loaded.model.model.layers[0]
+    classes = [type(layer.input_layernorm), type(layer.post_attention_layernorm), type(layer.mlp)]
+    ids = torch.randint(3, loaded.config.vocab_size, (13,), generator=torch.Generator().manual_seed(5))
+    logits = {}
+    for fused in (False, True):
+        loaded.model.fused = fused
+        cache = PagedCache(loaded.config, 1, len(ids))
+        with torch.inference_mode():
+            hidden = loaded.model(ids, torch.arange(len(ids)), cache.kv, cache.metadata([0], [len(ids)]))
+            logits[fused] = loaded.model.compute_logits(hidden)
+    return {"producers_fuse": classes == [Fp8OutputRMSNorm, Fp8OutputRMSNorm, Fp8OutputGatedMLP],
+            "max_diff": (logits[True] - logits[False]).abs().max().item(),
+            "scale": logits[False].abs().max().item()}
+
+
 def _run_all() -> dict:
     return {"quant": {c[0]: _quant_results(*c) for c in QUANT_CASES}, "fused": _fused_results(),
-            "gemm": {c[0]: _gemm_results(*c) for c in GEMM_CASES}}
+            "gemm": {c[0]: _gemm_results(*c) for c in GEMM_CASES}, "model": _model_results()}
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +212,12 @@ def test_fp8_matmul_matches_the_emulation(results, case):
     assert got["rel"] < 1e-5, got
     if "split" in case[5]:
         assert got["counts_zero"] == 0 and got["again_equal"], got
+
+
+def test_fused_fp8_model_equals_the_unfused_one(results):
+    got = results["model"]
+    assert got["producers_fuse"], "the norms and the MLP should hand FP8 activations over"
+    assert got["max_diff"] < 1e-4 * max(1.0, got["scale"]), got
 
 
 def test_kernels_refuse_bad_arguments(monkeypatch):

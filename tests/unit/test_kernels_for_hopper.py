@@ -15,11 +15,10 @@ from dataclasses import fields
 import pytest
 
 ROWS = [1, 64]  # a batch of one, and the most rows the small-M GEMM takes (down_proj then splits K: SPLIT_TILES)
-UNQUANTISED_ROWS = [1, 16]  # the rows the weight-only GEMM takes (triton_w8a16.MAX_ROWS)
 
 
 def _compile_all() -> dict:
-    from metronome_testing.sm90 import compiling_for_sm90, fp8_decode_layer, fp8_decode_layer_unquantised
+    from metronome_testing.sm90 import compiling_for_sm90, fp8_decode_layer
 
     out = {}
     for rows in ROWS:
@@ -30,10 +29,6 @@ def _compile_all() -> dict:
     ptx = down_proj.kernel.asm["ptx"]
     out["split"] = {**_plain(down_proj), "ptx": [line.strip() for line in ptx.splitlines() if "atom." in line]}
     out["promotion"] = {str(every): _promotion_adds(every) for every in (None, 128)}
-    for rows in UNQUANTISED_ROWS:
-        with compiling_for_sm90() as compiled:
-            fp8_decode_layer_unquantised(rows)
-        out[f"unquantised_{rows}"] = [_plain(c) for c in compiled]
     return out
 
 
@@ -79,22 +74,6 @@ def test_the_fp8_decode_kernels_compile_for_hopper(compiled, rows):
         assert kernel["shared"] <= SM90_SHARED_LIMIT, kernel
         assert kernel["spilled"] == 0, kernel
         if kernel["name"] == "_fp8_skinny":
-            assert kernel["async_copies"] > 0, kernel
-
-
-@pytest.mark.parametrize("rows", UNQUANTISED_ROWS)
-def test_the_unquantised_decode_layer_compiles_for_hopper(compiled, rows):
-    """At the smallest batches a layer is its four weight-only GEMMs (qkv_proj and gate_up_proj norming their
-    input, down_proj making SiLU·mul) and rope with the KV write: each fits shared memory, none spills, and the
-    GEMMs stream their weights through shared memory."""
-    from metronome_testing.sm90 import SM90_SHARED_LIMIT
-
-    kernels = compiled[f"unquantised_{rows}"]
-    assert [k["name"] for k in kernels] == ["_w8a16", "_rope_write_kv", "_w8a16", "_w8a16", "_w8a16"]
-    for kernel in kernels:
-        assert kernel["shared"] <= SM90_SHARED_LIMIT, kernel
-        assert kernel["spilled"] == 0, kernel
-        if kernel["name"] == "_w8a16":
             assert kernel["async_copies"] > 0, kernel
 
 

@@ -15,18 +15,15 @@
   swapped so the weight streams through many narrow column tiles), any per-tensor or per-channel layout; larger
   batches take `rowwise`;
 - `triton`: the Triton kernel for every layout (also the fallback when K or N is not a multiple of 16, which
-  `_scaled_mm` requires);
-- `w8a16`: up to W8A16_ROWS rows, per-tensor or per-channel weights, the input is not quantised at all: the
-  weight-only kernel of kernels/triton_w8a16.py reads it in the model dtype, or makes it from its producer's inputs
-  as it streams (quant/fused_input.py), so a decode step at one row launches no norm, SiLU·mul or quantiser kernels.
+  `_scaled_mm` requires).
 
-`auto` runs `w8a16` up to W8A16_ROWS rows where the layout allows, `skinny` up to SKINNY_ROWS rows, `rowwise` up to
-TRITON_ROWS and the Triton kernel above, where its 128 x 256 tiles beat the CUTLASS rowwise kernel: on the H200 at
-Llama-3-8B's four shapes together, by 12 % at 960 rows (a saturated decode batch of 921), even at 1,024, 2 % at
-2,048 and 9-12 % at 4,096-8,192 (prefill chunks), while `rowwise` is 4-22 % faster than the kernel's 128 x 128 tiles
-from 256 to 768 rows (docs/perf/fp8-h200.md). A layer with a 0-d scale on both operands keeps the per-tensor
-`_scaled_mm`, faster than either. `METRONOME_FP8_GEMM=auto|w8a16|skinny|rowwise|tensorwise|triton` picks one for
-benchmarking (read when a model is loaded); everything here is capturable in a CUDA graph.
+`auto` runs `skinny` up to SKINNY_ROWS rows, `rowwise` up to TRITON_ROWS and the Triton kernel above, where its
+128 x 256 tiles beat the CUTLASS rowwise kernel: on the H200 at Llama-3-8B's four shapes together, by 12 % at 960
+rows (a saturated decode batch of 921), even at 1,024, 2 % at 2,048 and 9-12 % at 4,096-8,192 (prefill chunks),
+while `rowwise` is 4-22 % faster than the kernel's 128 x 128 tiles from 256 to 768 rows (docs/perf/fp8-h200.md).
+A layer with a 0-d scale on both operands keeps the per-tensor `_scaled_mm`, faster than either.
+`METRONOME_FP8_GEMM=auto|skinny|rowwise|tensorwise|triton` picks one for benchmarking (read when a model is
+loaded); everything here is capturable in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -37,15 +34,12 @@ import torch
 
 from metronome.kernels.fp8_tiles import LARGE_ROWS
 from metronome.server.models.quant.activation import Fp8Activation
-from metronome.server.models.quant.fused_input import NormedInput, SiluMulInput
 
 if TYPE_CHECKING:
     from metronome.server.models.quant.fp8_linear import Fp8Linear
 
-GEMMS = ("auto", "w8a16", "skinny", "rowwise", "tensorwise", "triton")
-UNQUANTISED_CHOICES = ("auto", "w8a16")  # the choices that take the weight-only kernel at the smallest batches
-W8A16_ROWS = 16  # ... up to here (at most its MAX_ROWS)
-SKINNY_ROWS = 64  # ... and the small-M FP8 kernel up to here
+GEMMS = ("auto", "skinny", "rowwise", "tensorwise", "triton")
+SKINNY_ROWS = 64  # `auto` takes the small-M kernel up to here
 TRITON_ROWS = LARGE_ROWS  # ... and the Triton kernel above here, where its 128 x 256 tiles start
 GEMM_ENV = "METRONOME_FP8_GEMM"
 
@@ -57,37 +51,16 @@ def gemm_from_environment() -> str:
     return choice
 
 
-def unquantised_rows(layer: Fp8Linear) -> int:
-    """Up to how many rows the layer's CUDA GEMM takes its input unquantised (0: never): `auto` and `w8a16` for
-    per-tensor and per-channel weights (block-scaled ones keep the FP8 kernel that applies their groups' scales)."""
-    return W8A16_ROWS if layer.gemm in UNQUANTISED_CHOICES and layer.granularity != "block" else 0
-
-
 def per_token_path(choice: str, m: int, scalar_scales: bool = False) -> str:
     """The path an M-row activation with per-token (or static) scales takes for a layer's GEMM choice, `auto`
     resolved: `skinny` up to SKINNY_ROWS rows, `rowwise` (the `_scaled_mm` path) up to TRITON_ROWS, `triton`
     above unless both operands have one scale each (`scalar_scales`: the per-tensor `_scaled_mm` wins there).
     `skinny` takes the small-M kernel where its rows fit and `rowwise` elsewhere."""
-    if choice in ("auto", "skinny", "w8a16"):
+    if choice in ("auto", "skinny"):
         if m <= SKINNY_ROWS:
             return "skinny"
-        return "triton" if choice != "skinny" and m > TRITON_ROWS and not scalar_scales else "rowwise"
+        return "triton" if choice == "auto" and m > TRITON_ROWS and not scalar_scales else "rowwise"
     return choice
-
-
-def unquantised_gemm(x: torch.Tensor | NormedInput | SiluMulInput, layer: Fp8Linear) -> torch.Tensor:
-    """The weight-only GEMM of an input in the model dtype, or made from its producer's inputs (fused_input.py),
-    of at most unquantised_rows(layer) rows."""
-    from metronome.kernels import triton_w8a16
-
-    weight, scale, bias = layer.weight, layer.weight_scale, layer.bias
-    if isinstance(x, NormedInput):
-        out, _ = triton_w8a16.add_rms_norm_w8a16(x.delta, x.residual, x.weight, x.eps, weight, scale, bias,
-                                                 new_residual=x.new_residual)
-        return out
-    if isinstance(x, SiluMulInput):
-        return triton_w8a16.silu_mul_w8a16(x.gate_up, weight, scale, bias)
-    return triton_w8a16.w8a16_matmul(x, weight, scale, bias)
 
 
 def fp8_gemm(act: Fp8Activation, layer: Fp8Linear) -> torch.Tensor:

@@ -18,9 +18,6 @@ brings the scales into the form the GEMM takes:
 
 Forward: on CUDA the GEMM of quant/cuda_gemm.py; elsewhere `emulated_linear`, the exact FP8 math in float32
 (dequantised weight times dequantised activation), which is also the reference the CUDA path is tested against.
-At the smallest batches (`unquantised_rows`) the CUDA input is not quantised: the weight-only GEMM reads it in
-the model dtype, or takes the inputs of the norm or SiLU·mul that would have made it (fused_input.py) on the
-fused path, on the GPU or under Triton's interpreter; `unquantised_linear` is its math.
 """
 from __future__ import annotations
 
@@ -29,8 +26,6 @@ from torch import nn
 
 from metronome.server.models.quant import fp8
 from metronome.server.models.quant.activation import ActivationQuant, Fp8Activation, quantize_activation
-from metronome.server.models.quant.cuda_gemm import fp8_gemm, unquantised_gemm, unquantised_rows
-from metronome.server.models.quant.fused_input import NormedInput, SiluMulInput
 from metronome.server.models.quant.scheme import Fp8Scheme
 
 LOAD_KINDS = ("weight", "weight_scale", "input_scale", "input_scale_ub")
@@ -62,7 +57,6 @@ class Fp8Linear(nn.Module):
         # final after finalize()
         self.activation_quant = ActivationQuant(group=self.activation_group, amax_ub=self.amax_ub)
         self.gemm = "auto"  # CUDA GEMM choice (cuda_gemm.GEMMS), given to finalize
-        self.unquantised_rows = 0  # up to here the CUDA GEMM takes the input unquantised (cuda_gemm.py)
         self.unit_scale: torch.Tensor | None = None
         self.column_scale: torch.Tensor | None = None
         self._loaded: set[tuple[str, int]] = set()
@@ -179,7 +173,6 @@ class Fp8Linear(nn.Module):
                                                 static_scale=self.input_scale if self.static else None,
                                                 amax_ub=self.amax_ub)
         self.gemm = gemm
-        self.unquantised_rows = unquantised_rows(self)
         # what the CUDA GEMMs read besides the buffers: a unit scale and the weight scales as one [1, N] row
         self.unit_scale = torch.ones((), dtype=torch.float32, device=self.weight.device)
         if self.granularity != "block":
@@ -210,33 +203,19 @@ class Fp8Linear(nn.Module):
             scale = scale[:, None]
         return fp8.dequantize(self.weight, scale)
 
-    def forward(self, x: torch.Tensor | Fp8Activation | NormedInput | SiluMulInput) -> torch.Tensor:
-        """x [..., K] in the model dtype, an activation already quantised by the kernel that produced it, or the
-        inputs of the kernel that would have produced it (fused_input.py: the weight-only GEMM makes it)."""
-        if isinstance(x, (NormedInput, SiluMulInput)):
-            return unquantised_gemm(x, self)
-        if (not isinstance(x, Fp8Activation) and x.device.type == "cuda"
-                and x.numel() <= self.in_features * self.unquantised_rows):
-            lead = x.shape[:-1]
-            return unquantised_gemm(x.reshape(-1, self.in_features), self).reshape(*lead, self.out_features)
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        """x [..., K] in the model dtype, or an activation already quantised by the kernel that produced it."""
         if isinstance(x, Fp8Activation):
             act, lead = x, x.q.shape[:-1]
         else:
             lead = x.shape[:-1]
             act = quantize_activation(x.reshape(-1, self.in_features), self.activation_quant)
         if act.q.device.type == "cuda":
+            from metronome.server.models.quant.cuda_gemm import fp8_gemm
             out = fp8_gemm(act, self)
         else:
             out = emulated_linear(act, self)
         return out.reshape(*lead, self.out_features)
-
-
-def unquantised_linear(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
-    """The weight-only GEMM's math in float32: x as given @ dequantised weight^T (+ bias), in x's dtype."""
-    out = x.float() @ layer.dequantized_weight().t()
-    if layer.bias is not None:
-        out = out + layer.bias.float()
-    return out.to(x.dtype)
 
 
 def emulated_linear(act: Fp8Activation, layer: Fp8Linear) -> torch.Tensor:

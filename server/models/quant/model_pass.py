@@ -1,6 +1,5 @@
 """Model passes for FP8: swap the decoder's linear layers for `Fp8Linear`s (before weights load), and after
-loading let the norms and the SiLU·mul that feed them hand over FP8 activations directly (fused kernels on CUDA),
-or at the smallest batches their own inputs, which the weight-only GEMM turns into its input as it streams.
+loading let the norms and the SiLU·mul that feed them hand over FP8 activations directly (fused kernels on CUDA).
 
 Only the decoder layers' linears (`model.layers.N.…`) are swapped: the embeddings and the LM head stay in the
 model dtype, as every FP8 checkpoint layout keeps them. A fused module (qkv_proj, gate_up_proj) takes its shard
@@ -19,7 +18,6 @@ from metronome.server.models.layers import GatedMLP, RMSNorm
 from metronome.server.models.parallel_layers import Fp8RowParallelLinear
 from metronome.server.models.quant.activation import ActivationQuant, Fp8Activation
 from metronome.server.models.quant.fp8_linear import Fp8Linear
-from metronome.server.models.quant.fused_input import NormedInput, SiluMulInput, normed_input
 from metronome.server.models.quant.scheme import Fp8Scheme, QuantizationConfigError
 
 DECODER_PREFIX = "model.layers."
@@ -113,19 +111,14 @@ FUSABLE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # the pr
 
 
 class Fp8OutputRMSNorm(RMSNorm):
-    """An RMSNorm whose fused (CUDA) path quantises its output for the FP8 linear layer that reads it, or up to
-    `unquantised_rows` rows hands that layer its own inputs, for the weight-only GEMM to norm as it streams."""
+    """An RMSNorm whose fused (CUDA) path quantises its output for the FP8 linear layer that reads it."""
 
     output_quant: ActivationQuant
-    unquantised_rows: int
 
     def add_forward(self, delta: torch.Tensor | None, residual: torch.Tensor, fused: bool
-                    ) -> tuple[torch.Tensor | Fp8Activation | NormedInput, torch.Tensor]:
+                    ) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
         if not fused:
             return super().add_forward(delta, residual, fused)
-        if residual.shape[0] <= self.unquantised_rows:
-            pending = normed_input(delta, residual, self.weight, self.eps)
-            return pending, pending.new_residual
         from metronome.kernels.triton_fused import add_rms_norm_fp8
 
         how = self.output_quant
@@ -135,20 +128,16 @@ class Fp8OutputRMSNorm(RMSNorm):
 
 
 class Fp8OutputGatedMLP(GatedMLP):
-    """A SwiGLU MLP whose fused (CUDA) SiLU·mul quantises its output for the FP8 down projection, or up to
-    `unquantised_rows` rows is left to the down projection's weight-only GEMM."""
+    """A SwiGLU MLP whose fused (CUDA) SiLU·mul quantises its output for the FP8 down projection."""
 
     output_quant: ActivationQuant
-    unquantised_rows: int
 
-    def forward(self, x: torch.Tensor | Fp8Activation | NormedInput, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation, fused: bool = False) -> torch.Tensor:
         if not fused:
             return super().forward(x, fused)
         from metronome.kernels.triton_fused import silu_mul_fp8
 
         gate_up = self.gate_up_proj(x)
-        if gate_up.shape[0] <= self.unquantised_rows:
-            return self.down_proj(SiluMulInput(gate_up))
         how = self.output_quant
         q, scale = silu_mul_fp8(gate_up, how.group, how.static_scale, amax_ub=how.amax_ub)
         return self.down_proj(Fp8Activation(q, scale, gate_up.dtype, how.group))
@@ -171,7 +160,5 @@ def fuse_activation_quant(model: nn.Module, config: ModelConfig) -> int:
             if type(producer) is base and llama_style and isinstance(consumer, FP8_CONSUMERS):
                 producer.__class__ = fused_class
                 producer.output_quant = consumer.activation_quant
-                # a row-parallel consumer quantises its slice of the input itself: no producer inputs for it
-                producer.unquantised_rows = consumer.unquantised_rows if isinstance(consumer, Fp8Linear) else 0
                 changed += 1
     return changed

@@ -60,7 +60,6 @@ def compiling_for_sm90() -> Iterator[list[CompiledKernel]]:
 
     import metronome.kernels.triton_fp8_skinny  # noqa: F401 - every kernel module the FP8 path imports
     import metronome.kernels.triton_fused  # noqa: F401
-    import metronome.kernels.triton_w8a16  # noqa: F401
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compiling for sm_90 needs Triton's compiler: unset TRITON_INTERPRET")
@@ -149,32 +148,3 @@ def fp8_decode_layer(rows: int, shapes: dict[str, int] = LLAMA3_8B) -> None:
     x, x_scale = add_rms_norm_fp8(delta, residual, norm_weight, 1e-5)
     gate_up = skinny(x, x_scale, 2 * inter, hidden)
     skinny(*silu_mul_fp8(gate_up), hidden, inter)
-
-
-def fp8_decode_layer_unquantised(rows: int, shapes: dict[str, int] = LLAMA3_8B) -> None:
-    """The same layer at the smallest batches (up to triton_w8a16.MAX_ROWS), where the GEMMs take their inputs
-    unquantised: qkv_proj and gate_up_proj norm the residual as they stream, o_proj reads the attention output,
-    down_proj makes SiLU·mul; rope with the KV write between. Meant for inside compiling_for_sm90()."""
-    import torch
-
-    from metronome.kernels.triton_fused import rope_write_kv
-    from metronome.kernels.triton_w8a16 import add_rms_norm_w8a16, choose_tiles, silu_mul_w8a16, w8a16_matmul
-
-    hidden, heads, kv_heads, dim, inter = (shapes[k] for k in ("hidden", "heads", "kv_heads", "head_dim",
-                                                               "intermediate"))
-    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
-
-    def weight(n: int, k: int) -> dict:
-        return {"w": torch.zeros(n, k, dtype=e4m3), "w_scale": torch.ones(n), "tiles": choose_tiles(n, SM_COUNT)}
-
-    residual, delta = torch.zeros(rows, hidden, dtype=bf16), torch.zeros(rows, hidden, dtype=bf16)
-    norm_weight = torch.ones(hidden, dtype=bf16)
-    qkv, residual = add_rms_norm_w8a16(delta, residual, norm_weight, 1e-5, **weight((heads + 2 * kv_heads) * dim,
-                                                                                    hidden))
-    cache = torch.zeros(64, 16, kv_heads, dim, dtype=e4m3)
-    table = torch.zeros(4096, dim // 2, dtype=bf16)
-    rope_write_kv(qkv, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64), table, table,
-                  cache, cache.clone(), heads, kv_heads, k_scale=torch.ones(kv_heads), v_scale=torch.ones(kv_heads))
-    attention_out = w8a16_matmul(torch.zeros(rows, heads * dim, dtype=bf16), **weight(hidden, heads * dim))
-    gate_up, residual = add_rms_norm_w8a16(attention_out, residual, norm_weight, 1e-5, **weight(2 * inter, hidden))
-    silu_mul_w8a16(gate_up, **weight(hidden, inter))
