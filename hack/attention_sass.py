@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
 import sys
 from pathlib import Path
@@ -29,7 +28,6 @@ KEEP = ("LDS", "STS", "LDSM", "LDG", "LDGSTS", "HMMA", "F2FP", "PRMT", "LDL", "S
 def compile_decode(kv: str, decode_block_n: int, num_warps: int, num_stages: int, v_read: int,
                    max_registers: int = 0):
     """The decode-only variant of `_paged_attention` for sm_90, as Triton's CompiledKernel."""
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -13,7 +13,15 @@ it is installed), and `auto` on CUDA: per batch class, Triton or FA4 from a meas
 Also here: `triton_fused` (the fused element-wise kernels of a Llama layer: add + RMSNorm, rope + K/V write,
 SiLU * up) and `compile_watch` (counts Triton compiles, so a server can show none happens after it is ready).
 """
-from .backend import AttentionBackend, available_backends, get_backend, select_backend
+import os
+
+# Triton contracts a multiply and an add into one FMA ("FP fusion") by default up to 3.9; from 3.10 it will not
+# unless told. Every kernel here was timed, its tiles and register caps chosen and its rounding checked against
+# torch with contraction on, and the decode attention over an FP8 cache is bound by instruction issue, so keep it
+# on unless the user has chosen otherwise (Triton reads this when it compiles, so importing order does not matter).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+from .backend import AttentionBackend, available_backends, get_backend, select_backend  # noqa: E402
 from .metadata import AttentionMetadata
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "available_backends", "get_backend", "select_backend"]

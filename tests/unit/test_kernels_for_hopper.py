@@ -54,7 +54,8 @@ def _plain(kernel) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # no interpreter, and Triton's FP-fusion default left to what importing metronome.kernels sets
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"compiling for sm_90 failed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -73,8 +74,22 @@ def test_the_fp8_decode_kernels_compile_for_hopper(compiled, rows):
     for kernel in kernels:
         assert kernel["shared"] <= SM90_SHARED_LIMIT, kernel
         assert kernel["spilled"] == 0, kernel
+        assert kernel["fp_fusion"], kernel  # as every kernel was timed, whatever Triton's own default
         if kernel["name"] == "_fp8_skinny":
             assert kernel["async_copies"] > 0, kernel
+
+
+@pytest.mark.parametrize("preset", [None, "0"])
+def test_importing_the_kernels_keeps_fp_fusion_on_unless_the_user_chose(preset):
+    """Triton 3.10 stops contracting multiplies and adds into FMAs by default; the kernels were timed with it, so
+    importing metronome.kernels sets that default, and leaves a value the user set alone."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_DEFAULT_FP_FUSION"}
+    if preset is not None:
+        env["TRITON_DEFAULT_FP_FUSION"] = preset
+    code = "import os, metronome.kernels; print(os.environ['TRITON_DEFAULT_FP_FUSION'])"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (preset or "1")
 
 
 def test_split_k_compiles_with_an_ordered_arrival(compiled):

@@ -27,6 +27,7 @@ class CompiledKernel:
     spilled: int  # bytes of local memory per thread (the stack ptxas gave registers that did not fit)
     shared: int  # bytes per block
     async_copies: int  # cp.async instructions in the PTX: the software pipeline streams through shared memory
+    fp_fusion: bool  # compiled with multiplies and adds contracted into FMAs (metronome.kernels keeps it on)
     kernel: object  # triton's CompiledKernel (asm: ttgir, ptx, cubin)
 
 
@@ -109,7 +110,8 @@ def registers_and_spills(kernel) -> tuple[int, int]:
 def _read(name: str, kernel) -> CompiledKernel:
     ptx = kernel.asm["ptx"]
     return CompiledKernel(name, *registers_and_spills(kernel), kernel.metadata.shared,
-                          ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), kernel)
+                          ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), kernel.metadata.enable_fp_fusion,
+                          kernel)
 
 
 LLAMA3_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "intermediate": 14336}
