@@ -80,16 +80,19 @@ def test_the_fp8_decode_kernels_compile_for_hopper(compiled, rows):
 
 
 @pytest.mark.parametrize("preset", [None, "0"])
-def test_importing_the_kernels_keeps_fp_fusion_on_unless_the_user_chose(preset):
+def test_importing_the_kernels_keeps_fp_fusion_on_unless_the_user_chose(monkeypatch, preset):
     """Triton 3.10 stops contracting multiplies and adds into FMAs by default; the kernels were timed with it, so
     importing metronome.kernels sets that default, and leaves a value the user set alone."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_DEFAULT_FP_FUSION"}
-    if preset is not None:
-        env["TRITON_DEFAULT_FP_FUSION"] = preset
-    code = "import os, metronome.kernels; print(os.environ['TRITON_DEFAULT_FP_FUSION'])"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == (preset or "1")
+    import importlib
+
+    import metronome.kernels
+
+    if preset is None:
+        monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", preset)
+    importlib.reload(metronome.kernels)
+    assert os.environ["TRITON_DEFAULT_FP_FUSION"] == (preset or "1")
 
 
 def test_split_k_compiles_with_an_ordered_arrival(compiled):
