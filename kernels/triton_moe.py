@@ -13,6 +13,9 @@ A batch of T tokens routed to k experts each has S = T * k pairs; pair p = token
 3. `_moe_gemm` (down): those rows times the expert's down matrix, + bias, times the routing weight in the
    epilogue, written per pair: [S, H]; the k rows of a token are then summed.
 Blocks past `num_padded` exit at once, so the grid is fixed per T too.
+A decode step of a few tokens skips step 1: with BLOCK_M = 1 every pair is its own row block and the routing ids
+are the block experts as they stand (`align_routes` launches nothing). Its pairs mostly land on distinct experts,
+where a 16-row block would hold one pair and 15 rows of padding.
 
 FP8 experts (an FP8 checkpoint's, W8A16): the weights are e4m3 with float32 scales [E, N, G] per output row and
 per group of `group_k` input columns (G = 1: one scale a row). Each weight tile is converted to the activations'
@@ -115,9 +118,10 @@ def _scatter_pairs(ids_ptr, chunk_offsets_ptr, sorted_pairs_ptr, num_pairs, E_PA
 
 @dataclass
 class RoutePlan:
-    sorted_pairs: torch.Tensor  # int32 [num_m_blocks * BLOCK_M]: pair ids by expert segment; S marks padding
-    block_experts: torch.Tensor  # int32 [num_m_blocks]: the expert of each row block
-    num_padded: torch.Tensor  # int32 [1]: slots in use (a multiple of BLOCK_M)
+    # int32 [num_m_blocks * BLOCK_M]: pair ids by expert segment, S marks padding; None: pair p is row block p
+    sorted_pairs: torch.Tensor | None
+    block_experts: torch.Tensor  # [num_m_blocks]: the expert of each row block (int32, or the routing ids)
+    num_padded: torch.Tensor | None  # int32 [1]: slots in use (a multiple of BLOCK_M); None: every block
     num_m_blocks: int  # the worst case for this T (a host constant: the GEMM grid)
     block_m: int
 
@@ -128,13 +132,16 @@ def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
-    """topk_ids [T, k] → the block-aligned segments (module docstring, step 1)."""
+    """topk_ids [T, k] → the block-aligned segments (module docstring, step 1); for block_m 1 the pairs as they
+    are, one a row block."""
     if block_m & (block_m - 1) or block_m < 1:
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
     num_pairs = ids.numel()
+    if block_m == 1:
+        return RoutePlan(None, ids, None, num_pairs, 1)
     device = ids.device
     e_pad = max(16, triton.next_power_of_2(num_experts))
     chunk = max(16, min(1024, _SCRATCH_ELEMENTS // e_pad))
@@ -167,14 +174,14 @@ def _moe_gemm(
     stride_am, stride_be, stride_bn, stride_bias_e, stride_om, stride_bse, stride_bsn,
     A_ROW_DIV: tl.constexpr, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr, OUT_KIND: tl.constexpr, B_SCALE: tl.constexpr,
-    GROUP_K: tl.constexpr,
+    GROUP_K: tl.constexpr, SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """out[pair, n] for the BLOCK_M pairs of one row block (one expert) and BLOCK_N output columns. A row is
     a[pair // A_ROW_DIV]; b is [E, N(, +N for the up rows when ACTIVATION), K] with K contiguous. B_SCALE: 0 for
     weights in the activations' dtype, 1 for e4m3 weights with a scale per row, 2 with a scale per row and GROUP_K
-    columns (b_scale [E, rows, groups])."""
+    columns (b_scale [E, rows, groups]). Without SORTED, row block p is pair p (BLOCK_M 1, no alignment)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_n
@@ -182,10 +189,12 @@ def _moe_gemm(
     group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % in_group) % group_rows
     pid_n = (pid % in_group) // group_rows
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    if SORTED:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    else:
+        pairs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = pairs < num_pairs
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     rows = (pairs // A_ROW_DIV).to(tl.int64)
@@ -266,12 +275,28 @@ class MoeTiles:
     down_block_n: int | None = None  # output columns of the down GEMM per program (None: block_n)
 
 
+# A step whose pairs are at most a quarter of the experts (Qwen3-30B-A3B: up to 4 tokens; gpt-oss-20b: 2; Mixtral: 1)
+# seldom routes two pairs to one expert: each pair is its own row block, with no alignment launches, on narrow deep
+# tiles that spread an expert's rows over many SMs. On an H100 (hack/bench_moe.py --sweep, docs/perf/moe-decode.md)
+# Qwen3-30B-A3B's experts at one token took 34.6 against 45.5 µs in bf16 and 28.2 against 42.1 in FP8.
+DIRECT_TILES = MoeTiles(1, 16, 256, group_m=1, num_warps=2, num_stages=4)
+DIRECT_MAX_PAIRS_PER_EXPERT = 0.25
+
+
+def direct_max_tokens(top_k: int, num_experts: int) -> int:
+    """The most tokens a step may have for one row block a pair (DIRECT_TILES); 0 when even one is too many."""
+    return int(num_experts * DIRECT_MAX_PAIRS_PER_EXPERT) // top_k
+
+
 def choose_tiles(num_tokens: int, top_k: int, num_experts: int, on_cuda: bool) -> MoeTiles:
-    """Fixed tiles by the expected pairs per used expert, so a server compiles a handful of variants: small
-    blocks where each expert sees a few tokens (decode: the GEMMs stream weights), large ones for prefill. The
-    same T always gets the same tiles (a CUDA graph replays what its capture launched)."""
+    """Fixed tiles by the expected pairs per used expert, so a server compiles a handful of variants: one row
+    block a pair for a decode step of a few tokens, small blocks where each expert sees a few tokens (decode: the
+    GEMMs stream weights), large ones for prefill. The same T always gets the same tiles (a CUDA graph replays
+    what its capture launched)."""
     if not on_cuda:  # interpreter: the smallest tiles tl.dot takes, few Python-level steps
         return MoeTiles(16, 32, 32, group_m=1, num_stages=1)
+    if num_tokens <= direct_max_tokens(top_k, num_experts):
+        return DIRECT_TILES
     per_expert = num_tokens * top_k / min(num_experts, num_tokens * top_k)
     if per_expert <= 16:
         return MoeTiles(16, 64, 128, group_m=1, num_warps=4, num_stages=3)
@@ -287,8 +312,9 @@ def representative_token_counts(top_k: int, num_experts: int) -> list[int]:
     """One token count per tile class choose_tiles can pick on CUDA (the smallest of each): what a warm-up runs
     so that every kernel variant is compiled before serving."""
     counts, seen = [], set()
-    for threshold in (0, 16, 48, 128):
-        tokens = max(1, threshold * num_experts // top_k + 1)
+    firsts = [1, direct_max_tokens(top_k, num_experts) + 1]
+    firsts += [threshold * num_experts // top_k + 1 for threshold in (16, 48, 128)]
+    for tokens in sorted(set(firsts)):
         tiles = choose_tiles(tokens, top_k, num_experts, True)
         if tiles not in seen:
             seen.add(tiles)
@@ -304,13 +330,14 @@ def _gemm(a, b, bias, out, route_weights, plan: RoutePlan, num_pairs: int, n: in
     scale_kind = 0 if b_scale is None else (1 if b_scale.shape[2] == 1 else 2)
     _moe_gemm[grid](
         a, b, bias if bias is not None else b, out, route_weights if route_weights is not None else out,
-        plan.sorted_pairs, plan.block_experts, plan.num_padded, b_scale if b_scale is not None else out,
+        plan.sorted_pairs if plan.sorted_pairs is not None else plan.block_experts, plan.block_experts,
+        plan.num_padded if plan.num_padded is not None else plan.block_experts, b_scale if b_scale is not None else out,
         num_pairs, plan.num_m_blocks, n, k,
         a.stride(0), b.stride(0), b.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
         b_scale.stride(0) if b_scale is not None else 0, b_scale.stride(1) if b_scale is not None else 0,
         A_ROW_DIV=a_row_div, ACTIVATION=activation, ALPHA=alpha, LIMIT=limit,
         HAS_BIAS=bias is not None, MUL_WEIGHT=route_weights is not None, OUT_KIND=_OUT_KINDS[out.dtype],
-        B_SCALE=scale_kind, GROUP_K=group_k if scale_kind == 2 else 0,
+        B_SCALE=scale_kind, GROUP_K=group_k if scale_kind == 2 else 0, SORTED=plan.sorted_pairs is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         # Triton's interpreter computes bf16 x bf16 dots wrongly; it upcasts the operands instead.

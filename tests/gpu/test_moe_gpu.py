@@ -80,7 +80,7 @@ def test_fused_paths_match_the_reference_at_model_shapes(shape):
     name, experts, top_k, hidden, inter, gpt_oss = shape
     spec = _spec(experts, top_k, inter, gpt_oss)
     layer = _layer(experts, hidden, inter, gpt_oss)
-    for tokens in (1, 7, 64, 256, 1000):
+    for tokens in (1, 2, 4, 7, 64, 256, 1000):  # up to 4 (by the experts): one row block a pair
         x, weights, ids = _routing(tokens, experts, top_k, hidden, tokens)
         expected = experts_reference(x, layer, weights, ids, spec)
         for path in PATHS:
@@ -116,7 +116,7 @@ def test_fused_fp8_experts_match_the_reference_on_their_dequantised_weights(shap
                            .to(torch.bfloat16))
     reference_layer = ExpertWeights(*dequantised, layer.gate_up_bias, layer.down_bias)
     fp8_scales = Fp8ExpertScales(scales[0], scales[1], block[1] if block else 0)
-    for tokens in (1, 64, 1000):
+    for tokens in (1, 2, 64, 1000):
         x, weights, ids = _routing(tokens, experts, top_k, hidden, tokens)
         expected = experts_reference(x, reference_layer, weights, ids, spec)
         got = fused_experts(x, *quantised, weights, ids, spec.activation, spec.swiglu_alpha, spec.swiglu_limit,
@@ -140,21 +140,22 @@ def test_blocks_match_transformers_on_the_gpu_with_the_hidden_routing_cases(fami
                 assert _rel(got, expected) < tol, (family, case, path)
 
 
+@pytest.mark.parametrize("tokens", [64, 4], ids=["aligned", "pair-blocks"])
 @pytest.mark.parametrize("path", PATHS)
-def test_graph_replay_equals_eager(path):
+def test_graph_replay_equals_eager(path, tokens):
     """Captured once on static buffers, replayed after the inputs (and so the routing) change in place: the
     same numbers as an eager call on the new inputs."""
     _, experts, top_k, hidden, inter, gpt_oss = SHAPES[0]
     spec = _spec(experts, top_k, inter, gpt_oss)
     layer = _layer(experts, hidden, inter, gpt_oss)
-    x, weights, ids = _routing(64, experts, top_k, hidden, 1)
+    x, weights, ids = _routing(tokens, experts, top_k, hidden, 1)
     _run(path, x, layer, weights, ids, spec)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = _run(path, x, layer, weights, ids, spec)
     for seed in (2, 3):
-        new_x, new_weights, new_ids = _routing(64, experts, top_k, hidden, seed)
+        new_x, new_weights, new_ids = _routing(tokens, experts, top_k, hidden, seed)
         x.copy_(new_x)
         weights.copy_(new_weights)
         ids.copy_(new_ids)

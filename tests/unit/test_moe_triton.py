@@ -94,13 +94,25 @@ def _block_case(family: str, case: str, tokens: int, dtype: torch.dtype, tiles=N
     }
 
 
-def _fp8_block_case(family: str, block: tuple[int, int] | None) -> dict:
+def _direct_plan() -> dict:
+    """align_routes for one row block a pair: the routing ids as the block experts, nothing sorted or padded."""
+    from metronome.kernels.triton_moe import align_routes
+
+    ids = torch.tensor([[5, 1, 7], [1, 2, 5]])
+    plan = align_routes(ids, 8, 1)
+    return {"sorted": plan.sorted_pairs is not None, "padded": plan.num_padded is not None,
+            "blocks": plan.num_m_blocks, "experts": plan.block_experts.tolist()}
+
+
+def _fp8_block_case(family: str, block: tuple[int, int] | None, tokens: int = 40, tiles=None) -> dict:
     """A block's experts quantised to e4m3 (per row, or per block) the way a checkpoint stores them: the fused
     kernels on the FP8 weights against the reference loop on the same weights dequantised."""
+    from metronome.kernels.triton_moe import Fp8ExpertScales, fused_experts
     from metronome.server.models.quant import fp8
     from metronome_testing.moe_cases import build_case
 
     _, ours, x, _ = build_case(family, "many_tokens", 40, torch.float32)
+    x = x[:tokens]
     experts = ours.experts
     with torch.no_grad():
         weights, ids = ours.gate(x)
@@ -115,7 +127,11 @@ def _fp8_block_case(family: str, block: tuple[int, int] | None) -> dict:
             scales.data[expert] = experts.scale_rows(scale, *matrix.shape)
     with torch.no_grad():
         reference = ours.routed(x, weights, ids, "reference")
-        fused = ours.routed(x, weights, ids, "triton")
+        if tiles is None:
+            fused = ours.routed(x, weights, ids, "triton")
+        else:
+            fused = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, ours.spec.activation,
+                                  tiles=tiles, fp8_scales=Fp8ExpertScales(experts.gate_up_scale, experts.down_scale))
     scale = reference.abs().max().item()
     return {"vs_reference": (fused - reference).abs().max().item() / scale, "finite": bool(fused.isfinite().all()),
             "fp8": experts.gate_up_proj.dtype == torch.float8_e4m3fn,
@@ -164,6 +180,15 @@ def _run_all() -> dict:
                 out["blocks"][f"{family}/{case}/f32"] = _block_case(family, case, tokens, torch.float32)
             if family in FULL_FAMILIES and case in BF16_CASES:
                 out["blocks"][f"{family}/{case}/bf16"] = _block_case(family, case, tokens, torch.bfloat16)
+    # each pair its own row block (a decode step's plan): the one-token and few-pair cases, every family's epilogue
+    single = MoeTiles(1, 16, 16, group_m=1, num_stages=1)
+    for family, case, tokens in (("qwen3_moe", "single_token", 1), ("gpt_oss", "fewer_pairs_than_experts", 3),
+                                 ("mixtral", "same_experts", 9)):
+        out["blocks"][f"{family}/{case}/f32/single"] = _block_case(family, case, tokens, torch.float32, single)
+    out["blocks"]["gpt_oss/single_token/bf16/single"] = _block_case("gpt_oss", "single_token", 1, torch.bfloat16,
+                                                                    single)
+    out["fp8"].append(_fp8_block_case("qwen3_moe", None, tokens=2, tiles=single))
+    out["direct_plan"] = _direct_plan()
     wide = MoeTiles(64, 16, 16, group_m=4, num_stages=1, down_block_n=32)  # another alignment, several K steps
     out["blocks"]["gpt_oss/many_tokens/f32/wide"] = _block_case("gpt_oss", "many_tokens", 40, torch.float32, wide)
     out["blocks"]["qwen3_moe/many_tokens/f32/wide"] = _block_case("qwen3_moe", "many_tokens", 40, torch.float32,
@@ -190,17 +215,21 @@ def test_alignment_puts_every_pair_once_in_its_experts_blocks(results, index):
         assert got[key], key
 
 
+def test_a_decode_plan_takes_the_routing_as_it_stands(results):
+    assert results["direct_plan"] == {"sorted": False, "padded": False, "blocks": 6, "experts": [5, 1, 7, 1, 2, 5]}
+
+
 def test_fused_experts_match_transformers_and_the_reference(results):
     blocks = results["blocks"]
-    assert len(blocks) == 2 * 7 + 2 * len(OTHER_CASES) + 2 * len(BF16_CASES) + 2
+    assert len(blocks) == 2 * 7 + 2 * len(OTHER_CASES) + 2 * len(BF16_CASES) + 2 + 4
     for name, got in blocks.items():
-        tol = 2e-2 if name.endswith("bf16") else 1e-6
+        tol = 2e-2 if "bf16" in name else 1e-6
         assert got["finite"] and got["dtype_kept"], name
         assert got["vs_reference"] < tol, (name, got)
         assert got["block_vs_transformers"] < tol, (name, got)
 
 
-@pytest.mark.parametrize("index", range(len(FP8_CASES)), ids=[f"{f}-{b}" for f, b in FP8_CASES])
+@pytest.mark.parametrize("index", range(len(FP8_CASES) + 1), ids=[f"{f}-{b}" for f, b in FP8_CASES] + ["single"])
 def test_fused_fp8_experts_match_the_reference_on_their_dequantised_weights(results, index):
     got = results["fp8"][index]
     assert got["fp8"] and got["finite"]
