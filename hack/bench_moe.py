@@ -15,7 +15,10 @@ from step to step, as over a model's layers, so a replay does not find its weigh
 Reported per row: microseconds, the bytes of the experts the routings touched (distinct experts x one expert's
 matrices, plus activations) over the time next to the measured copy bandwidth, TFLOP/s, and the speed-up over
 naive. Before timing, each path's output is compared with naive's (max error relative to the output's largest
-value). `--sweep` also times a grid of Triton tile configs per case; `--models` and `--tokens` narrow the run;
+value). `--fp8` stores the experts in e4m3 with a scale per output row (an FP8 checkpoint's experts, W8A16 in the
+fused kernels; naive runs on the same weights dequantised, grouped_mm is left out); the bytes then count one byte
+a weight. `--sweep` also times a grid of Triton tile configs per case (for a few tokens: one row block a pair
+against 16-row blocks, narrow and deep tiles); `--models` and `--tokens` narrow the run;
 `--smoke` runs tiny shapes on the CPU under Triton's interpreter (TRITON_INTERPRET=1): the plumbing, not speed.
 """
 from __future__ import annotations
@@ -105,6 +108,24 @@ def _routings(shape: MoeShape, tokens: int, device, dtype):
     return out
 
 
+def fp8_experts(weights):
+    """(e4m3 gate_up, e4m3 down, Fp8ExpertScales, the same weights dequantised to bf16 for the reference): one
+    scale per output row, its largest value at e4m3's 448."""
+    from dataclasses import replace
+
+    from metronome.kernels.triton_moe import Fp8ExpertScales
+
+    def quantise(w):
+        scale = w.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
+        q = (w.float() / scale).to(torch.float8_e4m3fn)
+        return q, scale.contiguous(), (q.float() * scale).to(w.dtype)
+
+    gate_up, gate_up_scale, gate_up_ref = quantise(weights.gate_up)
+    down, down_scale, down_ref = quantise(weights.down)
+    return (gate_up, down, Fp8ExpertScales(gate_up_scale, down_scale),
+            replace(weights, gate_up=gate_up_ref, down=down_ref))
+
+
 def expert_bytes(shape: MoeShape, elem: int) -> int:
     per = 3 * shape.hidden * shape.inter + ((2 * shape.inter + shape.hidden) if shape.gpt_oss else 0)
     return per * elem
@@ -132,22 +153,27 @@ def run(args) -> dict:
             continue
         spec = _spec(shape)
         weights = _weights(shape, device, dtype)
+        gate_up, down, scales = weights.gate_up, weights.down, None
+        if args.fp8:
+            gate_up, down, scales, weights = fp8_experts(weights)
         for tokens in tokens_list:
             routings = _routings(shape, tokens, device, dtype)
             distinct = sum(int(ids.unique().numel()) for _, _, ids in routings) / ROUTINGS
-            moved = distinct * expert_bytes(shape, 2) + 2 * tokens * shape.hidden * 2
+            moved = distinct * expert_bytes(shape, 1 if args.fp8 else 2) + 2 * tokens * shape.hidden * 2
             flops = 2 * tokens * shape.top_k * 3 * shape.hidden * shape.inter
 
-            def triton_call(tiles=None, weights=weights, spec=spec, routings=routings):
-                return [fused_experts(x, weights.gate_up, weights.down, w, ids, spec.activation, spec.swiglu_alpha,
-                                      spec.swiglu_limit, weights.gate_up_bias, weights.down_bias, tiles=tiles)
+            def triton_call(tiles=None, weights=weights, spec=spec, routings=routings, gate_up=gate_up, down=down,
+                            scales=scales):
+                return [fused_experts(x, gate_up, down, w, ids, spec.activation, spec.swiglu_alpha,
+                                      spec.swiglu_limit, weights.gate_up_bias, weights.down_bias, tiles=tiles,
+                                      fp8_scales=scales)
                         for x, w, ids in routings]
 
             def over_routings(path_fn, weights=weights, spec=spec, routings=routings):
                 return lambda: [path_fn(x, weights, w, ids, spec) for x, w, ids in routings]
 
             paths = {"naive": over_routings(experts_reference), "triton": triton_call}
-            if grouped_mm_available():
+            if grouped_mm_available() and not args.fp8:
                 paths["grouped_mm"] = over_routings(experts_grouped_mm)
             expected = paths["naive"]()
             scale = max(e.abs().max().item() for e in expected)
@@ -165,7 +191,8 @@ def run(args) -> dict:
                     continue
                 us = ms * 1e3
                 base_us = us if path == "naive" else base_us
-                row = dict(model=shape.name, tokens=tokens, path=path, us=us, eager_us=eager_ms * 1e3,
+                row = dict(model=shape.name, tokens=tokens, path=path, weights="fp8" if args.fp8 else "bf16",
+                           us=us, eager_us=eager_ms * 1e3,
                            distinct_experts=distinct, bytes=moved, gb_per_s=moved / ms / 1e6,
                            bw_fraction=moved / ms / 1e6 / bw, tflop_per_s=flops / ms / 1e9, max_rel_err=err,
                            speedup_vs_naive=(base_us / us) if base_us else None,
@@ -176,24 +203,34 @@ def run(args) -> dict:
                       f"{row['gb_per_s']:6.0f} GB/s ({row['bw_fraction']:4.0%}) {row['tflop_per_s']:6.1f} TFLOP/s "
                       f"x{(base_us / us) if base_us else 0:5.1f} vs naive, err {err:.1e}")
             if args.sweep:
-                rows += _sweep(shape, tokens, triton_call, moved, flops, MoeTiles, timer.graphed)
+                rows += _sweep(shape, tokens, triton_call, moved, flops, MoeTiles, timer.graphed,
+                               "fp8" if args.fp8 else "bf16")
     return dict(device=name, torch=torch.__version__, copy_gb_per_s=bw, routings=ROUTINGS, rows=rows)
 
 
-def _sweep(shape, tokens, call, moved, flops, tiles_class, bench) -> list[dict]:
+# (block_n, block_k, warps, stages, down_block_n) per row block size; a few tokens: one pair a block or 16
+LARGE_GRID = {block_m: ((64, 64, 4, 3, 64), (64, 128, 4, 3, 64), (64, 64, 4, 3, 128), (128, 64, 4, 3, 128),
+                        (64, 64, 8, 4, 128), (128, 64, 8, 4, 256)) for block_m in (16, 32, 64, 128)}
+FEW_TOKENS = 8
+FEW_GRID = {block_m: ((16, 256, 2, 4, 16), (32, 128, 2, 4, 32), (32, 128, 4, 4, 32), (32, 256, 4, 3, 32),
+                      (64, 128, 4, 3, 64), (64, 128, 4, 5, 64), (64, 256, 4, 3, 64), (128, 128, 4, 3, 128))
+            for block_m in (1, 16)}
+
+
+def _sweep(shape, tokens, call, moved, flops, tiles_class, bench, weights_kind) -> list[dict]:
     rows, best = [], None
-    for block_m in (16, 32, 64, 128):
-        for block_n, block_k, warps, stages, down_n in ((64, 64, 4, 3, 64), (64, 128, 4, 3, 64),
-                                                        (64, 64, 4, 3, 128), (128, 64, 4, 3, 128),
-                                                        (64, 64, 8, 4, 128), (128, 64, 8, 4, 256)):
-            tiles = tiles_class(block_m, block_n, block_k, group_m=1 if block_m == 16 else 8, num_warps=warps,
+    grid = FEW_GRID if tokens <= FEW_TOKENS else LARGE_GRID
+    for block_m, shapes in grid.items():
+        for block_n, block_k, warps, stages, down_n in shapes:
+            tiles = tiles_class(block_m, block_n, block_k, group_m=1 if block_m <= 16 else 8, num_warps=warps,
                                 num_stages=stages, down_block_n=down_n)
             try:
                 ms = bench(lambda tiles=tiles: call(tiles)) / ROUTINGS
             except Exception as exc:  # noqa: BLE001 - a tile that does not fit (shared memory) is skipped
                 print(f"    {tiles}: {type(exc).__name__}")
                 continue
-            row = dict(model=shape.name, tokens=tokens, path="triton_sweep", us=ms * 1e3, tiles=asdict(tiles),
+            row = dict(model=shape.name, tokens=tokens, path="triton_sweep", weights=weights_kind, us=ms * 1e3,
+                       tiles=asdict(tiles),
                        gb_per_s=moved / ms / 1e6, tflop_per_s=flops / ms / 1e9)
             rows.append(row)
             if best is None or row["us"] < best["us"]:
@@ -208,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", help=f"comma-separated, of: {', '.join(s.name for s in SHAPES)}")
     parser.add_argument("--tokens", help=f"comma-separated token counts (default {','.join(map(str, TOKENS))})")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of Triton tile configs per case")
+    parser.add_argument("--fp8", action="store_true", help="experts in e4m3 with a scale per row (W8A16)")
     parser.add_argument("--json", help="write every row to this file")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (needs TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
