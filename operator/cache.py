@@ -12,6 +12,11 @@ A written object stays unconfirmed until a watch delivers it (or a later version
 written while no watch of its kind ran yet — right after its CRD appeared, before kopf's watch of the new kind
 listed — and a deletion in that window is never reported: the reconcile then looks it up once (`unconfirmed`).
 What a new operator reads from the API before its watches have listed (startup_reads.py) is put in the same way.
+
+The uid of an object a watch reported deleted is remembered for a while (`DELETED_UIDS_KEPT_S`, longer than any
+request may take): the answer to a write sent before the deletion can arrive after the watch reported it, and
+putting it in would bring the object back into the cache for good. An InferenceService brought back so would have
+its children recreated, owned by a uid that no longer exists, garbage-collected and recreated again, without end.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 LABEL_SERVICE = "metronome.dev/inferenceservice"  # builders.LABEL_SERVICE: the owner of a child or a pod
+DELETED_UIDS_KEPT_S = 300.0  # k8s.Kube's requests time out after 30 s
 
 Key = tuple[str, str, str]  # (kind, namespace, name); namespace "" for cluster-scoped objects
 
@@ -45,6 +51,7 @@ class ObjectCache:
         self._owned: dict[tuple[str, str, str], set[str]] = {}  # (kind, namespace, service) -> names
         self._by_namespace: dict[tuple[str, str], set[str]] = {}  # (kind, namespace) -> names
         self._unconfirmed: dict[Key, float] = {}  # written by the operator, not delivered by a watch since: when
+        self._deleted_uids: dict[str, float] = {}  # uid -> when its deletion was learnt, oldest first
 
     @staticmethod
     def _key(kind: str, obj: Mapping[str, Any]) -> Key:
@@ -77,6 +84,8 @@ class ObjectCache:
         old = self._objects.get(key)
         if old is not None and not _newer(obj, old):
             return False
+        if (obj.get("metadata") or {}).get("uid") in self._deleted_uids:
+            return False  # a version from before its deletion, arriving after it
         if written:
             self._unconfirmed[key] = self._clock()
         else:
@@ -102,6 +111,7 @@ class ObjectCache:
         key = self._key(kind, obj)
         uid = (obj.get("metadata") or {}).get("uid")
         with self._lock:
+            self._remember_deleted(uid)
             old = self._objects.get(key)
             if old is None or (uid and (old.get("metadata") or {}).get("uid") not in (None, uid)):
                 return
@@ -115,6 +125,17 @@ class ObjectCache:
         with self._lock:
             self._unindex(key, self._objects.pop(key, None))
             self._unconfirmed.pop(key, None)
+
+    def _remember_deleted(self, uid: str | None) -> None:
+        now = self._clock()
+        while self._deleted_uids:
+            oldest, when = next(iter(self._deleted_uids.items()))
+            if now - when < DELETED_UIDS_KEPT_S:
+                break
+            del self._deleted_uids[oldest]
+        if uid:
+            self._deleted_uids.pop(uid, None)
+            self._deleted_uids[uid] = now
 
     def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         with self._lock:

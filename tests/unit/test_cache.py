@@ -1,9 +1,9 @@
 """The operator's object cache (operator/cache.py): the later resourceVersion wins, a deletion removes only the
-object it names, a service's children and pods are found by its label, and
-another autoscaler's objects (no label) by their namespace."""
+object it names and keeps a write answered before it from bringing the object back, a service's children and pods
+are found by its label, and another autoscaler's objects (no label) by their namespace."""
 from __future__ import annotations
 
-from metronome.operator.cache import LABEL_SERVICE, ObjectCache
+from metronome.operator.cache import DELETED_UIDS_KEPT_S, LABEL_SERVICE, ObjectCache
 
 
 def obj(name: str, rv: str, uid: str = "u1", service: str | None = "chat") -> dict:
@@ -26,6 +26,21 @@ def test_a_deletion_removes_only_the_object_it_names():
     assert cache.get("Pod", "ml", "a") is not None
     cache.delete("Pod", obj("a", "21", uid="new"))
     assert cache.get("Pod", "ml", "a") is None
+
+
+def test_a_write_answered_before_a_deletion_does_not_bring_the_object_back():
+    now = [0.0]
+    cache = ObjectCache(clock=lambda: now[0])
+    cache.put("InferenceService", obj("chat", "30", uid="svc"))
+    cache.delete("InferenceService", obj("chat", "31", uid="svc"))  # the watch reports the deletion
+    # then the answer to a status patch the API server applied just before it
+    assert not cache.put("InferenceService", obj("chat", "29", uid="svc"), written=True)
+    assert not cache.put("InferenceService", obj("chat", "30", uid="svc"))  # nor a listing taken before it
+    assert cache.get("InferenceService", "ml", "chat") is None
+    assert cache.put("InferenceService", obj("chat", "40", uid="again"))  # created anew under the same name
+    now[0] = DELETED_UIDS_KEPT_S + 1.0
+    cache.delete("Pod", obj("p", "50", uid="pod"))  # the old uids are let go as new deletions come
+    assert cache.put("InferenceService", obj("chat", "42", uid="svc"))
 
 
 def test_owned_objects_follow_their_label():
