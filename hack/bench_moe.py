@@ -114,11 +114,12 @@ def fp8_experts(weights):
     from dataclasses import replace
 
     from metronome.kernels.triton_moe import Fp8ExpertScales
+    from metronome.server.models.quant import fp8
 
     def quantise(w):
-        scale = w.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
-        q = (w.float() / scale).to(torch.float8_e4m3fn)
-        return q, scale.contiguous(), (q.float() * scale).to(w.dtype)
+        scale = fp8.dynamic_scale(w.abs().amax(dim=-1, keepdim=True)).contiguous()
+        q = fp8.to_fp8(w, scale)
+        return q, scale, fp8.dequantize(q, scale).to(w.dtype)
 
     gate_up, gate_up_scale, gate_up_ref = quantise(weights.gate_up)
     down, down_scale, down_ref = quantise(weights.down)
